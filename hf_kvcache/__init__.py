@@ -1,0 +1,24 @@
+"""hf_kvcache: KV caches for transformers on a memory pool you control.
+
+``import hf_kvcache`` registers our cache names with ``generate`` (see ``integration``).
+"""
+
+from hf_kvcache.caches import PagedCache
+from hf_kvcache.config import PageFormat
+from hf_kvcache.errors import IncompatibleModelError, PoolExhaustedError
+from hf_kvcache.integration import is_registered, register, unregister
+from hf_kvcache.pool import KVPool
+
+__all__ = [
+    "IncompatibleModelError",
+    "KVPool",
+    "PageFormat",
+    "PagedCache",
+    "PoolExhaustedError",
+    "is_registered",
+    "register",
+    "unregister",
+]
+__version__ = "0.1.0"
+
+register()

@@ -1,0 +1,201 @@
+"""Plumbing shared by our caches: finding the pool, row changes, returning pages.
+
+A cache is a thin ``transformers.Cache`` whose layers draw pages from one pool per device.
+Subclasses state only which layer kind each model layer gets (``_make_layer``).
+"""
+
+import dataclasses
+import weakref
+from typing import Any, Self
+
+import torch
+from transformers import PreTrainedConfig
+from transformers.cache_utils import Cache, DummyLayer, get_layer_types_and_kwargs
+
+from hf_kvcache.config import CacheOptions, PageFormat
+from hf_kvcache.errors import IncompatibleModelError
+from hf_kvcache.layers.rows import PagedRows
+from hf_kvcache.pool import KVPool
+
+
+class PoolBinder:
+    """Finds (once per device) the pool a cache's layers write to, and the ``PagedRows`` on it.
+
+    Kept apart from the cache so that layers and the cache's finalizer can hold it without a
+    reference cycle back to the cache.
+    """
+
+    def __init__(self, config: PreTrainedConfig, options: CacheOptions) -> None:
+        self.config = config
+        self.options = options
+        self.rows: dict[torch.device, PagedRows] = {}
+        self.pool = KVPool.named(options.pool) if isinstance(options.pool, str) else options.pool
+        if self.pool is not None and not isinstance(self.pool, KVPool):
+            raise TypeError(f"cache_config pool must be a KVPool or a pool's name, got {type(self.pool).__name__}.")
+
+    def __call__(self, key_states: torch.Tensor) -> PagedRows:
+        return self.bind(key_states.device, key_states.dtype, key_states.shape[1], key_states.shape[-1])
+
+    def bind(
+        self, device: torch.device, dtype: torch.dtype, num_kv_heads: int | None = None, head_dim: int | None = None
+    ) -> PagedRows:
+        """The rows on ``device``, resolving the pool on first use.
+
+        Raises:
+            IncompatibleModelError: the states, or the given pool, do not match the model's geometry.
+        """
+        rows = self.rows.get(device)
+        if rows is not None:
+            return rows
+        page_format = PageFormat.from_model_config(self.config, dtype, self.options.page_size)
+        seen = (num_kv_heads or page_format.num_kv_heads, head_dim or page_format.head_dim)
+        if seen != (page_format.num_kv_heads, page_format.head_dim):
+            raise IncompatibleModelError(
+                f"The model writes {seen[0]} KV heads of size {seen[1]}, but its config says "
+                f"{page_format.num_kv_heads} of size {page_format.head_dim}; layers of mixed geometry are not supported."
+            )
+        pool = self._pool_for(page_format, device)
+        rows = self.rows[device] = PagedRows(pool)
+        return rows
+
+    def _pool_for(self, page_format: PageFormat, device: torch.device) -> KVPool:
+        options = self.options
+        if options.max_tokens is not None:
+            return KVPool(page_format, page_format.pages_for_tokens(options.max_tokens) + 1, device)
+        pool = self.pool
+        if pool is None:
+            return KVPool.default(page_format, device)
+        theirs, ours = pool.format, page_format
+        mismatches = [
+            f"{name} {getattr(theirs, name)} vs {getattr(ours, name)}"
+            for name in ("num_layers", "num_kv_heads", "head_dim", "dtype")
+            if getattr(theirs, name) != getattr(ours, name)
+        ]
+        if pool.device != device:
+            mismatches.append(f"device {pool.device} vs {device}")
+        if mismatches:
+            raise IncompatibleModelError(
+                f"The pool was built for another model or placement ({', '.join(mismatches)}, pool vs model). "
+                "Build it with KVPool.for_model(model, ...) for this model, dtype and device."
+            )
+        return pool
+
+    def release(self) -> None:
+        for rows in self.rows.values():
+            rows.release()
+
+
+class PoolCache(Cache):
+    """A ``transformers.Cache`` whose layers live in pool pages.
+
+    Args:
+        config: the model's config (its decoder config is used).
+        options: the cache's ``cache_config``, checked.
+        dtype / device: bind the pool now rather than at the first write (both or neither).
+    """
+
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        options: CacheOptions,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+    ) -> None:
+        config = config.get_text_config(decoder=True)
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+        unsupported = sorted(
+            {
+                kind
+                for kind in layer_types
+                if kind not in ("full_attention", "sliding_attention", "chunked_attention", "dummy")
+            }
+        )
+        if unsupported:
+            raise IncompatibleModelError(
+                f"{type(config).__name__} has layers of type {unsupported}; hf_kvcache caches support attention layers only."
+            )
+        self.options = options
+        self._binder = PoolBinder(config, options)
+        layers = [
+            DummyLayer() if kind == "dummy" else self._make_layer(layer_idx, kind, kwargs)
+            for layer_idx, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs))
+        ]
+        super().__init__(layers=layers)
+        weakref.finalize(self, self._binder.release)
+        if (dtype is None) != (device is None):
+            raise ValueError("Give both dtype and device to bind the pool early, or neither.")
+        if dtype is not None:
+            self._binder.bind(torch.device(device), dtype)
+
+    options_class = CacheOptions
+
+    @classmethod
+    def from_cache_config(
+        cls,
+        config: PreTrainedConfig,
+        cache_config: dict[str, Any] | None,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+    ) -> Self:
+        """Builds the cache from a ``generate`` ``cache_config`` dict, rejecting unknown keys."""
+        options = cls.options_class.from_dict(cache_config)
+        settings = {field.name: getattr(options, field.name) for field in dataclasses.fields(options)}
+        return cls(config, **settings, dtype=dtype, device=device)
+
+    def _make_layer(self, layer_idx: int, layer_type: str, layer_kwargs: dict[str, Any]):
+        raise NotImplementedError
+
+    @property
+    def pools(self) -> dict[torch.device, KVPool]:
+        """The pool of each device this cache has written to (or was bound to)."""
+        return {device: rows.pool for device, rows in self._binder.rows.items()}
+
+    @property
+    def pool(self) -> KVPool | None:
+        """The pool this cache draws from; ``None`` before its first write unless one was given."""
+        pools = list(self.pools.values())
+        if len(pools) > 1:
+            raise ValueError(f"This cache spans {len(pools)} devices; use cache.pools.")
+        return pools[0] if pools else self._binder.pool
+
+    def _row_layers(self):
+        return [layer for layer in self.layers if not isinstance(layer, DummyLayer)]
+
+    def _select_rows(self, indices: list[int]) -> None:
+        for rows in self._binder.rows.values():
+            if rows.table.num_rows:
+                rows.select_rows(indices)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``i`` becomes old row ``beam_idx[i]``; pages are shared, not copied."""
+        self._select_rows(beam_idx.tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        for rows in self._binder.rows.values():
+            if rows.table.num_rows:
+                rows.select_rows([row for row in range(rows.table.num_rows) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_rows(torch.as_tensor(indices).flatten().tolist())
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Removes the last ``-tokens_to_remove`` tokens (``tokens_to_remove <= 0``), returning emptied pages."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}.")
+        if tokens_to_remove == 0:
+            return
+        keep = max(0, self.get_seq_length() + tokens_to_remove)
+        for rows in self._binder.rows.values():
+            rows.crop(keep)
+        for layer in self._row_layers():
+            layer.num_tokens = keep
+
+    def reset(self) -> None:
+        """Empties the cache and returns its pages to the pool (the cache stays usable)."""
+        self.release()
+
+    def release(self) -> None:
+        """Returns every page to the pool; the cache is empty afterwards."""
+        self._binder.release()
+        for layer in self._row_layers():
+            layer.num_tokens = 0

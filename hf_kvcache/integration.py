@@ -1,0 +1,102 @@
+"""Teaches ``model.generate(cache_implementation=NAME, cache_config={...})`` our cache names.
+
+The only module that touches transformers' internals, through exactly two seams:
+
+1. ``transformers.generation.configuration_utils.ALL_CACHE_IMPLEMENTATIONS``, the tuple that
+   ``GenerationConfig.validate`` reads: our names are appended, so configs naming them validate,
+   save and load.
+2. ``GenerationMixin._prepare_cache_for_generation``: wrapped so that our names build our cache;
+   every other name goes to the original method untouched.
+
+``register()`` is idempotent and ``unregister()`` puts both seams back exactly as they were.
+"""
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from packaging.version import Version
+from transformers import __version__ as transformers_version
+from transformers.cache_utils import Cache
+from transformers.generation import configuration_utils
+from transformers.generation.utils import GenerationMixin
+
+from hf_kvcache.caches import PagedCache
+from hf_kvcache.caches.base import PoolCache
+
+SUPPORTED_TRANSFORMERS = (Version("5.0"), Version("6.0"))
+
+CACHE_FACTORIES: dict[str, type[PoolCache]] = {"paged_pool": PagedCache}
+"""Our ``cache_implementation`` names and the cache class each builds."""
+
+_lock = threading.Lock()
+_original_prepare: Callable[..., Any] | None = None
+_original_names: tuple[str, ...] | None = None
+
+
+def check_transformers_version(version: str = transformers_version) -> None:
+    """Raises ``ImportError`` if this transformers release is outside the range we were built for."""
+    low, high = SUPPORTED_TRANSFORMERS
+    if not low <= Version(version) < high:
+        raise ImportError(
+            f"hf_kvcache supports transformers >= {low}, < {high}; found {version}. "
+            f'Install a supported release: pip install "transformers>={low},<{high}".'
+        )
+
+
+def build_cache(name: str, model: Any, cache_config: dict[str, Any] | None) -> Cache:
+    """Builds the cache registered as ``name`` for ``model`` from a ``cache_config`` dict.
+
+    The pool is bound to the model's dtype and device right away; unknown keys are rejected.
+    """
+    return CACHE_FACTORIES[name].from_cache_config(model.config, cache_config, model.dtype, model.device)
+
+
+def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+    name = generation_config.cache_implementation
+    if name not in CACHE_FACTORIES:
+        return _original_prepare(self, generation_config, model_kwargs, *args, **kwargs)
+    if model_kwargs.get("cache") is not None:
+        raise ValueError(
+            f"Passing both cache_implementation={name!r} and a `cache` object is unsupported; use one of the two."
+        )
+    if generation_config.use_cache is False:
+        return None
+    model_kwargs["cache"] = build_cache(name, self, generation_config.cache_config)
+    return None
+
+
+def register() -> None:
+    """Makes our names valid ``cache_implementation`` values (idempotent).
+
+    Raises:
+        ImportError: the installed transformers is outside ``SUPPORTED_TRANSFORMERS``.
+    """
+    global _original_prepare, _original_names
+    check_transformers_version()
+    with _lock:
+        if _original_prepare is not None:
+            return
+        _original_names = configuration_utils.ALL_CACHE_IMPLEMENTATIONS
+        _original_prepare = GenerationMixin._prepare_cache_for_generation
+        new_names = tuple(name for name in CACHE_FACTORIES if name not in _original_names)
+        configuration_utils.ALL_CACHE_IMPLEMENTATIONS = _original_names + new_names
+        GenerationMixin._prepare_cache_for_generation = functools.wraps(_original_prepare)(
+            _prepare_cache_for_generation
+        )
+
+
+def unregister() -> None:
+    """Puts transformers back exactly as before ``register()`` (a no-op if not registered)."""
+    global _original_prepare, _original_names
+    with _lock:
+        if _original_prepare is None:
+            return
+        configuration_utils.ALL_CACHE_IMPLEMENTATIONS = _original_names
+        GenerationMixin._prepare_cache_for_generation = _original_prepare
+        _original_prepare = _original_names = None
+
+
+def is_registered() -> bool:
+    return _original_prepare is not None

@@ -1,0 +1,74 @@
+"""The paged layer: a model layer's keys and values in pool pages, growing a page at a time."""
+
+from collections.abc import Callable
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from hf_kvcache.layers.rows import PagedRows
+
+
+class PagedLayer(CacheLayerMixin):
+    """One model layer's KV store on the pool; keeps every token (policy: grow by a page).
+
+    Row bookkeeping (page tables, copy-on-write, beam reorders) lives in the ``PagedRows`` shared
+    by all layers of the cache on one device; this layer only counts its tokens.
+
+    Args:
+        layer_idx: the model layer, i.e. which slots of each page are this layer's.
+        bind: returns the ``PagedRows`` for the device and dtype of the first states written.
+    """
+
+    is_sliding = False
+    is_croppable = True
+    is_compileable = False
+
+    def __init__(self, layer_idx: int, bind: Callable[[torch.Tensor], PagedRows]) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_tokens = 0
+        self.rows: PagedRows | None = None
+        self._bind = bind
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(layer_idx={self.layer_idx}, num_tokens={self.num_tokens})"
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.rows = self._bind(key_states)
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stores ``[batch, heads, n, head_dim]`` new states; returns all ``[batch, heads, seq_len, head_dim]``."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.rows.write(self.layer_idx, self.num_tokens, key_states, value_states)
+        self.num_tokens += key_states.shape[-2]
+        return self.rows.read(self.layer_idx, self.num_tokens)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.num_tokens + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.num_tokens
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.num_tokens = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.num_tokens = max(0, self.num_tokens + tokens_to_remove)
+
+    # Row changes are done once per device by the cache on the shared ``PagedRows``.
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        pass
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        pass
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        pass

@@ -1,0 +1,152 @@
+"""The rows of one cache on one pool: its page table plus the index tensors attention needs.
+
+All layers of a cache that live on the same device share one ``PagedRows``. The first layer to
+receive a step's new tokens grows the page table (allocating and copying-on-write for every
+layer at once, since a page id addresses the same slots in every layer); the layers after it
+find the table already grown and reuse the same index tensors.
+"""
+
+import torch
+
+from hf_kvcache.kernels import ChunkIndex, read_pages, split_by_chunk, write_slots
+from hf_kvcache.pool import KVPool
+
+
+def find_identical_rows(key_states: torch.Tensor, value_states: torch.Tensor) -> list[int] | None:
+    """For each row, the first row with identical keys and values (``None`` if all rows differ).
+
+    Args:
+        key_states / value_states: ``[batch, heads, seq_len, head_dim]``.
+    """
+    batch = key_states.shape[0]
+    if batch == 1:
+        return None
+    signature = (key_states.flatten(1).sum(1) + value_states.flatten(1).sum(1)).tolist()  # [batch]
+    groups = list(range(batch))
+    for row in range(1, batch):
+        for leader in range(row):
+            if (
+                groups[leader] == leader
+                and signature[leader] == signature[row]
+                and torch.equal(key_states[leader], key_states[row])
+                and torch.equal(value_states[leader], value_states[row])
+            ):
+                groups[row] = leader
+                break
+    return groups if groups != list(range(batch)) else None
+
+
+class PagedRows:
+    """Page table of one cache on one pool, with cached read/write indices.
+
+    Args:
+        pool: where the pages live.
+    """
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.table = pool.new_table()
+        self._version = -1  # table version the cached indices below were built for
+        self._ids: torch.Tensor | None = None
+        self._read: list[ChunkIndex] | None = None
+        self._write: tuple[int, int, list[ChunkIndex]] | None = None
+        self._groups: tuple[int, list[int]] | None = None  # (num_tokens, groups) of a shared prefill
+
+    @property
+    def num_tokens(self) -> int:
+        return self.table.num_tokens
+
+    def write(self, layer_idx: int, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Stores tokens ``[start, start + n)`` of every row for one layer, growing the table if this layer is first.
+
+        Args:
+            key_states / value_states: ``[batch, heads, n, head_dim]``.
+        """
+        batch, _, num_new, _ = key_states.shape
+        end = start + num_new
+        if end > self.table.num_tokens:
+            if start != self.table.num_tokens:
+                raise RuntimeError(f"Layer {layer_idx} writes from token {start}; the cache holds {self.num_tokens}.")
+            groups = find_identical_rows(key_states, value_states) if start == 0 else None
+            self._apply(lambda: self.table.grow(batch, num_new, groups))
+            self._groups = (end, groups) if groups else None
+        elif batch != self.table.num_rows:
+            raise ValueError(f"Layer {layer_idx} got {batch} rows; the cache holds {self.table.num_rows}.")
+        elif self._groups is not None and self._groups[0] == end:
+            self._split_differing_rows(key_states, value_states)
+        pool = self.pool
+        parts = self._write_index(start, num_new)
+        write_slots(pool.keys, layer_idx, parts, key_states)
+        write_slots(pool.values, layer_idx, parts, value_states)
+
+    def read(self, layer_idx: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[batch, heads, num_tokens, head_dim]`` of one layer, for attention."""
+        if self._read is None:
+            self._read = split_by_chunk(
+                self._page_ids(), self.pool.chunk_starts, self.pool.chunk_sizes, self.pool.format.num_kv_heads
+            )
+        batch = self.table.num_rows
+        keys = read_pages(self.pool.keys, layer_idx, self._read, batch, num_tokens)
+        values = read_pages(self.pool.values, layer_idx, self._read, batch, num_tokens)
+        return keys, values
+
+    def select_rows(self, indices: list[int]) -> None:
+        """Keeps rows ``indices`` in that order, sharing the pages of repeated rows."""
+        self._apply(lambda: self.table.select_rows(indices))
+
+    def crop(self, num_tokens: int) -> None:
+        self._apply(lambda: self.table.crop(num_tokens))
+
+    def release(self) -> None:
+        """Returns all pages to the pool."""
+        self._apply(self.table.release)
+
+    def _apply(self, change) -> None:
+        """Runs a table change under the pool lock, copies the pages it asks for, drops cached indices."""
+        with self.pool.lock:
+            copies = change()
+        if copies:
+            self.pool.copy_pages(copies)
+        if self.table.version != self._version:
+            self._version = self.table.version
+            self._ids = self._read = self._write = None
+
+    def _split_differing_rows(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """In a shared prefill, gives private pages to rows whose states differ from their group's first row."""
+        groups = self._groups[1]
+        differing = [
+            row
+            for row, leader in enumerate(groups)
+            if leader != row
+            and not (
+                torch.equal(key_states[row], key_states[leader])
+                and torch.equal(value_states[row], value_states[leader])
+            )
+        ]
+        if differing:
+            self._apply(lambda: self.table.make_private(differing))
+            self._groups = (self._groups[0], [row if row in differing else group for row, group in enumerate(groups)])
+
+    def _page_ids(self) -> torch.Tensor:
+        """The page table as a ``[batch, num_pages]`` tensor on the pool's device."""
+        if self._ids is None:
+            rows = self.table.rows
+            self._ids = torch.tensor(rows, dtype=torch.long, device=self.pool.device).view(len(rows), -1)
+        return self._ids
+
+    def _write_index(self, start: int, num_new: int) -> list[ChunkIndex]:
+        if self._write is None or self._write[:2] != (start, num_new):
+            page_size = self.pool.format.page_size
+            positions = torch.arange(start, start + num_new, device=self.pool.device)  # [n]
+            page_ids = self._page_ids()[:, positions // page_size]  # [batch, n]
+            offsets = (positions % page_size).expand_as(page_ids)  # [batch, n]
+            parts = split_by_chunk(
+                page_ids,
+                self.pool.chunk_starts,
+                self.pool.chunk_sizes,
+                self.pool.format.num_kv_heads,
+                offsets,
+                page_size,
+            )
+            self._write = (start, num_new, parts)
+        return self._write[2]

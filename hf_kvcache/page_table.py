@@ -1,0 +1,153 @@
+"""Per-row lists of page ids for one cache on one pool: pure ints, no torch.
+
+All rows of a table hold the same number of tokens (``generate`` pads batches on the left), so
+row ``r`` keeps token ``t`` in slot ``t % page_size`` of page ``rows[r][t // page_size]``.
+Rows may share pages (beam search, ``num_return_sequences``); a row copies a shared page only
+when it writes into it (copy-on-write). Every change allocates all it needs first, so a
+``PoolExhaustedError`` leaves the table exactly as it was.
+"""
+
+import math
+from collections import Counter
+from typing import Protocol
+
+
+class Allocator(Protocol):
+    def allocate(self, num: int) -> list[int]: ...
+    def share(self, pages: list[int]) -> None: ...
+    def free(self, pages: list[int]) -> None: ...
+    def refcount(self, page: int) -> int: ...
+
+
+class PageTable:
+    """Page ids of ``num_rows`` sequences of equal length.
+
+    Args:
+        allocator: where pages come from and go back to (a ``PageAllocator`` or a ``KVPool``).
+        page_size: token slots per page.
+    """
+
+    def __init__(self, allocator: Allocator, page_size: int) -> None:
+        self.allocator = allocator
+        self.page_size = page_size
+        self.rows: list[list[int]] = []
+        self.num_tokens = 0
+        self.version = 0  # bumped whenever a page id in ``rows`` changes
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    def grow(self, num_rows: int, num_new_tokens: int, groups: list[int] | None = None) -> list[tuple[int, int]]:
+        """Makes room for ``num_new_tokens`` more tokens in every row.
+
+        Shared pages the new tokens land in are copied first; then pages are appended. On an
+        empty table, ``groups[r]`` names the first row identical to row ``r`` (``groups[r] <= r``):
+        rows of a group share all their new pages, so identical rows are stored once.
+
+        Returns:
+            ``(src, dst)`` page pairs whose contents the caller must copy before writing.
+
+        Raises:
+            PoolExhaustedError: not enough free pages; nothing changed.
+            ValueError: ``num_rows`` differs from the table's rows, or ``groups`` on a non-empty table.
+        """
+        if not self.rows:
+            self.rows = [[] for _ in range(num_rows)]
+        elif num_rows != len(self.rows):
+            raise ValueError(f"The cache holds {len(self.rows)} rows but the new tokens come in {num_rows} rows.")
+        elif groups is not None:
+            raise ValueError("Row groups can only be given for the first tokens of a table.")
+        groups = list(range(num_rows)) if groups is None else groups
+        if len(groups) != num_rows or any(not 0 <= group <= row for row, group in enumerate(groups)):
+            raise ValueError(f"groups must name, for each of {num_rows} rows, an earlier or equal row: {groups}.")
+        end = self.num_tokens + num_new_tokens
+        first_page = self.num_tokens // self.page_size
+        touched = [(row, index) for row in range(num_rows) for index in range(first_page, len(self.rows[row]))]
+        leaders = [row for row in range(num_rows) if groups[row] == row]
+        num_new_pages = math.ceil(end / self.page_size) - len(self.rows[0])
+        copies, fresh = self._copy_on_write(touched, num_new_pages * len(leaders))
+        if fresh or copies:
+            self.version += 1
+        new_pages = {row: fresh[i * num_new_pages : (i + 1) * num_new_pages] for i, row in enumerate(leaders)}
+        for row in range(num_rows):
+            pages = new_pages[groups[row]]
+            if groups[row] != row:
+                self.allocator.share(pages)
+            self.rows[row].extend(pages)
+        self.num_tokens = end
+        return copies
+
+    def make_private(self, rows: list[int]) -> list[tuple[int, int]]:
+        """Gives ``rows`` their own copy of every page they share; returns the ``(src, dst)`` copies."""
+        cells = [(row, index) for row in rows for index in range(len(self.rows[row]))]
+        copies = self._copy_on_write(cells, 0)[0]
+        self.version += 1
+        return copies
+
+    def _copy_on_write(self, cells: list[tuple[int, int]], num_extra: int) -> tuple[list[tuple[int, int]], list[int]]:
+        """Replaces each shared page at ``rows[row][index]`` by a fresh copy, and takes ``num_extra`` more pages."""
+        moved: Counter[int] = Counter()
+        shared = []
+        for row, index in cells:
+            page = self.rows[row][index]
+            if self.allocator.refcount(page) - moved[page] > 1:
+                moved[page] += 1
+                shared.append((row, index))
+        fresh = self.allocator.allocate(len(shared) + num_extra)
+        copies = []
+        for (row, index), dst in zip(shared, fresh):
+            copies.append((self.rows[row][index], dst))
+            self.rows[row][index] = dst
+        self.allocator.free([src for src, _ in copies])
+        return copies, fresh[len(shared) :]
+
+    def select_rows(self, indices: list[int]) -> None:
+        """Keeps rows ``indices`` in that order (repeats share pages): beam reorder, repeat, select."""
+        if any(not 0 <= index < len(self.rows) for index in indices):
+            raise ValueError(f"Row indices {indices} out of range for a cache of {len(self.rows)} rows.")
+        new_rows = [list(self.rows[index]) for index in indices]
+        for row in new_rows:
+            self.allocator.share(row)
+        self.release_rows()
+        self.rows = new_rows
+        self.version += 1
+
+    def crop(self, num_tokens: int) -> None:
+        """Keeps the first ``num_tokens`` tokens of every row; pages past them are released."""
+        if not 0 <= num_tokens <= self.num_tokens:
+            raise ValueError(f"Cannot crop to {num_tokens} tokens: the cache holds {self.num_tokens}.")
+        keep = math.ceil(num_tokens / self.page_size)
+        self.version += 1
+        for row in self.rows:
+            self.allocator.free(row[keep:])
+            del row[keep:]
+        self.num_tokens = num_tokens
+
+    def release_rows(self) -> None:
+        for row in self.rows:
+            self.allocator.free(row)
+        self.rows = []
+        self.version += 1
+
+    def release(self) -> None:
+        """Returns every page to the pool; the table is empty afterwards."""
+        self.release_rows()
+        self.num_tokens = 0
+
+    def filled_slots(self) -> dict[int, int]:
+        """Filled slots of each distinct page this table holds."""
+        filled: dict[int, int] = {}
+        for row in self.rows:
+            for index, page in enumerate(row):
+                filled[page] = min(self.page_size, self.num_tokens - index * self.page_size)
+        return filled
+
+    def check_integrity(self) -> None:
+        """Raises ``AssertionError`` if a row has the wrong page count or holds a page the pool thinks free."""
+        expected = math.ceil(self.num_tokens / self.page_size)
+        references = Counter(page for row in self.rows for page in row)
+        for row in self.rows:
+            assert len(row) == expected, f"row holds {len(row)} pages for {self.num_tokens} tokens"
+        for page, count in references.items():
+            assert self.allocator.refcount(page) >= count, f"page {page} referenced {count}x, refcount lower"

@@ -1,0 +1,337 @@
+"""The KV pool: preallocated page storage for one model geometry on one device.
+
+Layout. Storage is a list of chunks allocated in a few large steps (a fixed-budget pool has
+exactly one). Chunk ``c`` holds the pages with ids ``[start_c, start_c + num_pages_c)``::
+
+    keys[c], values[c]: [num_layers, num_kv_heads, num_pages_c, page_size, head_dim]
+
+    page id p  ->  chunk c with start_c <= p < start_c + num_pages_c, local page p - start_c
+    slot       =  (layer, page id, offset < page_size): one token's key/value in one layer
+
+Page 0 (in chunk 0) is the null page. Pages never move once allocated: growing appends a chunk.
+
+Bookkeeping is delegated to a ``PageAllocator`` (ids and reference counts) and to the
+``PageTable`` of each cache; the pool serializes them with one lock, so threads running
+``generate`` on different caches can share a pool. It also keeps live statistics and fires
+alerts when the share of used pages crosses a threshold.
+"""
+
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hf_kvcache.allocator import PageAllocator
+from hf_kvcache.config import DEFAULT_PAGE_SIZE, PageFormat
+from hf_kvcache.errors import PoolExhaustedError
+from hf_kvcache.page_table import PageTable
+
+logger = logging.getLogger("hf_kvcache")
+
+AlertCallback = Callable[[float, dict[str, Any]], None]
+
+DEFAULT_INITIAL_TOKENS = 4096
+"""A default pool starts with room for this many tokens, then doubles as needed."""
+DEFAULT_MAX_MEMORY_FRACTION = 0.5
+"""A default pool grows up to this fraction of RAM (CPU) or of the free memory when it was made (CUDA)."""
+
+_NAMED_POOLS: "weakref.WeakValueDictionary[str, KVPool]" = weakref.WeakValueDictionary()
+_DEFAULT_POOLS: dict[tuple[PageFormat, torch.device], "KVPool"] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+class KVPool:
+    """Pages of KV memory for one model geometry (``PageFormat``) on one device.
+
+    Args:
+        page_format: geometry and dtype of a page.
+        num_pages: page ids to allocate now, the null page included (>= 2).
+        device: where the storage lives.
+        max_pages: let the pool grow, in doublings, up to this many page ids; ``None`` for a fixed pool.
+        name: register the pool under this name so a ``cache_config`` can say ``{"pool": name}``.
+        alert_thresholds: fractions of the pool's capacity whose upward crossing logs a warning and
+            calls the alert callbacks (once per crossing).
+    """
+
+    def __init__(
+        self,
+        page_format: PageFormat,
+        num_pages: int,
+        device: str | torch.device = "cpu",
+        *,
+        max_pages: int | None = None,
+        name: str | None = None,
+        alert_thresholds: tuple[float, ...] = (0.9,),
+    ) -> None:
+        if num_pages < 2:
+            raise ValueError(f"num_pages={num_pages} is too small: a pool needs the null page plus at least one page.")
+        if max_pages is not None and max_pages < num_pages:
+            raise ValueError(f"max_pages={max_pages} is below num_pages={num_pages}.")
+        if any(not 0 < threshold <= 1 for threshold in alert_thresholds):
+            raise ValueError(f"alert_thresholds must lie in (0, 1], got {alert_thresholds}.")
+        self.format = page_format
+        self.device = torch.device(device)
+        self.max_pages = max_pages or num_pages
+        self.name = name
+        self.lock = threading.RLock()
+        self._allocator = PageAllocator(num_pages)
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.chunk_starts: list[int] = []
+        self.chunk_sizes: list[int] = []
+        self._add_chunk(0, num_pages)
+        self._tables: weakref.WeakSet[PageTable] = weakref.WeakSet()
+        self._thresholds = sorted(alert_thresholds)
+        self._armed = [True] * len(self._thresholds)
+        self._callbacks: list[AlertCallback] = []
+        if name is not None:
+            with _REGISTRY_LOCK:
+                if name in _NAMED_POOLS:
+                    raise ValueError(f"A pool named {name!r} already exists; choose another name.")
+                _NAMED_POOLS[name] = self
+
+    def __repr__(self) -> str:
+        stats = self.stats()
+        return (
+            f"KVPool(name={self.name!r}, device={self.device}, pages {stats['pages_used']}/{stats['pages_total']} "
+            f"used, page_size={self.format.page_size}, {stats['bytes_total'] / 2**20:.1f} MiB)"
+        )
+
+    def __copy__(self) -> "KVPool":
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "KVPool":
+        """A pool is a shared resource: ``generate`` deep-copies its config, never the pool in it."""
+        return self
+
+    # ----- construction -------------------------------------------------------------------
+
+    @classmethod
+    def for_model(
+        cls,
+        model: torch.nn.Module,
+        *,
+        max_tokens: int | None = None,
+        max_bytes: int | None = None,
+        memory_fraction: float | None = None,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        name: str | None = None,
+        alert_thresholds: tuple[float, ...] = (0.9,),
+    ) -> "KVPool":
+        """A fixed-budget pool for ``model``, sized by exactly one of the three budgets.
+
+        Args:
+            model: a transformers causal LM (its config gives the geometry).
+            max_tokens: token slots to hold (summed over all sequences; rounded up to whole pages).
+            max_bytes: bytes of page storage.
+            memory_fraction: fraction of the device's free memory (CUDA only).
+            page_size: token slots per page.
+            dtype / device: default to the model's.
+        """
+        budgets = {"max_tokens": max_tokens, "max_bytes": max_bytes, "memory_fraction": memory_fraction}
+        given = [key for key, value in budgets.items() if value is not None]
+        if len(given) != 1:
+            raise ValueError(f"Give exactly one of {list(budgets)} to size the pool; got {given or 'none'}.")
+        dtype = dtype or model.dtype
+        device = torch.device(device) if device is not None else model.device
+        page_format = PageFormat.from_model_config(model.config, dtype, page_size)
+        if max_tokens is not None:
+            if max_tokens < 1:
+                raise ValueError(f"max_tokens must be >= 1, got {max_tokens}.")
+            num_pages = page_format.pages_for_tokens(max_tokens) + 1
+        else:
+            if memory_fraction is not None:
+                if device.type != "cuda":
+                    raise ValueError(f"memory_fraction sizes a CUDA pool; device is {device}. Use max_bytes instead.")
+                if not 0 < memory_fraction <= 1:
+                    raise ValueError(f"memory_fraction must lie in (0, 1], got {memory_fraction}.")
+                max_bytes = int(torch.cuda.mem_get_info(device)[0] * memory_fraction)
+            num_pages = max_bytes // page_format.page_bytes
+            if num_pages < 2:
+                raise ValueError(
+                    f"max_bytes={max_bytes} holds fewer than 2 pages of {page_format.page_bytes} bytes; raise it."
+                )
+        return cls(page_format, num_pages, device, name=name, alert_thresholds=alert_thresholds)
+
+    @classmethod
+    def named(cls, name: str) -> "KVPool":
+        """The live pool registered under ``name``."""
+        pool = _NAMED_POOLS.get(name)
+        if pool is None:
+            raise ValueError(f"No pool named {name!r}; live pools: {sorted(_NAMED_POOLS)}.")
+        return pool
+
+    @classmethod
+    def default(cls, page_format: PageFormat, device: str | torch.device) -> "KVPool":
+        """The shared growable pool for this format and device, made on first use.
+
+        It starts with room for ``DEFAULT_INITIAL_TOKENS`` tokens and doubles when full, up to
+        ``DEFAULT_MAX_MEMORY_FRACTION`` of the RAM (CPU) or of the free memory (CUDA).
+        """
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        with _REGISTRY_LOCK:
+            pool = _DEFAULT_POOLS.get((page_format, device))
+            if pool is None:
+                if device.type == "cuda":
+                    budget = torch.cuda.mem_get_info(device)[0]
+                else:
+                    budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                max_pages = max(2, int(budget * DEFAULT_MAX_MEMORY_FRACTION) // page_format.page_bytes)
+                num_pages = min(max_pages, page_format.pages_for_tokens(DEFAULT_INITIAL_TOKENS) + 1)
+                pool = cls(page_format, num_pages, device, max_pages=max_pages)
+                _DEFAULT_POOLS[(page_format, device)] = pool
+            return pool
+
+    def _add_chunk(self, start: int, num_pages: int) -> None:
+        fmt = self.format
+        shape = (fmt.num_layers, fmt.num_kv_heads, num_pages, fmt.page_size, fmt.head_dim)
+        self.keys.append(torch.zeros(shape, dtype=fmt.dtype, device=self.device))  # [layers, heads, pages, slots, dim]
+        self.values.append(torch.zeros(shape, dtype=fmt.dtype, device=self.device))
+        self.chunk_starts.append(start)
+        self.chunk_sizes.append(num_pages)
+
+    def _grow(self, num_needed: int) -> bool:
+        """Doubles the pool (as often as needed, within ``max_pages``); False if it cannot hold ``num_needed`` more."""
+        num_ids = self._allocator.num_pages + 1
+        if self._allocator.num_free + self.max_pages - num_ids < num_needed:
+            return False
+        target = num_ids
+        while target - num_ids < num_needed - self._allocator.num_free:
+            target = min(self.max_pages, 2 * target)
+        self._add_chunk(num_ids, target - num_ids)
+        self._allocator.add_pages(target - num_ids)
+        logger.info(
+            "KV pool on %s grew to %d pages (%.1f MiB).", self.device, target, self.stats()["bytes_total"] / 2**20
+        )
+        return True
+
+    # ----- pages ----------------------------------------------------------------------------
+
+    def allocate(self, num: int) -> list[int]:
+        """Takes ``num`` pages, growing a default pool if needed; all or nothing.
+
+        Raises:
+            PoolExhaustedError: the pool (at its cap) cannot hold ``num`` more pages.
+        """
+        with self.lock:
+            if num > self._allocator.num_free and not self._grow(num):
+                raise PoolExhaustedError(
+                    num,
+                    self._allocator.num_free,
+                    self.max_pages - 1,
+                    f"Pages hold {self.format.page_size} tokens. Give the pool more room (KVPool.for_model(..., "
+                    "max_tokens=...) or cache_config max_tokens), or lower the batch size or max_new_tokens.",
+                )
+            pages = self._allocator.allocate(num)
+            self._check_alerts()
+            return pages
+
+    def share(self, pages: list[int]) -> None:
+        with self.lock:
+            self._allocator.share(pages)
+
+    def free(self, pages: list[int]) -> None:
+        with self.lock:
+            self._allocator.free(pages)
+            self._check_alerts()
+
+    def refcount(self, page: int) -> int:
+        return self._allocator.refcount(page)
+
+    def new_table(self) -> PageTable:
+        """An empty page table drawing from this pool, counted in its statistics."""
+        table = PageTable(self, self.format.page_size)
+        with self.lock:
+            self._tables.add(table)
+        return table
+
+    def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies every layer's slots of page ``src`` into page ``dst`` for each ``(src, dst)``."""
+        for src, dst in pairs:
+            (src_chunk, src_local), (dst_chunk, dst_local) = self.locate(src), self.locate(dst)
+            for storage in (self.keys, self.values):
+                storage[dst_chunk][:, :, dst_local] = storage[src_chunk][:, :, src_local]
+
+    def locate(self, page: int) -> tuple[int, int]:
+        """``(chunk index, page index inside the chunk)`` of a page id."""
+        for chunk_idx, (start, size) in enumerate(zip(self.chunk_starts, self.chunk_sizes)):
+            if start <= page < start + size:
+                return chunk_idx, page - start
+        raise ValueError(f"Page id {page} is outside the pool ({self._allocator.num_pages + 1} ids).")
+
+    # ----- statistics -----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Live statistics as a plain dict.
+
+        ``utilization`` is the bytes of the tokens held divided by the bytes of the pages handed
+        out (1.0 when every used page is full; shared pages count once).
+        """
+        with self.lock:
+            filled: dict[int, int] = {}
+            for table in list(self._tables):
+                filled.update(table.filled_slots())
+            used = self._allocator.num_used
+            page_bytes = self.format.page_bytes
+            tokens = sum(filled.values())
+            return {
+                "pages_total": self._allocator.num_pages,
+                "pages_used": used,
+                "pages_free": self._allocator.num_free,
+                "max_pages": self.max_pages - 1,
+                "high_water_pages": self._allocator.high_water,
+                "page_size": self.format.page_size,
+                "page_bytes": page_bytes,
+                "bytes_total": (self._allocator.num_pages + 1) * page_bytes,
+                "bytes_used": used * page_bytes,
+                "tokens_held": tokens,
+                "utilization": tokens / (used * self.format.page_size) if used else 0.0,
+                "device": str(self.device),
+                "dtype": str(self.format.dtype).removeprefix("torch."),
+            }
+
+    def add_alert_callback(self, callback: AlertCallback) -> None:
+        """Calls ``callback(threshold, stats)`` each time use crosses an alert threshold upwards."""
+        self._callbacks.append(callback)
+
+    def _check_alerts(self) -> None:
+        fraction = self._allocator.num_used / (self.max_pages - 1)
+        for i, threshold in enumerate(self._thresholds):
+            if fraction < threshold:
+                self._armed[i] = True
+            elif self._armed[i]:
+                self._armed[i] = False
+                stats = self.stats()
+                logger.warning(
+                    "KV pool on %s is %.0f%% full (%d of %d pages), past the %.0f%% alert threshold.",
+                    self.device,
+                    100 * fraction,
+                    stats["pages_used"],
+                    stats["max_pages"],
+                    100 * threshold,
+                )
+                for callback in self._callbacks:
+                    callback(threshold, stats)
+
+    def check_integrity(self) -> None:
+        """Raises ``AssertionError`` if the allocator or any live page table is inconsistent."""
+        with self.lock:
+            self._allocator.check_integrity()
+            references: dict[int, int] = {}
+            for table in list(self._tables):
+                table.check_integrity()
+                for row in table.rows:
+                    for page in row:
+                        references[page] = references.get(page, 0) + 1
+            for page, count in references.items():
+                assert self._allocator.refcount(page) == count, f"page {page}: refcount != {count} table references"
+            assert self._allocator.num_used == len(references), "pages used that no live table holds (a leak)"
+            assert sum(self.chunk_sizes) == self._allocator.num_pages + 1, "chunks and page ids disagree"
