@@ -56,11 +56,11 @@ class PageTable:
             self.rows = [[] for _ in range(num_rows)]
         elif num_rows != len(self.rows):
             raise ValueError(f"The cache holds {len(self.rows)} rows but the new tokens come in {num_rows} rows.")
-        elif groups is not None:
+        if groups is not None and self.num_tokens:
             raise ValueError("Row groups can only be given for the first tokens of a table.")
         groups = list(range(num_rows)) if groups is None else groups
-        if len(groups) != num_rows or any(not 0 <= group <= row for row, group in enumerate(groups)):
-            raise ValueError(f"groups must name, for each of {num_rows} rows, an earlier or equal row: {groups}.")
+        if len(groups) != num_rows or any(not 0 <= group <= row or groups[group] != group for row, group in enumerate(groups)):
+            raise ValueError(f"groups must name, for each of {num_rows} rows, its group's first row: {groups}.")
         end = self.num_tokens + num_new_tokens
         first_page = self.num_tokens // self.page_size
         touched = [(row, index) for row in range(num_rows) for index in range(first_page, len(self.rows[row]))]

@@ -1,0 +1,279 @@
+"""PagedCache against DynamicCache through ``generate``: same tokens, same logits, shared pages."""
+
+import gc
+
+import pytest
+import torch
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+
+import hf_kvcache  # noqa: F401  (registers "paged_pool")
+from hf_kvcache import KVPool, PagedCache, PoolExhaustedError
+from hf_kvcache.models import tiny_llama
+
+MODELS = ["tiny_llama_model", "tiny_mistral_model", "tiny_gemma3_model"]
+
+
+def padded_batch(lengths: list[int], vocab: int = 128, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token rows of the given lengths, left-padded with token 0."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, width - length :] = torch.randint(1, vocab, (length,), generator=generator)
+        mask[row, width - length :] = 1
+    return ids, mask
+
+
+def run(model, ids, mask, **kwargs):
+    return model.generate(
+        ids, attention_mask=mask, do_sample=False, return_dict_in_generate=True, output_logits=True, **kwargs
+    )
+
+
+def assert_same_generation(reference, candidate):
+    assert torch.equal(reference.sequences, candidate.sequences)
+    for step, (expected, actual) in enumerate(zip(reference.logits, candidate.logits, strict=True)):
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=f"logits differ at step {step}")
+
+
+class RecordPages(LogitsProcessor):
+    """Records the pool's used pages each time logits are produced (after prefill, then after each step)."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool, self.pages_used = pool, []
+
+    def __call__(self, input_ids, scores):
+        self.pages_used.append(self.pool.stats()["pages_used"])
+        return scores
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+@pytest.mark.parametrize("lengths,new_tokens", [([5, 3], 2), ([8, 7, 1], 1), ([9, 4], 16), ([23, 16, 17], 30)])
+def test_greedy_matches_dynamic_cache(model_name, lengths, new_tokens, request):
+    """Lengths end before, at, one past and far beyond the window (8) and page (16) boundaries."""
+    model = request.getfixturevalue(model_name)
+    ids, mask = padded_batch(lengths)
+    reference = run(model, ids, mask, max_new_tokens=new_tokens)
+    paged = run(model, ids, mask, max_new_tokens=new_tokens, cache_implementation="paged_pool")
+    assert isinstance(paged.cache, PagedCache) and isinstance(reference.cache, DynamicCache)
+    assert_same_generation(reference, paged)
+    assert paged.cache.get_seq_length() == reference.cache.get_seq_length()
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+def test_beam_search_and_sampling_match(model_name, request):
+    model = request.getfixturevalue(model_name)
+    ids, mask = padded_batch([12, 20])
+    beams = {"num_beams": 4, "max_new_tokens": 12}
+    assert torch.equal(
+        model.generate(ids, attention_mask=mask, **beams),
+        model.generate(ids, attention_mask=mask, cache_implementation="paged_pool", **beams),
+    )
+    sampling = {"do_sample": True, "num_return_sequences": 4, "max_new_tokens": 12}
+    torch.manual_seed(7)
+    expected = model.generate(ids, attention_mask=mask, **sampling)
+    torch.manual_seed(7)
+    assert torch.equal(expected, model.generate(ids, attention_mask=mask, cache_implementation="paged_pool", **sampling))
+
+
+def test_identical_rows_share_prompt_pages(tiny_llama_model):
+    """num_return_sequences=4 expands one 40-token prompt into 4 identical rows before prefill."""
+    pool = KVPool.for_model(tiny_llama_model, max_tokens=1024)
+    recorder = RecordPages(pool)
+    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    tiny_llama_model.generate(
+        ids,
+        do_sample=True,
+        num_return_sequences=4,
+        max_new_tokens=3,
+        cache_implementation="paged_pool",
+        cache_config={"pool": pool},
+        logits_processor=LogitsProcessorList([recorder]),
+    )
+    # Prefill: 40 tokens = 2 full pages + 1 partial page, stored once for the 4 rows.
+    # Step 1 writes into the shared partial page: 3 rows copy it, the 4th keeps the original; the full pages stay shared.
+    assert recorder.pages_used[:2] == [3, 3 + 3]
+    gc.collect()
+    assert pool.stats()["pages_used"] == 0
+
+
+def test_beam_search_shares_pages(tiny_llama_model):
+    pool = KVPool.for_model(tiny_llama_model, max_tokens=2048)
+    recorder = RecordPages(pool)
+    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    tiny_llama_model.generate(
+        ids,
+        num_beams=4,
+        max_new_tokens=20,
+        cache_implementation="paged_pool",
+        cache_config={"pool": pool},
+        logits_processor=LogitsProcessorList([recorder]),
+    )
+    assert recorder.pages_used[0] == 3  # the prompt once, not 4 times
+    # Beams copy only the page they write into: never more than 2 full prompt pages + 1 partial page per beam,
+    # plus the pages the beams grew.
+    assert max(recorder.pages_used) < 4 * 5
+    gc.collect()
+    assert pool.stats()["pages_used"] == 0
+
+
+def test_shared_pages_are_copied_before_write():
+    """Direct use: a row writing into a shared page must not change the other row's view."""
+    model = tiny_llama()
+    cache = PagedCache(model.config, max_tokens=256, page_size=4)
+    keys = torch.randn(1, 2, 6, 16).expand(3, -1, -1, -1).contiguous()  # 3 identical rows
+    for layer_idx in range(2):
+        cache.update(keys, keys + 1, layer_idx)
+    assert cache.pool.stats()["pages_used"] == 2
+    new = torch.randn(3, 2, 1, 16)
+    for layer_idx in range(2):
+        out_keys, out_values = cache.update(new, new + 1, layer_idx)
+        torch.testing.assert_close(out_keys, torch.cat([keys, new], dim=2), rtol=0, atol=0)
+        torch.testing.assert_close(out_values, torch.cat([keys, new], dim=2) + 1, rtol=0, atol=0)
+    assert cache.pool.stats()["pages_used"] == 1 + 3  # the full page shared, one partial page per row
+    cache.pool.check_integrity()
+
+
+def test_rows_that_differ_in_a_later_layer_get_private_pages():
+    model = tiny_llama()
+    cache = PagedCache(model.config, max_tokens=256, page_size=4)
+    same = torch.randn(2, 2, 6, 16)
+    same[1] = same[0]
+    cache.update(same, same, 0)  # layer 0: identical rows, stored once
+    different = torch.randn(2, 2, 6, 16)
+    out_keys, _ = cache.update(different, different, 1)  # layer 1: rows differ
+    torch.testing.assert_close(out_keys, different, rtol=0, atol=0)
+    keys0, _ = cache.layers[0].rows.read(0, 6)
+    torch.testing.assert_close(keys0, same, rtol=0, atol=0)
+    cache.pool.check_integrity()
+
+
+def test_row_operations_match_dynamic_cache(tiny_llama_model):
+    config = tiny_llama_model.config
+    paged, dynamic = PagedCache(config, max_tokens=512, page_size=4), DynamicCache(config=config)
+    generator = torch.Generator().manual_seed(3)
+
+    def step(num_tokens: int, batch: int) -> None:
+        for layer_idx in range(2):
+            keys = torch.randn(batch, 2, num_tokens, 16, generator=generator)
+            values = torch.randn(batch, 2, num_tokens, 16, generator=generator)
+            expected = dynamic.update(keys, values, layer_idx)
+            actual = paged.update(keys, values, layer_idx)
+            for a, e in zip(actual, expected, strict=True):
+                torch.testing.assert_close(a, e, rtol=0, atol=0)
+        paged.pool.check_integrity()
+
+    step(7, 2)
+    for cache in (paged, dynamic):
+        cache.batch_repeat_interleave(3)
+    step(1, 6)
+    beam_idx = torch.tensor([5, 5, 0, 1, 2, 2])
+    for cache in (paged, dynamic):
+        cache.reorder_cache(beam_idx)
+    step(2, 6)
+    for cache in (paged, dynamic):
+        cache.crop(-5)
+    assert paged.get_seq_length() == dynamic.get_seq_length() == 5
+    step(3, 6)
+    for cache in (paged, dynamic):
+        cache.batch_select_indices(torch.tensor([4, 0]))
+    step(9, 2)
+    pool = paged.pool
+    paged.reset()
+    assert pool.stats()["pages_used"] == 0 and paged.get_seq_length() == 0
+    with pytest.raises(ValueError, match="negative number"):
+        paged.crop(3)
+
+
+def test_assisted_decoding_crops_like_dynamic(tiny_llama_model):
+    assistant = tiny_llama(seed=1)
+    ids, mask = padded_batch([10])
+    expected = tiny_llama_model.generate(ids, attention_mask=mask, assistant_model=assistant, max_new_tokens=20)
+    actual = tiny_llama_model.generate(
+        ids, attention_mask=mask, assistant_model=assistant, max_new_tokens=20, cache_implementation="paged_pool"
+    )
+    assert torch.equal(expected, actual)
+
+
+def test_request_larger_than_pool_fails_alone(tiny_llama_model):
+    pool = KVPool.for_model(tiny_llama_model, max_tokens=160, page_size=16)  # 10 pages
+    ids, mask = padded_batch([20, 30], seed=5)
+    alone = run(tiny_llama_model, ids, mask, max_new_tokens=10)
+
+    # Sequence A holds 2 rows x 3 pages, then request B (4 rows x 4 pages) does not fit.
+    cache_a = PagedCache(tiny_llama_model.config, pool=pool)
+    first = run(tiny_llama_model, ids, mask, max_new_tokens=5, cache=cache_a)
+    held = pool.stats()["pages_used"]
+    big, big_mask = padded_batch([60, 50, 40, 55], seed=6)
+    with pytest.raises(PoolExhaustedError, match=r"needs \d+ pages but only \d+ of 10 are free.*max_tokens") as error:
+        tiny_llama_model.generate(
+            big, attention_mask=big_mask, max_new_tokens=5, cache_implementation="paged_pool", cache_config={"pool": pool}
+        )
+    assert error.value.total_pages == 10
+    del error
+    gc.collect()
+    assert pool.stats()["pages_used"] == held
+    pool.check_integrity()
+
+    # A continues where it stopped and ends exactly as when it ran alone.
+    rest = tiny_llama_model.generate(
+        first.sequences,
+        attention_mask=torch.cat([mask, torch.ones(2, 5, dtype=mask.dtype)], dim=1),
+        max_new_tokens=5,
+        do_sample=False,
+        cache=cache_a,
+    )
+    assert torch.equal(rest, alone.sequences)
+
+
+def test_pool_returns_to_zero_after_many_generate_calls(tiny_gemma3_model):
+    pool = KVPool.for_model(tiny_gemma3_model, max_tokens=4096, name="many-calls")
+    for seed in range(12):
+        lengths = [3 + seed, 1 + 2 * seed][: 1 + seed % 2]
+        ids, mask = padded_batch(lengths, seed=seed)
+        tiny_gemma3_model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=4 + seed,
+            num_beams=1 + seed % 3,
+            do_sample=False,
+            cache_implementation="paged_pool",
+            cache_config={"pool": "many-calls"},
+        )
+    gc.collect()
+    stats = pool.stats()
+    assert stats["pages_used"] == 0 and stats["high_water_pages"] > 0
+    pool.check_integrity()
+
+
+def test_generate_grows_a_small_pool_across_chunks(tiny_llama_model):
+    """A growable pool starting at 3 pages spans several chunks; reads and writes stay exact."""
+    page_format = hf_kvcache.PageFormat.from_model_config(tiny_llama_model.config, torch.float32, page_size=4)
+    pool = KVPool(page_format, num_pages=3, max_pages=200)
+    ids, mask = padded_batch([13, 6, 9], seed=8)
+    reference = run(tiny_llama_model, ids, mask, max_new_tokens=25)
+    paged = run(tiny_llama_model, ids, mask, max_new_tokens=25, cache_implementation="paged_pool", cache_config={"pool": pool})
+    assert len(pool.chunk_sizes) > 2
+    assert_same_generation(reference, paged)
+
+
+def test_smollm2_batch_beam_and_sampling_match(bundled):
+    model, tokenizer = bundled
+    prompts = [
+        "The capital of France is",
+        "Write a haiku about the sea. The waves",
+        "In 1905, Albert Einstein published four papers that",
+    ]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    reference = run(model, batch.input_ids, batch.attention_mask, max_new_tokens=16)
+    paged = run(model, batch.input_ids, batch.attention_mask, max_new_tokens=16, cache_implementation="paged_pool")
+    assert_same_generation(reference, paged)
+    one = tokenizer(prompts[:1], return_tensors="pt")
+    beams = {"num_beams": 4, "max_new_tokens": 8}
+    assert torch.equal(model.generate(**one, **beams), model.generate(**one, cache_implementation="paged_pool", **beams))
+    sampling = {"do_sample": True, "num_return_sequences": 4, "max_new_tokens": 8}
+    torch.manual_seed(11)
+    expected = model.generate(**one, **sampling)
+    torch.manual_seed(11)
+    assert torch.equal(expected, model.generate(**one, cache_implementation="paged_pool", **sampling))
