@@ -1,0 +1,164 @@
+"""KVPool: sizing, statistics, alerts, named and default pools, threads, CUDA."""
+
+import copy
+import gc
+import threading
+
+import pytest
+import torch
+
+import hf_kvcache  # noqa: F401
+from hf_kvcache import KVPool, PageFormat, PagedCache, PoolExhaustedError
+
+FORMAT = PageFormat(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32, page_size=16)
+
+
+def test_page_format_sizes_and_checks():
+    assert FORMAT.token_bytes == 2 * 2 * 2 * 16 * 4
+    assert FORMAT.page_bytes == 16 * FORMAT.token_bytes
+    assert FORMAT.pages_for_tokens(33) == 3
+    with pytest.raises(ValueError, match="page_size=0 is out of range"):
+        PageFormat(2, 2, 16, torch.float32, page_size=0)
+    with pytest.raises(TypeError, match="page_size must be an int"):
+        PageFormat(2, 2, 16, torch.float32, page_size=16.0)
+    with pytest.raises(ValueError, match="floating dtype"):
+        PageFormat(2, 2, 16, torch.int8)
+
+
+def test_for_model_sizes_by_tokens_or_bytes(tiny_llama_model):
+    by_tokens = KVPool.for_model(tiny_llama_model, max_tokens=100, page_size=8)
+    assert by_tokens.stats()["pages_total"] == 13  # ceil(100 / 8) usable pages
+    assert by_tokens.keys[0].shape == (2, 2, 14, 8, 16)  # [layers, heads, pages incl. null, slots, head_dim]
+    page_bytes = by_tokens.format.page_bytes
+    by_bytes = KVPool.for_model(tiny_llama_model, max_bytes=10 * page_bytes + 5, page_size=8)
+    assert by_bytes.stats()["bytes_total"] == 10 * page_bytes
+    with pytest.raises(ValueError, match="exactly one of"):
+        KVPool.for_model(tiny_llama_model, max_tokens=10, max_bytes=10)
+    with pytest.raises(ValueError, match="CUDA pool"):
+        KVPool.for_model(tiny_llama_model, memory_fraction=0.5)
+    with pytest.raises(ValueError, match="fewer than 2 pages"):
+        KVPool.for_model(tiny_llama_model, max_bytes=page_bytes)
+
+
+def test_stats_track_use_and_utilization(tiny_llama_model):
+    pool = KVPool.for_model(tiny_llama_model, max_tokens=64, page_size=16)
+    cache = PagedCache(tiny_llama_model.config, pool=pool)
+    states = torch.randn(2, 2, 20, 16)
+    for layer_idx in range(2):
+        cache.update(states, states, layer_idx)
+    stats = pool.stats()
+    expected = {"pages_total": 4, "pages_used": 4, "pages_free": 0, "high_water_pages": 4, "tokens_held": 40}
+    assert {key: stats[key] for key in expected} == expected
+    assert stats["utilization"] == pytest.approx(40 / 64)
+    assert stats["bytes_used"] == 4 * pool.format.page_bytes
+    cache.crop(-10)
+    assert pool.stats()["pages_used"] == 2 and pool.stats()["high_water_pages"] == 4
+    del cache
+    gc.collect()
+    assert pool.stats()["pages_used"] == 0
+
+
+def test_alerts_fire_once_per_upward_crossing(caplog):
+    pool = KVPool(FORMAT, num_pages=11, alert_thresholds=(0.5, 0.9))
+    fired = []
+    pool.add_alert_callback(lambda threshold, stats: fired.append((threshold, stats["pages_used"])))
+    first = pool.allocate(4)
+    assert fired == []
+    second = pool.allocate(2)  # 6 of 10: past 50%
+    more = pool.allocate(1)  # still past 50%: no second alert
+    assert fired == [(0.5, 6)]
+    last = pool.allocate(3)  # 10 of 10
+    assert fired == [(0.5, 6), (0.9, 10)]
+    assert "past the 90% alert threshold" in caplog.text
+    pool.free(last + more + second)  # back under both thresholds: they re-arm
+    pool.allocate(2)
+    assert fired[-1] == (0.5, 6) and len(fired) == 3
+    pool.free(first)
+
+
+def test_exhaustion_is_all_or_nothing():
+    pool = KVPool(FORMAT, num_pages=5)
+    pool.allocate(3)
+    with pytest.raises(PoolExhaustedError, match="needs 2 pages but only 1 of 4 are free") as error:
+        pool.allocate(2)
+    assert "max_tokens" in str(error.value)
+    assert pool.stats()["pages_used"] == 3
+
+
+def test_growable_pool_doubles_up_to_its_cap():
+    pool = KVPool(FORMAT, num_pages=4, max_pages=20)
+    pages = pool.allocate(3)
+    pages += pool.allocate(5)  # 4 ids -> 8 is not enough -> 16
+    assert pool.chunk_sizes == [4, 12] and pool.stats()["pages_total"] == 15
+    pages += pool.allocate(9)  # 7 free -> capped at 20 ids
+    assert pool.chunk_sizes == [4, 12, 4]
+    with pytest.raises(PoolExhaustedError, match="needs 5 pages but only 2 of 19 are free"):
+        pool.allocate(5)
+    assert pool.locate(17) == (2, 1) and pool.locate(3) == (0, 3)
+    pool.free(pages)
+    pool.check_integrity()
+
+
+def test_named_default_and_copied_pools(tiny_llama_model):
+    pool = KVPool(FORMAT, num_pages=4, name="test-named")
+    assert KVPool.named("test-named") is pool
+    with pytest.raises(ValueError, match="already exists"):
+        KVPool(FORMAT, num_pages=4, name="test-named")
+    with pytest.raises(ValueError, match="No pool named 'nope'"):
+        KVPool.named("nope")
+    assert copy.deepcopy({"pool": pool})["pool"] is pool
+    assert KVPool.default(FORMAT, "cpu") is KVPool.default(FORMAT, torch.device("cpu"))
+    first, second = (
+        tiny_llama_model.generate(
+            torch.tensor([[1, 2, 3]]), max_new_tokens=2, cache_implementation="paged_pool", return_dict_in_generate=True
+        ).cache.pool
+        for _ in range(2)
+    )
+    assert first is second and first.max_pages > first.stats()["pages_total"]
+
+
+def test_pool_of_another_model_is_rejected(tiny_llama_model, tiny_gemma3_model):
+    pool = KVPool.for_model(tiny_gemma3_model, max_tokens=64)
+    with pytest.raises(hf_kvcache.IncompatibleModelError, match="num_layers 4 vs 2.*KVPool.for_model"):
+        tiny_llama_model.generate(
+            torch.tensor([[1, 2, 3]]), max_new_tokens=2, cache_implementation="paged_pool", cache_config={"pool": pool}
+        )
+    wrong_dtype = KVPool.for_model(tiny_llama_model, max_tokens=64, dtype=torch.float16)
+    with pytest.raises(hf_kvcache.IncompatibleModelError, match="dtype torch.float16 vs torch.float32"):
+        PagedCache(tiny_llama_model.config, pool=wrong_dtype).update(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16), 0)
+
+
+def test_threads_share_one_pool(tiny_llama_model):
+    pool = KVPool.for_model(tiny_llama_model, max_tokens=4096)
+    prompts = [torch.randint(1, 128, (1 + i % 3, 5 + 3 * i), generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    expected = [tiny_llama_model.generate(p, max_new_tokens=12, do_sample=False) for p in prompts]
+    results: dict[int, torch.Tensor] = {}
+
+    def work(i: int) -> None:
+        results[i] = tiny_llama_model.generate(
+            prompts[i], max_new_tokens=12, do_sample=False, cache_implementation="paged_pool", cache_config={"pool": pool}
+        )
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(torch.equal(results[i], expected[i]) for i in range(len(prompts)))
+    gc.collect()
+    pool.check_integrity()
+    assert pool.stats()["pages_used"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_pool_matches_dynamic_cache(tiny_gemma3_model):
+    model = copy.deepcopy(tiny_gemma3_model).to("cuda")
+    pool = KVPool.for_model(model, memory_fraction=0.01)
+    assert pool.device.type == "cuda" and pool.keys[0].is_cuda
+    ids = torch.randint(1, 128, (3, 30), device="cuda")
+    expected = model.generate(ids, max_new_tokens=20, do_sample=False)
+    actual = model.generate(ids, max_new_tokens=20, do_sample=False, cache_implementation="paged_pool", cache_config={"pool": pool})
+    assert torch.equal(expected, actual)
+    default = model.generate(ids, max_new_tokens=5, cache_implementation="paged_pool", return_dict_in_generate=True)
+    assert default.cache.pool.device.type == "cuda"
