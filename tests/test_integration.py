@@ -1,0 +1,125 @@
+"""Registration: the two seams in transformers, additive, idempotent, undoable, version-checked."""
+
+import inspect
+
+import pytest
+import torch
+from transformers import DynamicCache, GenerationConfig, StaticCache
+from transformers.generation import configuration_utils
+from transformers.generation.utils import GenerationMixin
+
+import hf_kvcache
+from hf_kvcache import KVPool, PagedCache
+from hf_kvcache.integration import CACHE_FACTORIES, check_transformers_version
+
+NAMES = sorted(CACHE_FACTORIES)
+
+
+def test_seams_exist_in_this_transformers():
+    """If an upgrade moves a seam, this is the one test that fails first."""
+    hf_kvcache.unregister()
+    try:
+        assert isinstance(configuration_utils.ALL_CACHE_IMPLEMENTATIONS, tuple)
+        assert "dynamic" in configuration_utils.ALL_CACHE_IMPLEMENTATIONS
+        parameters = list(inspect.signature(GenerationMixin._prepare_cache_for_generation).parameters)
+        assert parameters[:3] == ["self", "generation_config", "model_kwargs"]
+    finally:
+        hf_kvcache.register()
+
+
+def test_register_is_idempotent_and_undoable():
+    assert hf_kvcache.is_registered()
+    names = configuration_utils.ALL_CACHE_IMPLEMENTATIONS
+    hf_kvcache.register()
+    assert configuration_utils.ALL_CACHE_IMPLEMENTATIONS == names
+    assert all(names.count(name) == 1 for name in NAMES)
+    hf_kvcache.unregister()
+    try:
+        assert not any(name in configuration_utils.ALL_CACHE_IMPLEMENTATIONS for name in NAMES)
+        assert GenerationMixin._prepare_cache_for_generation.__module__ == "transformers.generation.utils"
+        with pytest.raises(ValueError, match="Invalid `cache_implementation`"):
+            GenerationConfig(cache_implementation="paged_pool").validate(strict=True)
+        hf_kvcache.unregister()  # a no-op
+    finally:
+        hf_kvcache.register()
+    assert configuration_utils.ALL_CACHE_IMPLEMENTATIONS == names
+
+
+@pytest.mark.parametrize(
+    "name,expected", [(None, DynamicCache), ("dynamic", DynamicCache), ("static", StaticCache)]
+)
+def test_existing_names_behave_as_before(tiny_llama_model, name, expected):
+    ids = torch.tensor([[1, 5, 9, 3]])
+    out = tiny_llama_model.generate(
+        ids, max_new_tokens=3, do_sample=False, cache_implementation=name, return_dict_in_generate=True
+    )
+    assert type(out.cache) is expected
+    hf_kvcache.unregister()
+    try:
+        before = tiny_llama_model.generate(ids, max_new_tokens=3, do_sample=False, cache_implementation=name)
+    finally:
+        hf_kvcache.register()
+    assert torch.equal(out.sequences, before)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_generation_config_naming_our_cache_saves_and_loads(tmp_path, tiny_llama_model, name):
+    pool = KVPool.for_model(tiny_llama_model, max_tokens=512, page_size=8, name=f"saved-{name}")
+    config = GenerationConfig(
+        cache_implementation=name, cache_config={"pool": f"saved-{name}"}, max_new_tokens=4, do_sample=False
+    )
+    config.validate(strict=True)
+    config.save_pretrained(tmp_path)
+    loaded = GenerationConfig.from_pretrained(tmp_path)
+    assert loaded.cache_implementation == name and loaded.cache_config == {"pool": f"saved-{name}"}
+    out = tiny_llama_model.generate(torch.tensor([[1, 2, 3]]), generation_config=loaded, return_dict_in_generate=True)
+    assert isinstance(out.cache, CACHE_FACTORIES[name]) and out.cache.pool is pool
+
+
+def test_cache_config_pool_is_used_as_is_and_max_tokens_makes_a_pool(tiny_llama_model):
+    pool = KVPool.for_model(tiny_llama_model, max_tokens=256)
+    ids = torch.tensor([[4, 5, 6]])
+    out = tiny_llama_model.generate(
+        ids, max_new_tokens=2, cache_implementation="paged_pool", cache_config={"pool": pool}, return_dict_in_generate=True
+    )
+    assert out.cache.pool is pool
+    own = tiny_llama_model.generate(
+        ids,
+        max_new_tokens=2,
+        cache_implementation="paged_pool",
+        cache_config={"max_tokens": 64, "page_size": 8},
+        return_dict_in_generate=True,
+    ).cache.pool
+    assert own is not pool and own.stats()["pages_total"] == 8 and own.format.page_size == 8
+
+
+@pytest.mark.parametrize(
+    "cache_config,error,match",
+    [
+        ({"page_sise": 8}, ValueError, r"Unknown cache_config keys \['page_sise'\].*valid keys are \['page_size', 'pool', 'max_tokens'\]"),
+        ({"page_size": 0}, ValueError, "page_size=0 is out of range"),
+        ({"page_size": "16"}, TypeError, "page_size must be an int"),
+        ({"max_tokens": -3}, ValueError, "max_tokens must be a positive int"),
+        ({"pool": "no-such-pool"}, ValueError, "No pool named 'no-such-pool'"),
+        ({"pool": 3}, TypeError, "must be a KVPool or a pool's name"),
+        ({"dtype": torch.float16}, ValueError, "Unknown cache_config keys"),
+    ],
+)
+def test_bad_cache_config_is_rejected(tiny_llama_model, cache_config, error, match):
+    with pytest.raises(error, match=match):
+        tiny_llama_model.generate(
+            torch.tensor([[1, 2]]), max_new_tokens=2, cache_implementation="paged_pool", cache_config=cache_config
+        )
+
+
+def test_cache_object_and_name_together_are_rejected(tiny_llama_model):
+    with pytest.raises(ValueError, match="both"):
+        tiny_llama_model.generate(
+            torch.tensor([[1, 2]]), max_new_tokens=2, cache_implementation="paged_pool", cache=PagedCache(tiny_llama_model.config)
+        )
+
+
+def test_transformers_version_is_checked():
+    check_transformers_version("5.24.0")
+    with pytest.raises(ImportError, match=r"supports transformers >= 5.0, < 6.0; found 4.46.0"):
+        check_transformers_version("4.46.0")
