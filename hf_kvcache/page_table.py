@@ -59,7 +59,9 @@ class PageTable:
         if groups is not None and self.num_tokens:
             raise ValueError("Row groups can only be given for the first tokens of a table.")
         groups = list(range(num_rows)) if groups is None else groups
-        if len(groups) != num_rows or any(not 0 <= group <= row or groups[group] != group for row, group in enumerate(groups)):
+        if len(groups) != num_rows or any(
+            not 0 <= group <= row or groups[group] != group for row, group in enumerate(groups)
+        ):
             raise ValueError(f"groups must name, for each of {num_rows} rows, its group's first row: {groups}.")
         end = self.num_tokens + num_new_tokens
         first_page = self.num_tokens // self.page_size

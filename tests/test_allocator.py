@@ -63,7 +63,11 @@ def test_allocator_errors_name_the_numbers():
 
 
 table_operations = st.lists(
-    st.tuples(st.sampled_from(["grow", "select", "crop", "private", "release"]), st.integers(0, 40), st.lists(st.integers(0, 7), min_size=1, max_size=6)),
+    st.tuples(
+        st.sampled_from(["grow", "select", "crop", "private", "release"]),
+        st.integers(0, 40),
+        st.lists(st.integers(0, 7), min_size=1, max_size=6),
+    ),
     max_size=40,
 )
 

@@ -31,7 +31,7 @@ def test_register_is_idempotent_and_undoable():
     assert hf_kvcache.is_registered()
     names = configuration_utils.ALL_CACHE_IMPLEMENTATIONS
     hf_kvcache.register()
-    assert configuration_utils.ALL_CACHE_IMPLEMENTATIONS == names
+    assert names == configuration_utils.ALL_CACHE_IMPLEMENTATIONS
     assert all(names.count(name) == 1 for name in NAMES)
     hf_kvcache.unregister()
     try:
@@ -42,12 +42,10 @@ def test_register_is_idempotent_and_undoable():
         hf_kvcache.unregister()  # a no-op
     finally:
         hf_kvcache.register()
-    assert configuration_utils.ALL_CACHE_IMPLEMENTATIONS == names
+    assert names == configuration_utils.ALL_CACHE_IMPLEMENTATIONS
 
 
-@pytest.mark.parametrize(
-    "name,expected", [(None, DynamicCache), ("dynamic", DynamicCache), ("static", StaticCache)]
-)
+@pytest.mark.parametrize("name,expected", [(None, DynamicCache), ("dynamic", DynamicCache), ("static", StaticCache)])
 def test_existing_names_behave_as_before(tiny_llama_model, name, expected):
     ids = torch.tensor([[1, 5, 9, 3]])
     out = tiny_llama_model.generate(
@@ -80,7 +78,11 @@ def test_cache_config_pool_is_used_as_is_and_max_tokens_makes_a_pool(tiny_llama_
     pool = KVPool.for_model(tiny_llama_model, max_tokens=256)
     ids = torch.tensor([[4, 5, 6]])
     out = tiny_llama_model.generate(
-        ids, max_new_tokens=2, cache_implementation="paged_pool", cache_config={"pool": pool}, return_dict_in_generate=True
+        ids,
+        max_new_tokens=2,
+        cache_implementation="paged_pool",
+        cache_config={"pool": pool},
+        return_dict_in_generate=True,
     )
     assert out.cache.pool is pool
     own = tiny_llama_model.generate(
@@ -96,7 +98,11 @@ def test_cache_config_pool_is_used_as_is_and_max_tokens_makes_a_pool(tiny_llama_
 @pytest.mark.parametrize(
     "cache_config,error,match",
     [
-        ({"page_sise": 8}, ValueError, r"Unknown cache_config keys \['page_sise'\].*valid keys are \['page_size', 'pool', 'max_tokens'\]"),
+        (
+            {"page_sise": 8},
+            ValueError,
+            r"Unknown cache_config keys \['page_sise'\].*valid keys are \['page_size', 'pool', 'max_tokens'\]",
+        ),
         ({"page_size": 0}, ValueError, "page_size=0 is out of range"),
         ({"page_size": "16"}, TypeError, "page_size must be an int"),
         ({"max_tokens": -3}, ValueError, "max_tokens must be a positive int"),
@@ -115,7 +121,10 @@ def test_bad_cache_config_is_rejected(tiny_llama_model, cache_config, error, mat
 def test_cache_object_and_name_together_are_rejected(tiny_llama_model):
     with pytest.raises(ValueError, match="both"):
         tiny_llama_model.generate(
-            torch.tensor([[1, 2]]), max_new_tokens=2, cache_implementation="paged_pool", cache=PagedCache(tiny_llama_model.config)
+            torch.tensor([[1, 2]]),
+            max_new_tokens=2,
+            cache_implementation="paged_pool",
+            cache=PagedCache(tiny_llama_model.config),
         )
 
 

@@ -74,7 +74,9 @@ def test_beam_search_and_sampling_match(model_name, request):
     torch.manual_seed(7)
     expected = model.generate(ids, attention_mask=mask, **sampling)
     torch.manual_seed(7)
-    assert torch.equal(expected, model.generate(ids, attention_mask=mask, cache_implementation="paged_pool", **sampling))
+    assert torch.equal(
+        expected, model.generate(ids, attention_mask=mask, cache_implementation="paged_pool", **sampling)
+    )
 
 
 def test_identical_rows_share_prompt_pages(tiny_llama_model):
@@ -92,7 +94,8 @@ def test_identical_rows_share_prompt_pages(tiny_llama_model):
         logits_processor=LogitsProcessorList([recorder]),
     )
     # Prefill: 40 tokens = 2 full pages + 1 partial page, stored once for the 4 rows.
-    # Step 1 writes into the shared partial page: 3 rows copy it, the 4th keeps the original; the full pages stay shared.
+    # Step 1 writes into the shared partial page: 3 rows copy it, the 4th keeps the original.
+    # The full pages stay shared.
     assert recorder.pages_used[:2] == [3, 3 + 3]
     gc.collect()
     assert pool.stats()["pages_used"] == 0
@@ -208,7 +211,11 @@ def test_request_larger_than_pool_fails_alone(tiny_llama_model):
     big, big_mask = padded_batch([60, 50, 40, 55], seed=6)
     with pytest.raises(PoolExhaustedError, match=r"needs \d+ pages but only \d+ of 10 are free.*max_tokens") as error:
         tiny_llama_model.generate(
-            big, attention_mask=big_mask, max_new_tokens=5, cache_implementation="paged_pool", cache_config={"pool": pool}
+            big,
+            attention_mask=big_mask,
+            max_new_tokens=5,
+            cache_implementation="paged_pool",
+            cache_config={"pool": pool},
         )
     assert error.value.total_pages == 10
     del error
@@ -253,7 +260,9 @@ def test_generate_grows_a_small_pool_across_chunks(tiny_llama_model):
     pool = KVPool(page_format, num_pages=3, max_pages=200)
     ids, mask = padded_batch([13, 6, 9], seed=8)
     reference = run(tiny_llama_model, ids, mask, max_new_tokens=25)
-    paged = run(tiny_llama_model, ids, mask, max_new_tokens=25, cache_implementation="paged_pool", cache_config={"pool": pool})
+    paged = run(
+        tiny_llama_model, ids, mask, max_new_tokens=25, cache_implementation="paged_pool", cache_config={"pool": pool}
+    )
     assert len(pool.chunk_sizes) > 2
     assert_same_generation(reference, paged)
 
@@ -271,7 +280,9 @@ def test_smollm2_batch_beam_and_sampling_match(bundled):
     assert_same_generation(reference, paged)
     one = tokenizer(prompts[:1], return_tensors="pt")
     beams = {"num_beams": 4, "max_new_tokens": 8}
-    assert torch.equal(model.generate(**one, **beams), model.generate(**one, cache_implementation="paged_pool", **beams))
+    assert torch.equal(
+        model.generate(**one, **beams), model.generate(**one, cache_implementation="paged_pool", **beams)
+    )
     sampling = {"do_sample": True, "num_return_sequences": 4, "max_new_tokens": 8}
     torch.manual_seed(11)
     expected = model.generate(**one, **sampling)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hf_kvcache  # noqa: F401
-from hf_kvcache import KVPool, PageFormat, PagedCache, PoolExhaustedError
+from hf_kvcache import KVPool, PagedCache, PageFormat, PoolExhaustedError
 
 FORMAT = PageFormat(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32, page_size=16)
 
@@ -125,18 +125,26 @@ def test_pool_of_another_model_is_rejected(tiny_llama_model, tiny_gemma3_model):
         )
     wrong_dtype = KVPool.for_model(tiny_llama_model, max_tokens=64, dtype=torch.float16)
     with pytest.raises(hf_kvcache.IncompatibleModelError, match="dtype torch.float16 vs torch.float32"):
-        PagedCache(tiny_llama_model.config, pool=wrong_dtype).update(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16), 0)
+        PagedCache(tiny_llama_model.config, pool=wrong_dtype).update(
+            torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16), 0
+        )
 
 
 def test_threads_share_one_pool(tiny_llama_model):
     pool = KVPool.for_model(tiny_llama_model, max_tokens=4096)
-    prompts = [torch.randint(1, 128, (1 + i % 3, 5 + 3 * i), generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    prompts = [
+        torch.randint(1, 128, (1 + i % 3, 5 + 3 * i), generator=torch.Generator().manual_seed(i)) for i in range(6)
+    ]
     expected = [tiny_llama_model.generate(p, max_new_tokens=12, do_sample=False) for p in prompts]
     results: dict[int, torch.Tensor] = {}
 
     def work(i: int) -> None:
         results[i] = tiny_llama_model.generate(
-            prompts[i], max_new_tokens=12, do_sample=False, cache_implementation="paged_pool", cache_config={"pool": pool}
+            prompts[i],
+            max_new_tokens=12,
+            do_sample=False,
+            cache_implementation="paged_pool",
+            cache_config={"pool": pool},
         )
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
@@ -158,7 +166,9 @@ def test_cuda_pool_matches_dynamic_cache(tiny_gemma3_model):
     assert pool.device.type == "cuda" and pool.keys[0].is_cuda
     ids = torch.randint(1, 128, (3, 30), device="cuda")
     expected = model.generate(ids, max_new_tokens=20, do_sample=False)
-    actual = model.generate(ids, max_new_tokens=20, do_sample=False, cache_implementation="paged_pool", cache_config={"pool": pool})
+    actual = model.generate(
+        ids, max_new_tokens=20, do_sample=False, cache_implementation="paged_pool", cache_config={"pool": pool}
+    )
     assert torch.equal(expected, actual)
     default = model.generate(ids, max_new_tokens=5, cache_implementation="paged_pool", return_dict_in_generate=True)
     assert default.cache.pool.device.type == "cuda"

@@ -52,7 +52,7 @@ class PoolBinder:
         if seen != (page_format.num_kv_heads, page_format.head_dim):
             raise IncompatibleModelError(
                 f"The model writes {seen[0]} KV heads of size {seen[1]}, but its config says "
-                f"{page_format.num_kv_heads} of size {page_format.head_dim}; layers of mixed geometry are not supported."
+                f"{page_format.num_kv_heads} of size {page_format.head_dim}; mixed layer geometries are not supported."
             )
         pool = self._pool_for(page_format, device)
         rows = self.rows[device] = PagedRows(pool)
@@ -112,7 +112,7 @@ class PoolCache(Cache):
         )
         if unsupported:
             raise IncompatibleModelError(
-                f"{type(config).__name__} has layers of type {unsupported}; hf_kvcache caches support attention layers only."
+                f"{type(config).__name__} has layers of type {unsupported}; our caches serve attention layers only."
             )
         self.options = options
         self._binder = PoolBinder(config, options)
