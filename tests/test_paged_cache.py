@@ -278,13 +278,12 @@ def test_smollm2_batch_beam_and_sampling_match(bundled):
     reference = run(model, batch.input_ids, batch.attention_mask, max_new_tokens=16)
     paged = run(model, batch.input_ids, batch.attention_mask, max_new_tokens=16, cache_implementation="paged_pool")
     assert_same_generation(reference, paged)
-    one = tokenizer(prompts[:1], return_tensors="pt")
     beams = {"num_beams": 4, "max_new_tokens": 8}
     assert torch.equal(
-        model.generate(**one, **beams), model.generate(**one, cache_implementation="paged_pool", **beams)
+        model.generate(**batch, **beams), model.generate(**batch, cache_implementation="paged_pool", **beams)
     )
     sampling = {"do_sample": True, "num_return_sequences": 4, "max_new_tokens": 8}
     torch.manual_seed(11)
-    expected = model.generate(**one, **sampling)
+    expected = model.generate(**batch, **sampling)
     torch.manual_seed(11)
-    assert torch.equal(expected, model.generate(**one, cache_implementation="paged_pool", **sampling))
+    assert torch.equal(expected, model.generate(**batch, cache_implementation="paged_pool", **sampling))

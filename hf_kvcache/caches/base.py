@@ -158,6 +158,18 @@ class PoolCache(Cache):
             raise ValueError(f"This cache spans {len(pools)} devices; use cache.pools.")
         return pools[0] if pools else self._binder.pool
 
+    def memory_stats(self) -> dict[str, int]:
+        """Pages this cache holds (shared pages once), their bytes, and the tokens per row."""
+        pages = {(device, page) for device, rows in self._binder.rows.items() for row in rows.table.rows for page in row}
+        page_bytes = {device: rows.pool.format.page_bytes for device, rows in self._binder.rows.items()}
+        num_rows = max((rows.table.num_rows for rows in self._binder.rows.values()), default=0)
+        return {
+            "pages_held": len(pages),
+            "bytes_held": sum(page_bytes[device] for device, _ in pages),
+            "num_rows": num_rows,
+            "tokens_per_row": self.get_seq_length(),
+        }
+
     def _row_layers(self):
         return [layer for layer in self.layers if not isinstance(layer, DummyLayer)]
 

@@ -1,0 +1,91 @@
+"""The caches an evaluation compares: ours by registered name, and transformers' own.
+
+A ``CacheSpec`` is a label plus how to build a fresh cache for one model; specs are written on
+the command line as ``LABEL=KIND`` or ``LABEL=KIND:key=value,key=value`` (values parsed as JSON
+when they can be, e.g. ``quanto-int4=quantized:backend=quanto,nbits=4``).
+"""
+
+import copy
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import DynamicCache, PreTrainedModel, QuantizedCache, StaticCache
+from transformers.cache_utils import Cache
+
+from hf_kvcache.integration import CACHE_FACTORIES
+
+TRANSFORMERS_KINDS = ("dynamic", "static", "quantized", "sliding")
+"""``dynamic``: DynamicCache (the baseline). ``static``: StaticCache. ``quantized``: QuantizedCache
+(settings: backend, nbits, q_group_size, residual_length, ...). ``sliding``: a DynamicCache on the model's
+config with ``sliding_window`` set on every layer (setting: ``window``), i.e. only the last tokens are kept."""
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """One cache of an evaluation.
+
+    Attributes:
+        label: the name in tables and plots.
+        kind: one of ``TRANSFORMERS_KINDS`` or a registered ``cache_implementation`` name.
+        settings: the cache's ``cache_config``.
+    """
+
+    label: str
+    kind: str
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        known = TRANSFORMERS_KINDS + tuple(CACHE_FACTORIES)
+        if self.kind not in known:
+            raise ValueError(f"Unknown cache kind {self.kind!r} for {self.label!r}; choose one of {list(known)}.")
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.kind == "dynamic" and not self.settings
+
+    def build(self, model: PreTrainedModel, max_cache_len: int) -> Cache:
+        """A fresh, empty cache for ``model``; ``max_cache_len`` sizes a static cache."""
+        config = model.config.get_text_config(decoder=True)
+        settings = dict(self.settings)
+        if self.kind == "dynamic":
+            return DynamicCache(config=config, **settings)
+        if self.kind == "static":
+            return StaticCache(config=config, max_cache_len=max_cache_len, **settings)
+        if self.kind == "quantized":
+            return QuantizedCache(config=config, **settings)
+        if self.kind == "sliding":
+            window = settings.pop("window", None)
+            if not isinstance(window, int) or window < 1 or settings:
+                raise ValueError(f"A sliding cache takes exactly one setting, window=<int >= 1>; got {self.settings}.")
+            windowed = copy.deepcopy(config)
+            windowed.sliding_window = window
+            windowed.layer_types = ["sliding_attention"] * config.num_hidden_layers
+            return DynamicCache(config=windowed)
+        return CACHE_FACTORIES[self.kind].from_cache_config(model.config, settings, model.dtype, model.device)
+
+
+def parse_spec(text: str) -> CacheSpec:
+    """Parses ``LABEL=KIND[:key=value,...]`` (or just ``KIND``, labelled by itself)."""
+    label, _, rest = text.partition("=") if "=" in text.split(":")[0] else (text.split(":")[0], "", text)
+    kind, _, options = rest.partition(":")
+    settings = {}
+    for item in filter(None, options.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"Cache setting {item!r} in {text!r} must look like key=value.")
+        try:
+            settings[key] = json.loads(value)
+        except json.JSONDecodeError:
+            settings[key] = value
+    return CacheSpec(label, kind, settings)
+
+
+def default_specs() -> list[CacheSpec]:
+    """The baseline, every registered cache with its defaults, and transformers' quantized cache when a backend is installed."""
+    specs = [CacheSpec("dynamic", "dynamic")]
+    specs += [CacheSpec(name, name) for name in CACHE_FACTORIES]
+    if importlib.util.find_spec("optimum") and importlib.util.find_spec("optimum.quanto"):
+        specs.append(CacheSpec("quanto-int4", "quantized", {"backend": "quanto", "nbits": 4}))
+    return specs

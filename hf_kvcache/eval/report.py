@@ -1,0 +1,170 @@
+"""Plain report objects of an evaluation, and their JSON, Markdown and PNG forms."""
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hf_kvcache.eval.caches import CacheSpec
+from hf_kvcache.eval.fidelity import TokenMetrics
+
+
+@dataclass
+class CacheResult:
+    """Quality and memory of one cache against the baseline on the same model, data and tokens.
+
+    ``perplexity_change`` is absolute, ``perplexity_change_relative`` a fraction of the baseline's;
+    ``perplexity_by_bucket[i]`` covers predicted positions ``[bucket_edges[i], bucket_edges[i + 1])``.
+    """
+
+    label: str
+    kind: str
+    settings: dict[str, Any]
+    perplexity: float
+    perplexity_change: float
+    perplexity_change_relative: float
+    kl_mean: float
+    top1_agreement: float
+    perplexity_by_bucket: list[float]
+    bucket_edges: list[int]
+    kv_bytes_per_token: float
+    eval_tokens_per_s: float
+    generation_agreement: list[int] = field(default_factory=list)
+    retrieval: dict[str, Any] = field(default_factory=dict)
+    pool_stats: dict[str, Any] | None = None
+
+
+def summarize(specs: list[CacheSpec], metrics: dict[str, TokenMetrics], num_buckets: int = 8) -> list[CacheResult]:
+    """Aggregates per-position metrics into one ``CacheResult`` per spec (the baseline first)."""
+    baseline = next(iter(metrics))  # compare_in_decode_mode puts the baseline first
+    base_ppl = math.exp(metrics[baseline].nll.mean().item())
+    kinds = {spec.label: spec for spec in specs}
+    results = []
+    for label, metric in metrics.items():
+        num_positions = metric.nll.shape[1]
+        edges = [round(i * num_positions / num_buckets) for i in range(num_buckets + 1)]
+        ppl = math.exp(metric.nll.mean().item())
+        spec = kinds.get(label, CacheSpec(label, "dynamic"))
+        results.append(
+            CacheResult(
+                label=label,
+                kind=spec.kind,
+                settings=spec.settings,
+                perplexity=ppl,
+                perplexity_change=ppl - base_ppl,
+                perplexity_change_relative=ppl / base_ppl - 1,
+                kl_mean=metric.kl.mean().item(),
+                top1_agreement=metric.top1_agree.float().mean().item(),
+                perplexity_by_bucket=[math.exp(metric.nll[:, a:b].mean().item()) for a, b in zip(edges, edges[1:])],
+                bucket_edges=edges,
+                kv_bytes_per_token=metric.kv_bytes_per_token,
+                eval_tokens_per_s=metric.nll.numel() / metric.seconds if metric.seconds else float("nan"),
+                pool_stats=metric.pool_stats,
+            )
+        )
+    return results
+
+
+@dataclass
+class EvalReport:
+    """Everything one evaluation run measured, with the exact configuration that reproduces it."""
+
+    config: dict[str, Any]
+    data: dict[str, Any]
+    environment: dict[str, Any]
+    seconds: float
+    caches: list[CacheResult]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def save(self, directory: str | Path) -> dict[str, Path]:
+        """Writes ``report.json``, ``report.md`` and the plots into ``directory``; returns their paths."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        paths = {"json": directory / "report.json", "markdown": directory / "report.md"}
+        paths["json"].write_text(json.dumps(self.to_dict(), indent=2, default=str) + "\n")
+        paths["markdown"].write_text(self.markdown() + "\n")
+        paths.update(self.plot(directory))
+        return paths
+
+    def markdown(self) -> str:
+        """The results table (one row per cache) in Markdown."""
+        has_retrieval = any(result.retrieval for result in self.caches)
+        header = ["cache", "perplexity", "Δ ppl", "Δ ppl %", "KL (nats)", "top-1 agree", "greedy agree (tokens)"]
+        header += ["retrieval acc"] if has_retrieval else []
+        header += ["KV bytes/token", "eval tokens/s"]
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for r in self.caches:
+            greedy = (
+                f"{sum(r.generation_agreement) / len(r.generation_agreement):.1f}" if r.generation_agreement else "–"
+            )
+            row = [
+                r.label,
+                f"{r.perplexity:.3f}",
+                f"{r.perplexity_change:+.4f}",
+                f"{100 * r.perplexity_change_relative:+.3f}",
+                f"{r.kl_mean:.2e}",
+                f"{100 * r.top1_agreement:.2f}%",
+                greedy,
+            ]
+            row += [f"{100 * r.retrieval['accuracy']:.0f}%" if r.retrieval else "–"] if has_retrieval else []
+            row += [f"{r.kv_bytes_per_token:,.0f}", f"{r.eval_tokens_per_s:.1f}"]
+            lines.append("| " + " | ".join(row) + " |")
+        return "\n".join(lines)
+
+    def plot(self, directory: Path) -> dict[str, Path]:
+        """PNG plots: quality change against KV bytes per token; perplexity by position."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        paths = {"plot_quality_vs_memory": directory / "quality_vs_memory.png"}
+        figure, axis = plt.subplots(figsize=(6, 4))
+        for r in self.caches:
+            axis.scatter(r.kv_bytes_per_token, 100 * r.perplexity_change_relative)
+            axis.annotate(r.label, (r.kv_bytes_per_token, 100 * r.perplexity_change_relative), fontsize=8)
+        axis.set_xlabel("KV bytes per token")
+        axis.set_ylabel("perplexity change vs DynamicCache (%)")
+        axis.set_title(f"{self.config.get('model', '')}: quality vs memory")
+        axis.grid(alpha=0.3)
+        figure.tight_layout()
+        figure.savefig(paths["plot_quality_vs_memory"], dpi=120)
+        plt.close(figure)
+
+        paths["plot_perplexity_by_position"] = directory / "perplexity_by_position.png"
+        figure, axis = plt.subplots(figsize=(6, 4))
+        for r in self.caches:
+            centers = [(a + b) / 2 for a, b in zip(r.bucket_edges, r.bucket_edges[1:])]
+            axis.plot(centers, r.perplexity_by_bucket, marker="o", label=r.label)
+        axis.set_xlabel("token position")
+        axis.set_ylabel("perplexity")
+        axis.set_title("perplexity by position (teacher-forced through the cache)")
+        axis.legend(fontsize=8)
+        axis.grid(alpha=0.3)
+        figure.tight_layout()
+        figure.savefig(paths["plot_perplexity_by_position"], dpi=120)
+        plt.close(figure)
+        return paths
+
+
+def environment() -> dict[str, Any]:
+    """Versions and hardware, for the report."""
+    import os
+    import platform
+
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
