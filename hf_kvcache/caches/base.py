@@ -160,7 +160,8 @@ class PoolCache(Cache):
 
     def memory_stats(self) -> dict[str, int]:
         """Pages this cache holds (shared pages once), their bytes, and the tokens per row."""
-        pages = {(device, page) for device, rows in self._binder.rows.items() for row in rows.table.rows for page in row}
+        bound = self._binder.rows.items()
+        pages = {(device, page) for device, rows in bound for row in rows.table.rows for page in row}
         page_bytes = {device: rows.pool.format.page_bytes for device, rows in self._binder.rows.items()}
         num_rows = max((rows.table.num_rows for rows in self._binder.rows.values()), default=0)
         return {

@@ -83,7 +83,7 @@ def parse_spec(text: str) -> CacheSpec:
 
 
 def default_specs() -> list[CacheSpec]:
-    """The baseline, every registered cache with its defaults, and transformers' quantized cache when a backend is installed."""
+    """The baseline, every registered cache with its defaults, and transformers' quanto int4 cache if installed."""
     specs = [CacheSpec("dynamic", "dynamic")]
     specs += [CacheSpec(name, name) for name in CACHE_FACTORIES]
     if importlib.util.find_spec("optimum") and importlib.util.find_spec("optimum.quanto"):

@@ -106,7 +106,7 @@ class EvalReport:
                 r.label,
                 f"{r.perplexity:.3f}",
                 f"{r.perplexity_change:+.4f}",
-                f"{100 * r.perplexity_change_relative:+.3f}",
+                f"{100 * r.perplexity_change_relative:+.4f}",
                 f"{r.kl_mean:.2e}",
                 f"{100 * r.top1_agreement:.2f}%",
                 greedy,
