@@ -125,9 +125,11 @@ class EvalReport:
 
         paths = {"plot_quality_vs_memory": directory / "quality_vs_memory.png"}
         figure, axis = plt.subplots(figsize=(6, 4))
-        for r in self.caches:
-            axis.scatter(r.kv_bytes_per_token, 100 * r.perplexity_change_relative)
-            axis.annotate(r.label, (r.kv_bytes_per_token, 100 * r.perplexity_change_relative), fontsize=8)
+        for i, r in enumerate(self.caches):
+            point = (r.kv_bytes_per_token, 100 * r.perplexity_change_relative)
+            axis.scatter(*point)
+            # Lossless caches sit on one spot: stagger their labels.
+            axis.annotate(r.label, point, xytext=(4, 4 + 9 * i), textcoords="offset points", fontsize=8)
         axis.set_xlabel("KV bytes per token")
         axis.set_ylabel("perplexity change vs DynamicCache (%)")
         axis.set_title(f"{self.config.get('model', '')}: quality vs memory")
