@@ -81,6 +81,13 @@ class EvalReport:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def load(cls, path: str | Path) -> "EvalReport":
+        """Reads a ``report.json`` written by ``save``."""
+        fields = json.loads(Path(path).read_text())
+        fields["caches"] = [CacheResult(**result) for result in fields["caches"]]
+        return cls(**fields)
+
     def save(self, directory: str | Path) -> dict[str, Path]:
         """Writes ``report.json``, ``report.md`` and the plots into ``directory``; returns their paths."""
         directory = Path(directory)
@@ -125,11 +132,16 @@ class EvalReport:
 
         paths = {"plot_quality_vs_memory": directory / "quality_vs_memory.png"}
         figure, axis = plt.subplots(figsize=(6, 4))
-        for i, r in enumerate(self.caches):
+        placed: list[tuple[float, float]] = []
+        for r in self.caches:
             point = (r.kv_bytes_per_token, 100 * r.perplexity_change_relative)
             axis.scatter(*point)
-            # Lossless caches sit on one spot: stagger their labels.
-            axis.annotate(r.label, point, xytext=(4, 4 + 9 * i), textcoords="offset points", fontsize=8)
+            # Lossless caches sit on one spot: stack the labels of points that coincide.
+            stacked = sum(
+                math.isclose(point[0], x, rel_tol=0.01) and math.isclose(point[1], y, abs_tol=0.5) for x, y in placed
+            )
+            placed.append(point)
+            axis.annotate(r.label, point, xytext=(4, 4 + 9 * stacked), textcoords="offset points", fontsize=8)
         axis.set_xlabel("KV bytes per token")
         axis.set_ylabel("perplexity change vs DynamicCache (%)")
         axis.set_title(f"{self.config.get('model', '')}: quality vs memory")
