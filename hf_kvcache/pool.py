@@ -193,8 +193,13 @@ class KVPool:
     def _add_chunk(self, start: int, num_pages: int) -> None:
         fmt = self.format
         shape = (fmt.num_layers, fmt.num_kv_heads, num_pages, fmt.page_size, fmt.head_dim)
-        self.keys.append(torch.zeros(shape, dtype=fmt.dtype, device=self.device))  # [layers, heads, pages, slots, dim]
-        self.values.append(torch.zeros(shape, dtype=fmt.dtype, device=self.device))
+        # Normal tensors even when made under torch.inference_mode(): the pool outlives that scope and is
+        # written in place by later calls that may run outside it.
+        with torch.inference_mode(False):
+            self.keys.append(
+                torch.zeros(shape, dtype=fmt.dtype, device=self.device)
+            )  # [layers, heads, pages, slots, dim]
+            self.values.append(torch.zeros(shape, dtype=fmt.dtype, device=self.device))
         self.chunk_starts.append(start)
         self.chunk_sizes.append(num_pages)
 

@@ -117,6 +117,16 @@ def test_named_default_and_copied_pools(tiny_llama_model):
     assert first is second and first.max_pages > first.stats()["pages_total"]
 
 
+def test_pool_made_under_inference_mode_serves_calls_outside_it(tiny_llama_model):
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.inference_mode():
+        pool = KVPool.for_model(tiny_llama_model, max_tokens=256)
+        config = {"cache_implementation": "paged_pool", "cache_config": {"pool": pool}, "max_new_tokens": 4}
+        inside = tiny_llama_model.generate(ids, **config)
+    assert not pool.keys[0].is_inference()
+    assert torch.equal(tiny_llama_model.generate(ids, **config), inside)
+
+
 def test_pool_of_another_model_is_rejected(tiny_llama_model, tiny_gemma3_model):
     pool = KVPool.for_model(tiny_gemma3_model, max_tokens=64)
     with pytest.raises(hf_kvcache.IncompatibleModelError, match="num_layers 4 vs 2.*KVPool.for_model"):
