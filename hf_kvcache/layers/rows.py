@@ -6,6 +6,8 @@ layer at once, since a page id addresses the same slots in every layer); the lay
 find the table already grown and reuse the same index tensors.
 """
 
+from collections.abc import Callable
+
 import torch
 
 from hf_kvcache.kernels import ChunkIndex, read_pages, split_by_chunk, write_slots
@@ -101,8 +103,9 @@ class PagedRows:
         """Returns all pages to the pool."""
         self._apply(self.table.release)
 
-    def _apply(self, change) -> None:
+    def _apply(self, change: Callable[[], list[tuple[int, int]] | None]) -> None:
         """Runs a table change under the pool lock, copies the pages it asks for, drops cached indices."""
+        self._groups = None
         with self.pool.lock:
             copies = change()
         if copies:
@@ -124,8 +127,9 @@ class PagedRows:
             )
         ]
         if differing:
+            end = self._groups[0]
             self._apply(lambda: self.table.make_private(differing))
-            self._groups = (self._groups[0], [row if row in differing else group for row, group in enumerate(groups)])
+            self._groups = (end, [row if row in differing else group for row, group in enumerate(groups)])
 
     def _page_ids(self) -> torch.Tensor:
         """The page table as a ``[batch, num_pages]`` tensor on the pool's device."""
