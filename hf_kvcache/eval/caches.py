@@ -83,9 +83,12 @@ def parse_spec(text: str) -> CacheSpec:
 
 
 def default_specs() -> list[CacheSpec]:
-    """The baseline, every registered cache with its defaults, and transformers' quanto int4 cache if installed."""
+    """The baseline, every registered cache with its defaults, and transformers' int4 quantized cache for each
+    installed backend (quanto, hqq)."""
     specs = [CacheSpec("dynamic", "dynamic")]
     specs += [CacheSpec(name, name) for name in CACHE_FACTORIES]
     if importlib.util.find_spec("optimum") and importlib.util.find_spec("optimum.quanto"):
         specs.append(CacheSpec("quanto-int4", "quantized", {"backend": "quanto", "nbits": 4}))
+    if importlib.util.find_spec("hqq"):
+        specs.append(CacheSpec("hqq-int4", "quantized", {"backend": "hqq", "nbits": 4}))
     return specs
