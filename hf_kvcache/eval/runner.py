@@ -96,8 +96,9 @@ def run_evaluation(config: EvalConfig) -> EvalReport:
 
     settings: dict[str, Any] = dataclasses.asdict(config)
     settings["specs"] = [dataclasses.asdict(spec) for spec in specs]
-    settings["model"] = BUNDLED_MODEL if config.model == "bundled" else config.model
-    settings["model_revision"] = BUNDLED_SOURCE if config.model == "bundled" else model.config._commit_hash
+    bundled = config.model == "bundled"
+    settings["model"] = BUNDLED_MODEL if bundled else config.model
+    settings["model_revision"] = BUNDLED_SOURCE if bundled else getattr(model.config, "_commit_hash", None)
     data = dict(windows.provenance)
     data["batching"] = (
         f"{config.num_documents} documents of {config.document_tokens} tokens run as one batch; every cache "
