@@ -182,3 +182,31 @@ def test_cuda_pool_matches_dynamic_cache(tiny_gemma3_model):
     assert torch.equal(expected, actual)
     default = model.generate(ids, max_new_tokens=5, cache_implementation="paged_pool", return_dict_in_generate=True)
     assert default.cache.pool.device.type == "cuda"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_model_split_across_devices_gets_one_pool_per_device(tiny_llama_model):
+    """Layer 0 on the CPU, layer 1 on the GPU (accelerate's hooks move activations between them)."""
+    from accelerate import dispatch_model
+
+    model = dispatch_model(
+        copy.deepcopy(tiny_llama_model),
+        device_map={
+            "model.embed_tokens": "cpu",
+            "model.rotary_emb": "cpu",
+            "model.layers.0": "cpu",
+            "model.layers.1": 0,
+            "model.norm": 0,
+            "lm_head": 0,
+        },
+    )
+    ids = torch.randint(1, 128, (2, 20))
+    expected = tiny_llama_model.generate(ids, max_new_tokens=10, do_sample=False)
+    out = model.generate(
+        ids, max_new_tokens=10, do_sample=False, cache_implementation="paged_pool", return_dict_in_generate=True
+    )
+    assert torch.equal(out.sequences.cpu(), expected)
+    assert sorted(device.type for device in out.cache.pools) == ["cpu", "cuda"]
+    with pytest.raises(ValueError, match="spans 2 devices"):
+        _ = out.cache.pool
