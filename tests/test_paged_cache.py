@@ -180,8 +180,12 @@ def test_row_operations_match_dynamic_cache(tiny_llama_model):
     assert paged.get_seq_length() == dynamic.get_seq_length() == 5
     step(3, 6)
     for cache in (paged, dynamic):
-        cache.batch_select_indices(torch.tensor([4, 0]))
-    step(9, 2)
+        cache.batch_select_indices(torch.tensor([4, 0, 2]))
+    step(9, 3)
+    keep = torch.tensor([True, False, True])
+    paged.batch_select_indices(keep)
+    dynamic.batch_select_indices(keep.nonzero().flatten())
+    step(1, 2)
     pool = paged.pool
     paged.reset()
     assert pool.stats()["pages_used"] == 0 and paged.get_seq_length() == 0

@@ -189,7 +189,11 @@ class PoolCache(Cache):
                 rows.select_rows([row for row in range(rows.table.num_rows) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select_rows(torch.as_tensor(indices).flatten().tolist())
+        """Keeps the rows named by ``indices`` (row numbers, or a boolean mask over the rows)."""
+        indices = torch.as_tensor(indices)
+        if indices.dtype == torch.bool:
+            indices = indices.nonzero()
+        self._select_rows(indices.flatten().tolist())
 
     def crop(self, tokens_to_remove: int) -> None:
         """Removes the last ``-tokens_to_remove`` tokens (``tokens_to_remove <= 0``), returning emptied pages."""
