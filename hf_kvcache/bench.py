@@ -46,6 +46,7 @@ from transformers.cache_utils import Cache
 from hf_kvcache.caches import PagedCache
 from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.eval.data import load_essays
+from hf_kvcache.eval.fidelity import kv_bytes
 from hf_kvcache.pool import KVPool
 
 logger = logging.getLogger("hf_kvcache.bench")
@@ -386,12 +387,8 @@ def _decode(
 
 
 def _kv_bytes_per_token(cache: Cache, batch: int) -> float:
-    """Pool caches: bytes of pages in use per token held; others: bytes of their layer tensors per token held."""
-    if isinstance(cache, PoolCache):
-        stats = cache.pool.stats()
-        return stats["bytes_used"] / stats["tokens_held"]
-    tokens = batch * int(cache.get_seq_length())
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers) / tokens
+    """KV bytes the cache holds (pool pages, or layer tensors) per token held."""
+    return kv_bytes(cache) / (batch * int(cache.get_seq_length()))
 
 
 def _summarize(

@@ -69,7 +69,7 @@ def kv_bytes(cache: Cache) -> int:
 
 
 def _tensor_bytes(value: object) -> int:
-    if not isinstance(value, torch.Tensor):
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:  # 0-dim tensors are counters, not KV
         return 0
     if hasattr(value, "__tensor_flatten__"):  # quantized tensor subclasses: count their packed parts
         names, _ = value.__tensor_flatten__()
