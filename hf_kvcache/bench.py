@@ -40,11 +40,11 @@ from typing import Any
 import psutil
 import torch
 import transformers
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase, StaticCache
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 
-from hf_kvcache.caches import PagedCache
 from hf_kvcache.caches.base import PoolCache
+from hf_kvcache.eval.caches import CacheSpec
 from hf_kvcache.eval.data import load_essays
 from hf_kvcache.eval.fidelity import kv_bytes
 from hf_kvcache.pool import KVPool
@@ -334,21 +334,13 @@ def _measure(
     runs: dict[str, list[_Run]] = {name: [] for name in config.caches}
     for _ in range(config.rounds):
         for name in config.caches:
-            cache = _make_cache(name, model, capacity, pool)
+            cache = CacheSpec(name, name, {"pool": pool} if name == "paged_pool" else {}).build(model, capacity)
             runs[name].append(_decode(model, cache, prefill, length, batch, config))
             if isinstance(cache, PoolCache):
                 cache.release()
             del cache
             gc.collect()
     return runs
-
-
-def _make_cache(name: str, model: PreTrainedModel, capacity: int, pool: KVPool | None) -> Cache:
-    if name == "dynamic":
-        return DynamicCache(config=model.config)
-    if name == "static":
-        return StaticCache(config=model.config, max_cache_len=capacity)
-    return PagedCache(model.config, pool=pool)
 
 
 def _decode(
