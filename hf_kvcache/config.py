@@ -25,12 +25,48 @@ def check_page_size(page_size: int) -> int:
     return page_size
 
 
+def layer_types(config: Any) -> list[str]:
+    """The attention type of each layer of a (decoder) config: ``full_attention``, ``sliding_attention``, ...
+
+    Mirrors ``transformers.cache_utils.get_layer_types_and_kwargs`` (which this module cannot
+    import): ``config.layer_types`` when given, else sliding where the config has a window. Layers
+    that keep no cache of their own are ``dummy``.
+    """
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        if getattr(config, "sliding_window", None) is not None:
+            kind = "sliding_attention"
+        elif getattr(config, "attention_chunk_size", None) is not None:
+            kind = "chunked_attention"
+        else:
+            kind = "full_attention"
+        types = [kind] * config.num_hidden_layers
+    modes = getattr(config, "kv_sharing_modes", None) or [None] * len(types)
+    return ["dummy" if kind in ("moe", "mlp") or mode == "reuse" else kind for kind, mode in zip(types, modes)]
+
+
+def layer_groups(types: list[str]) -> list[list[int]]:
+    """Splits the cached layers into equal groups of one attention type each (``dummy`` layers left out).
+
+    A page spans the layers of one group, and each group has its own page table, so layers that
+    keep different tokens (a full layer keeps all, a sliding layer only its window) never share a
+    page. The group size is the greatest common divisor of the layer counts of each type: a model of
+    one type is one group of all its layers; Gemma 3 (25 sliding + 5 full layers) is 6 groups of 5.
+    """
+    kinds = [kind for kind in dict.fromkeys(types) if kind != "dummy"]
+    members = {kind: [idx for idx, other in enumerate(types) if other == kind] for kind in kinds}
+    size = math.gcd(*(len(layers) for layers in members.values()))
+    return [layers[i : i + size] for layers in members.values() for i in range(0, len(layers), size)]
+
+
 @dataclass(frozen=True)
 class PageFormat:
-    """Geometry of one page: ``page_size`` token slots in every layer of one model.
+    """Geometry of one page: ``page_size`` token slots in every layer of one group of layers.
 
     A slot is one token's key and value in one layer; one page id addresses the same
-    ``page_size`` slots in all ``num_layers`` layers.
+    ``page_size`` slots in the ``num_layers`` layers of whichever group's page table holds it.
+    A model whose layers are all of one type is one group (``num_groups == 1``); a hybrid model
+    (sliding and full layers) has ``num_groups`` groups of ``num_layers`` layers (``layer_groups``).
     """
 
     num_layers: int
@@ -38,28 +74,29 @@ class PageFormat:
     head_dim: int
     dtype: torch.dtype
     page_size: int = DEFAULT_PAGE_SIZE
+    num_groups: int = 1
 
     def __post_init__(self) -> None:
         check_page_size(self.page_size)
-        for name in ("num_layers", "num_kv_heads", "head_dim"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "num_groups"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PageFormat.{name} must be >= 1, got {getattr(self, name)}.")
         if not self.dtype.is_floating_point:
             raise ValueError(f"PageFormat.dtype must be a floating dtype, got {self.dtype}.")
 
     @property
-    def token_bytes(self) -> int:
-        """Bytes of one token's keys and values across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+    def page_bytes(self) -> int:
+        """Bytes of one page (keys and values of ``page_size`` slots in ``num_layers`` layers)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize * self.page_size
 
     @property
-    def page_bytes(self) -> int:
-        """Bytes of one page across all layers."""
-        return self.token_bytes * self.page_size
+    def token_bytes(self) -> int:
+        """Bytes of one token's keys and values in every layer of the model (all groups)."""
+        return self.page_bytes // self.page_size * self.num_groups
 
     def pages_for_tokens(self, num_tokens: int) -> int:
-        """Pages needed to hold ``num_tokens`` tokens of one sequence."""
-        return math.ceil(num_tokens / self.page_size)
+        """Pages holding ``num_tokens`` tokens of one sequence in every layer (a page per group per ``page_size``)."""
+        return math.ceil(num_tokens / self.page_size) * self.num_groups
 
     @classmethod
     def from_model_config(cls, config: Any, dtype: torch.dtype, page_size: int = DEFAULT_PAGE_SIZE) -> Self:
@@ -81,7 +118,8 @@ class PageFormat:
             )
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        return cls(num_layers, num_kv_heads, head_dim, dtype, page_size)
+        groups = layer_groups(layer_types(config))
+        return cls(len(groups[0]), num_kv_heads, head_dim, dtype, page_size, len(groups))
 
 
 @dataclass(frozen=True)

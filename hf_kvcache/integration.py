@@ -22,12 +22,12 @@ from transformers.cache_utils import Cache
 from transformers.generation import configuration_utils
 from transformers.generation.utils import GenerationMixin
 
-from hf_kvcache.caches import PagedCache
+from hf_kvcache.caches import PagedCache, SlidingRingCache
 from hf_kvcache.caches.base import PoolCache
 
 SUPPORTED_TRANSFORMERS = (Version("5.0"), Version("6.0"))
 
-CACHE_FACTORIES: dict[str, type[PoolCache]] = {"paged_pool": PagedCache}
+CACHE_FACTORIES: dict[str, type[PoolCache]] = {"paged_pool": PagedCache, "sliding_ring": SlidingRingCache}
 """Our ``cache_implementation`` names and the cache class each builds."""
 
 _lock = threading.Lock()

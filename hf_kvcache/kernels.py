@@ -77,18 +77,34 @@ def read_pages(
         ``[batch, heads, num_tokens, head_dim]``, a permuted view of a fresh tensor.
     """
     _, heads, _, page_size, head_dim = chunks[0].shape
-    flat = [
-        chunk[layer_idx].view(-1, page_size * head_dim) for chunk in chunks
-    ]  # [heads * pages, page_size * head_dim]
-    if len(parts) == 1 and parts[0].positions is None:
-        out = flat[parts[0].chunk_idx].index_select(0, parts[0].index)
-    else:
-        num_rows = sum(part.index.numel() for part in parts)
-        out = flat[0].new_empty(num_rows, page_size * head_dim)
-        for part in parts:
-            out.index_copy_(0, part.positions, flat[part.chunk_idx].index_select(0, part.index))
+    out = _gather([chunk[layer_idx].view(-1, page_size * head_dim) for chunk in chunks], parts)
     out = out.view(heads, batch, -1, head_dim)[:, :, :num_tokens]  # [heads, batch, tokens, head_dim]
     return out.permute(1, 0, 2, 3)
+
+
+def read_slots(chunks: list[torch.Tensor], layer_idx: int, parts: list[ChunkIndex], batch: int) -> torch.Tensor:
+    """Gathers single slots of a layer, in the order given (a ring's tokens in time order).
+
+    Args:
+        chunks: as for ``read_pages``.
+        parts: from ``split_by_chunk`` over ``[batch, n]`` slot page ids and offsets.
+
+    Returns:
+        ``[batch, heads, n, head_dim]``, a permuted view of a fresh tensor.
+    """
+    heads, head_dim = chunks[0].shape[1], chunks[0].shape[-1]
+    out = _gather([chunk[layer_idx].view(-1, head_dim) for chunk in chunks], parts)  # [heads * batch * n, head_dim]
+    return out.view(heads, batch, -1, head_dim).permute(1, 0, 2, 3)
+
+
+def _gather(flat: list[torch.Tensor], parts: list[ChunkIndex]) -> torch.Tensor:
+    """Rows ``parts`` of the flattened chunks ``flat``, in the order of the parts' positions."""
+    if len(parts) == 1 and parts[0].positions is None:
+        return flat[parts[0].chunk_idx].index_select(0, parts[0].index)
+    out = flat[0].new_empty(sum(part.index.numel() for part in parts), flat[0].shape[1])
+    for part in parts:
+        out.index_copy_(0, part.positions, flat[part.chunk_idx].index_select(0, part.index))
+    return out
 
 
 def write_slots(chunks: list[torch.Tensor], layer_idx: int, parts: list[ChunkIndex], states: torch.Tensor) -> None:

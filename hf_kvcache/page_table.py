@@ -80,11 +80,19 @@ class PageTable:
         self.num_tokens = end
         return copies
 
-    def make_private(self, rows: list[int]) -> list[tuple[int, int]]:
-        """Gives ``rows`` their own copy of every page they share; returns the ``(src, dst)`` copies."""
-        cells = [(row, index) for row in rows for index in range(len(self.rows[row]))]
+    def make_private(self, rows: list[int], indices: list[int] | None = None) -> list[tuple[int, int]]:
+        """Gives ``rows`` their own copy of each page they share (of pages ``indices`` only, if given).
+
+        Returns:
+            the ``(src, dst)`` copies the caller must make before writing.
+
+        Raises:
+            PoolExhaustedError: not enough free pages for the copies; nothing changed.
+        """
+        cells = [(row, index) for row in rows for index in (range(len(self.rows[row])) if indices is None else indices)]
         copies = self._copy_on_write(cells, 0)[0]
-        self.version += 1
+        if copies:
+            self.version += 1
         return copies
 
     def _copy_on_write(self, cells: list[tuple[int, int]], num_extra: int) -> tuple[list[tuple[int, int]], list[int]]:

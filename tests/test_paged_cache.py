@@ -4,6 +4,7 @@ import gc
 
 import pytest
 import torch
+from helpers import assert_same_generation, padded_batch, run
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 import hf_kvcache  # noqa: F401  (registers "paged_pool")
@@ -11,30 +12,6 @@ from hf_kvcache import KVPool, PagedCache, PoolExhaustedError
 from hf_kvcache.models import tiny_llama
 
 MODELS = ["tiny_llama_model", "tiny_mistral_model", "tiny_gemma3_model"]
-
-
-def padded_batch(lengths: list[int], vocab: int = 128, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random token rows of the given lengths, left-padded with token 0."""
-    generator = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, length in enumerate(lengths):
-        ids[row, width - length :] = torch.randint(1, vocab, (length,), generator=generator)
-        mask[row, width - length :] = 1
-    return ids, mask
-
-
-def run(model, ids, mask, **kwargs):
-    return model.generate(
-        ids, attention_mask=mask, do_sample=False, return_dict_in_generate=True, output_logits=True, **kwargs
-    )
-
-
-def assert_same_generation(reference, candidate):
-    assert torch.equal(reference.sequences, candidate.sequences)
-    for step, (expected, actual) in enumerate(zip(reference.logits, candidate.logits, strict=True)):
-        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=f"logits differ at step {step}")
 
 
 class RecordPages(LogitsProcessor):

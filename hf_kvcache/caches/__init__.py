@@ -1,5 +1,6 @@
 """Our ``transformers.Cache`` subclasses, one file per cache over ``base.PoolCache``."""
 
 from hf_kvcache.caches.paged import PagedCache
+from hf_kvcache.caches.ring import SlidingRingCache
 
-__all__ = ["PagedCache"]
+__all__ = ["PagedCache", "SlidingRingCache"]

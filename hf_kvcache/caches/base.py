@@ -5,48 +5,83 @@ Subclasses state only which layer kind each model layer gets (``_make_layer``).
 """
 
 import dataclasses
+import functools
 import weakref
+from dataclasses import dataclass
 from typing import Any, Self
 
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import Cache, DummyLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, get_layer_types_and_kwargs
 
-from hf_kvcache.config import CacheOptions, PageFormat
+from hf_kvcache.config import CacheOptions, PageFormat, layer_groups
 from hf_kvcache.errors import IncompatibleModelError
-from hf_kvcache.layers.rows import PagedRows
+from hf_kvcache.layers import PagedLayer, PagedRows, RingLayer, RingRows
 from hf_kvcache.pool import KVPool
+
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+@dataclass(frozen=True)
+class RowPolicy:
+    """Which tokens a group of layers keeps: all of them (``window=None``), or a ring of the last ``window``.
+
+    Attributes:
+        window: tokens each query attends to, itself included; ``None`` keeps every token.
+        sink_tokens: first tokens of a row a ring keeps for good.
+        is_sliding: the model's own mask applies the window (a sliding layer of the model).
+    """
+
+    window: int | None = None
+    sink_tokens: int = 0
+    is_sliding: bool = False
+
+    def make_rows(self, pool: KVPool) -> PagedRows:
+        return PagedRows(pool) if self.window is None else RingRows(pool, self.window, self.sink_tokens)
 
 
 class PoolBinder:
-    """Finds (once per device) the pool a cache's layers write to, and the ``PagedRows`` on it.
+    """Finds (once per device) the pool a cache's layers write to, and each group's rows on it.
 
     Kept apart from the cache so that layers and the cache's finalizer can hold it without a
     reference cycle back to the cache.
+
+    Args:
+        config: the model's decoder config.
+        options: the cache's options.
+        policies: the row policy of each group of layers (``config.layer_groups``).
     """
 
-    def __init__(self, config: PreTrainedConfig, options: CacheOptions) -> None:
+    def __init__(self, config: PreTrainedConfig, options: CacheOptions, policies: list[RowPolicy]) -> None:
         self.config = config
         self.options = options
-        self.rows: dict[torch.device, PagedRows] = {}
+        self.policies = policies
+        self.pools: dict[torch.device, KVPool] = {}
+        self.rows: dict[tuple[torch.device, int], PagedRows] = {}
         self.pool = KVPool.named(options.pool) if isinstance(options.pool, str) else options.pool
         if self.pool is not None and not isinstance(self.pool, KVPool):
             raise TypeError(f"cache_config pool must be a KVPool or a pool's name, got {type(self.pool).__name__}.")
 
-    def __call__(self, key_states: torch.Tensor) -> PagedRows:
-        return self.bind(key_states.device, key_states.dtype, key_states.shape[1], key_states.shape[-1])
+    def rows_for(self, group_idx: int, key_states: torch.Tensor) -> PagedRows:
+        """The rows of group ``group_idx`` on the device of ``key_states`` (made on first use)."""
+        device = key_states.device
+        rows = self.rows.get((device, group_idx))
+        if rows is None:
+            pool = self.bind(device, key_states.dtype, key_states.shape[1], key_states.shape[-1])
+            rows = self.rows[(device, group_idx)] = self.policies[group_idx].make_rows(pool)
+        return rows
 
     def bind(
         self, device: torch.device, dtype: torch.dtype, num_kv_heads: int | None = None, head_dim: int | None = None
-    ) -> PagedRows:
-        """The rows on ``device``, resolving the pool on first use.
+    ) -> KVPool:
+        """The pool on ``device``, resolved on first use.
 
         Raises:
             IncompatibleModelError: the states, or the given pool, do not match the model's geometry.
         """
-        rows = self.rows.get(device)
-        if rows is not None:
-            return rows
+        pool = self.pools.get(device)
+        if pool is not None:
+            return pool
         page_format = PageFormat.from_model_config(self.config, dtype, self.options.page_size)
         seen = (num_kv_heads or page_format.num_kv_heads, head_dim or page_format.head_dim)
         if seen != (page_format.num_kv_heads, page_format.head_dim):
@@ -54,9 +89,8 @@ class PoolBinder:
                 f"The model writes {seen[0]} KV heads of size {seen[1]}, but its config says "
                 f"{page_format.num_kv_heads} of size {page_format.head_dim}; mixed layer geometries are not supported."
             )
-        pool = self._pool_for(page_format, device)
-        rows = self.rows[device] = PagedRows(pool)
-        return rows
+        pool = self.pools[device] = self._pool_for(page_format, device)
+        return pool
 
     def _pool_for(self, page_format: PageFormat, device: torch.device) -> KVPool:
         options = self.options
@@ -68,7 +102,7 @@ class PoolBinder:
         theirs, ours = pool.format, page_format
         mismatches = [
             f"{name} {getattr(theirs, name)} vs {getattr(ours, name)}"
-            for name in ("num_layers", "num_kv_heads", "head_dim", "dtype")
+            for name in ("num_layers", "num_groups", "num_kv_heads", "head_dim", "dtype")
             if getattr(theirs, name) != getattr(ours, name)
         ]
         if pool.device != device:
@@ -88,6 +122,10 @@ class PoolBinder:
 class PoolCache(Cache):
     """A ``transformers.Cache`` whose layers live in pool pages.
 
+    The model's layers are split into groups of one attention type (``config.layer_groups``); each
+    group has its own page table, and a subclass says which tokens each group keeps
+    (``_row_policy``): every token, or a ring of the last ``window``.
+
     Args:
         config: the model's config (its decoder config is used).
         options: the cache's ``cache_config``, checked.
@@ -103,23 +141,31 @@ class PoolCache(Cache):
     ) -> None:
         config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
-        unsupported = sorted(
-            {
-                kind
-                for kind in layer_types
-                if kind not in ("full_attention", "sliding_attention", "chunked_attention", "dummy")
-            }
-        )
+        unsupported = sorted({kind for kind in layer_types if kind not in (*ATTENTION_LAYER_TYPES, "dummy")})
         if unsupported:
             raise IncompatibleModelError(
                 f"{type(config).__name__} has layers of type {unsupported}; our caches serve attention layers only."
             )
         self.options = options
-        self._binder = PoolBinder(config, options)
-        layers = [
-            DummyLayer() if kind == "dummy" else self._make_layer(layer_idx, kind, kwargs)
-            for layer_idx, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs))
-        ]
+        groups = layer_groups(layer_types)
+        page_format = PageFormat.from_model_config(config, torch.float32)
+        if (page_format.num_layers, page_format.num_groups) != (len(groups[0]), len(groups)):
+            raise IncompatibleModelError(
+                f"{type(config).__name__}: transformers and hf_kvcache infer different layer types; "
+                "set config.layer_types explicitly."
+            )
+        policies = []
+        for members in groups:
+            found = {self._row_policy(layer_types[idx], layer_kwargs[idx]) for idx in members}
+            if len(found) > 1:
+                raise IncompatibleModelError(f"Layers {members} share pages but keep different tokens: {found}.")
+            policies.append(found.pop())
+        self._binder = PoolBinder(config, options, policies)
+        layers: list[CacheLayerMixin] = [DummyLayer() for _ in layer_types]
+        for group_idx, members in enumerate(groups):
+            bind = functools.partial(self._binder.rows_for, group_idx)
+            for page_layer, layer_idx in enumerate(members):
+                layers[layer_idx] = self._make_layer(layer_idx, page_layer, bind, policies[group_idx])
         super().__init__(layers=layers)
         weakref.finalize(self, self._binder.release)
         if (dtype is None) != (device is None):
@@ -142,13 +188,19 @@ class PoolCache(Cache):
         settings = {field.name: getattr(options, field.name) for field in dataclasses.fields(options)}
         return cls(config, **settings, dtype=dtype, device=device)
 
-    def _make_layer(self, layer_idx: int, layer_type: str, layer_kwargs: dict[str, Any]):
+    def _row_policy(self, layer_type: str, layer_kwargs: dict[str, Any]) -> RowPolicy:
+        """Which tokens a layer of ``layer_type`` keeps (``layer_kwargs`` carry its ``sliding_window``)."""
         raise NotImplementedError
+
+    def _make_layer(self, layer_idx: int, page_layer: int, bind, policy: RowPolicy) -> CacheLayerMixin:
+        if policy.window is None:
+            return PagedLayer(layer_idx, page_layer, bind)
+        return RingLayer(layer_idx, page_layer, bind, policy.window, policy.sink_tokens, policy.is_sliding)
 
     @property
     def pools(self) -> dict[torch.device, KVPool]:
         """The pool of each device this cache has written to (or was bound to)."""
-        return {device: rows.pool for device, rows in self._binder.rows.items()}
+        return dict(self._binder.pools)
 
     @property
     def pool(self) -> KVPool | None:
@@ -161,8 +213,8 @@ class PoolCache(Cache):
     def memory_stats(self) -> dict[str, int]:
         """Pages this cache holds (shared pages once), their bytes, and the tokens per row."""
         bound = self._binder.rows.items()
-        pages = {(device, page) for device, rows in bound for row in rows.table.rows for page in row}
-        page_bytes = {device: rows.pool.format.page_bytes for device, rows in self._binder.rows.items()}
+        pages = {(device, page) for (device, _), rows in bound for row in rows.table.rows for page in row}
+        page_bytes = {device: pool.format.page_bytes for device, pool in self._binder.pools.items()}
         num_rows = max((rows.table.num_rows for rows in self._binder.rows.values()), default=0)
         return {
             "pages_held": len(pages),
@@ -202,6 +254,8 @@ class PoolCache(Cache):
         if tokens_to_remove == 0:
             return
         keep = max(0, self.get_seq_length() + tokens_to_remove)
+        for rows in self._binder.rows.values():
+            rows.check_crop(keep)  # all or nothing: a ring may not hold what the crop needs
         for rows in self._binder.rows.values():
             rows.crop(keep)
         for layer in self._row_layers():

@@ -5,16 +5,16 @@ from typing import Any
 import torch
 from transformers import PreTrainedConfig
 
-from hf_kvcache.caches.base import PoolCache
+from hf_kvcache.caches.base import PoolCache, RowPolicy
 from hf_kvcache.config import DEFAULT_PAGE_SIZE, CacheOptions
-from hf_kvcache.layers.paged import PagedLayer
 from hf_kvcache.pool import KVPool
 
 
 class PagedCache(PoolCache):
     """A drop-in for ``DynamicCache`` whose keys and values live in pages of a ``KVPool``.
 
-    Sliding-window layers keep their whole history too (the model's mask applies the window).
+    On a model with sliding-window layers (Mistral, Gemma 3), those layers are rings of the model's
+    window, so their memory stays bounded; both kinds draw pages from the same pool.
 
     Args:
         config: the model's config.
@@ -36,5 +36,7 @@ class PagedCache(PoolCache):
     ) -> None:
         super().__init__(config, CacheOptions(page_size, pool, max_tokens), dtype, device)
 
-    def _make_layer(self, layer_idx: int, layer_type: str, layer_kwargs: dict[str, Any]) -> PagedLayer:
-        return PagedLayer(layer_idx, self._binder)
+    def _row_policy(self, layer_type: str, layer_kwargs: dict[str, Any]) -> RowPolicy:
+        if layer_type == "sliding_attention":
+            return RowPolicy(window=layer_kwargs["sliding_window"], is_sliding=True)
+        return RowPolicy()

@@ -82,11 +82,18 @@ def parse_spec(text: str) -> CacheSpec:
     return CacheSpec(label, kind, settings)
 
 
+REGISTERED_DEFAULTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
+    "sliding_ring": [("ring-256", {"window": 256}), ("ring-256-sink4", {"window": 256, "sink_tokens": 4})],
+}
+"""The settings (label, cache_config) a default evaluation runs for a registered cache; others run as they are."""
+
+
 def default_specs() -> list[CacheSpec]:
-    """The baseline, every registered cache with its defaults, and transformers' int4 quantized cache for each
-    installed backend (quanto, hqq)."""
+    """The baseline, every registered cache (with ``REGISTERED_DEFAULTS``), and transformers' int4 quantized
+    cache for each installed backend (quanto, hqq)."""
     specs = [CacheSpec("dynamic", "dynamic")]
-    specs += [CacheSpec(name, name) for name in CACHE_FACTORIES]
+    for name in CACHE_FACTORIES:
+        specs += [CacheSpec(label, name, settings) for label, settings in REGISTERED_DEFAULTS.get(name, [(name, {})])]
     if importlib.util.find_spec("optimum") and importlib.util.find_spec("optimum.quanto"):
         specs.append(CacheSpec("quanto-int4", "quantized", {"backend": "quanto", "nbits": 4}))
     if importlib.util.find_spec("hqq"):

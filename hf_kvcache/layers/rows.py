@@ -58,43 +58,60 @@ class PagedRows:
     def num_tokens(self) -> int:
         return self.table.num_tokens
 
-    def write(self, layer_idx: int, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def write(self, page_layer: int, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Stores tokens ``[start, start + n)`` of every row for one layer, growing the table if this layer is first.
 
         Args:
+            page_layer: the layer's index within a page (its place in its group of layers).
             key_states / value_states: ``[batch, heads, n, head_dim]``.
         """
-        batch, _, num_new, _ = key_states.shape
-        end = start + num_new
-        if end > self.table.num_tokens:
-            if start != self.table.num_tokens:
-                raise RuntimeError(f"Layer {layer_idx} writes from token {start}; the cache holds {self.num_tokens}.")
-            groups = find_identical_rows(key_states, value_states) if start == 0 else None
-            self._apply(lambda: self.table.grow(batch, num_new, groups))
-            self._groups = (end, groups) if groups else None
-        elif batch != self.table.num_rows:
-            raise ValueError(f"Layer {layer_idx} got {batch} rows; the cache holds {self.table.num_rows}.")
-        elif self._groups is not None and self._groups[0] == end:
-            self._split_differing_rows(key_states, value_states)
-        pool = self.pool
-        parts = self._write_index(start, num_new)
-        write_slots(pool.keys, layer_idx, parts, key_states)
-        write_slots(pool.values, layer_idx, parts, value_states)
+        self.begin_step(start, key_states, value_states)
+        parts = self._write_index(start, key_states.shape[-2])
+        write_slots(self.pool.keys, page_layer, parts, key_states)
+        write_slots(self.pool.values, page_layer, parts, value_states)
 
-    def read(self, layer_idx: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, page_layer: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[batch, heads, num_tokens, head_dim]`` of one layer, for attention."""
         if self._read is None:
             self._read = split_by_chunk(
                 self._page_ids(), self.pool.chunk_starts, self.pool.chunk_sizes, self.pool.format.num_kv_heads
             )
         batch = self.table.num_rows
-        keys = read_pages(self.pool.keys, layer_idx, self._read, batch, num_tokens)
-        values = read_pages(self.pool.values, layer_idx, self._read, batch, num_tokens)
+        keys = read_pages(self.pool.keys, page_layer, self._read, batch, num_tokens)
+        values = read_pages(self.pool.values, page_layer, self._read, batch, num_tokens)
         return keys, values
+
+    def begin_step(self, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Makes room for tokens ``[start, start + n)``: the first layer of a step grows the table.
+
+        The layers after it check the batch, and in a shared prefill give rows whose states turn
+        out to differ their own pages.
+
+        Args:
+            key_states / value_states: ``[batch, heads, n, head_dim]``.
+        """
+        batch, _, num_new, _ = key_states.shape
+        end = start + num_new
+        if end > self.num_tokens:
+            if start != self.num_tokens:
+                raise RuntimeError(f"A layer writes from token {start}; the cache holds {self.num_tokens}.")
+            groups = find_identical_rows(key_states, value_states) if start == 0 else None
+            self._grow(batch, start, num_new, groups)
+            self._groups = (end, groups) if groups else None
+        elif batch != self.table.num_rows:
+            raise ValueError(f"A layer got {batch} rows; the cache holds {self.table.num_rows}.")
+        elif self._groups is not None and self._groups[0] == end:
+            self._split_differing_rows(key_states, value_states)
+
+    def _grow(self, batch: int, start: int, num_new: int, groups: list[int] | None) -> None:
+        self._apply(lambda: self.table.grow(batch, num_new, groups))
 
     def select_rows(self, indices: list[int]) -> None:
         """Keeps rows ``indices`` in that order, sharing the pages of repeated rows."""
         self._apply(lambda: self.table.select_rows(indices))
+
+    def check_crop(self, num_tokens: int) -> None:
+        """Paged rows keep every token, so any crop is exact."""
 
     def crop(self, num_tokens: int) -> None:
         self._apply(lambda: self.table.crop(num_tokens))

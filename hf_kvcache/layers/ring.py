@@ -1,0 +1,265 @@
+"""The sliding ring: a fixed set of pages per row, reused in a circle; one write per token per layer.
+
+A row keeps its first ``sink_tokens`` tokens pinned and the rest in a ring of ``ring_slots``
+slots, laid out over the row's pages as *logical slots*::
+
+    token t  ->  logical slot t                                  if t < sink_tokens
+                 sink_tokens + (t - sink_tokens) % ring_slots    otherwise
+
+    logical slot s  ->  slot s % page_size of page rows[r][s // page_size]
+
+The first ``sink_tokens + ring_slots`` tokens fill the pages in order (the table grows a page at
+a time, like the paged layer); after that every new token overwrites the oldest ring slot in
+place and no page is ever taken again. ``ring_slots`` is the window rounded up to whole pages
+plus one spare page, so a step of up to ``page_size`` new tokens is written before it is read
+without overwriting a token it still attends to, and a ``crop`` of as many tokens stays exact.
+
+Attention gets the visible tokens in time order (sinks first), gathered slot by slot:
+
+    visible(start, n) = [0, sink_tokens) + [max(0, start - window + 1), start + n)
+
+which is what transformers' sliding-window layer returns (``window - 1`` past tokens plus the
+new ones), so its sliding mask, padding and chunked prefill apply unchanged.
+"""
+
+import math
+from collections.abc import Callable
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from hf_kvcache.kernels import ChunkIndex, read_slots, split_by_chunk, write_slots
+from hf_kvcache.layers.rows import PagedRows
+from hf_kvcache.pool import KVPool
+
+
+def visible_span(start: int, num_new: int, window: int, sink_tokens: int) -> tuple[int, int]:
+    """``(num_sinks, first)``: attention sees tokens ``[0, num_sinks)`` and ``[first, start + num_new)``."""
+    first = max(0, start - window + 1)
+    if first <= sink_tokens:  # the window reaches back to the sinks: one contiguous span
+        return 0, 0
+    return sink_tokens, first
+
+
+class RingRows(PagedRows):
+    """Page table of one cache's ring layers on one pool (one group of layers).
+
+    Args:
+        pool: where the pages live.
+        window: tokens each query attends to, itself included (transformers' ``sliding_window``).
+        sink_tokens: first tokens of a row kept for good (attention sinks).
+    """
+
+    def __init__(self, pool: KVPool, window: int, sink_tokens: int = 0) -> None:
+        super().__init__(pool)
+        page_size = pool.format.page_size
+        self.window = window
+        self.sink_tokens = sink_tokens
+        self.num_slots = page_size * (math.ceil((sink_tokens + window - 1) / page_size) + 1)  # logical slots per row
+        self.ring_slots = self.num_slots - sink_tokens
+        self.total = 0  # tokens written per row, evicted ones included
+        self._step: tuple[int, int, list[ChunkIndex], list[ChunkIndex], torch.Tensor | None] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.total
+
+    @property
+    def max_step(self) -> int:
+        """New tokens a step may bring and still be written before the step's tokens are read."""
+        return self.ring_slots - self.window + 1
+
+    def update(
+        self, page_layer: int, start: int, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes tokens ``[start, start + n)`` of one layer; returns its visible keys and values.
+
+        Args:
+            page_layer: the layer's place in its group of layers.
+            key_states / value_states: ``[batch, heads, n, head_dim]``.
+
+        Returns:
+            keys, values ``[batch, heads, num_visible, head_dim]`` in time order (see ``visible_span``).
+        """
+        self.begin_step(start, key_states, value_states)
+        num_new = key_states.shape[-2]
+        write, read, kept = self._step_index(start, num_new)
+        pool = self.pool
+        batch = key_states.shape[0]
+        if num_new <= self.max_step:  # write first: attention reads the new tokens from their slots
+            self._store(page_layer, write, kept, key_states, value_states)
+            return read_slots(pool.keys, page_layer, read, batch), read_slots(pool.values, page_layer, read, batch)
+        past = read_slots(pool.keys, page_layer, read, batch), read_slots(pool.values, page_layer, read, batch)
+        self._store(page_layer, write, kept, key_states, value_states)  # a long chunk: only its tail stays
+        return torch.cat([past[0], key_states], dim=-2), torch.cat([past[1], value_states], dim=-2)
+
+    def check_crop(self, num_tokens: int) -> None:
+        """Raises ``ValueError`` if cropping to ``num_tokens`` needs tokens the ring has overwritten."""
+        oldest = self.total - self.ring_slots  # oldest ring token still held
+        needed = max(self.sink_tokens, num_tokens - self.window + 1)
+        if needed < oldest and num_tokens > self.sink_tokens:
+            raise ValueError(
+                f"Cannot crop to {num_tokens} tokens: the ring of window {self.window} has overwritten tokens "
+                f"before {oldest}, and token {needed} would be needed. Crop at most {self.max_step} tokens per step."
+            )
+
+    def crop(self, num_tokens: int) -> None:
+        if not 0 <= num_tokens <= self.total:
+            raise ValueError(f"Cannot crop to {num_tokens} tokens: the cache holds {self.total}.")
+        self.check_crop(num_tokens)
+        if num_tokens < self.table.num_tokens:
+            self._apply(lambda: self.table.crop(num_tokens))
+        self.total = num_tokens
+
+    def release(self) -> None:
+        super().release()
+        self.total = 0
+
+    def _grow(self, batch: int, start: int, num_new: int, groups: list[int] | None) -> None:
+        """Takes pages for slots the ring fills for the first time; copies shared pages it overwrites."""
+        end = start + num_new
+        fresh = min(end, self.num_slots) - self.table.num_tokens
+        if fresh > 0:
+            self._apply(lambda: self.table.grow(batch, fresh, groups))
+        if end > self.num_slots and start > 0:  # a prefill's pages are all new: rows sharing them are identical
+            first = max(start, self.num_slots, end - self.ring_slots)
+            slots = {self._slot(token) // self.pool.format.page_size for token in range(first, end)}
+            self._apply(lambda: self.table.make_private(list(range(batch)), sorted(slots)))
+        self.total = end
+
+    def _slot(self, token: int) -> int:
+        return token if token < self.sink_tokens else self.sink_tokens + (token - self.sink_tokens) % self.ring_slots
+
+    def _step_index(self, start: int, num_new: int) -> tuple[list[ChunkIndex], list[ChunkIndex], torch.Tensor | None]:
+        """Slot indices of the step's writes and reads, built by the group's first layer and reused by the rest.
+
+        Returns:
+            ``(write, read, kept)``: ``kept`` selects the new tokens that are written (``None``: all).
+        """
+        if self._step is None or self._step[:2] != (start, num_new):
+            device = self.pool.device
+            end = start + num_new
+            sinks, first = visible_span(start, num_new, self.window, self.sink_tokens)
+            last = end if num_new <= self.max_step else start
+            read = torch.cat([torch.arange(sinks, device=device), torch.arange(first, last, device=device)])
+            # A chunk longer than the ring overwrites itself: only its sinks and its last ring_slots tokens stay.
+            written = torch.arange(start, end, device=device)
+            overwritten = (written >= self.sink_tokens) & (written < end - self.ring_slots)
+            kept = None
+            if overwritten.any():
+                kept = (~overwritten).nonzero().squeeze(1)
+                written = written[kept]
+            self._step = (start, num_new, self._slot_index(written), self._slot_index(read), kept)
+        return self._step[2:]
+
+    def _slot_index(self, tokens: torch.Tensor) -> list[ChunkIndex]:
+        """Where tokens ``[n]`` of every row live: ``split_by_chunk`` over ``[batch, n]`` slots."""
+        page_size, sinks = self.pool.format.page_size, self.sink_tokens
+        slots = torch.where(tokens < sinks, tokens, sinks + (tokens - sinks) % self.ring_slots)  # [n]
+        page_ids = self._page_ids()[:, slots // page_size]  # [batch, n]
+        offsets = (slots % page_size).expand_as(page_ids)  # [batch, n]
+        pool = self.pool
+        return split_by_chunk(
+            page_ids, pool.chunk_starts, pool.chunk_sizes, pool.format.num_kv_heads, offsets, page_size
+        )
+
+    def _store(
+        self,
+        page_layer: int,
+        parts: list[ChunkIndex],
+        kept: torch.Tensor | None,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+    ) -> None:
+        if kept is not None:
+            key_states, value_states = key_states[:, :, kept], value_states[:, :, kept]
+        write_slots(self.pool.keys, page_layer, parts, key_states)
+        write_slots(self.pool.values, page_layer, parts, value_states)
+
+    def _apply(self, change) -> None:
+        super()._apply(change)
+        if self._ids is None:  # page ids changed: the step's indices point at old pages
+            self._step = None
+
+
+class RingLayer(CacheLayerMixin):
+    """One model layer's KV store as a ring of the last ``window`` tokens (plus ``sink_tokens`` pinned).
+
+    Args:
+        layer_idx: the model layer.
+        page_layer: the layer's place in its group of layers.
+        bind: returns the ``RingRows`` of the layer's group for the device and dtype of the first states written.
+        window / sink_tokens: as for ``RingRows``.
+        is_sliding: the model's own mask applies this window (a sliding layer); ``False`` where the
+            ring imposes the window on a full-attention layer.
+    """
+
+    is_croppable = True
+    is_compileable = False
+
+    def __init__(
+        self,
+        layer_idx: int,
+        page_layer: int,
+        bind: Callable[[torch.Tensor], RingRows],
+        window: int,
+        sink_tokens: int = 0,
+        is_sliding: bool = True,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.page_layer = page_layer
+        self.window = window
+        self.sink_tokens = sink_tokens
+        self.is_sliding = is_sliding
+        self.num_tokens = 0
+        self.rows: RingRows | None = None
+        self._bind = bind
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(layer_idx={self.layer_idx}, window={self.window}, "
+            f"sink_tokens={self.sink_tokens}, num_tokens={self.num_tokens})"
+        )
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.rows = self._bind(key_states)
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stores ``[batch, heads, n, head_dim]`` new states; returns the visible ones in time order."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        keys, values = self.rows.update(self.page_layer, self.num_tokens, key_states, value_states)
+        self.num_tokens += key_states.shape[-2]
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of what ``update`` returns; sinks are placed just before the window."""
+        sinks, first = visible_span(self.num_tokens, query_length, self.window, self.sink_tokens)
+        return sinks + self.num_tokens + query_length - first, first - sinks
+
+    def get_seq_length(self) -> int:
+        return self.num_tokens
+
+    def get_max_length(self) -> int:
+        return self.window + self.sink_tokens
+
+    def reset(self) -> None:
+        self.num_tokens = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.num_tokens = max(0, self.num_tokens + tokens_to_remove)
+
+    # Row changes are done once per device by the cache on the shared ``RingRows``.
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        pass
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        pass
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        pass

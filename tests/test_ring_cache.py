@@ -1,0 +1,233 @@
+"""SlidingRingCache and ring layers: exact where the model defines the window, exact against a banded
+mask where the ring imposes it, bounded memory, attention sinks, row operations and crop."""
+
+import math
+
+import pytest
+import torch
+from helpers import assert_same_generation, padded_batch, run
+from transformers import DynamicCache
+
+import hf_kvcache  # noqa: F401  (registers "sliding_ring")
+from hf_kvcache import KVPool, PagedCache, SlidingRingCache
+from hf_kvcache.caches.base import ATTENTION_LAYER_TYPES
+from hf_kvcache.config import layer_groups, layer_types
+from hf_kvcache.layers import PagedLayer, RingLayer, RingRows
+
+SLIDING_MODELS = ["tiny_mistral_model", "tiny_gemma3_model"]  # window 8
+
+
+def banded_logits(model, ids: torch.Tensor, window: int, sink_tokens: int = 0) -> torch.Tensor:
+    """The model over the whole sequence with a banded causal mask: each query sees its last ``window`` tokens
+    (itself included) and the first ``sink_tokens`` ones."""
+    positions = torch.arange(ids.shape[1])
+    query, key = positions[:, None], positions[None, :]
+    allowed = (key <= query) & ((key > query - window) | (key < sink_tokens))  # [seq, seq]
+    return model(ids, attention_mask=allowed.expand(ids.shape[0], 1, -1, -1)).logits
+
+
+def teacher_forced_logits(model, ids: torch.Tensor, cache, chunks: list[int]) -> torch.Tensor:
+    """Feeds ``ids`` through the cache in chunks of the given sizes (the last one repeated to the end)."""
+    logits, start = [], 0
+    while start < ids.shape[1]:
+        size = chunks[min(len(logits), len(chunks) - 1)]
+        logits.append(model(ids[:, start : start + size], cache=cache).logits)
+        start += size
+    return torch.cat(logits, dim=1)
+
+
+def random_ids(batch: int, length: int, seed: int = 0, vocab: int = 128) -> torch.Tensor:
+    return torch.randint(1, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("model_name", SLIDING_MODELS)
+@pytest.mark.parametrize("lengths,new_tokens", [([5, 3], 2), ([8, 7, 1], 1), ([9, 4], 16), ([23, 16, 17], 40)])
+@pytest.mark.parametrize("name", ["sliding_ring", "paged_pool"])
+def test_model_window_matches_dynamic_cache(model_name, lengths, new_tokens, name, request):
+    """Sequences end before, at, one past and far beyond the window (8), with left padding."""
+    model = request.getfixturevalue(model_name)
+    ids, mask = padded_batch(lengths)
+    reference = run(model, ids, mask, max_new_tokens=new_tokens)
+    ring = run(model, ids, mask, max_new_tokens=new_tokens, cache_implementation=name)
+    assert_same_generation(reference, ring)
+    sliding = [layer for layer, slides in zip(ring.cache.layers, ring.cache.is_sliding) if slides]
+    assert sliding and all(isinstance(layer, RingLayer) for layer in sliding)
+
+
+@pytest.mark.parametrize("model_name", SLIDING_MODELS)
+@pytest.mark.parametrize("chunks", [[60], [5, 3, 1, 20, 31], [7, 9], [1]])
+def test_chunked_prefill_matches_dynamic_cache(model_name, chunks, request):
+    """Chunks shorter and longer than the window and than the ring (chunk 31 > what fits before a read)."""
+    model = request.getfixturevalue(model_name)
+    ids = random_ids(2, 60)
+    expected = teacher_forced_logits(model, ids, DynamicCache(config=model.config), chunks)
+    actual = teacher_forced_logits(model, ids, SlidingRingCache(model.config), chunks)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window,sink_tokens,prompt", [(8, 0, 5), (8, 0, 8), (16, 0, 1), (8, 2, 6), (20, 4, 20)])
+def test_imposed_window_equals_banded_attention(tiny_llama_model, window, sink_tokens, prompt):
+    """A full-attention model through the ring sees exactly the last ``window`` tokens (plus the sinks)."""
+    ids = random_ids(2, 70, seed=window + sink_tokens)
+    cache = SlidingRingCache(tiny_llama_model.config, window=window, sink_tokens=sink_tokens)
+    actual = teacher_forced_logits(tiny_llama_model, ids, cache, [prompt, 1])
+    torch.testing.assert_close(actual, banded_logits(tiny_llama_model, ids, window, sink_tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_imposed_window_on_smollm2_equals_banded_attention(bundled):
+    model, tokenizer = bundled
+    text = "The quick brown fox jumps over the lazy dog while the cat watches from the garden wall. " * 6
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :96]
+    cache = SlidingRingCache(model.config, window=32, sink_tokens=4)
+    with torch.inference_mode():
+        actual = teacher_forced_logits(model, ids, cache, [16, 1])
+        expected = banded_logits(model, ids, 32, 4)
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_imposed_window_with_left_padding_matches_unpadded_rows(tiny_llama_model):
+    """Each row of a left-padded batch decodes exactly as it does alone."""
+    ids, mask = padded_batch([30, 6, 19])
+    cache_config = {"window": 8}
+    batch = run(
+        tiny_llama_model, ids, mask, max_new_tokens=20, cache_implementation="sliding_ring", cache_config=cache_config
+    )
+    for row in range(ids.shape[0]):
+        alone = ids[row : row + 1, mask[row].bool()]
+        single = run(
+            tiny_llama_model,
+            alone,
+            torch.ones_like(alone),
+            max_new_tokens=20,
+            cache_implementation="sliding_ring",
+            cache_config=cache_config,
+        )
+        assert torch.equal(batch.sequences[row, -20:], single.sequences[0, -20:])
+
+
+@pytest.mark.parametrize("sink_tokens", [0, 4])
+def test_pages_held_stop_growing_once_the_window_is_full(tiny_llama_model, sink_tokens):
+    pool = KVPool.for_model(tiny_llama_model, max_tokens=4096)
+    cache = SlidingRingCache(tiny_llama_model.config, window=40, sink_tokens=sink_tokens, pool=pool)
+    ids = random_ids(3, 400)
+    held = []
+    for token in range(ids.shape[1]):
+        tiny_llama_model(ids[:, token : token + 1], cache=cache)
+        held.append(pool.stats()["pages_used"])
+    per_row = RingRows(pool, 40, sink_tokens).num_slots // pool.format.page_size
+    assert max(held) == held[-1] == 3 * per_row  # three rows, each a fixed ring
+    assert held.index(max(held)) < 40 + sink_tokens + pool.format.page_size
+    pool.check_integrity()
+    cache.reset()
+    assert pool.stats()["pages_used"] == 0
+
+
+def test_hybrid_model_layers_draw_from_one_pool_in_groups(tiny_gemma3_model):
+    """Gemma 3 (3 sliding + 1 full): one group per layer; the sliding ones stay bounded, the full one grows."""
+    config = tiny_gemma3_model.config
+    assert layer_groups(layer_types(config)) == [[0], [1], [2], [3]]
+    pool = KVPool.for_model(tiny_gemma3_model, max_tokens=2048)
+    assert (pool.format.num_layers, pool.format.num_groups) == (1, 4)
+    cache = PagedCache(config, pool=pool)
+    assert [type(layer) for layer in cache.layers] == [RingLayer, RingLayer, RingLayer, PagedLayer]
+    ids = random_ids(1, 300)
+    tiny_gemma3_model(ids[:, :100], cache=cache)
+    first = cache.memory_stats()["pages_held"]
+    tiny_gemma3_model(ids[:, 100:300], cache=cache)
+    grown = cache.memory_stats()["pages_held"]
+    page_size = pool.format.page_size
+    assert grown - first == math.ceil(300 / page_size) - math.ceil(100 / page_size)  # only the full layer grew
+    assert pool.stats()["pages_used"] == grown
+
+
+def test_layer_groups_split_by_type_in_equal_sizes():
+    full, sliding = "full_attention", "sliding_attention"
+    assert layer_groups([full] * 4) == [[0, 1, 2, 3]]
+    assert layer_groups(([sliding] * 5 + [full]) * 2) == [[0, 1], [2, 3], [4, 6], [7, 8], [9, 10], [5, 11]]
+    groups = layer_groups(([sliding] * 5 + [full]) * 5)  # Gemma 3: 25 sliding + 5 full -> 6 groups of 5
+    assert [len(group) for group in groups] == [5] * 6 and sorted(sum(groups, [])) == list(range(30))
+    assert layer_groups([sliding, "dummy", full, sliding]) == [[0], [3], [2]]
+    assert set(ATTENTION_LAYER_TYPES) >= {full, sliding}
+
+
+def test_beam_search_and_return_sequences_match_dynamic(tiny_mistral_model):
+    ids, mask = padded_batch([12, 30])
+    beams = {"num_beams": 4, "max_new_tokens": 20}
+    assert torch.equal(
+        tiny_mistral_model.generate(ids, attention_mask=mask, **beams),
+        tiny_mistral_model.generate(ids, attention_mask=mask, cache_implementation="sliding_ring", **beams),
+    )
+    sampling = {"do_sample": True, "num_return_sequences": 3, "max_new_tokens": 20}
+    torch.manual_seed(3)
+    expected = tiny_mistral_model.generate(ids, attention_mask=mask, **sampling)
+    torch.manual_seed(3)
+    actual = tiny_mistral_model.generate(ids, attention_mask=mask, cache_implementation="sliding_ring", **sampling)
+    assert torch.equal(expected, actual)
+
+
+def test_row_operations_and_reset_match_dynamic(tiny_mistral_model):
+    ids = random_ids(2, 40)
+    ring, dynamic = SlidingRingCache(tiny_mistral_model.config), DynamicCache(config=tiny_mistral_model.config)
+    for cache in (ring, dynamic):
+        tiny_mistral_model(ids, cache=cache)
+        cache.batch_repeat_interleave(2)
+        cache.reorder_cache(torch.tensor([3, 0, 0, 2]))
+    step = random_ids(4, 1, seed=5)
+    for _ in range(12):  # the ring wraps while rows 1 and 2 share pages: each copies before writing
+        torch.testing.assert_close(
+            tiny_mistral_model(step, cache=ring).logits, tiny_mistral_model(step, cache=dynamic).logits
+        )
+    ring.reset()
+    assert ring.get_seq_length() == 0 and ring.pool.stats()["pages_used"] == 0
+    torch.testing.assert_close(
+        tiny_mistral_model(ids, cache=ring).logits,
+        tiny_mistral_model(ids, cache=DynamicCache(config=tiny_mistral_model.config)).logits,
+    )
+
+
+def test_crop_is_exact_where_tokens_remain_and_refused_where_evicted(tiny_llama_model):
+    ids = random_ids(1, 80)
+    cache = SlidingRingCache(tiny_llama_model.config, window=8)
+    tiny_llama_model(ids[:, :70], cache=cache)
+    cache.crop(-5)  # tokens 57..64 are still in the ring
+    assert cache.get_seq_length() == 65
+    actual = teacher_forced_logits(tiny_llama_model, ids[:, 65:], cache, [1])
+    reference = SlidingRingCache(tiny_llama_model.config, window=8)
+    expected = teacher_forced_logits(tiny_llama_model, ids, reference, [65, 1])[:, 65:]
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="has overwritten tokens.*Crop at most"):
+        cache.crop(-40)
+    assert cache.get_seq_length() == 80  # a refused crop changes nothing
+    cache.pool.check_integrity()
+
+
+def test_assisted_decoding_matches_dynamic(tiny_mistral_model):
+    ids = random_ids(1, 30)
+    assistant = tiny_mistral_model
+    expected = tiny_mistral_model.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=assistant)
+    actual = tiny_mistral_model.generate(
+        ids, max_new_tokens=20, do_sample=False, assistant_model=assistant, cache_implementation="sliding_ring"
+    )
+    assert torch.equal(expected, actual)
+
+
+@pytest.mark.parametrize(
+    "cache_config,error,match",
+    [
+        ({}, ValueError, "cache_config window is required"),
+        ({"window": 0}, ValueError, "window=0 is out of range"),
+        ({"window": "64"}, TypeError, "window must be an int"),
+        ({"window": 8, "sink_tokens": -1}, ValueError, "sink_tokens=-1 is out of range"),
+        ({"windows": 8}, ValueError, r"Unknown cache_config keys \['windows'\].*'window', 'sink_tokens'"),
+    ],
+)
+def test_bad_ring_config_is_rejected(tiny_llama_model, cache_config, error, match):
+    with pytest.raises(error, match=match):
+        tiny_llama_model.generate(
+            torch.tensor([[1, 2]]), max_new_tokens=2, cache_implementation="sliding_ring", cache_config=cache_config
+        )
+
+
+def test_sinks_without_a_window_to_keep_them_are_rejected(tiny_mistral_model):
+    with pytest.raises(ValueError, match="sink_tokens=4 needs a window"):
+        SlidingRingCache(tiny_mistral_model.config, sink_tokens=4)
