@@ -1,0 +1,193 @@
+"""Value quantization: the error bound, the code range, int4 packing, and the fast path against the reference."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_kvcache.quant import QuantFormat, dequantize, dequantize_into, pack_int4, quantize, unpack_int4
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+FAST = settings(max_examples=150, deadline=None)
+
+
+@st.composite
+def formats(draw) -> QuantFormat:
+    bits = draw(st.sampled_from([8, 4]))
+    head_dim = draw(st.integers(1, 64)) * (2 if bits == 4 else 1)
+    group_size = draw(st.sampled_from([d for d in range(1, head_dim + 1) if head_dim % d == 0]))
+    return QuantFormat(bits, group_size, head_dim)
+
+
+@st.composite
+def values(draw, fmt: QuantFormat) -> torch.Tensor:
+    """``[..., head_dim]`` values of any magnitude the format accepts: normal, subnormal, offset, constant groups."""
+    dtype = draw(st.sampled_from(DTYPES))
+    info = torch.finfo(dtype)
+    shape = (*draw(st.lists(st.integers(1, 3), max_size=3)), fmt.head_dim)
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
+    exponent = draw(st.integers(round(math.log2(info.smallest_normal)) - 8, round(math.log2(info.max)) - 5))
+    offset = draw(st.sampled_from([0.0, 1.0, -3.0, 100.0]))
+    x = (torch.randn(shape, generator=generator, dtype=torch.float64) + offset) * 2.0**exponent
+    constant = torch.rand((*shape[:-1], fmt.num_groups), generator=generator) < draw(st.sampled_from([0.0, 0.3, 1.0]))
+    groups = x.unflatten(-1, (fmt.num_groups, fmt.group_size))
+    x = torch.where(constant.unsqueeze(-1), groups[..., :1], groups).flatten(-2)
+    limit = info.max / 2
+    for _ in range(draw(st.integers(0, 3))):  # a few hand-picked values anywhere
+        index = draw(st.integers(0, x.numel() - 1))
+        x.view(-1)[index] = draw(st.floats(-limit, limit, width=16 if dtype == torch.float16 else 32))
+    return x.clamp(-limit, limit).to(dtype)
+
+
+@st.composite
+def cases(draw) -> tuple[QuantFormat, torch.Tensor]:
+    fmt = draw(formats())
+    return fmt, draw(values(fmt))
+
+
+def grouped(tensor: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """``[..., head_dim]`` as float64 ``[..., num_groups, group_size]``."""
+    return tensor.double().unflatten(-1, (fmt.num_groups, fmt.group_size))
+
+
+def unpacked(codes: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    return codes if fmt.bits == 8 else unpack_int4(codes)
+
+
+@FAST
+@given(cases())
+def test_stored_values_are_within_half_a_scale(case):
+    fmt, x = case
+    codes, scale, zero = quantize(x, fmt)
+    assert codes.dtype == torch.uint8 and codes.shape == (*x.shape[:-1], fmt.code_dim)
+    assert scale.shape == zero.shape == (*x.shape[:-1], fmt.num_groups)
+    assert scale.dtype == zero.dtype == x.dtype
+    q = grouped(unpacked(codes, fmt), fmt)
+    s, z = scale.double().unsqueeze(-1), zero.double().unsqueeze(-1)
+    assert (s >= 0).all()
+    # Exact arithmetic on the stored scale and zero (float64 holds code * scale exactly). The code is
+    # round((x - zero) / scale) with the subtraction and the division each rounded in float32 (relative
+    # error 2**-24 each), so the quotient, at most max_code * (1 + 2**-23), is off by <= max_code * 2**-23
+    # before rounding to an integer; 2**-22 leaves a factor of 2 for the float64 evaluation here.
+    error = (grouped(x, fmt) - (z + q * s)).abs()
+    assert (error <= s * (0.5 + fmt.max_code * 2**-22)).all()
+    # Codes use the range: the group minimum gets code 0 and the maximum a code near max_code. A normal scale
+    # is within one dtype step of range / max_code (rounded to nearest, maybe one step up), i.e. at most
+    # (1 + 2 * eps) times it, so the maximum's code is >= round(max_code / (1 + 2 * eps)).
+    assert (q.amin(dim=-1) == 0).all()
+    eps = torch.finfo(x.dtype).eps
+    normal = scale >= torch.finfo(x.dtype).smallest_normal
+    assert (q.amax(dim=-1)[normal] >= math.floor(fmt.max_code * (1 - 2 * eps) + 0.5)).all()
+
+
+@FAST
+@given(cases())
+def test_dequantized_values_are_within_half_a_scale(case):
+    fmt, x = case
+    codes, scale, zero = quantize(x, fmt)
+    y = grouped(dequantize(codes, scale, zero, fmt, x.dtype), fmt)
+    q, s = grouped(unpacked(codes, fmt), fmt), scale.double().unsqueeze(-1)
+    info = torch.finfo(x.dtype)
+    # Beyond the bound on the stored values (previous test), dequantize computes w = zero + q * scale in
+    # float32 (the product and the sum rounded, relative 2**-24 each; doubled here to 2**-23 so that |y|
+    # may stand in for |w|), then rounds w to the dtype: relative eps / 2, or half the subnormal spacing
+    # (smallest_normal * eps, which also covers float32's own subnormal spacing).
+    subnormal = info.smallest_normal * info.eps
+    float32 = s * fmt.max_code * 2**-22 + 2**-23 * ((q * s).abs() + y.abs()) + subnormal
+    to_dtype = info.eps / 2 * y.abs() + subnormal
+    # x is itself a dtype value and y the dtype value nearest to w, so |y - w| <= |x - w| as well: the
+    # final rounding at most doubles the error, which caps the bound at a whole scale where the dtype's
+    # step is coarse next to the scale (bfloat16 values far from zero).
+    bound = s / 2 + float32 + torch.minimum(to_dtype, s / 2 + float32)
+    assert ((grouped(x, fmt) - y).abs() <= bound).all()
+
+
+@FAST
+@given(cases())
+def test_constant_groups_reconstruct_exactly(case):
+    fmt, x = case
+    codes, scale, zero = quantize(x, fmt)
+    constant = grouped(x, fmt).amin(dim=-1) == grouped(x, fmt).amax(dim=-1)
+    assert (scale[constant] == 0).all()
+    y = dequantize(codes, scale, zero, fmt, x.dtype)
+    assert torch.equal(grouped(y, fmt)[constant], grouped(x, fmt)[constant])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fill", [0.0, -3.5, 1e-30, 6e4])
+def test_constant_tensor_is_exact(dtype, fill):
+    fmt = QuantFormat(bits=4, group_size=8, head_dim=16)
+    x = torch.full((2, 3, 16), fill, dtype=dtype)
+    codes, scale, zero = quantize(x, fmt)
+    assert torch.equal(dequantize(codes, scale, zero, fmt, dtype), x)
+    assert not scale.any() and not codes.any()
+
+
+@FAST
+@given(cases(), st.integers(0, 3), st.sampled_from(DTYPES + [None]))
+def test_dequantize_into_equals_dequantize_bitwise(case, margin, out_dtype):
+    """In a view of a larger buffer (a slot range of a page, say), leaving the rest of the buffer alone."""
+    fmt, x = case
+    out_dtype = out_dtype or x.dtype
+    codes, scale, zero = quantize(x, fmt)
+    buffer = torch.full((*x.shape[:-1], fmt.head_dim + 2 * margin), torch.nan, dtype=out_dtype)
+    out = buffer[..., margin : margin + fmt.head_dim]
+    dequantize_into(out, codes, scale, zero, fmt)
+    assert torch.equal(out, dequantize(codes, scale, zero, fmt, out_dtype))
+    assert buffer[..., :margin].isnan().all() and buffer[..., margin + fmt.head_dim :].isnan().all()
+
+
+@FAST
+@given(st.lists(st.integers(1, 4), max_size=3), st.integers(1, 32), st.integers(0, 2**32 - 1))
+def test_int4_pack_round_trip(lead, half_dim, seed):
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (*lead, 2 * half_dim), generator=generator, dtype=torch.uint8)
+    packed = pack_int4(codes)
+    assert packed.shape == (*lead, half_dim)
+    assert torch.equal(unpack_int4(packed), codes)
+    every_byte = torch.randint(0, 256, (*lead, half_dim), generator=generator, dtype=torch.uint8)
+    assert torch.equal(pack_int4(unpack_int4(every_byte)), every_byte)
+
+
+def test_int4_layout_low_nibble_is_the_even_channel():
+    assert pack_int4(torch.tensor([1, 2, 15, 0], dtype=torch.uint8)).tolist() == [0x21, 0x0F]
+    assert unpack_int4(torch.tensor([0xA3], dtype=torch.uint8)).tolist() == [3, 10]
+
+
+def test_format_sizes():
+    int8, int4 = QuantFormat(bits=8, group_size=32, head_dim=128), QuantFormat(bits=4, group_size=32, head_dim=128)
+    assert (int8.num_groups, int8.code_dim, int8.max_code) == (4, 128, 255)
+    assert (int4.num_groups, int4.code_dim, int4.max_code) == (4, 64, 15)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"bits": 2, "group_size": 32, "head_dim": 128}, r"bits must be 8 or 4, got 2"),
+        ({"bits": 16, "group_size": 32, "head_dim": 128}, r"bits must be 8 or 4"),
+        ({"bits": 8, "group_size": 0, "head_dim": 128}, r"group_size=0 must divide head_dim=128"),
+        (
+            {"bits": 8, "group_size": 48, "head_dim": 128},
+            r"group_size=48 must divide head_dim=128; choose one of \[1, 2, 4",
+        ),
+        ({"bits": 8, "group_size": 256, "head_dim": 128}, r"group_size=256 must divide"),
+        ({"bits": 4, "group_size": 3, "head_dim": 9}, r"bits=4 .* even head_dim, got 9"),
+        ({"bits": 8, "group_size": 1, "head_dim": 0}, r"head_dim must be >= 1"),
+    ],
+)
+def test_format_rejects_bad_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        QuantFormat(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"bits": 8.0}, {"bits": True}, {"group_size": "32"}])
+def test_format_rejects_non_ints(kwargs):
+    with pytest.raises(TypeError, match=rf"QuantFormat.{next(iter(kwargs))} must be an int"):
+        QuantFormat(**{"bits": 8, "group_size": 32, "head_dim": 128, **kwargs})
+
+
+def test_quantize_rejects_wrong_head_dim():
+    with pytest.raises(ValueError, match=r"shape \[\.\.\., 128\]"):
+        quantize(torch.zeros(2, 64), QuantFormat(8, 32, 128))
