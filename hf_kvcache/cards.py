@@ -102,8 +102,8 @@ CARD_SETTINGS: tuple[CardSetting, ...] = (
     CardSetting(
         model=SMOLLM2_135M,
         cache_implementation="sliding_ring",
-        result_label="ring-512",
-        cache_config={"window": 512, "sink_tokens": 4},
+        result_label="ring-256-sink4",
+        cache_config={"window": 256, "sink_tokens": 4},
         description=(
             "Keeps the first `sink_tokens` tokens (attention sinks) and the last `window` tokens, in pages reused "
             "in a circle: KV memory stops growing once a sequence is longer than the window, and older tokens are "
@@ -114,10 +114,11 @@ CARD_SETTINGS: tuple[CardSetting, ...] = (
         model=SMOLLM2_135M,
         cache_implementation="quantized_values",
         result_label="values-int4",
-        cache_config={"bits": 4, "residual_length": 128},
+        cache_config={"bits": 4},
         description=(
-            "Keeps keys in full precision and stores values as `bits`-bit integers with per-token scales; the "
-            "newest `residual_length` tokens stay in full precision until they are quantized."
+            "Keeps keys in full precision and stores values as 4-bit integers with an asymmetric scale and zero "
+            "per token and group of `group_size` channels, quantized once when stored; attention gets them "
+            "dequantized into a reused buffer (the newest `residual_length` tokens in full precision)."
         ),
     ),
 )

@@ -11,6 +11,7 @@ from typing import Any, Self
 import torch
 
 from hf_kvcache.errors import IncompatibleModelError
+from hf_kvcache.quant import QuantFormat
 
 DEFAULT_PAGE_SIZE = 16
 MAX_PAGE_SIZE = 4096
@@ -67,6 +68,8 @@ class PageFormat:
     ``page_size`` slots in the ``num_layers`` layers of whichever group's page table holds it.
     A model whose layers are all of one type is one group (``num_groups == 1``); a hybrid model
     (sliding and full layers) has ``num_groups`` groups of ``num_layers`` layers (``layer_groups``).
+    Keys are stored in ``dtype``; values too, or, with ``value_bits`` set, as int8/int4 codes plus a
+    scale and zero per ``value_group_size`` channels in ``dtype`` (``hf_kvcache.quant``).
     """
 
     num_layers: int
@@ -75,6 +78,8 @@ class PageFormat:
     dtype: torch.dtype
     page_size: int = DEFAULT_PAGE_SIZE
     num_groups: int = 1
+    value_bits: int | None = None
+    value_group_size: int = 64
 
     def __post_init__(self) -> None:
         check_page_size(self.page_size)
@@ -83,11 +88,22 @@ class PageFormat:
                 raise ValueError(f"PageFormat.{name} must be >= 1, got {getattr(self, name)}.")
         if not self.dtype.is_floating_point:
             raise ValueError(f"PageFormat.dtype must be a floating dtype, got {self.dtype}.")
+        self.value_format  # noqa: B018  (checks bits and group size)
+
+    @property
+    def value_format(self) -> QuantFormat | None:
+        """How values are quantized; ``None`` when they are stored in ``dtype``."""
+        if self.value_bits is None:
+            return None
+        return QuantFormat(self.value_bits, self.value_group_size, self.head_dim)
 
     @property
     def page_bytes(self) -> int:
         """Bytes of one page (keys and values of ``page_size`` slots in ``num_layers`` layers)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize * self.page_size
+        key_bytes = self.head_dim * self.dtype.itemsize
+        fmt = self.value_format
+        value_bytes = key_bytes if fmt is None else fmt.code_dim + 2 * fmt.num_groups * self.dtype.itemsize
+        return self.num_layers * self.num_kv_heads * (key_bytes + value_bytes) * self.page_size
 
     @property
     def token_bytes(self) -> int:
@@ -143,6 +159,10 @@ class CacheOptions:
                 raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}.")
             if self.pool is not None:
                 raise ValueError("Set either pool or max_tokens in cache_config, not both.")
+
+    def page_format(self, config: Any, dtype: torch.dtype) -> PageFormat:
+        """The format of the pool a cache with these options draws from, for a model config and dtype."""
+        return PageFormat.from_model_config(config, dtype, self.page_size)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> Self:

@@ -22,12 +22,16 @@ from transformers.cache_utils import Cache
 from transformers.generation import configuration_utils
 from transformers.generation.utils import GenerationMixin
 
-from hf_kvcache.caches import PagedCache, SlidingRingCache
+from hf_kvcache.caches import PagedCache, QuantizedValueCache, SlidingRingCache
 from hf_kvcache.caches.base import PoolCache
 
 SUPPORTED_TRANSFORMERS = (Version("5.0"), Version("6.0"))
 
-CACHE_FACTORIES: dict[str, type[PoolCache]] = {"paged_pool": PagedCache, "sliding_ring": SlidingRingCache}
+CACHE_FACTORIES: dict[str, type[PoolCache]] = {
+    "paged_pool": PagedCache,
+    "sliding_ring": SlidingRingCache,
+    "quantized_values": QuantizedValueCache,
+}
 """Our ``cache_implementation`` names and the cache class each builds."""
 
 _lock = threading.Lock()

@@ -5,6 +5,10 @@ exactly one). Chunk ``c`` holds the pages with ids ``[start_c, start_c + num_pag
 
     keys[c], values[c]: [num_layers, num_kv_heads, num_pages_c, page_size, head_dim]
 
+    quantized values (format.value_bits set) instead:
+    values[c]:       [num_layers, num_kv_heads, num_pages_c, page_size, code_dim]        uint8 codes
+    value_scales[c]: [num_layers, num_kv_heads, num_pages_c, page_size, 2 * num_groups]  scales, then zeros
+
     page id p  ->  chunk c with start_c <= p < start_c + num_pages_c, local page p - start_c
     slot       =  (layer, page id, offset < page_size): one token's key/value in one layer
 
@@ -16,6 +20,7 @@ Bookkeeping is delegated to a ``PageAllocator`` (ids and reference counts) and t
 alerts when the share of used pages crosses a threshold.
 """
 
+import dataclasses
 import logging
 import os
 import threading
@@ -81,6 +86,7 @@ class KVPool:
         self._allocator = PageAllocator(num_pages)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self.value_scales: list[torch.Tensor] = []  # quantized values only
         self.chunk_starts: list[int] = []
         self.chunk_sizes: list[int] = []
         self._add_chunk(0, num_pages)
@@ -123,6 +129,8 @@ class KVPool:
         device: str | torch.device | None = None,
         name: str | None = None,
         alert_thresholds: tuple[float, ...] = (0.9,),
+        value_bits: int | None = None,
+        value_group_size: int = 64,
     ) -> "KVPool":
         """A fixed-budget pool for ``model``, sized by exactly one of the three budgets.
 
@@ -133,6 +141,7 @@ class KVPool:
             memory_fraction: fraction of the device's free memory (CUDA only).
             page_size: token slots per page.
             dtype / device: default to the model's.
+            value_bits / value_group_size: store values as int8/int4 codes (for ``QuantizedValueCache``).
         """
         budgets = {"max_tokens": max_tokens, "max_bytes": max_bytes, "memory_fraction": memory_fraction}
         given = [key for key, value in budgets.items() if value is not None]
@@ -140,7 +149,11 @@ class KVPool:
             raise ValueError(f"Give exactly one of {list(budgets)} to size the pool; got {given or 'none'}.")
         dtype = dtype or model.dtype
         device = torch.device(device) if device is not None else model.device
-        page_format = PageFormat.from_model_config(model.config, dtype, page_size)
+        page_format = dataclasses.replace(
+            PageFormat.from_model_config(model.config, dtype, page_size),
+            value_bits=value_bits,
+            value_group_size=value_group_size,
+        )
         if max_tokens is not None:
             if max_tokens < 1:
                 raise ValueError(f"max_tokens must be >= 1, got {max_tokens}.")
@@ -192,14 +205,17 @@ class KVPool:
 
     def _add_chunk(self, start: int, num_pages: int) -> None:
         fmt = self.format
-        shape = (fmt.num_layers, fmt.num_kv_heads, num_pages, fmt.page_size, fmt.head_dim)
+        shape = (fmt.num_layers, fmt.num_kv_heads, num_pages, fmt.page_size)
+        quant = fmt.value_format
         # Normal tensors even when made under torch.inference_mode(): the pool outlives that scope and is
         # written in place by later calls that may run outside it.
         with torch.inference_mode(False):
-            self.keys.append(
-                torch.zeros(shape, dtype=fmt.dtype, device=self.device)
-            )  # [layers, heads, pages, slots, dim]
-            self.values.append(torch.zeros(shape, dtype=fmt.dtype, device=self.device))
+            self.keys.append(torch.zeros(*shape, fmt.head_dim, dtype=fmt.dtype, device=self.device))
+            if quant is None:
+                self.values.append(torch.zeros(*shape, fmt.head_dim, dtype=fmt.dtype, device=self.device))
+            else:  # codes [..., code_dim] and (scale, zero) per group [..., 2 * num_groups]
+                self.values.append(torch.zeros(*shape, quant.code_dim, dtype=torch.uint8, device=self.device))
+                self.value_scales.append(torch.zeros(*shape, 2 * quant.num_groups, dtype=fmt.dtype, device=self.device))
         self.chunk_starts.append(start)
         self.chunk_sizes.append(num_pages)
 
@@ -262,7 +278,9 @@ class KVPool:
         """Copies every layer's slots of page ``src`` into page ``dst`` for each ``(src, dst)``."""
         for src, dst in pairs:
             (src_chunk, src_local), (dst_chunk, dst_local) = self.locate(src), self.locate(dst)
-            for storage in (self.keys, self.values):
+            for storage in (self.keys, self.values, self.value_scales):
+                if not storage:
+                    continue
                 storage[dst_chunk][:, :, dst_local] = storage[src_chunk][:, :, src_local]
 
     def locate(self, page: int) -> tuple[int, int]:

@@ -5,8 +5,13 @@ import torch
 EXAMPLE_CACHE_CONFIGS = {
     "paged_pool": {},
     "sliding_ring": {"window": 16, "sink_tokens": 2},
+    "quantized_values": {"bits": 4, "group_size": 16},
 }
 """A cache_config that works on a full-attention model, for each registered name (tests iterate the registry)."""
+
+
+EXAMPLE_POOL_FORMATS = {"quantized_values": {"value_bits": 4, "value_group_size": 16}}
+"""``KVPool.for_model`` keywords of a pool the example cache_config can draw from."""
 
 
 def example_cache_config(name: str) -> dict:

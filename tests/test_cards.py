@@ -21,7 +21,7 @@ from hf_kvcache import cards
 from hf_kvcache.cards import CARD_SETTINGS, generate_with_cache, plan_cards, render_card, validate_card
 from hf_kvcache.eval.report import EvalReport
 from hf_kvcache.integration import CACHE_FACTORIES
-from hf_kvcache.models import BUNDLED_MODEL
+from hf_kvcache.models import BUNDLED_MODEL, tiny_llama
 
 ROOT = Path(__file__).parents[1]
 REPORT = ROOT / "model_cards" / "results" / "smollm2-135m-essays" / "report.json"
@@ -35,6 +35,12 @@ def load_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def card_model():
+    """A tiny Llama with the bundled model's head size (64), so every card's cache_config applies as published."""
+    return tiny_llama(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +98,11 @@ def test_card_validates_with_hub_metadata(rendered, setting):
 
 
 @pytest.mark.parametrize("setting", REGISTERED, ids=IDS)
-def test_custom_generate_folder_generates_with_our_cache(tiny_llama_model, rendered, setting):
+def test_custom_generate_folder_generates_with_our_cache(card_model, rendered, setting):
     folder = str(rendered[setting.cache_implementation])
     common = {"max_new_tokens": 8, "do_sample": False, "return_dict_in_generate": True}
-    out = tiny_llama_model.generate(input_ids=PROMPT, custom_generate=folder, trust_remote_code=True, **common)
-    direct = tiny_llama_model.generate(
+    out = card_model.generate(input_ids=PROMPT, custom_generate=folder, trust_remote_code=True, **common)
+    direct = card_model.generate(
         PROMPT, cache_implementation=setting.cache_implementation, cache_config=setting.cache_config, **common
     )
     assert isinstance(out.cache, CACHE_FACTORIES[setting.cache_implementation])
@@ -104,13 +110,13 @@ def test_custom_generate_folder_generates_with_our_cache(tiny_llama_model, rende
 
 
 @pytest.mark.parametrize("setting", REGISTERED, ids=IDS)
-def test_model_folder_with_custom_generate_uses_our_cache(tiny_llama_model, rendered, setting, tmp_path):
+def test_model_folder_with_custom_generate_uses_our_cache(card_model, rendered, setting, tmp_path):
     """A repo holding weights and the card's custom_generate: generate is replaced on from_pretrained."""
-    tiny_llama_model.save_pretrained(tmp_path)
+    card_model.save_pretrained(tmp_path)
     shutil.copytree(rendered[setting.cache_implementation] / "custom_generate", tmp_path / "custom_generate")
     model = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True)
     out = model.generate(PROMPT, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)  # positional
-    direct = tiny_llama_model.generate(
+    direct = card_model.generate(
         PROMPT,
         max_new_tokens=8,
         do_sample=False,
@@ -121,23 +127,23 @@ def test_model_folder_with_custom_generate_uses_our_cache(tiny_llama_model, rend
     assert torch.equal(out.sequences, direct)
 
 
-def test_caller_can_override_the_cards_cache(tiny_llama_model, rendered):
+def test_caller_can_override_the_cards_cache(card_model, rendered):
     folder = str(rendered["paged_pool"])
     kwargs = {"max_new_tokens": 4, "return_dict_in_generate": True, "custom_generate": folder}
-    out = tiny_llama_model.generate(input_ids=PROMPT, cache_implementation="dynamic", trust_remote_code=True, **kwargs)
+    out = card_model.generate(input_ids=PROMPT, cache_implementation="dynamic", trust_remote_code=True, **kwargs)
     assert type(out.cache) is DynamicCache
     with pytest.raises(ValueError, match="trust_remote_code=True"):
-        tiny_llama_model.generate(input_ids=PROMPT, trust_remote_code=False, **kwargs)
+        card_model.generate(input_ids=PROMPT, trust_remote_code=False, **kwargs)
 
 
-def test_unregistered_cache_is_rejected_clearly(tiny_llama_model, rendered, tmp_path):
+def test_unregistered_cache_is_rejected_clearly(card_model, rendered, tmp_path):
     folder = shutil.copytree(rendered["paged_pool"], tmp_path / "card")
     saved = json.loads((folder / "generation_config.json").read_text())
     (folder / "generation_config.json").write_text(json.dumps({**saved, "cache_implementation": "no_such_cache"}))
     with pytest.raises(ValueError, match=r"'no_such_cache' is not a cache registered by hf_kvcache .*registered: \["):
         validate_card(folder)
     with pytest.raises(ValueError, match="'no_such_cache' is not a cache registered"):
-        generate_with_cache(tiny_llama_model, "no_such_cache", {}, {"input_ids": PROMPT})
+        generate_with_cache(card_model, "no_such_cache", {}, {"input_ids": PROMPT})
     hf_kvcache.unregister()
     try:
         with pytest.raises(ValueError, match=r"registered: none; call hf_kvcache.register\(\)"):

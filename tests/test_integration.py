@@ -4,7 +4,7 @@ import inspect
 
 import pytest
 import torch
-from helpers import example_cache_config
+from helpers import EXAMPLE_POOL_FORMATS, example_cache_config
 from transformers import DynamicCache, GenerationConfig, StaticCache
 from transformers.generation import configuration_utils
 from transformers.generation.utils import GenerationMixin
@@ -63,7 +63,8 @@ def test_existing_names_behave_as_before(tiny_llama_model, name, expected):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_generation_config_naming_our_cache_saves_and_loads(tmp_path, tiny_llama_model, name):
-    pool = KVPool.for_model(tiny_llama_model, max_tokens=512, page_size=8, name=f"saved-{name}")
+    formats = EXAMPLE_POOL_FORMATS.get(name, {})
+    pool = KVPool.for_model(tiny_llama_model, max_tokens=512, page_size=8, name=f"saved-{name}", **formats)
     cache_config = example_cache_config(name) | {"pool": f"saved-{name}"}
     config = GenerationConfig(cache_implementation=name, cache_config=cache_config, max_new_tokens=4, do_sample=False)
     config.validate(strict=True)

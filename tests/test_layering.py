@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).parents[1] / "hf_kvcache"
-ORDER = ["errors", "config", "allocator", "page_table", "pool", "kernels", "quant", "layers", "caches", "integration"]
+ORDER = ["errors", "quant", "config", "allocator", "page_table", "pool", "kernels", "layers", "caches", "integration"]
 
 
 def imports_of(module: str) -> set[str]:

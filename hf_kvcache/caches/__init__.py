@@ -1,6 +1,7 @@
 """Our ``transformers.Cache`` subclasses, one file per cache over ``base.PoolCache``."""
 
 from hf_kvcache.caches.paged import PagedCache
+from hf_kvcache.caches.quantized import QuantizedValueCache
 from hf_kvcache.caches.ring import SlidingRingCache
 
-__all__ = ["PagedCache", "SlidingRingCache"]
+__all__ = ["PagedCache", "QuantizedValueCache", "SlidingRingCache"]

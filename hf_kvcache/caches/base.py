@@ -20,6 +20,7 @@ from hf_kvcache.layers import PagedLayer, PagedRows, RingLayer, RingRows
 from hf_kvcache.pool import KVPool
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+QUANT_FIELDS = ("value_bits", "value_group_size")
 
 
 @dataclass(frozen=True)
@@ -30,14 +31,18 @@ class RowPolicy:
         window: tokens each query attends to, itself included; ``None`` keeps every token.
         sink_tokens: first tokens of a row a ring keeps for good.
         is_sliding: the model's own mask applies the window (a sliding layer of the model).
+        residual_length: newest tokens whose values stay in full precision (quantized pools only).
     """
 
     window: int | None = None
     sink_tokens: int = 0
     is_sliding: bool = False
+    residual_length: int = 0
 
     def make_rows(self, pool: KVPool) -> PagedRows:
-        return PagedRows(pool) if self.window is None else RingRows(pool, self.window, self.sink_tokens)
+        if self.window is None:
+            return PagedRows(pool, self.residual_length)
+        return RingRows(pool, self.window, self.sink_tokens, self.residual_length)
 
 
 class PoolBinder:
@@ -82,7 +87,7 @@ class PoolBinder:
         pool = self.pools.get(device)
         if pool is not None:
             return pool
-        page_format = PageFormat.from_model_config(self.config, dtype, self.options.page_size)
+        page_format = self.options.page_format(self.config, dtype)
         seen = (num_kv_heads or page_format.num_kv_heads, head_dim or page_format.head_dim)
         if seen != (page_format.num_kv_heads, page_format.head_dim):
             raise IncompatibleModelError(
@@ -102,7 +107,15 @@ class PoolBinder:
         theirs, ours = pool.format, page_format
         mismatches = [
             f"{name} {getattr(theirs, name)} vs {getattr(ours, name)}"
-            for name in ("num_layers", "num_groups", "num_kv_heads", "head_dim", "dtype")
+            for name in (
+                "num_layers",
+                "num_groups",
+                "num_kv_heads",
+                "head_dim",
+                "dtype",
+                "value_bits",
+                "value_group_size",
+            )
             if getattr(theirs, name) != getattr(ours, name)
         ]
         if pool.device != device:

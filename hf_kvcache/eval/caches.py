@@ -84,6 +84,7 @@ def parse_spec(text: str) -> CacheSpec:
 
 REGISTERED_DEFAULTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "sliding_ring": [("ring-256", {"window": 256}), ("ring-256-sink4", {"window": 256, "sink_tokens": 4})],
+    "quantized_values": [("values-int8", {"bits": 8}), ("values-int4", {"bits": 4})],
 }
 """The settings (label, cache_config) a default evaluation runs for a registered cache; others run as they are."""
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from hf_kvcache.kernels import ChunkIndex, read_slots, split_by_chunk, write_slots
+from hf_kvcache.kernels import ChunkIndex, read_slots, split_by_chunk
 from hf_kvcache.layers.rows import PagedRows
 from hf_kvcache.pool import KVPool
 
@@ -48,10 +48,11 @@ class RingRows(PagedRows):
         pool: where the pages live.
         window: tokens each query attends to, itself included (transformers' ``sliding_window``).
         sink_tokens: first tokens of a row kept for good (attention sinks).
+        residual_length: as for ``PagedRows``.
     """
 
-    def __init__(self, pool: KVPool, window: int, sink_tokens: int = 0) -> None:
-        super().__init__(pool)
+    def __init__(self, pool: KVPool, window: int, sink_tokens: int = 0, residual_length: int = 0) -> None:
+        super().__init__(pool, residual_length)
         page_size = pool.format.page_size
         self.window = window
         self.sink_tokens = sink_tokens
@@ -84,14 +85,19 @@ class RingRows(PagedRows):
         self.begin_step(start, key_states, value_states)
         num_new = key_states.shape[-2]
         write, read, kept = self._step_index(start, num_new)
-        pool = self.pool
+        sinks, first = visible_span(start, num_new, self.window, self.sink_tokens)
         batch = key_states.shape[0]
+
+        def gather(chunks: list[torch.Tensor]) -> torch.Tensor:
+            return read_slots(chunks, page_layer, read, batch)
+
         if num_new <= self.max_step:  # write first: attention reads the new tokens from their slots
-            self._store(page_layer, write, kept, key_states, value_states)
-            return read_slots(pool.keys, page_layer, read, batch), read_slots(pool.values, page_layer, read, batch)
-        past = read_slots(pool.keys, page_layer, read, batch), read_slots(pool.values, page_layer, read, batch)
-        self._store(page_layer, write, kept, key_states, value_states)  # a long chunk: only its tail stays
-        return torch.cat([past[0], key_states], dim=-2), torch.cat([past[1], value_states], dim=-2)
+            self._store(page_layer, start, write, kept, key_states, value_states)
+            return self.store.read(page_layer, gather, start + num_new, start + num_new - first)
+        keys, values = self.store.read(page_layer, gather, start, start - first, start + num_new)
+        self._store(page_layer, start, write, kept, key_states, value_states)  # a long chunk: only its tail stays
+        attended = self.store.as_attended(value_states)
+        return torch.cat([keys, key_states], dim=-2), torch.cat([values, attended], dim=-2)
 
     def check_crop(self, num_tokens: int) -> None:
         """Raises ``ValueError`` if cropping to ``num_tokens`` needs tokens the ring has overwritten."""
@@ -166,15 +172,16 @@ class RingRows(PagedRows):
     def _store(
         self,
         page_layer: int,
+        start: int,
         parts: list[ChunkIndex],
         kept: torch.Tensor | None,
         key_states: torch.Tensor,
         value_states: torch.Tensor,
     ) -> None:
+        self.store.remember(page_layer, start, value_states)
         if kept is not None:
             key_states, value_states = key_states[:, :, kept], value_states[:, :, kept]
-        write_slots(self.pool.keys, page_layer, parts, key_states)
-        write_slots(self.pool.values, page_layer, parts, value_states)
+        self.store.write(page_layer, parts, key_states, value_states)
 
     def _apply(self, change) -> None:
         super()._apply(change)

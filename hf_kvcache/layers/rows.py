@@ -10,7 +10,8 @@ from collections.abc import Callable
 
 import torch
 
-from hf_kvcache.kernels import ChunkIndex, read_pages, split_by_chunk, write_slots
+from hf_kvcache.kernels import ChunkIndex, read_pages, split_by_chunk
+from hf_kvcache.layers.values import ValueStore
 from hf_kvcache.pool import KVPool
 
 
@@ -43,10 +44,12 @@ class PagedRows:
 
     Args:
         pool: where the pages live.
+        residual_length: newest tokens whose values attention gets in full precision (quantized pools only).
     """
 
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: KVPool, residual_length: int = 0) -> None:
         self.pool = pool
+        self.store = ValueStore(pool, residual_length)
         self.table = pool.new_table()
         self._version = -1  # table version the cached indices below were built for
         self._ids: torch.Tensor | None = None
@@ -66,9 +69,8 @@ class PagedRows:
             key_states / value_states: ``[batch, heads, n, head_dim]``.
         """
         self.begin_step(start, key_states, value_states)
-        parts = self._write_index(start, key_states.shape[-2])
-        write_slots(self.pool.keys, page_layer, parts, key_states)
-        write_slots(self.pool.values, page_layer, parts, value_states)
+        self.store.write(page_layer, self._write_index(start, key_states.shape[-2]), key_states, value_states)
+        self.store.remember(page_layer, start, value_states)
 
     def read(self, page_layer: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[batch, heads, num_tokens, head_dim]`` of one layer, for attention."""
@@ -76,10 +78,10 @@ class PagedRows:
             self._read = split_by_chunk(
                 self._page_ids(), self.pool.chunk_starts, self.pool.chunk_sizes, self.pool.format.num_kv_heads
             )
-        batch = self.table.num_rows
-        keys = read_pages(self.pool.keys, page_layer, self._read, batch, num_tokens)
-        values = read_pages(self.pool.values, page_layer, self._read, batch, num_tokens)
-        return keys, values
+        batch, parts = self.table.num_rows, self._read
+        return self.store.read(
+            page_layer, lambda chunks: read_pages(chunks, page_layer, parts, batch, num_tokens), num_tokens, num_tokens
+        )
 
     def begin_step(self, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Makes room for tokens ``[start, start + n)``: the first layer of a step grows the table.
@@ -109,16 +111,19 @@ class PagedRows:
     def select_rows(self, indices: list[int]) -> None:
         """Keeps rows ``indices`` in that order, sharing the pages of repeated rows."""
         self._apply(lambda: self.table.select_rows(indices))
+        self.store.select_rows(indices)
 
     def check_crop(self, num_tokens: int) -> None:
         """Paged rows keep every token, so any crop is exact."""
 
     def crop(self, num_tokens: int) -> None:
         self._apply(lambda: self.table.crop(num_tokens))
+        self.store.crop(num_tokens)
 
     def release(self) -> None:
         """Returns all pages to the pool."""
         self._apply(self.table.release)
+        self.store.release()
 
     def _apply(self, change: Callable[[], list[tuple[int, int]] | None]) -> None:
         """Runs a table change under the pool lock, copies the pages it asks for, drops cached indices."""

@@ -1,0 +1,175 @@
+"""Moving a layer's keys and values between attention and the pool, values quantized where the pool says so.
+
+With a full-precision pool, keys and values are stored and gathered as they are. With a pool
+whose format sets ``value_bits``, each new token's values are quantized once, when they are
+stored (``hf_kvcache.quant``: per-token scales, so the codes do not depend on any other token and
+never change afterwards); keys stay in the model's dtype. Attention gets the values dequantized
+into a buffer the rows reuse from step to step and layer to layer, never a new full-precision copy
+of the history. The newest ``residual_length`` tokens are served in full precision from
+``ResidualValues`` instead of their codes.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from hf_kvcache.kernels import ChunkIndex, write_slots
+from hf_kvcache.pool import KVPool
+from hf_kvcache.quant import dequantize, dequantize_into, quantize
+
+Gather = Callable[[list[torch.Tensor]], torch.Tensor]
+"""Reads one layer's slots out of a list of pool chunks as ``[batch, heads, n, last_dim]``."""
+
+
+class ResidualValues:
+    """Full-precision values of the newest ``length`` tokens of every row, for each layer of a group.
+
+    Token ``t`` of a row sits at index ``t % length`` of its layer's ``[batch, heads, length, head_dim]``
+    buffer. Tokens from ``first`` on are held (older ones only as codes, e.g. after a ``crop``).
+    """
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.first = 0
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def write(self, page_layer: int, start: int, value_states: torch.Tensor) -> None:
+        """Keeps the newest of tokens ``[start, start + n)``, given as ``[batch, heads, n, head_dim]`` states."""
+        batch, heads, num_new, head_dim = value_states.shape
+        buffer = self.buffers.get(page_layer)
+        if buffer is None or buffer.shape[0] != batch:
+            buffer = self.buffers[page_layer] = value_states.new_zeros(batch, heads, self.length, head_dim)
+        if start == 0:
+            self.first = 0
+        keep = min(num_new, self.length)
+        end = start + num_new
+        index = torch.arange(end - keep, end, device=buffer.device) % self.length  # [keep]
+        buffer.index_copy_(2, index, value_states[:, :, num_new - keep :])
+        self.first = max(self.first, end - self.length)
+
+    def overlay(self, page_layer: int, values: torch.Tensor, end: int, limit: int, newest: int) -> None:
+        """Puts the held full-precision values over the last positions of ``values``.
+
+        Args:
+            values: ``[batch, heads, m, head_dim]`` whose last position is token ``end - 1``.
+            limit: at most this many positions are replaced (the tokens ``values`` holds in order).
+            newest: tokens written so far; the residual window is ``[newest - length, newest)``.
+        """
+        count = min(end - max(self.first, newest - self.length), limit)
+        if count <= 0 or page_layer not in self.buffers:
+            return
+        index = torch.arange(end - count, end, device=values.device) % self.length  # [count]
+        values[:, :, values.shape[2] - count :] = self.buffers[page_layer].index_select(2, index)
+
+    def select_rows(self, indices: list[int]) -> None:
+        for page_layer, buffer in self.buffers.items():
+            self.buffers[page_layer] = buffer[torch.tensor(indices, device=buffer.device)]
+
+    def crop(self, num_tokens: int) -> None:
+        self.first = min(self.first, num_tokens)
+
+    def release(self) -> None:
+        self.buffers.clear()
+        self.first = 0
+
+
+class ValueStore:
+    """Writes and reads one group's keys and values in a pool, quantizing values if its format says so.
+
+    Args:
+        pool: where the pages live.
+        residual_length: newest tokens whose values attention gets in full precision (quantized pools only).
+    """
+
+    def __init__(self, pool: KVPool, residual_length: int = 0) -> None:
+        self.pool = pool
+        self.quant = pool.format.value_format
+        self.residual = ResidualValues(residual_length) if self.quant is not None and residual_length else None
+        self._buffer: torch.Tensor | None = None  # [batch, heads, capacity, head_dim], reused for dequantized values
+
+    def write(
+        self,
+        page_layer: int,
+        parts: list[ChunkIndex],
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+    ) -> None:
+        """Stores new states ``[batch, heads, n, head_dim]`` into the slots of ``parts``.
+
+        The pool holds inference state: what is stored is detached from any autograd graph.
+        """
+        pool = self.pool
+        key_states, value_states = key_states.detach(), value_states.detach()
+        write_slots(pool.keys, page_layer, parts, key_states)
+        if self.quant is None:
+            write_slots(pool.values, page_layer, parts, value_states)
+            return
+        codes, scale, zero = quantize(value_states, self.quant)
+        write_slots(pool.values, page_layer, parts, codes)
+        write_slots(pool.value_scales, page_layer, parts, torch.cat([scale, zero], dim=-1))
+
+    def remember(self, page_layer: int, start: int, value_states: torch.Tensor) -> None:
+        """Keeps the full-precision values of tokens ``[start, start + n)`` for the residual window."""
+        if self.residual is not None:
+            self.residual.write(page_layer, start, value_states.detach())
+
+    def read(
+        self, page_layer: int, gather: Gather, end: int, limit: int, newest: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the slots ``gather`` reads, for attention.
+
+        Args:
+            gather: e.g. ``read_pages`` or ``read_slots`` with everything but the chunks bound.
+            end: the last token read is ``end - 1`` (it comes last).
+            limit: how many of the last positions read are consecutive tokens (for the residual window).
+            newest: tokens written so far (default ``end``): the residual window ends there.
+
+        Returns:
+            keys, values ``[batch, heads, n, head_dim]``; quantized values come dequantized in a reused buffer.
+        """
+        pool = self.pool
+        keys = gather(pool.keys)
+        if self.quant is None:
+            return keys, gather(pool.values)
+        codes = gather(pool.values)  # [batch, heads, n, code_dim]
+        scales = gather(pool.value_scales)  # [batch, heads, n, 2 * num_groups]
+        num_groups = self.quant.num_groups
+        values = self._values_buffer(codes.shape[:3], keys.dtype)  # [batch, heads, n, head_dim]
+        dequantize_into(values, codes, scales[..., :num_groups], scales[..., num_groups:], self.quant)
+        if self.residual is not None:
+            self.residual.overlay(page_layer, values, end, limit, end if newest is None else newest)
+        return keys, values
+
+    def as_attended(self, value_states: torch.Tensor) -> torch.Tensor:
+        """New values ``[batch, heads, n, head_dim]`` as attention sees them once stored (quantized but the newest)."""
+        if self.quant is None:
+            return value_states
+        value_states = value_states.detach()
+        values = dequantize(*quantize(value_states, self.quant), self.quant, value_states.dtype)
+        keep = min(self.residual.length if self.residual is not None else 0, values.shape[2])
+        if keep:
+            values[:, :, values.shape[2] - keep :] = value_states[:, :, values.shape[2] - keep :]
+        return values
+
+    def _values_buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        batch, heads, num_tokens = shape
+        buffer = self._buffer
+        if buffer is None or buffer.shape[:2] != (batch, heads) or buffer.shape[2] < num_tokens:
+            capacity = max(num_tokens, 2 * buffer.shape[2] if buffer is not None else 0)
+            buffer = self._buffer = torch.empty(
+                batch, heads, capacity, self.quant.head_dim, dtype=dtype, device=self.pool.device
+            )
+        return buffer[:, :, :num_tokens]
+
+    def select_rows(self, indices: list[int]) -> None:
+        if self.residual is not None:
+            self.residual.select_rows(indices)
+
+    def crop(self, num_tokens: int) -> None:
+        if self.residual is not None:
+            self.residual.crop(num_tokens)
+
+    def release(self) -> None:
+        if self.residual is not None:
+            self.residual.release()
+        self._buffer = None

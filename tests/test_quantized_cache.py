@@ -1,0 +1,180 @@
+"""QuantizedValueCache: equal to its pure-torch spec, bytes per token, hybrid models, greedy on SmolLM2."""
+
+import pytest
+import torch
+from helpers import padded_batch, run
+from transformers import DynamicCache
+
+import hf_kvcache  # noqa: F401  (registers "quantized_values")
+from hf_kvcache import IncompatibleModelError, KVPool, PagedCache, QuantizedValueCache
+from hf_kvcache.layers import RingLayer
+from hf_kvcache.models import tiny_llama
+from hf_kvcache.quant import QuantFormat, dequantize, quantize
+
+
+class QuantDequantValues(DynamicCache):
+    """The spec: a DynamicCache whose attention sees values through quantize -> dequantize, except the newest
+    ``residual_length`` tokens, which it sees in full precision."""
+
+    def __init__(self, config, bits: int, group_size: int, residual_length: int = 0) -> None:
+        super().__init__(config=config)
+        self.bits, self.group_size, self.residual_length = bits, group_size, residual_length
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        fmt = QuantFormat(self.bits, self.group_size, values.shape[-1])
+        attended = dequantize(*quantize(values, fmt), fmt, values.dtype)
+        keep = min(self.residual_length, values.shape[2])
+        if keep:
+            attended[:, :, -keep:] = values[:, :, -keep:]
+        return keys, attended
+
+
+def random_ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(1, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def feed(model, ids, cache, chunks):
+    logits, start = [], 0
+    while start < ids.shape[1]:
+        size = chunks[min(len(logits), len(chunks) - 1)]
+        logits.append(model(ids[:, start : start + size], cache=cache).logits)
+        start += size
+    return torch.cat(logits, dim=1)
+
+
+MODELS = ["tiny_llama_model", "tiny_mistral_model", "tiny_gemma3_model"]
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+@pytest.mark.parametrize("bits,residual_length", [(8, 0), (4, 0), (4, 5), (4, 40)])
+@pytest.mark.parametrize("chunks", [[30, 1], [3, 7, 1], [50, 2]])
+def test_cache_equals_its_quantize_dequantize_spec(model_name, bits, residual_length, chunks, request):
+    """Prefill and decode, chunk sizes around the window (8) and the residual window, on full, sliding and
+    hybrid models: logits equal the reference DynamicCache that quantizes and dequantizes values."""
+    model = request.getfixturevalue(model_name)
+    ids = random_ids(2, 80, seed=bits + residual_length)
+    settings = {"bits": bits, "group_size": 8, "residual_length": residual_length}
+    expected = feed(model, ids, QuantDequantValues(model.config, **settings), chunks)
+    actual = feed(model, ids, QuantizedValueCache(model.config, **settings), chunks)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_generate_with_padding_and_beams_equals_the_spec(tiny_gemma3_model, bits):
+    """transformers' QuantizedCache refuses hybrid models; ours keeps ring semantics on Gemma 3's sliding layers."""
+    ids, mask = padded_batch([14, 5, 9])
+    settings = {"bits": bits, "group_size": 16, "residual_length": 4}
+    cache = QuantizedValueCache(tiny_gemma3_model.config, **settings)
+    reference = run(
+        tiny_gemma3_model, ids, mask, max_new_tokens=20, cache=QuantDequantValues(tiny_gemma3_model.config, **settings)
+    )
+    ours = run(tiny_gemma3_model, ids, mask, max_new_tokens=20, cache=cache)
+    assert torch.equal(reference.sequences, ours.sequences)
+    assert [type(layer) for layer in cache.layers][:3] == [RingLayer] * 3
+    beams = {"num_beams": 3, "max_new_tokens": 12, "cache_config": settings}
+    assert torch.equal(
+        tiny_gemma3_model.generate(
+            ids,
+            attention_mask=mask,
+            cache=QuantDequantValues(tiny_gemma3_model.config, **settings),
+            num_beams=3,
+            max_new_tokens=12,
+        ),
+        tiny_gemma3_model.generate(ids, attention_mask=mask, cache_implementation="quantized_values", **beams),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bits,target", [(8, 0.77), (4, 0.65)])
+def test_pool_bytes_per_token_against_the_paged_cache(dtype, bits, target):
+    """Measured from pool.stats() as tokens are added past the residual window, SmolLM2's head geometry."""
+    model = tiny_llama(hidden_size=192, num_attention_heads=3, num_key_value_heads=3, head_dim=64)
+
+    def bytes_per_token(cache) -> float:
+        pool = cache.pool
+        used = []
+        for length in (256, 1024):
+            states = torch.randn(1, 3, length - cache.get_seq_length(), 64, dtype=dtype)
+            for layer_idx in range(2):
+                cache.update(states, states, layer_idx)
+            used.append(pool.stats()["bytes_used"])
+        return (used[1] - used[0]) / (1024 - 256)
+
+    paged = bytes_per_token(PagedCache(model.config, max_tokens=2048, dtype=dtype, device="cpu"))
+    quantized = QuantizedValueCache(
+        model.config, bits=bits, residual_length=64, max_tokens=2048, dtype=dtype, device="cpu"
+    )
+    ratio = bytes_per_token(quantized) / paged
+    assert ratio <= target, f"int{bits} in {dtype}: {ratio:.3f} of the paged cache's bytes per token"
+
+
+def test_values_are_quantized_once_and_keys_kept_exact(tiny_llama_model):
+    cache = QuantizedValueCache(tiny_llama_model.config, bits=4, group_size=16)
+    keys = torch.randn(1, 2, 40, 16)
+    values = torch.randn(1, 2, 40, 16)
+    out_keys, out_values = cache.update(keys, values, 0)
+    fmt = QuantFormat(4, 16, 16)
+    assert torch.equal(out_keys, keys)
+    assert torch.equal(out_values, dequantize(*quantize(values, fmt), fmt, values.dtype))
+    pool = cache.pool
+    assert pool.values[0].dtype == torch.uint8 and pool.values[0].shape[-1] == 8  # two codes per byte
+    before = pool.values[0].clone(), pool.value_scales[0].clone()
+    cache.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), 0)
+    changed = (pool.values[0] != before[0]).any(dim=-1)  # [layers, heads, pages, slots]
+    assert changed.sum() == 2  # one slot per head: the new token; the 40 before it are never re-quantized
+
+
+def test_greedy_int8_matches_dynamic_on_smollm2(bundled):
+    model, tokenizer = bundled
+    prompts = [
+        "The capital of France is",
+        "Write a haiku about the sea.",
+        "def fibonacci(n):",
+        "Three facts about the moon:",
+        "Once upon a time, in a small village,",
+    ]
+    same = 0
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        expected = model.generate(ids, max_new_tokens=64, do_sample=False)
+        actual = model.generate(
+            ids, max_new_tokens=64, do_sample=False, cache_implementation="quantized_values", cache_config={"bits": 8}
+        )
+        same += torch.equal(expected, actual)
+    assert same >= 4, f"{same} of 5 prompts identical for 64 tokens"
+
+
+@pytest.mark.parametrize(
+    "cache_config,error,match",
+    [
+        ({"bits": 3}, ValueError, "bits=3 is not supported: choose bits=8 or bits=4"),
+        ({"bits": "4"}, TypeError, "bits must be an int"),
+        ({"group_size": 12}, ValueError, r"group_size=12 does not divide the model's head_dim=16; choose one of"),
+        ({"group_size": 0}, ValueError, "group_size=0 is out of range"),
+        ({"residual_length": -1}, ValueError, "residual_length=-1 is out of range"),
+        ({"bit": 4}, ValueError, r"Unknown cache_config keys \['bit'\].*'bits', 'group_size', 'residual_length'"),
+    ],
+)
+def test_bad_quantized_config_is_rejected(tiny_llama_model, cache_config, error, match):
+    with pytest.raises(error, match=match):
+        tiny_llama_model.generate(
+            torch.tensor([[1, 2]]), max_new_tokens=2, cache_implementation="quantized_values", cache_config=cache_config
+        )
+
+
+def test_pool_must_match_the_value_format(tiny_llama_model):
+    full = KVPool.for_model(tiny_llama_model, max_tokens=256)
+    with pytest.raises(IncompatibleModelError, match="value_bits None vs 4.*KVPool.for_model"):
+        QuantizedValueCache(tiny_llama_model.config, bits=4, group_size=16, pool=full).update(
+            torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16), 0
+        )
+    int4 = KVPool.for_model(tiny_llama_model, max_tokens=256, value_bits=4, value_group_size=16)
+    out = tiny_llama_model.generate(
+        torch.tensor([[1, 2, 3]]),
+        max_new_tokens=3,
+        cache_implementation="quantized_values",
+        cache_config={"bits": 4, "group_size": 16, "pool": int4},
+        return_dict_in_generate=True,
+    )
+    assert out.cache.pool is int4
