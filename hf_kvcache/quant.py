@@ -120,11 +120,9 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Ten
 def dequantize(
     codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The reference: ``zero + code * scale`` per group in float32, rounded once to ``dtype``.
+    """The reference: ``code * scale + zero`` per group in float32 (a product, then a sum), rounded once to ``dtype``.
 
-    The float32 step is ``torch.addcmul``, as in ``dequantize_into``, so the two agree bitwise: in float32 a
-    device that fuses the multiply-add fuses both, and for bfloat16/float16 scales ``code * scale`` is exact in
-    float32, so fusing changes nothing.
+    ``dequantize_into`` does the same operations in the same order, so the two agree bitwise.
 
     Args:
         codes: ``[..., code_dim]`` uint8. scale, zero: ``[..., num_groups]``.
@@ -134,31 +132,48 @@ def dequantize(
     """
     unpacked = codes if fmt.bits == 8 else unpack_int4(codes)  # [..., head_dim]
     groups = unpacked.float().unflatten(-1, (fmt.num_groups, fmt.group_size))  # [..., num_groups, group_size]
-    values = torch.addcmul(zero.float().unsqueeze(-1), groups, scale.float().unsqueeze(-1))
+    values = groups * scale.float().unsqueeze(-1)
+    values = values + zero.float().unsqueeze(-1)
     return values.flatten(-2).to(dtype)
 
 
 def dequantize_into(
-    out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: QuantFormat
+    out: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    fmt: QuantFormat,
+    work: torch.Tensor | None = None,
 ) -> None:
     """Dequantizes into a preallocated buffer, bitwise equal to ``dequantize(..., out.dtype)``.
 
-    The codes are copied into ``out`` and turned into values in place with one ``addcmul`` (float32
-    arithmetic for bfloat16/float16, one rounding); int4 needs two half-size uint8 temporaries to unpack.
+    The codes are copied into a float32 buffer (``out`` itself when it is float32) and turned into values in
+    place with a multiply and an add (two fast elementwise passes; ``addcmul`` with a per-group broadcast is
+    several times slower on CPU); int4 writes its low and high nibbles into the even and odd channels.
 
     Args:
         out: ``[..., head_dim]`` floating, written in place; may be a view into a larger buffer.
         codes: ``[..., code_dim]`` uint8. scale, zero: ``[..., num_groups]``.
+        work: a float32 buffer of ``out``'s shape, reused across calls when ``out`` is not float32 (made if
+            ``None``).
     """
     if out.shape[-1] != fmt.head_dim or codes.shape[-1] != fmt.code_dim:
         raise ValueError(
             f"dequantize_into needs out [..., {fmt.head_dim}] and codes [..., {fmt.code_dim}], "
             f"got {tuple(out.shape)} and {tuple(codes.shape)}."
         )
-    if fmt.bits == 8:
-        out.copy_(codes)
+    if out.dtype != torch.float32:
+        work = torch.empty(out.shape, dtype=torch.float32, device=out.device) if work is None else work
     else:
-        out[..., 0::2].copy_(codes & 0xF)
-        out[..., 1::2].copy_(codes >> 4)
-    groups = out.unflatten(-1, (fmt.num_groups, fmt.group_size))  # view [..., num_groups, group_size]
-    torch.addcmul(zero.unsqueeze(-1), groups, scale.unsqueeze(-1), out=groups)
+        work = out
+    if fmt.bits == 8:
+        work.copy_(codes)
+    else:  # the nibbles straight into the even and odd channels: half the passes of unpack_int4 then copy
+        pairs = work.unflatten(-1, (fmt.code_dim, 2))  # view [..., code_dim, 2]
+        pairs[..., 0].copy_(codes & 0xF)
+        pairs[..., 1].copy_(codes >> 4)
+    groups = work.unflatten(-1, (fmt.num_groups, fmt.group_size))  # view [..., num_groups, group_size]
+    groups.mul_(scale.unsqueeze(-1))
+    groups.add_(zero.unsqueeze(-1))
+    if work is not out:
+        out.copy_(work)

@@ -9,6 +9,7 @@ of the history. The newest ``residual_length`` tokens are served in full precisi
 ``ResidualValues`` instead of their codes.
 """
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -85,7 +86,7 @@ class ValueStore:
         self.pool = pool
         self.quant = pool.format.value_format
         self.residual = ResidualValues(residual_length) if self.quant is not None and residual_length else None
-        self._buffer: torch.Tensor | None = None  # [batch, heads, capacity, head_dim], reused for dequantized values
+        self._buffers: dict[str, torch.Tensor] = {}  # flat, reused for dequantized values (and float32 work)
 
     def write(
         self,
@@ -134,8 +135,10 @@ class ValueStore:
         codes = gather(pool.values)  # [batch, heads, n, code_dim]
         scales = gather(pool.value_scales)  # [batch, heads, n, 2 * num_groups]
         num_groups = self.quant.num_groups
-        values = self._values_buffer(codes.shape[:3], keys.dtype)  # [batch, heads, n, head_dim]
-        dequantize_into(values, codes, scales[..., :num_groups], scales[..., num_groups:], self.quant)
+        shape = (*codes.shape[:3], self.quant.head_dim)
+        values = self._buffer("values", shape, keys.dtype)  # [batch, heads, n, head_dim]
+        work = None if keys.dtype == torch.float32 else self._buffer("work", shape, torch.float32)
+        dequantize_into(values, codes, scales[..., :num_groups], scales[..., num_groups:], self.quant, work)
         if self.residual is not None:
             self.residual.overlay(page_layer, values, end, limit, end if newest is None else newest)
         return keys, values
@@ -151,15 +154,14 @@ class ValueStore:
             values[:, :, values.shape[2] - keep :] = value_states[:, :, values.shape[2] - keep :]
         return values
 
-    def _values_buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        batch, heads, num_tokens = shape
-        buffer = self._buffer
-        if buffer is None or buffer.shape[:2] != (batch, heads) or buffer.shape[2] < num_tokens:
-            capacity = max(num_tokens, 2 * buffer.shape[2] if buffer is not None else 0)
-            buffer = self._buffer = torch.empty(
-                batch, heads, capacity, self.quant.head_dim, dtype=dtype, device=self.pool.device
-            )
-        return buffer[:, :, :num_tokens]
+    def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous ``shape`` view of a flat buffer kept under ``name`` and grown (doubling) as needed."""
+        buffer = self._buffers.get(name)
+        size = math.prod(shape)
+        if buffer is None or buffer.dtype != dtype or buffer.numel() < size:
+            capacity = max(size, 2 * buffer.numel() if buffer is not None else 0)
+            buffer = self._buffers[name] = torch.empty(capacity, dtype=dtype, device=self.pool.device)
+        return buffer[:size].view(shape)
 
     def select_rows(self, indices: list[int]) -> None:
         if self.residual is not None:
@@ -172,4 +174,4 @@ class ValueStore:
     def release(self) -> None:
         if self.residual is not None:
             self.residual.release()
-        self._buffer = None
+        self._buffers.clear()
