@@ -231,3 +231,15 @@ def test_bad_ring_config_is_rejected(tiny_llama_model, cache_config, error, matc
 def test_sinks_without_a_window_to_keep_them_are_rejected(tiny_mistral_model):
     with pytest.raises(ValueError, match="sink_tokens=4 needs a window"):
         SlidingRingCache(tiny_mistral_model.config, sink_tokens=4)
+
+
+def test_ring_on_a_pool_grown_across_chunks_matches_dynamic(tiny_mistral_model):
+    """A default-style growable pool that starts with 3 pages: rings spread over several chunks stay exact."""
+    pool = KVPool(KVPool.for_model(tiny_mistral_model, max_tokens=16).format, 3, max_pages=256)
+    ids = random_ids(3, 50)
+    expected = teacher_forced_logits(tiny_mistral_model, ids, DynamicCache(config=tiny_mistral_model.config), [9, 1])
+    actual = teacher_forced_logits(
+        tiny_mistral_model, ids, SlidingRingCache(tiny_mistral_model.config, pool=pool), [9, 1]
+    )
+    assert len(pool.chunk_starts) > 2
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)

@@ -41,6 +41,11 @@ def visible_span(start: int, num_new: int, window: int, sink_tokens: int) -> tup
     return sink_tokens, first
 
 
+def ring_num_slots(window: int, sink_tokens: int, page_size: int) -> int:
+    """Logical slots of one row of a ring: the sinks plus the window, rounded up to whole pages, plus a spare page."""
+    return page_size * (math.ceil((sink_tokens + window - 1) / page_size) + 1)
+
+
 class RingRows(PagedRows):
     """Page table of one cache's ring layers on one pool (one group of layers).
 
@@ -56,10 +61,11 @@ class RingRows(PagedRows):
         page_size = pool.format.page_size
         self.window = window
         self.sink_tokens = sink_tokens
-        self.num_slots = page_size * (math.ceil((sink_tokens + window - 1) / page_size) + 1)  # logical slots per row
+        self.num_slots = ring_num_slots(window, sink_tokens, page_size)  # logical slots per row
         self.ring_slots = self.num_slots - sink_tokens
         self.total = 0  # tokens written per row, evicted ones included
         self._step: tuple[int, int, list[ChunkIndex], list[ChunkIndex], torch.Tensor | None] | None = None
+        self._rows: torch.Tensor | None = None  # see _slot_rows
 
     @property
     def num_tokens(self) -> int:
@@ -149,25 +155,42 @@ class RingRows(PagedRows):
             last = end if num_new <= self.max_step else start
             read = torch.cat([torch.arange(sinks, device=device), torch.arange(first, last, device=device)])
             # A chunk longer than the ring overwrites itself: only its sinks and its last ring_slots tokens stay.
-            written = torch.arange(start, end, device=device)
-            overwritten = (written >= self.sink_tokens) & (written < end - self.ring_slots)
-            kept = None
-            if overwritten.any():
-                kept = (~overwritten).nonzero().squeeze(1)
+            lost_from, lost_to = max(start, self.sink_tokens), end - self.ring_slots
+            written, kept = torch.arange(start, end, device=device), None
+            if lost_to > lost_from:
+                kept = torch.cat(
+                    [
+                        torch.arange(lost_from - start, device=device),
+                        torch.arange(lost_to - start, num_new, device=device),
+                    ]
+                )
                 written = written[kept]
             self._step = (start, num_new, self._slot_index(written), self._slot_index(read), kept)
         return self._step[2:]
 
     def _slot_index(self, tokens: torch.Tensor) -> list[ChunkIndex]:
-        """Where tokens ``[n]`` of every row live: ``split_by_chunk`` over ``[batch, n]`` slots."""
-        page_size, sinks = self.pool.format.page_size, self.sink_tokens
+        """Where tokens ``[n]`` of every row live, as ``ChunkIndex`` parts over ``(head, batch, n)``."""
+        page_size, sinks, pool = self.pool.format.page_size, self.sink_tokens, self.pool
         slots = torch.where(tokens < sinks, tokens, sinks + (tokens - sinks) % self.ring_slots)  # [n]
+        if len(pool.chunk_starts) == 1:  # the common case: one lookup in the rows of every slot
+            return [ChunkIndex(0, self._slot_rows()[:, :, slots].reshape(-1), None)]
         page_ids = self._page_ids()[:, slots // page_size]  # [batch, n]
         offsets = (slots % page_size).expand_as(page_ids)  # [batch, n]
-        pool = self.pool
         return split_by_chunk(
             page_ids, pool.chunk_starts, pool.chunk_sizes, pool.format.num_kv_heads, offsets, page_size
         )
+
+    def _slot_rows(self) -> torch.Tensor:
+        """``[heads, batch, slots]``: the row of each logical slot in a one-chunk pool's flattened layer view."""
+        if self._rows is None:
+            pool = self.pool
+            page_size = pool.format.page_size
+            heads = torch.arange(pool.format.num_kv_heads, device=pool.device).view(-1, 1, 1, 1)
+            pages = self._page_ids().unsqueeze(-1)  # [batch, pages, 1]
+            offsets = torch.arange(page_size, device=pool.device)  # [page_size]
+            rows = (heads * pool.chunk_sizes[0] + pages) * page_size + offsets  # [heads, batch, pages, page_size]
+            self._rows = rows.flatten(2)
+        return self._rows
 
     def _store(
         self,
@@ -186,7 +209,7 @@ class RingRows(PagedRows):
     def _apply(self, change) -> None:
         super()._apply(change)
         if self._ids is None:  # page ids changed: the step's indices point at old pages
-            self._step = None
+            self._step = self._rows = None
 
 
 class RingLayer(CacheLayerMixin):
