@@ -11,8 +11,12 @@ One run of a cache: ``warmup_steps`` untimed decode steps, then ``steps`` timed 
 row, greedy. Runs are interleaved across caches (``A B C A B C ...``) so slow drifts of the machine hit
 every cache alike. Reported per cache: the median step time over all timed steps of all rounds,
 tokens/s (``batch / median step time``), the ratio to ``DynamicCache``'s tokens/s measured in the same
-invocation, KV bytes per token held, peak memory growth over the timed loop, and whether its greedy
-tokens equal ``DynamicCache``'s.
+invocation, KV bytes held and per token of context, peak memory growth over the timed loop, and whether its
+greedy tokens equal its reference's.
+
+The sliding-window caches (``SLIDING_CACHES``, see ``hf_kvcache.bench_ring``) keep the last ``window``
+tokens, so their tokens are checked against ``dynamic_sliding``'s and their tokens/s is also given as a
+ratio to its; every prompt is at least ``window`` tokens long, so the window is full from the first step.
 
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` above the allocation at the start of the timed
 loop; on CPU the highest resident set size (RSS) a sampling thread saw, above the RSS at the start. RSS
@@ -43,16 +47,34 @@ import transformers
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 
+from hf_kvcache.bench_ring import SLIDING_BASELINE, SLIDING_CACHES, build_sliding_cache, ring_pool
 from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.eval.caches import CacheSpec
 from hf_kvcache.eval.data import load_essays
 from hf_kvcache.eval.fidelity import kv_bytes
+from hf_kvcache.integration import CACHE_FACTORIES
 from hf_kvcache.pool import KVPool
 
 logger = logging.getLogger("hf_kvcache.bench")
 
-CACHE_NAMES = ("dynamic", "static", "paged_pool")
-"""Caches the benchmark knows; ``dynamic`` is the baseline every ratio and token check refers to."""
+FULL_CACHES = ("dynamic", "static", "paged_pool")
+"""Caches that keep every token; their greedy tokens are checked against ``dynamic``'s."""
+QUANTIZED_CACHES = {
+    spec.label: spec
+    for spec in (
+        CacheSpec("values-int8", "quantized_values", {"bits": 8}),
+        CacheSpec("values-int4", "quantized_values", {"bits": 4}),
+        *(
+            CacheSpec(f"{backend}-int{bits}", "quantized", {"backend": backend, "nbits": bits})
+            for backend in ("quanto", "hqq")
+            for bits in (4, 2)
+        ),
+    )
+}
+"""Lossy caches of every token: ours (values only) and transformers' ``QuantizedCache`` (keys and values; the
+optional extras ``.[quanto]`` and ``.[hqq]``). Their tokens are compared with ``dynamic``'s, a difference is a loss."""
+CACHE_NAMES = FULL_CACHES + SLIDING_CACHES + tuple(QUANTIZED_CACHES)
+"""Caches the benchmark knows; ``dynamic`` is the baseline every run includes."""
 BASELINE = "dynamic"
 
 
@@ -66,8 +88,10 @@ class DecodeBenchConfig:
         steps: timed decode steps per run.
         rounds: runs of each cache per (length, batch), interleaved across caches.
         warmup_steps: untimed decode steps at the start of every run.
-        caches: names from ``CACHE_NAMES``; must include ``"dynamic"``.
-        page_size: token slots per page of the paged cache's pool.
+        caches: names from ``CACHE_NAMES``; must include ``"dynamic"``, and ``"dynamic_sliding"`` if any
+            sliding cache runs.
+        window: tokens each query attends to in the sliding caches, itself included (<= every length).
+        page_size: token slots per page of our caches' pools.
         sample_interval_s: seconds between RSS samples on CPU.
     """
 
@@ -76,7 +100,8 @@ class DecodeBenchConfig:
     steps: int = 32
     rounds: int = 3
     warmup_steps: int = 2
-    caches: tuple[str, ...] = CACHE_NAMES
+    caches: tuple[str, ...] = FULL_CACHES
+    window: int = 256
     page_size: int = 16
     sample_interval_s: float = 0.002
 
@@ -97,6 +122,17 @@ class DecodeBenchConfig:
             raise ValueError(f"caches must include {BASELINE!r}: it is the baseline of ratios and token checks.")
         if self.sample_interval_s <= 0:
             raise ValueError(f"sample_interval_s must be > 0, got {self.sample_interval_s}.")
+        # DynamicSlidingWindowLayer keeps its last window - 1 tokens, which for window 1 slices [-0:], i.e. all.
+        if self.window < 2:
+            raise ValueError(f"window must be >= 2, got {self.window}.")
+        if set(self.caches) & set(SLIDING_CACHES):
+            if SLIDING_BASELINE not in self.caches:
+                raise ValueError(f"caches must include {SLIDING_BASELINE!r} when a sliding cache runs: their baseline.")
+            if min(self.lengths) < self.window:
+                raise ValueError(
+                    f"Every length must be >= window={self.window} so the window is full while decoding, "
+                    f"got lengths {self.lengths}; raise the lengths or lower the window."
+                )
 
     @property
     def tokens_per_row(self) -> int:
@@ -115,11 +151,17 @@ class DecodeResult:
         median_step_ms: median wall time of one decode step (forward plus greedy pick), ms.
         round_median_step_ms: the median of each round alone, ms (spread shows the machine's noise).
         tokens_per_s: ``batch / median step time``.
+        window: tokens a query attends to (sliding caches), ``None`` for caches that keep every token.
+        reference: the cache whose greedy tokens this one's are checked against (``dynamic`` or ``dynamic_sliding``).
         ratio_vs_dynamic: ``tokens_per_s`` over DynamicCache's in the same invocation.
-        kv_bytes_per_token: bytes the cache holds (or reserved) for KV per token held, at the end of a run.
+        ratio_vs_dynamic_sliding: ``tokens_per_s`` over ``dynamic_sliding``'s in the same invocation (``None``
+            when it did not run).
+        kv_bytes_held: bytes of KV storage the cache holds at the end of a run (our caches: whole pages).
+        kv_bytes_per_token: ``kv_bytes_held`` per token of context a query attends to, per row: all tokens
+            held for full caches, ``window`` for sliding ones.
         peak_mib: highest memory growth over the timed loop of any round, MiB (see module docstring).
-        tokens_match: every round's greedy tokens equal DynamicCache's of the same round.
-        mismatched_tokens: decoded tokens that differ from DynamicCache's, summed over rounds.
+        tokens_match: every round's greedy tokens equal the reference's of the same round.
+        mismatched_tokens: decoded tokens that differ from the reference's, summed over rounds.
         other_processes_cores: mean cores other processes kept busy while this (length, batch) was measured;
             well above 0 on a machine with few cores means the timings are suspect.
     """
@@ -132,7 +174,11 @@ class DecodeResult:
     median_step_ms: float
     round_median_step_ms: list[float]
     tokens_per_s: float
+    window: int | None
+    reference: str
     ratio_vs_dynamic: float
+    ratio_vs_dynamic_sliding: float | None
+    kv_bytes_held: int
     kv_bytes_per_token: float
     peak_mib: float
     tokens_match: bool
@@ -144,7 +190,7 @@ class DecodeResult:
 class _Run:
     step_s: list[float]
     tokens: torch.Tensor  # [batch, warmup_steps + steps] on CPU
-    kv_bytes_per_token: float
+    kv_bytes_held: int
     peak_bytes: int
 
 
@@ -324,17 +370,39 @@ def _measure(
 ) -> dict[str, list[_Run]]:
     """Runs every cache ``config.rounds`` times, interleaved; returns each cache's runs."""
     capacity = length + config.tokens_per_row
-    pool = None
-    if "paged_pool" in config.caches:
-        # Rows round up to whole pages, so the budget is per row, not the batch's token total. The pool is
-        # full by design at the end of every run: no use-alert thresholds.
-        pages_per_row = math.ceil(capacity / config.page_size)
-        max_tokens = batch * pages_per_row * config.page_size
-        pool = KVPool.for_model(model, max_tokens=max_tokens, page_size=config.page_size, alert_thresholds=())
+    pools: dict[str, KVPool] = {}
+    # Rows round up to whole pages, so the budget is per row, not the batch's token total. The pools are full
+    # by design at the end of every run: no use-alert thresholds. A fixed pool is one chunk (a default pool
+    # that has grown gathers from several, which is slower).
+    pages_per_row = math.ceil(capacity / config.page_size)
+    max_tokens = batch * pages_per_row * config.page_size
+    ours = {name: {} for name in ("paged_pool",) if name in config.caches}
+    for name in config.caches:
+        spec = QUANTIZED_CACHES.get(name)
+        if spec is not None and spec.kind == "quantized_values":
+            options = CACHE_FACTORIES[spec.kind].options_class.from_dict(spec.settings)
+            page_format = options.page_format(model.config, model.dtype)
+            ours[name] = {"value_bits": page_format.value_bits, "value_group_size": page_format.value_group_size}
+    for name, value_format in ours.items():
+        pools[name] = KVPool.for_model(
+            model, max_tokens=max_tokens, page_size=config.page_size, alert_thresholds=(), **value_format
+        )
+    if "sliding_ring" in config.caches:
+        pools["sliding_ring"] = ring_pool(
+            model.config, config.window, batch, config.page_size, model.dtype, model.device
+        )
     runs: dict[str, list[_Run]] = {name: [] for name in config.caches}
     for _ in range(config.rounds):
         for name in config.caches:
-            cache = CacheSpec(name, name, {"pool": pool} if name == "paged_pool" else {}).build(model, capacity)
+            if name in SLIDING_CACHES:
+                cache = build_sliding_cache(name, model.config, config.window, capacity, pools.get(name))
+            elif name in QUANTIZED_CACHES:
+                spec = QUANTIZED_CACHES[name]
+                if name in pools:
+                    spec = dataclasses.replace(spec, settings={**spec.settings, "pool": pools[name]})
+                cache = spec.build(model, capacity)
+            else:
+                cache = CacheSpec(name, name, {"pool": pools[name]} if name in pools else {}).build(model, capacity)
             runs[name].append(_decode(model, cache, prefill, length, batch, config))
             if isinstance(cache, PoolCache):
                 cache.release()
@@ -375,24 +443,23 @@ def _decode(
                 torch.cuda.synchronize(device)
             step_s.append(time.perf_counter() - began)
             picked.append(next_tokens)
-    return _Run(step_s, torch.cat(picked, dim=1).cpu(), _kv_bytes_per_token(cache, batch), memory.peak_bytes)
-
-
-def _kv_bytes_per_token(cache: Cache, batch: int) -> float:
-    """KV bytes the cache holds (pool pages, or layer tensors) per token held."""
-    return kv_bytes(cache) / (batch * int(cache.get_seq_length()))
+    return _Run(step_s, torch.cat(picked, dim=1).cpu(), kv_bytes(cache), memory.peak_bytes)
 
 
 def _summarize(
     runs: dict[str, list[_Run]], length: int, batch: int, config: DecodeBenchConfig, other_cores: float
 ) -> list[DecodeResult]:
-    baseline_tokens_per_s = batch / statistics.median(s for run in runs[BASELINE] for s in run.step_s)
+    tokens_per_s = {name: batch / statistics.median(s for run in rs for s in run.step_s) for name, rs in runs.items()}
+    context = length + config.tokens_per_row  # tokens a row received by the end of a run
     results = []
     for name, cache_runs in runs.items():
-        median_s = statistics.median(s for run in cache_runs for s in run.step_s)
+        median_s = batch / tokens_per_s[name]
+        window = config.window if name in SLIDING_CACHES else None
+        reference = BASELINE if window is None else SLIDING_BASELINE
         mismatched = sum(
-            int((run.tokens != reference.tokens).sum()) for run, reference in zip(cache_runs, runs[BASELINE])
+            int((run.tokens != reference_run.tokens).sum()) for run, reference_run in zip(cache_runs, runs[reference])
         )
+        held = cache_runs[-1].kv_bytes_held
         results.append(
             DecodeResult(
                 cache=name,
@@ -402,9 +469,15 @@ def _summarize(
                 rounds=config.rounds,
                 median_step_ms=1e3 * median_s,
                 round_median_step_ms=[1e3 * statistics.median(run.step_s) for run in cache_runs],
-                tokens_per_s=batch / median_s,
-                ratio_vs_dynamic=batch / median_s / baseline_tokens_per_s,
-                kv_bytes_per_token=cache_runs[-1].kv_bytes_per_token,
+                tokens_per_s=tokens_per_s[name],
+                window=window,
+                reference=reference,
+                ratio_vs_dynamic=tokens_per_s[name] / tokens_per_s[BASELINE],
+                ratio_vs_dynamic_sliding=(
+                    tokens_per_s[name] / tokens_per_s[SLIDING_BASELINE] if SLIDING_BASELINE in runs else None
+                ),
+                kv_bytes_held=held,
+                kv_bytes_per_token=held / (batch * (context if window is None else min(context, window))),
                 peak_mib=max(run.peak_bytes for run in cache_runs) / 2**20,
                 tokens_match=mismatched == 0,
                 mismatched_tokens=mismatched,
@@ -436,21 +509,27 @@ def machine_info(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
 def markdown_table(results: Sequence[DecodeResult], busy_cores: float = 0.25) -> str:
     """The results as a Markdown table, one line per (cache, length, batch).
 
+    ``KV bytes/token``: bytes held per token of context a query attends to (see ``DecodeResult``).
+
     Args:
         results: from ``run_decode_benchmark``.
         busy_cores: tokens/s measured while other processes kept more cores than this busy get a ``*``
             and a footnote: their timings are suspect.
     """
     lines = [
-        "| cache | length | batch | tokens/s | vs dynamic | KV bytes/token | peak MiB | tokens match |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| cache | window | length | batch | tokens/s | vs dynamic | vs dynamic_sliding | KV MiB held "
+        "| KV bytes/token | peak MiB | tokens match (vs) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in results:
         match = "yes" if r.tokens_match else f"no ({r.mismatched_tokens} differ)"
         mark = "*" if r.other_processes_cores > busy_cores else ""
+        window = "-" if r.window is None else r.window
+        vs_sliding = "-" if r.ratio_vs_dynamic_sliding is None else f"{r.ratio_vs_dynamic_sliding:.2f}x"
         lines.append(
-            f"| {r.cache} | {r.length} | {r.batch} | {r.tokens_per_s:.1f}{mark} | {r.ratio_vs_dynamic:.2f}x | "
-            f"{r.kv_bytes_per_token:,.0f} | {r.peak_mib:.1f} | {match} |"
+            f"| {r.cache} | {window} | {r.length} | {r.batch} | {r.tokens_per_s:.1f}{mark} | "
+            f"{r.ratio_vs_dynamic:.2f}x | {vs_sliding} | {r.kv_bytes_held / 2**20:.1f} | "
+            f"{r.kv_bytes_per_token:,.0f} | {r.peak_mib:.1f} | {match} ({r.reference}) |"
         )
     if any(r.other_processes_cores > busy_cores for r in results):
         lines.append(f"\n\\* measured while other processes kept more than {busy_cores} cores busy.")

@@ -1,10 +1,22 @@
 """Decode benchmark of the bundled model (SmolLM2-135M-Instruct) on real text; see ``hf_kvcache.bench``.
 
-Example (CPU, fp32, the short grid)::
+Two suites, each measured against its baselines in the same run:
+
+- ``paged`` (default): ``paged_pool`` next to ``DynamicCache`` and ``StaticCache``; writes ``benchmarks/decode.json``.
+- ``sliding``: ``sliding_ring`` next to transformers' sliding-window caches (``dynamic_sliding``,
+  ``static_sliding``) at the same ``--window``, with the full ``DynamicCache`` as reference; prompts longer
+  than the window; writes ``benchmarks/decode_ring.json``.
+- ``quantized``: ``quantized_values`` (int8, int4 values) next to transformers' ``QuantizedCache`` (quanto
+  and hqq, int4 and int2 keys and values) and ``DynamicCache``, at 4,096 tokens; writes
+  ``benchmarks/decode_quantized.json``.
+
+Examples (CPU, fp32)::
 
     PYTHONPATH=. python scripts/bench_decode.py --lengths 256 1024 --batches 1 8
+    PYTHONPATH=. python scripts/bench_decode.py --suite sliding --window 256 --lengths 1024 4096 --batches 1 8
 
-Writes the record (machine, settings, results) to ``--output`` as JSON and prints a Markdown table.
+``--caches``, ``--lengths`` and ``--output`` override a suite's. Writes the record (machine, settings,
+results) to ``--output`` as JSON and prints a Markdown table.
 """
 
 import argparse
@@ -15,7 +27,11 @@ from pathlib import Path
 import torch
 
 from hf_kvcache.bench import (
+    BASELINE,
     CACHE_NAMES,
+    FULL_CACHES,
+    QUANTIZED_CACHES,
+    SLIDING_CACHES,
     DecodeBenchConfig,
     OtherCpuUse,
     essay_token_stream,
@@ -27,31 +43,57 @@ from hf_kvcache.bench import (
 from hf_kvcache.models import BUNDLED_MODEL, load_bundled_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SUITES = {
+    "paged": {"caches": FULL_CACHES, "lengths": (256, 1024, 4096), "output": Path("benchmarks/decode.json")},
+    "quantized": {
+        "caches": (BASELINE, *QUANTIZED_CACHES),
+        "lengths": (4096,),
+        "output": Path("benchmarks/decode_quantized.json"),
+    },
+    "sliding": {
+        "caches": (BASELINE, *SLIDING_CACHES),
+        "lengths": (1024, 4096),
+        "output": Path("benchmarks/decode_ring.json"),
+    },
+}
 
 
 def parse_args() -> argparse.Namespace:
     defaults = DecodeBenchConfig()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=int, nargs="+", default=list(defaults.lengths), help="prompt tokens per row")
+    parser.add_argument("--suite", default="paged", choices=sorted(SUITES), help="caches, lengths and output to use")
+    parser.add_argument("--lengths", type=int, nargs="+", help="prompt tokens per row (default: the suite's)")
     parser.add_argument("--batches", type=int, nargs="+", default=list(defaults.batches), help="batch sizes")
     parser.add_argument("--steps", type=int, default=defaults.steps, help="timed decode steps per run")
     parser.add_argument("--rounds", type=int, default=defaults.rounds, help="interleaved runs of each cache")
-    parser.add_argument("--caches", nargs="+", default=list(CACHE_NAMES), choices=CACHE_NAMES, help="caches to time")
-    parser.add_argument("--output", type=Path, default=Path("benchmarks/decode.json"), help="JSON record path")
+    parser.add_argument("--caches", nargs="+", choices=CACHE_NAMES, help="caches to time (default: the suite's)")
+    parser.add_argument("--window", type=int, default=defaults.window, help="tokens kept by the sliding caches")
+    parser.add_argument("--output", type=Path, help="JSON record path (default: the suite's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch CPU threads (default: torch's). On a machine shared with other jobs, 1 avoids timing the OS "
+        "scheduler: a parallel op waits for a descheduled worker thread",
+    )
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    suite = SUITES[args.suite]
+    output = args.output or suite["output"]
     config = DecodeBenchConfig(
-        lengths=tuple(args.lengths),
+        lengths=tuple(args.lengths or suite["lengths"]),
         batches=tuple(args.batches),
         steps=args.steps,
         rounds=args.rounds,
-        caches=tuple(args.caches),
+        caches=tuple(args.caches or suite["caches"]),
+        window=args.window,
     )
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     model, tokenizer = load_bundled_model(dtype=dtype, device=device)
@@ -63,12 +105,12 @@ def main() -> None:
     record["wall_s"] = round(others.wall_s, 1)
     # Timings are only as good as the machine was quiet: CPU time other processes took during the run.
     record["other_processes_cores"] = round(others.other_cores, 3)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(record, indent=2) + "\n")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(record, indent=2) + "\n")
     print(markdown_table(results))
     print(
         f"\nWall time {record['wall_s']} s; other processes kept {others.other_cores:.2f} cores busy on average; "
-        f"record written to {args.output}."
+        f"record written to {output}."
     )
 
 

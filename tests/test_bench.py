@@ -1,44 +1,66 @@
-"""Tests for hf_kvcache.bench on a tiny random Llama: structure and correctness only, never timings."""
+"""Tests for the benchmarks (hf_kvcache.bench, hf_kvcache.bench_ring) on a tiny random Llama: structure and
+correctness only, never timings."""
 
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
+import json
 import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
-from hf_kvcache.bench import CACHE_NAMES, DecodeBenchConfig, DecodeResult, markdown_table, run_decode_benchmark
+from hf_kvcache.bench import (
+    CACHE_NAMES,
+    FULL_CACHES,
+    QUANTIZED_CACHES,
+    DecodeBenchConfig,
+    DecodeResult,
+    machine_info,
+    markdown_table,
+    results_record,
+    run_decode_benchmark,
+)
+from hf_kvcache.bench_ring import (
+    SLIDING_CACHES,
+    RingUpdateBenchConfig,
+    RingUpdateResult,
+    run_ring_update_benchmark,
+)
+from hf_kvcache.bench_ring import markdown_table as update_markdown_table
+from hf_kvcache.bench_ring import results_record as update_results_record
+from hf_kvcache.models import tiny_llama
 
-LENGTHS = (16, 40)
+LENGTHS = (16, 40)  # the window exactly, and past a ring of two pages (it wraps)
 BATCHES = (1, 3)
-NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 2, 2, 16
+STEPS, WARMUP_STEPS = 2, 1
+WINDOW = 16
+PAGE_SIZE = 16
+NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 2, 2, 64  # the bench model's geometry (head_dim 64: quantized caches' groups)
+EXACT_BYTES = 2 * NUM_LAYERS * NUM_KV_HEADS * HEAD_DIM * 4  # keys + values of one token, fp32
+UPDATE_WINDOWS = (8, 17)  # inside one page, and one past a page
+UPDATE_BATCHES = (1, 2)
 
 
 @pytest.fixture(scope="module")
-def model() -> PreTrainedModel:
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=NUM_KV_HEADS,
-        max_position_embeddings=256,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).to(torch.float32).eval()
+def bench_model() -> PreTrainedModel:
+    """The tiny Llama with SmolLM2's head size, so quanto/hqq and our quantized caches take their default groups."""
+    return tiny_llama(head_dim=HEAD_DIM)
 
 
 @pytest.fixture(scope="module")
-def results(model: PreTrainedModel) -> list[DecodeResult]:
+def results(bench_model: PreTrainedModel) -> list[DecodeResult]:
     generator = torch.Generator().manual_seed(0)
     stream = torch.randint(0, 128, (max(BATCHES) * max(LENGTHS),), generator=generator)
-    config = DecodeBenchConfig(lengths=LENGTHS, batches=BATCHES, steps=4, rounds=1)
-    return run_decode_benchmark(model, stream, config)
+    config = DecodeBenchConfig(
+        lengths=LENGTHS,
+        batches=BATCHES,
+        steps=STEPS,
+        rounds=1,
+        warmup_steps=WARMUP_STEPS,
+        caches=CACHE_NAMES,
+        window=WINDOW,
+        page_size=PAGE_SIZE,
+    )
+    return run_decode_benchmark(bench_model, stream, config)
 
 
 def test_every_cache_is_measured_once_per_setting(results: list[DecodeResult]) -> None:
@@ -47,31 +69,62 @@ def test_every_cache_is_measured_once_per_setting(results: list[DecodeResult]) -
     assert seen == expected
 
 
-def test_tokens_match_and_ratios_are_positive(results: list[DecodeResult]) -> None:
+def test_tokens_match_their_reference_and_ratios_are_positive(results: list[DecodeResult]) -> None:
     for r in results:
-        assert r.tokens_match, r
-        assert r.mismatched_tokens == 0
-        assert math.isfinite(r.ratio_vs_dynamic) and r.ratio_vs_dynamic > 0
+        sliding = r.cache in SLIDING_CACHES
+        assert r.window == (WINDOW if sliding else None)
+        assert r.reference == ("dynamic_sliding" if sliding else "dynamic")
+        if r.cache in QUANTIZED_CACHES:  # lossy: tokens may differ, and the count says by how many
+            assert r.tokens_match == (r.mismatched_tokens == 0) and r.mismatched_tokens <= r.batch * (STEPS + 1)
+        else:
+            assert r.tokens_match and r.mismatched_tokens == 0, r
+        for ratio in (r.ratio_vs_dynamic, r.ratio_vs_dynamic_sliding):
+            assert math.isfinite(ratio) and ratio > 0
         assert r.tokens_per_s > 0 and r.median_step_ms > 0
         assert r.peak_mib >= 0 and r.other_processes_cores >= 0
         if r.cache == "dynamic":
             assert r.ratio_vs_dynamic == pytest.approx(1.0)
+        if r.cache == "dynamic_sliding":
+            assert r.ratio_vs_dynamic_sliding == pytest.approx(1.0)
 
 
 def test_bytes_per_token(results: list[DecodeResult]) -> None:
-    exact = 2 * NUM_LAYERS * NUM_KV_HEADS * HEAD_DIM * 4  # keys + values, fp32
     for r in results:
-        if r.cache in ("dynamic", "static"):
-            # Static is sized to exactly what a run holds, so it matches Dynamic here.
-            assert r.kv_bytes_per_token == pytest.approx(exact)
+        context = r.length + WARMUP_STEPS + STEPS
+        attended = context if r.window is None else WINDOW
+        assert r.kv_bytes_held == pytest.approx(r.kv_bytes_per_token * r.batch * attended)
+        if r.cache in ("dynamic", "static", "static_sliding"):
+            # Static is sized to exactly what a run holds, static_sliding to exactly the window.
+            assert r.kv_bytes_per_token == pytest.approx(EXACT_BYTES)
+        elif r.cache == "dynamic_sliding":  # keeps the last window - 1 tokens
+            assert r.kv_bytes_per_token == pytest.approx(EXACT_BYTES * (WINDOW - 1) / WINDOW)
+        elif r.cache == "sliding_ring":  # the window in whole pages, plus a spare page
+            assert EXACT_BYTES <= r.kv_bytes_per_token <= EXACT_BYTES * (WINDOW + 2 * PAGE_SIZE) / WINDOW
+        elif r.cache in QUANTIZED_CACHES:  # smaller than full precision, whatever the backend
+            assert 0 < r.kv_bytes_per_token < EXACT_BYTES * (1 + PAGE_SIZE / context)
         else:
-            assert exact <= r.kv_bytes_per_token < 2 * exact
+            assert EXACT_BYTES <= r.kv_bytes_per_token < 2 * EXACT_BYTES
 
 
-def test_markdown_table_has_a_line_per_result(results: list[DecodeResult]) -> None:
+def test_full_caches_alone_still_run(tiny_llama_model: PreTrainedModel) -> None:
+    stream = torch.arange(8)
+    config = DecodeBenchConfig(lengths=(8,), batches=(1,), steps=1, rounds=1, warmup_steps=0)
+    assert config.caches == FULL_CACHES
+    results = run_decode_benchmark(tiny_llama_model, stream, config)
+    assert [r.cache for r in results] == list(FULL_CACHES)
+    assert all(r.tokens_match and r.window is None and r.ratio_vs_dynamic_sliding is None for r in results)
+
+
+def test_markdown_table_and_record(results: list[DecodeResult]) -> None:
     lines = markdown_table(results, busy_cores=float("inf")).splitlines()
     assert len(lines) == 2 + len(results)
-    assert lines[2].startswith("| dynamic | 16 | 1 |")
+    assert lines[2].startswith("| dynamic | - | 16 | 1 |")
+    assert lines[5].startswith(f"| dynamic_sliding | {WINDOW} | 16 | 1 |")
+    config = DecodeBenchConfig(lengths=LENGTHS, batches=BATCHES, caches=CACHE_NAMES, window=WINDOW)
+    record = json.loads(json.dumps(results_record(results, config, machine_info(torch.device("cpu"), torch.float32))))
+    assert set(record) == {"machine", "config", "results"}
+    assert record["config"]["window"] == WINDOW
+    assert {result["cache"] for result in record["results"]} == set(CACHE_NAMES)
 
 
 @pytest.mark.parametrize(
@@ -79,6 +132,9 @@ def test_markdown_table_has_a_line_per_result(results: list[DecodeResult]) -> No
     [
         ({"caches": ("static",)}, "must include 'dynamic'"),
         ({"caches": ("dynamic", "nope")}, "Unknown caches"),
+        ({"caches": ("dynamic", "sliding_ring")}, "must include 'dynamic_sliding'"),
+        ({"caches": ("dynamic", "dynamic_sliding"), "lengths": (255, 1024)}, "length must be >= window=256"),
+        ({"window": 1}, "window must be >= 2"),
         ({"lengths": ()}, "lengths"),
         ({"steps": 0}, "steps"),
     ],
@@ -88,6 +144,72 @@ def test_config_rejects_bad_settings(settings: dict, message: str) -> None:
         DecodeBenchConfig(**settings)
 
 
-def test_short_stream_is_rejected(model: PreTrainedModel) -> None:
+def test_short_stream_is_rejected(tiny_llama_model: PreTrainedModel) -> None:
     with pytest.raises(ValueError, match="at least"):
-        run_decode_benchmark(model, torch.zeros(10, dtype=torch.long), DecodeBenchConfig(lengths=(8,), batches=(2,)))
+        run_decode_benchmark(
+            tiny_llama_model, torch.zeros(10, dtype=torch.long), DecodeBenchConfig(lengths=(8,), batches=(2,))
+        )
+
+
+# ----- the update micro-benchmark -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def update_results(tiny_llama_model: PreTrainedModel) -> list[RingUpdateResult]:
+    bench = RingUpdateBenchConfig(windows=UPDATE_WINDOWS, batches=UPDATE_BATCHES, steps=3, rounds=1, warmup_steps=1)
+    return run_ring_update_benchmark(tiny_llama_model.config, bench)
+
+
+def test_update_benchmark_measures_every_cache(update_results: list[RingUpdateResult]) -> None:
+    seen = [(r.window, r.batch, r.cache) for r in update_results]
+    expected = [(w, b, cache) for w in UPDATE_WINDOWS for b in UPDATE_BATCHES for cache in SLIDING_CACHES]
+    assert seen == expected
+    for r in update_results:
+        assert r.steps == 3 and r.rounds == 1 and len(r.round_next_update_us) == 1
+        assert r.first_update_us > 0 and r.next_update_us > 0
+        assert r.per_layer_us == pytest.approx((r.first_update_us + (NUM_LAYERS - 1) * r.next_update_us) / NUM_LAYERS)
+        for ratio in (r.ratio_vs_dynamic_sliding, r.ratio_vs_static_sliding):
+            assert math.isfinite(ratio) and ratio > 0
+        if r.cache == "dynamic_sliding":
+            assert r.ratio_vs_dynamic_sliding == pytest.approx(1.0)
+        if r.cache == "static_sliding":
+            assert r.ratio_vs_static_sliding == pytest.approx(1.0)
+
+
+def test_update_table_and_record(update_results: list[RingUpdateResult]) -> None:
+    lines = update_markdown_table(update_results, NUM_LAYERS).splitlines()
+    assert len(lines) == 2 + len(update_results)
+    assert lines[2].startswith("| dynamic_sliding | 8 | 1 |")
+    bench = RingUpdateBenchConfig(windows=UPDATE_WINDOWS, batches=UPDATE_BATCHES)
+    info = machine_info(torch.device("cpu"), torch.float32)
+    record = json.loads(json.dumps(update_results_record(update_results, bench, info)))
+    assert set(record) == {"machine", "config", "timed_layers", "results"}
+    assert len(record["results"]) == len(update_results)
+
+
+def test_update_benchmark_without_a_baseline_gives_no_ratio() -> None:
+    bench = RingUpdateBenchConfig(windows=(4,), steps=1, rounds=2, warmup_steps=0, caches=("sliding_ring",))
+    (result,) = run_ring_update_benchmark(tiny_llama().config, bench)
+    assert len(result.round_next_update_us) == 2
+    assert result.ratio_vs_dynamic_sliding is None and result.ratio_vs_static_sliding is None
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"caches": ("dynamic",)}, "caches must name some of"),
+        ({"caches": ()}, "caches must name some of"),
+        ({"windows": (1,)}, "windows"),
+        ({"batches": (0,)}, "batches"),
+        ({"steps": 0}, "steps"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+    ],
+)
+def test_update_config_rejects_bad_settings(settings: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        RingUpdateBenchConfig(**settings)
+
+
+def test_update_benchmark_needs_two_layers() -> None:
+    with pytest.raises(ValueError, match="layers"):
+        run_ring_update_benchmark(tiny_llama(num_hidden_layers=1).config, RingUpdateBenchConfig(windows=(4,)))

@@ -1,0 +1,314 @@
+"""Sliding-window caches under benchmark, and a micro-benchmark of their update alone.
+
+The caches (``SLIDING_CACHES``) keep the last ``window`` tokens of a full-attention model:
+
+- ``dynamic_sliding``: transformers' ``DynamicCache`` on a copy of the model's config whose every layer is
+  a sliding-window layer (``windowed_config``); its ``DynamicSlidingWindowLayer`` concatenates the new
+  token to the last ``window - 1`` and keeps the tail: O(window) copy and a new tensor per update.
+- ``static_sliding``: ``StaticCache`` on the same config; its ``StaticSlidingWindowLayer`` rolls a fixed
+  ``[batch, heads, window, head_dim]`` buffer left by one and writes the new token at the end: O(window).
+- ``sliding_ring``: our ``SlidingRingCache``; writes the new token once into its ring slot (O(1)), then
+  gathers the visible tokens in time order for attention (O(window)).
+
+The micro-benchmark times one decode step's ``cache.update(keys, values, layer_idx)`` of each cache, with
+the model's KV geometry (heads, head_dim, layers, dtype) and random keys/values, no model forward. Per
+(window, batch) and cache: layers 0 and 1 get a prefill of ``2 * window`` tokens (the window is full and
+has wrapped), then ``warmup_steps`` untimed and ``steps`` timed decode steps, each updating layer 0 then
+layer 1 with one new token per row, each update timed alone (device synchronized on CUDA). Runs are
+interleaved across caches (``A B C A B C ...``) over ``rounds``. Two figures, because a cache's layers can
+share per-step work: layer 0's update is the step's first (the ring grows or checks its page table and
+builds the step's slot indices there, once for all layers); layer 1's is every later layer's (the ring
+reuses those indices). ``per_layer_us`` weighs them as a decode step of the model does:
+``(first + (num_layers - 1) * next) / num_layers``. transformers' layers share nothing, so their two
+figures differ only by noise.
+"""
+
+import copy
+import dataclasses
+import gc
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PreTrainedConfig, StaticCache
+from transformers.cache_utils import Cache
+
+from hf_kvcache.caches import SlidingRingCache
+from hf_kvcache.caches.base import PoolCache
+from hf_kvcache.config import PageFormat
+from hf_kvcache.pool import KVPool
+
+SLIDING_CACHES = ("dynamic_sliding", "static_sliding", "sliding_ring")
+"""Caches that keep the last ``window`` tokens; ``dynamic_sliding`` is their baseline."""
+SLIDING_BASELINE = "dynamic_sliding"
+UPDATE_WINDOWS = (256, 512, 1024, 2048, 4096, 8192)
+TIMED_LAYERS = (0, 1)
+"""Layers the micro-benchmark updates each step: the step's first layer, and one after it."""
+
+
+def windowed_config(config: PreTrainedConfig, window: int) -> PreTrainedConfig:
+    """A copy of the model's decoder config in which every layer is a sliding-window layer of ``window`` tokens.
+
+    transformers' caches built on it get ``DynamicSlidingWindowLayer`` / ``StaticSlidingWindowLayer`` layers
+    (the same copy as the eval's ``sliding`` cache kind makes).
+    """
+    windowed = copy.deepcopy(config.get_text_config(decoder=True))
+    windowed.sliding_window = window
+    windowed.layer_types = ["sliding_attention"] * windowed.num_hidden_layers
+    return windowed
+
+
+def ring_pool(
+    config: PreTrainedConfig, window: int, batch: int, page_size: int, dtype: torch.dtype, device: torch.device
+) -> KVPool:
+    """A fixed pool for ``batch`` rows of a ``sliding_ring`` cache of ``window`` tokens (no sinks).
+
+    A ring row takes ``ceil((window - 1) / page_size) + 1`` pages (``hf_kvcache.layers.ring``); the budget,
+    ``ceil(window / page_size) + 1`` pages per row, is never less. The pool is full by design: no use alerts.
+    """
+    page_format = PageFormat.from_model_config(config, dtype, page_size)
+    pages_per_row = page_format.pages_for_tokens((math.ceil(window / page_size) + 1) * page_size)
+    return KVPool(page_format, batch * pages_per_row + 1, device, alert_thresholds=())
+
+
+def build_sliding_cache(
+    name: str, config: PreTrainedConfig, window: int, max_cache_len: int, pool: KVPool | None = None
+) -> Cache:
+    """A fresh, empty sliding-window cache (a name from ``SLIDING_CACHES``) for a model of ``config``.
+
+    Args:
+        config: the model's config (full attention in every layer).
+        window: tokens each query attends to, itself included.
+        max_cache_len: tokens a row receives in all (sizes ``static_sliding``, which keeps ``min(window, this)``).
+        pool: the pool of ``sliding_ring`` (``None``: the default pool of the model's geometry).
+    """
+    if name == "dynamic_sliding":
+        return DynamicCache(config=windowed_config(config, window))
+    if name == "static_sliding":
+        return StaticCache(config=windowed_config(config, window), max_cache_len=max_cache_len)
+    if name == "sliding_ring":
+        return SlidingRingCache(config, window=window, pool=pool)
+    raise ValueError(f"Unknown sliding cache {name!r}; choose from {list(SLIDING_CACHES)}.")
+
+
+@dataclass(frozen=True)
+class RingUpdateBenchConfig:
+    """What the update micro-benchmark measures.
+
+    Attributes:
+        windows: window sizes in tokens (each >= 2).
+        batches: batch sizes (rows updated together).
+        steps: timed decode steps per run.
+        rounds: runs of each cache per (window, batch), interleaved across caches.
+        warmup_steps: untimed decode steps at the start of every run, after the prefill.
+        caches: names from ``SLIDING_CACHES``.
+        page_size: token slots per page of the ring's pool.
+        seed: seed of the random keys/values.
+    """
+
+    windows: tuple[int, ...] = UPDATE_WINDOWS
+    batches: tuple[int, ...] = (1,)
+    steps: int = 200
+    rounds: int = 3
+    warmup_steps: int = 20
+    caches: tuple[str, ...] = SLIDING_CACHES
+    page_size: int = 16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name, low in (("windows", 2), ("batches", 1)):
+            values = getattr(self, name)
+            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < low for v in values):
+                raise ValueError(f"{name} must be a non-empty sequence of ints >= {low}, got {values!r}.")
+        for name in ("steps", "rounds"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}.")
+        unknown = sorted(set(self.caches) - set(SLIDING_CACHES))
+        if unknown or not self.caches:
+            raise ValueError(f"caches must name some of {list(SLIDING_CACHES)}, got {list(self.caches)}.")
+
+
+@dataclass
+class RingUpdateResult:
+    """One cache at one (window, batch), over all rounds; times are medians over every timed step, in µs.
+
+    Attributes:
+        cache / window / batch: what was measured.
+        steps / rounds: timed steps per run / runs.
+        first_update_us: layer 0's update, the first of each step.
+        next_update_us: layer 1's update, after layer 0's in the same step.
+        per_layer_us: ``(first + (num_layers - 1) * next) / num_layers``: one layer's share of a decode step.
+        round_next_update_us: ``next_update_us`` of each round alone (spread shows the machine's noise).
+        ratio_vs_dynamic_sliding / ratio_vs_static_sliding: ``per_layer_us`` over that cache's, measured in
+            the same invocation (below 1: faster); ``None`` when it did not run.
+    """
+
+    cache: str
+    window: int
+    batch: int
+    steps: int
+    rounds: int
+    first_update_us: float
+    next_update_us: float
+    per_layer_us: float
+    round_next_update_us: list[float]
+    ratio_vs_dynamic_sliding: float | None
+    ratio_vs_static_sliding: float | None
+
+
+def run_ring_update_benchmark(
+    config: PreTrainedConfig,
+    bench: RingUpdateBenchConfig,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> list[RingUpdateResult]:
+    """Times one decode step's cache update of every cache of ``bench`` at every (window, batch).
+
+    Args:
+        config: a model config with full attention in every layer and at least 2 layers (no model is built).
+        bench: what to measure.
+        dtype / device: of the keys/values and caches.
+
+    Returns:
+        One ``RingUpdateResult`` per (window, batch, cache), in that nesting order.
+    """
+    config = config.get_text_config(decoder=True)
+    page_format = PageFormat.from_model_config(config, dtype)
+    num_layers = config.num_hidden_layers
+    if num_layers < len(TIMED_LAYERS):
+        raise ValueError(f"The config has {num_layers} layers; the update benchmark times layers {TIMED_LAYERS}.")
+    device = torch.device(device)
+    generator = torch.Generator().manual_seed(bench.seed)
+    results = []
+    with torch.inference_mode():
+        for window in bench.windows:
+            for batch in bench.batches:
+                shape = (
+                    batch,
+                    page_format.num_kv_heads,
+                    2 * window,
+                    page_format.head_dim,
+                )  # fill: [batch, heads, 2W, hd]
+                fill = [torch.randn(shape, generator=generator, dtype=dtype).to(device) for _ in range(2)]
+                step = [state[:, :, -1:].clone() for state in fill]  # [batch, heads, 1, head_dim]
+                max_cache_len = 2 * window + bench.warmup_steps + bench.steps
+                pool = None
+                if "sliding_ring" in bench.caches:
+                    pool = ring_pool(config, window, batch, bench.page_size, dtype, device)
+                timings: dict[str, list[tuple[list[float], list[float]]]] = {name: [] for name in bench.caches}
+                for _ in range(bench.rounds):
+                    for name in bench.caches:
+                        cache = build_sliding_cache(name, config, window, max_cache_len, pool)
+                        timings[name].append(_time_updates(cache, fill, step, bench, device))
+                        if isinstance(cache, PoolCache):
+                            cache.release()
+                        del cache
+                        gc.collect()
+                results.extend(_summarize(timings, window, batch, num_layers, bench))
+                del fill, step, pool
+                gc.collect()
+    return results
+
+
+def _time_updates(
+    cache: Cache, fill: list[torch.Tensor], step: list[torch.Tensor], bench: RingUpdateBenchConfig, device: torch.device
+) -> tuple[list[float], list[float]]:
+    """Prefills ``TIMED_LAYERS`` with ``fill`` (keys, values), then times their one-token updates with ``step``.
+
+    Returns:
+        Seconds of each timed update of the first and of the second timed layer.
+    """
+    for layer_idx in TIMED_LAYERS:
+        cache.update(fill[0], fill[1], layer_idx)
+    is_cuda = device.type == "cuda"
+    seconds: tuple[list[float], list[float]] = ([], [])
+    for step_idx in range(bench.warmup_steps + bench.steps):
+        for slot, layer_idx in enumerate(TIMED_LAYERS):
+            if is_cuda:
+                torch.cuda.synchronize(device)
+            began = time.perf_counter()
+            cache.update(step[0], step[1], layer_idx)
+            if is_cuda:
+                torch.cuda.synchronize(device)
+            if step_idx >= bench.warmup_steps:
+                seconds[slot].append(time.perf_counter() - began)
+    return seconds
+
+
+def _summarize(
+    timings: dict[str, list[tuple[list[float], list[float]]]],
+    window: int,
+    batch: int,
+    num_layers: int,
+    bench: RingUpdateBenchConfig,
+) -> list[RingUpdateResult]:
+    medians = {}
+    for name, runs in timings.items():
+        first = 1e6 * statistics.median(s for run in runs for s in run[0])
+        later = 1e6 * statistics.median(s for run in runs for s in run[1])
+        medians[name] = (first, later, (first + (num_layers - 1) * later) / num_layers)
+    results = []
+    for name, runs in timings.items():
+        first, later, per_layer = medians[name]
+        results.append(
+            RingUpdateResult(
+                cache=name,
+                window=window,
+                batch=batch,
+                steps=bench.steps,
+                rounds=bench.rounds,
+                first_update_us=first,
+                next_update_us=later,
+                per_layer_us=per_layer,
+                round_next_update_us=[1e6 * statistics.median(run[1]) for run in runs],
+                ratio_vs_dynamic_sliding=per_layer / medians[SLIDING_BASELINE][2]
+                if SLIDING_BASELINE in medians
+                else None,
+                ratio_vs_static_sliding=per_layer / medians["static_sliding"][2]
+                if "static_sliding" in medians
+                else None,
+            )
+        )
+    return results
+
+
+def markdown_table(results: Sequence[RingUpdateResult], num_layers: int) -> str:
+    """The results as a Markdown table, one line per (window, batch, cache); ratios are of time (below 1: faster).
+
+    Args:
+        results: from ``run_ring_update_benchmark``.
+        num_layers: the model's layers (the weight of ``next`` in ``per_layer_us``), for the header.
+    """
+    lines = [
+        f"| cache | window | batch | first layer µs | next layer µs | per layer µs ({num_layers} layers) "
+        "| vs dynamic_sliding | vs static_sliding |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+
+    def ratio(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}x"
+
+    for r in results:
+        lines.append(
+            f"| {r.cache} | {r.window} | {r.batch} | {r.first_update_us:.1f} | {r.next_update_us:.1f} | "
+            f"{r.per_layer_us:.1f} | {ratio(r.ratio_vs_dynamic_sliding)} | {ratio(r.ratio_vs_static_sliding)} |"
+        )
+    return "\n".join(lines)
+
+
+def results_record(
+    results: Sequence[RingUpdateResult], bench: RingUpdateBenchConfig, info: dict[str, Any]
+) -> dict[str, Any]:
+    """The JSON-ready record of one invocation: machine, settings and results."""
+    return {
+        "machine": info,
+        "config": dataclasses.asdict(bench),
+        "timed_layers": list(TIMED_LAYERS),
+        "results": [dataclasses.asdict(result) for result in results],
+    }

@@ -1,0 +1,94 @@
+"""Micro-benchmark of one decode step's cache update: ``sliding_ring`` next to transformers' sliding-window
+layers, with the bundled model's KV geometry (SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64); see
+``hf_kvcache.bench_ring``. Only the model's config is read: no weights are loaded, no forward pass runs.
+
+Example (CPU, fp32, the default windows 256 ... 8192)::
+
+    PYTHONPATH=. python scripts/bench_ring_update.py --batches 1 8
+
+Writes the record (machine, settings, geometry, results) to ``--output`` as JSON and prints a Markdown table.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from hf_kvcache.bench import OtherCpuUse, machine_info
+from hf_kvcache.bench_ring import (
+    SLIDING_CACHES,
+    RingUpdateBenchConfig,
+    markdown_table,
+    results_record,
+    run_ring_update_benchmark,
+)
+from hf_kvcache.config import PageFormat
+from hf_kvcache.models import BUNDLED_MODEL, bundled_model_path
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_args() -> argparse.Namespace:
+    defaults = RingUpdateBenchConfig()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--windows", type=int, nargs="+", default=list(defaults.windows), help="window sizes")
+    parser.add_argument("--batches", type=int, nargs="+", default=list(defaults.batches), help="batch sizes")
+    parser.add_argument("--steps", type=int, default=defaults.steps, help="timed decode steps per run")
+    parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps, help="untimed steps per run")
+    parser.add_argument("--rounds", type=int, default=defaults.rounds, help="interleaved runs of each cache")
+    parser.add_argument("--caches", nargs="+", default=list(SLIDING_CACHES), choices=SLIDING_CACHES)
+    parser.add_argument("--page-size", type=int, default=defaults.page_size, help="slots per page of the ring")
+    parser.add_argument("--output", type=Path, default=Path("benchmarks/ring_update.json"), help="JSON record path")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch CPU threads (default: torch's). On a machine shared with other jobs, 1 avoids timing the OS "
+        "scheduler: a parallel op waits for a descheduled worker thread",
+    )
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    bench = RingUpdateBenchConfig(
+        windows=tuple(args.windows),
+        batches=tuple(args.batches),
+        steps=args.steps,
+        rounds=args.rounds,
+        warmup_steps=args.warmup_steps,
+        caches=tuple(args.caches),
+        page_size=args.page_size,
+    )
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    config = AutoConfig.from_pretrained(bundled_model_path())
+    page_format = PageFormat.from_model_config(config, dtype)
+    info = machine_info(device, dtype)
+    with OtherCpuUse() as others:
+        results = run_ring_update_benchmark(config, bench, dtype, device)
+    record = results_record(results, bench, info)
+    record["model"] = BUNDLED_MODEL
+    record["geometry"] = {
+        "num_layers": page_format.num_layers,
+        "num_kv_heads": page_format.num_kv_heads,
+        "head_dim": page_format.head_dim,
+    }
+    record["wall_s"] = round(others.wall_s, 1)
+    # Timings are only as good as the machine was quiet: CPU time other processes took during the run.
+    record["other_processes_cores"] = round(others.other_cores, 3)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(record, indent=2) + "\n")
+    print(markdown_table(results, page_format.num_layers))
+    print(
+        f"\nWall time {record['wall_s']} s; other processes kept {others.other_cores:.2f} cores busy on average; "
+        f"record written to {args.output}."
+    )
+
+
+if __name__ == "__main__":
+    main()
