@@ -5,6 +5,7 @@ Both are frozen dataclasses that check themselves on construction and name the s
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -124,13 +125,15 @@ class PageFormat:
         config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         if getattr(config, "is_encoder_decoder", False):
             raise IncompatibleModelError(
-                f"{type(config).__name__} is an encoder-decoder model; hf_kvcache caches serve decoder-only models."
+                f"{type(config).__name__} is an encoder-decoder model; hf_kvcache caches serve decoder-only models. "
+                "Serve it with transformers' own caches (leave cache_implementation unset, or 'dynamic')."
             )
         num_heads = getattr(config, "num_attention_heads", None)
         num_layers = getattr(config, "num_hidden_layers", None)
         if num_heads is None or num_layers is None:
             raise IncompatibleModelError(
-                f"{type(config).__name__} has no num_attention_heads/num_hidden_layers: not an attention model."
+                f"{type(config).__name__} has no num_attention_heads/num_hidden_layers: not an attention model. "
+                "Serve it with transformers' own caches (leave cache_implementation unset)."
             )
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
@@ -142,23 +145,39 @@ class PageFormat:
 class CacheOptions:
     """The ``cache_config`` keys of a paged cache.
 
+    Subclasses add their own keys after these; build options by keyword.
+
     Attributes:
         page_size: token slots per page (used when the cache builds its own pool).
         pool: a ``KVPool``, or the name of one, to draw pages from; ``None`` for the default pool.
         max_tokens: give this cache a fixed-budget pool of its own holding this many tokens.
+        admission_check: before any compute, ``generate`` refuses a request whose worst-case page need
+            (rows x pages for prompt + ``max_new_tokens``) exceeds what the pool has free or can still grow
+            into, with a ``PoolExhaustedError``. A check, not a reservation: requests running at the same
+            time may still take the pages, and a request that passes can then fail mid-generation.
     """
 
     page_size: int = DEFAULT_PAGE_SIZE
     pool: Any = None
     max_tokens: int | None = None
+    admission_check: bool = False
 
     def __post_init__(self) -> None:
         check_page_size(self.page_size)
         if self.max_tokens is not None:
-            if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+                raise TypeError(
+                    f"max_tokens must be an int, got {self.max_tokens!r} ({type(self.max_tokens).__name__})."
+                )
+            if self.max_tokens < 1:
                 raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}.")
             if self.pool is not None:
                 raise ValueError("Set either pool or max_tokens in cache_config, not both.")
+        if not isinstance(self.admission_check, bool):
+            raise TypeError(
+                f"admission_check must be True or False, got {self.admission_check!r} "
+                f"({type(self.admission_check).__name__})."
+            )
 
     def page_format(self, config: Any, dtype: torch.dtype) -> PageFormat:
         """The format of the pool a cache with these options draws from, for a model config and dtype."""
@@ -167,8 +186,12 @@ class CacheOptions:
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> Self:
         """Builds options from a ``cache_config`` dict, rejecting unknown keys with the list of valid ones."""
-        values = dict(values or {})
         valid = [field.name for field in dataclasses.fields(cls)]
+        if values is not None and not isinstance(values, Mapping):
+            raise TypeError(
+                f"cache_config must be a dict of {cls.__name__} keys {valid}, got {values!r} ({type(values).__name__})."
+            )
+        values = dict(values or {})
         unknown = sorted(set(values) - set(valid))
         if unknown:
             raise ValueError(f"Unknown cache_config keys {unknown} for {cls.__name__}; valid keys are {valid}.")

@@ -6,7 +6,8 @@ The only module that touches transformers' internals, through exactly two seams:
    ``GenerationConfig.validate`` reads: our names are appended, so configs naming them validate,
    save and load.
 2. ``GenerationMixin._prepare_cache_for_generation``: wrapped so that our names build our cache;
-   every other name goes to the original method untouched.
+   every other name goes to the original method untouched. It runs before any forward pass, so the
+   wrapper also checks requests on our caches there (``check_request``: empty prompts, ``admission_check``).
 
 ``register()`` is idempotent and ``unregister()`` puts both seams back exactly as they were.
 """
@@ -16,6 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from packaging.version import Version
 from transformers import __version__ as transformers_version
 from transformers.cache_utils import Cache
@@ -57,17 +59,57 @@ def build_cache(name: str, model: Any, cache_config: dict[str, Any] | None) -> C
     return CACHE_FACTORIES[name].from_cache_config(model.config, cache_config, model.dtype, model.device)
 
 
-def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+def check_request(
+    model: Any,
+    cache: PoolCache,
+    generation_config: Any,
+    model_kwargs: dict[str, Any],
+    batch_size: int,
+    max_cache_length: int,
+) -> None:
+    """Checks a request on one of our caches before ``generate`` runs any forward pass.
+
+    Rejects an empty prompt (the model itself would fail on it with an obscure reshape error) and, with the
+    cache's ``admission_check`` option, a request whose worst case does not fit its pool.
+
+    Args:
+        batch_size: prompts in the request; each runs ``max(num_beams, num_return_sequences)`` rows.
+        max_cache_length: tokens a row may hold at most (``max_length - 1``, as transformers sizes static caches).
+
+    Raises:
+        ValueError: the prompt has no tokens.
+        PoolExhaustedError: ``admission_check`` is on and the request could overflow the pool.
+    """
+    for key in ("attention_mask", "position_ids"):  # [rows, prompt_length] where generate has made them
+        value = model_kwargs.get(key)
+        if isinstance(value, torch.Tensor) and value.ndim == 2 and value.shape[-1] == 0 and cache.get_seq_length() == 0:
+            raise ValueError(
+                f"The prompt is empty ({key} has shape {list(value.shape)}): generate needs at least one input token "
+                "per row to start from, e.g. the tokenizer's bos_token_id."
+            )
+    if cache.options.admission_check:
+        num_rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+        cache.check_admission(num_rows, max_cache_length, model.device, model.dtype)
+
+
+def _prepare_cache_for_generation(
+    self, generation_config, model_kwargs, generation_mode, batch_size: int, max_cache_length: int
+):
     name = generation_config.cache_implementation
     if name not in CACHE_FACTORIES:
-        return _original_prepare(self, generation_config, model_kwargs, *args, **kwargs)
+        result = _original_prepare(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
+        if isinstance(model_kwargs.get("cache"), PoolCache):  # one of our caches, passed as `cache=`
+            check_request(self, model_kwargs["cache"], generation_config, model_kwargs, batch_size, max_cache_length)
+        return result
     if model_kwargs.get("cache") is not None:
         raise ValueError(
             f"Passing both cache_implementation={name!r} and a `cache` object is unsupported; use one of the two."
         )
     if generation_config.use_cache is False:
         return None
-    model_kwargs["cache"] = build_cache(name, self, generation_config.cache_config)
+    cache = build_cache(name, self, generation_config.cache_config)
+    check_request(self, cache, generation_config, model_kwargs, batch_size, max_cache_length)
+    model_kwargs["cache"] = cache
     return None
 
 

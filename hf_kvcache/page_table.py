@@ -52,10 +52,11 @@ class PageTable:
             PoolExhaustedError: not enough free pages; nothing changed.
             ValueError: ``num_rows`` differs from the table's rows, or ``groups`` on a non-empty table.
         """
-        if not self.rows:
-            self.rows = [[] for _ in range(num_rows)]
-        elif num_rows != len(self.rows):
-            raise ValueError(f"The cache holds {len(self.rows)} rows but the new tokens come in {num_rows} rows.")
+        if self.rows and num_rows != len(self.rows):
+            raise ValueError(
+                f"The cache holds {len(self.rows)} rows but the new tokens come in {num_rows} rows. A cache serves "
+                "one batch at a time: reset() it, or use a new cache, before a batch of another size."
+            )
         if groups is not None and self.num_tokens:
             raise ValueError("Row groups can only be given for the first tokens of a table.")
         groups = list(range(num_rows)) if groups is None else groups
@@ -63,12 +64,14 @@ class PageTable:
             not 0 <= group <= row or groups[group] != group for row, group in enumerate(groups)
         ):
             raise ValueError(f"groups must name, for each of {num_rows} rows, its group's first row: {groups}.")
+        rows = self.rows or [[] for _ in range(num_rows)]  # an empty table takes its rows only once pages are in
         end = self.num_tokens + num_new_tokens
         first_page = self.num_tokens // self.page_size
-        touched = [(row, index) for row in range(num_rows) for index in range(first_page, len(self.rows[row]))]
+        touched = [(row, index) for row in range(num_rows) for index in range(first_page, len(rows[row]))]
         leaders = [row for row in range(num_rows) if groups[row] == row]
-        num_new_pages = math.ceil(end / self.page_size) - len(self.rows[0])
+        num_new_pages = math.ceil(end / self.page_size) - len(rows[0])
         copies, fresh = self._copy_on_write(touched, num_new_pages * len(leaders))
+        self.rows = rows
         if fresh or copies:
             self.version += 1
         new_pages = {row: fresh[i * num_new_pages : (i + 1) * num_new_pages] for i, row in enumerate(leaders)}

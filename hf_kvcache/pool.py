@@ -267,6 +267,12 @@ class KVPool:
     def refcount(self, page: int) -> int:
         return self._allocator.refcount(page)
 
+    @property
+    def num_available_pages(self) -> int:
+        """Pages a request could take now: the free ones plus the room a growable pool can still grow into."""
+        with self.lock:
+            return self._allocator.num_free + self.max_pages - (self._allocator.num_pages + 1)
+
     def new_table(self) -> PageTable:
         """An empty page table drawing from this pool, counted in its statistics."""
         table = PageTable(self, self.format.page_size)
@@ -296,7 +302,8 @@ class KVPool:
         """Live statistics as a plain dict.
 
         ``utilization`` is the bytes of the tokens held divided by the bytes of the pages handed
-        out (1.0 when every used page is full; shared pages count once).
+        out (1.0 when every used page is full; shared pages count once). ``live_tables`` counts the
+        page tables of caches not yet garbage collected (0 again once every cache is gone).
         """
         with self.lock:
             filled: dict[int, int] = {}
@@ -316,6 +323,7 @@ class KVPool:
                 "bytes_total": (self._allocator.num_pages + 1) * page_bytes,
                 "bytes_used": used * page_bytes,
                 "tokens_held": tokens,
+                "live_tables": len(self._tables),
                 "utilization": tokens / (used * self.format.page_size) if used else 0.0,
                 "device": str(self.device),
                 "dtype": str(self.format.dtype).removeprefix("torch."),

@@ -23,7 +23,15 @@ def test_seams_exist_in_this_transformers():
         assert isinstance(configuration_utils.ALL_CACHE_IMPLEMENTATIONS, tuple)
         assert "dynamic" in configuration_utils.ALL_CACHE_IMPLEMENTATIONS
         parameters = list(inspect.signature(GenerationMixin._prepare_cache_for_generation).parameters)
-        assert parameters[:3] == ["self", "generation_config", "model_kwargs"]
+        # The wrapper takes these by name: batch_size and max_cache_length size the admission check.
+        assert parameters == [
+            "self",
+            "generation_config",
+            "model_kwargs",
+            "generation_mode",
+            "batch_size",
+            "max_cache_length",
+        ]
     finally:
         hf_kvcache.register()
 
@@ -102,7 +110,8 @@ def test_cache_config_pool_is_used_as_is_and_max_tokens_makes_a_pool(tiny_llama_
         (
             {"page_sise": 8},
             ValueError,
-            r"Unknown cache_config keys \['page_sise'\].*valid keys are \['page_size', 'pool', 'max_tokens'\]",
+            r"Unknown cache_config keys \['page_sise'\].*valid keys are \['page_size', 'pool', 'max_tokens', "
+            r"'admission_check'\]",
         ),
         ({"page_size": 0}, ValueError, "page_size=0 is out of range"),
         ({"page_size": "16"}, TypeError, "page_size must be an int"),

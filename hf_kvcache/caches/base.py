@@ -6,6 +6,7 @@ Subclasses state only which layer kind each model layer gets (``_make_layer``).
 
 import dataclasses
 import functools
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Any, Self
@@ -15,8 +16,9 @@ from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, get_layer_types_and_kwargs
 
 from hf_kvcache.config import CacheOptions, PageFormat, layer_groups
-from hf_kvcache.errors import IncompatibleModelError
+from hf_kvcache.errors import IncompatibleModelError, PoolExhaustedError
 from hf_kvcache.layers import PagedLayer, PagedRows, RingLayer, RingRows
+from hf_kvcache.layers.ring import ring_num_slots
 from hf_kvcache.pool import KVPool
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -38,6 +40,12 @@ class RowPolicy:
     sink_tokens: int = 0
     is_sliding: bool = False
     residual_length: int = 0
+
+    def max_pages_per_row(self, num_tokens: int, page_size: int) -> int:
+        """Most pages one row holds with ``num_tokens`` tokens: all of them, or at most a ring's worth."""
+        if self.window is not None:
+            num_tokens = min(num_tokens, ring_num_slots(self.window, self.sink_tokens, page_size))
+        return math.ceil(num_tokens / page_size)
 
     def make_rows(self, pool: KVPool) -> PagedRows:
         if self.window is None:
@@ -157,7 +165,8 @@ class PoolCache(Cache):
         unsupported = sorted({kind for kind in layer_types if kind not in (*ATTENTION_LAYER_TYPES, "dummy")})
         if unsupported:
             raise IncompatibleModelError(
-                f"{type(config).__name__} has layers of type {unsupported}; our caches serve attention layers only."
+                f"{type(config).__name__} has layers of type {unsupported}; hf_kvcache caches serve attention layers "
+                "only. Serve it with transformers' own caches (leave cache_implementation unset)."
             )
         self.options = options
         groups = layer_groups(layer_types)
@@ -223,10 +232,50 @@ class PoolCache(Cache):
             raise ValueError(f"This cache spans {len(pools)} devices; use cache.pools.")
         return pools[0] if pools else self._binder.pool
 
+    def worst_case_pages(self, num_rows: int, num_tokens: int, page_size: int) -> int:
+        """Most pages ``num_rows`` rows of ``num_tokens`` tokens each can hold on one pool, no page shared.
+
+        Each group of layers takes its own pages: every token's for a group that keeps them all, at most
+        a ring's worth (``ring_num_slots``) for a ring. Rows that share pages (beams, identical prompts)
+        only need fewer.
+        """
+        return num_rows * sum(policy.max_pages_per_row(num_tokens, page_size) for policy in self._binder.policies)
+
+    def check_admission(self, num_rows: int, num_tokens: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Refuses, before any compute, a request that could not fit in the pool in the worst case.
+
+        A check, not a reservation: pages stay free for anyone until the cache writes, so requests
+        running at the same time can still exhaust the pool mid-generation. Pages the cache already holds
+        (a cache passed back to ``generate`` to continue) count towards the request.
+
+        Args:
+            num_rows: rows the request runs (batch size x beams or returned sequences).
+            num_tokens: tokens each row may hold at most (prompt + ``max_new_tokens`` - 1 in ``generate``).
+            device / dtype: where the cache's pool lives (it is bound now if it was not).
+
+        Raises:
+            PoolExhaustedError: the worst case needs more pages than the pool has free or can still grow into.
+        """
+        device = torch.device(device)
+        pool = self._binder.bind(device, dtype)
+        page_size = pool.format.page_size
+        worst = self.worst_case_pages(num_rows, num_tokens, page_size)
+        held = sum(1 for held_device, _ in self._held_pages() if held_device == device)
+        requested, available = worst - held, pool.num_available_pages
+        if requested > available:
+            raise PoolExhaustedError(
+                requested,
+                available,
+                pool.max_pages - 1,
+                f"admission_check refused the request before any compute: {num_rows} rows of up to {num_tokens} "
+                f"tokens need up to {worst} pages of {page_size} tokens in {len(self._binder.policies)} layer "
+                "group(s). Lower the batch size, num_beams/num_return_sequences or max_new_tokens, or give the "
+                "pool more room (KVPool.for_model(..., max_tokens=...) or cache_config max_tokens).",
+            )
+
     def memory_stats(self) -> dict[str, int]:
         """Pages this cache holds (shared pages once), their bytes, and the tokens per row."""
-        bound = self._binder.rows.items()
-        pages = {(device, page) for (device, _), rows in bound for row in rows.table.rows for page in row}
+        pages = self._held_pages()
         page_bytes = {device: pool.format.page_bytes for device, pool in self._binder.pools.items()}
         num_rows = max((rows.table.num_rows for rows in self._binder.rows.values()), default=0)
         return {
@@ -235,6 +284,11 @@ class PoolCache(Cache):
             "num_rows": num_rows,
             "tokens_per_row": self.get_seq_length(),
         }
+
+    def _held_pages(self) -> set[tuple[torch.device, int]]:
+        """``(device, page id)`` of every page this cache's rows hold, shared ones once."""
+        bound = self._binder.rows.items()
+        return {(device, page) for (device, _), rows in bound for row in rows.table.rows for page in row}
 
     def _row_layers(self):
         return [layer for layer in self.layers if not isinstance(layer, DummyLayer)]

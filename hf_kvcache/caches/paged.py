@@ -22,6 +22,7 @@ class PagedCache(PoolCache):
             geometry, dtype and device.
         page_size: token slots per page of a pool this cache makes (default or ``max_tokens``).
         max_tokens: give this cache a fixed-budget pool of its own for this many tokens.
+        admission_check: ``generate`` refuses up front a request whose worst case does not fit (``CacheOptions``).
         dtype / device: bind the pool at construction rather than at the first write.
     """
 
@@ -31,10 +32,12 @@ class PagedCache(PoolCache):
         pool: KVPool | str | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
         max_tokens: int | None = None,
+        admission_check: bool = False,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
     ) -> None:
-        super().__init__(config, CacheOptions(page_size, pool, max_tokens), dtype, device)
+        options = CacheOptions(page_size=page_size, pool=pool, max_tokens=max_tokens, admission_check=admission_check)
+        super().__init__(config, options, dtype, device)
 
     def _row_policy(self, layer_type: str, layer_kwargs: dict[str, Any]) -> RowPolicy:
         if layer_type == "sliding_attention":

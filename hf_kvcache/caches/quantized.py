@@ -73,8 +73,8 @@ class QuantizedValueCache(PoolCache):
         bits: 8 or 4 bits per stored value.
         group_size: value channels sharing one scale and zero (asymmetric, per token); default 64.
         residual_length: newest tokens whose values attention gets in full precision.
-        pool / page_size / max_tokens / dtype / device: as for ``PagedCache`` (a given pool must be built with
-            ``KVPool.for_model(..., value_bits=bits, value_group_size=group_size)``).
+        pool / page_size / max_tokens / admission_check / dtype / device: as for ``PagedCache`` (a given pool
+            must be built with ``KVPool.for_model(..., value_bits=bits, value_group_size=group_size)``).
     """
 
     options_class = QuantizedValueOptions
@@ -88,10 +88,19 @@ class QuantizedValueCache(PoolCache):
         pool: KVPool | str | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
         max_tokens: int | None = None,
+        admission_check: bool = False,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
     ) -> None:
-        options = QuantizedValueOptions(page_size, pool, max_tokens, bits, group_size, residual_length)
+        options = QuantizedValueOptions(
+            page_size=page_size,
+            pool=pool,
+            max_tokens=max_tokens,
+            admission_check=admission_check,
+            bits=bits,
+            group_size=group_size,
+            residual_length=residual_length,
+        )
         super().__init__(config, options, dtype, device)
 
     def _row_policy(self, layer_type: str, layer_kwargs: dict[str, Any]) -> RowPolicy:

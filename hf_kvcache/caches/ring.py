@@ -52,7 +52,7 @@ class SlidingRingCache(PoolCache):
         config: the model's config.
         window: ring size of full-attention layers (``None``: keep them whole, on a model with sliding layers).
         sink_tokens: first tokens pinned in those rings.
-        pool / page_size / max_tokens / dtype / device: as for ``PagedCache``.
+        pool / page_size / max_tokens / admission_check / dtype / device: as for ``PagedCache``.
     """
 
     options_class = RingOptions
@@ -65,12 +65,21 @@ class SlidingRingCache(PoolCache):
         pool: KVPool | str | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
         max_tokens: int | None = None,
+        admission_check: bool = False,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
     ) -> None:
         text_config = config.get_text_config(decoder=True)
         self._has_sliding_layers = "sliding_attention" in get_layer_types_and_kwargs(text_config)[0]
-        super().__init__(config, RingOptions(page_size, pool, max_tokens, window, sink_tokens), dtype, device)
+        options = RingOptions(
+            page_size=page_size,
+            pool=pool,
+            max_tokens=max_tokens,
+            admission_check=admission_check,
+            window=window,
+            sink_tokens=sink_tokens,
+        )
+        super().__init__(config, options, dtype, device)
         if sink_tokens and window is None:
             raise ValueError(
                 f"sink_tokens={sink_tokens} needs a window: sinks are kept in the rings that cache_config window "

@@ -93,6 +93,12 @@ class PagedRows:
             key_states / value_states: ``[batch, heads, n, head_dim]``.
         """
         batch, _, num_new, _ = key_states.shape
+        # Checked first, here: a full ring takes no new page, so the page table's own check would not run.
+        if self.table.num_rows and batch != self.table.num_rows:
+            raise ValueError(
+                f"The cache holds {self.table.num_rows} rows but a layer got {batch}. A cache serves one batch at a "
+                "time: reset() it, or use a new cache, before a batch of another size."
+            )
         end = start + num_new
         if end > self.num_tokens:
             if start != self.num_tokens:
@@ -100,8 +106,6 @@ class PagedRows:
             groups = find_identical_rows(key_states, value_states) if start == 0 else None
             self._grow(batch, start, num_new, groups)
             self._groups = (end, groups) if groups else None
-        elif batch != self.table.num_rows:
-            raise ValueError(f"A layer got {batch} rows; the cache holds {self.table.num_rows}.")
         elif self._groups is not None and self._groups[0] == end:
             self._split_differing_rows(key_states, value_states)
 

@@ -1,0 +1,190 @@
+"""Reliability: bad input fails early with an error that names the value and the setting; a short soak.
+
+Range checks of each cache's own keys (window, sink_tokens, bits, group_size, residual_length) are also in
+``test_ring_cache.py`` and ``test_quantized_cache.py``; here every registered name gets the shared keys.
+"""
+
+import gc
+
+import pytest
+import torch
+from helpers import EXAMPLE_POOL_FORMATS, example_cache_config
+from transformers import (
+    BartConfig,
+    BartForConditionalGeneration,
+    MambaConfig,
+    MambaForCausalLM,
+    T5Config,
+    T5ForConditionalGeneration,
+)
+
+from hf_kvcache import IncompatibleModelError, KVPool
+from hf_kvcache.integration import CACHE_FACTORIES
+from hf_kvcache.soak import run_soak
+
+NAMES = sorted(CACHE_FACTORIES)
+MIB = 2**20
+
+
+def generate(model, name: str, cache_config: dict, ids=None, **kwargs):
+    ids = torch.tensor([[5, 6, 7]]) if ids is None else ids
+    return model.generate(
+        ids,
+        max_new_tokens=kwargs.pop("max_new_tokens", 2),
+        do_sample=False,
+        cache_implementation=name,
+        cache_config=cache_config,
+        **kwargs,
+    )
+
+
+# ----- cache_config -----------------------------------------------------------------------------
+
+SHARED_KEY_ERRORS = [
+    (
+        {"no_such_key": 1},
+        ValueError,
+        r"Unknown cache_config keys \['no_such_key'\].*valid keys are \[.*'admission_check'",
+    ),
+    ({"page_size": "16"}, TypeError, r"page_size must be an int, got '16' \(str\)"),
+    ({"page_size": 0}, ValueError, r"page_size=0 is out of range: choose 1 <= page_size <= 4096"),
+    ({"page_size": 4097}, ValueError, r"page_size=4097 is out of range"),
+    ({"max_tokens": "64"}, TypeError, r"max_tokens must be an int, got '64' \(str\)"),
+    ({"max_tokens": 0}, ValueError, r"max_tokens must be a positive int, got 0"),
+    ({"pool": 3}, TypeError, r"cache_config pool must be a KVPool or a pool's name, got int"),
+    ({"pool": "no-such-pool"}, ValueError, r"No pool named 'no-such-pool'"),
+    ({"admission_check": "yes"}, TypeError, r"admission_check must be True or False, got 'yes' \(str\)"),
+]
+OWN_KEY_ERRORS = {
+    "sliding_ring": [
+        ({"window": True}, TypeError, r"window must be an int, got True \(bool\)"),
+        ({"window": 16, "sink_tokens": 1.5}, TypeError, r"sink_tokens must be an int, got 1.5 \(float\)"),
+    ],
+    "quantized_values": [
+        ({"group_size": "16"}, TypeError, r"group_size must be an int, got '16' \(str\)"),
+        ({"residual_length": 2.0}, TypeError, r"residual_length must be an int, got 2.0 \(float\)"),
+        ({"group_size": 32}, ValueError, r"group_size=32 does not divide the model's head_dim=16; choose one of"),
+    ],
+}
+CASES = [(name, *case) for name in NAMES for case in SHARED_KEY_ERRORS + OWN_KEY_ERRORS.get(name, [])]
+
+
+@pytest.mark.parametrize("name,cache_config,error,match", CASES)
+def test_bad_cache_config_names_the_key_and_the_value(tiny_llama_model, name, cache_config, error, match):
+    with pytest.raises(error, match=match):
+        generate(tiny_llama_model, name, example_cache_config(name) | cache_config)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_cache_config_that_is_not_a_dict_is_rejected(tiny_llama_model, name):
+    with pytest.raises(TypeError, match=r"cache_config must be a dict of \w+Options keys \[.*\], got 'paged' \(str\)"):
+        generate(tiny_llama_model, name, "paged")
+
+
+# ----- pools and models that do not fit -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_pool_of_another_geometry_dtype_or_device_is_rejected(tiny_llama_model, tiny_gemma3_model, name):
+    formats = EXAMPLE_POOL_FORMATS.get(name, {})
+    mismatches = [
+        (KVPool.for_model(tiny_gemma3_model, max_tokens=64, **formats), r"num_layers 1 vs 2, num_groups 4 vs 1"),
+        (KVPool.for_model(tiny_llama_model, max_tokens=64, dtype=torch.float16, **formats), "dtype torch.float16 vs"),
+        # The meta device has no storage, so a pool on it stands for a pool on another device.
+        (KVPool.for_model(tiny_llama_model, max_tokens=64, device="meta", **formats), r"device meta vs cpu"),
+    ]
+    for pool, match in mismatches:
+        with pytest.raises(IncompatibleModelError, match=rf"built for another model or placement \({match}.*for_model"):
+            generate(tiny_llama_model, name, example_cache_config(name) | {"pool": pool})
+        assert pool.stats()["pages_used"] == 0 and pool.stats()["live_tables"] == 0
+
+
+def tiny_t5() -> T5ForConditionalGeneration:
+    config = T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, decoder_start_token_id=0)
+    return T5ForConditionalGeneration(config).eval()
+
+
+def tiny_bart() -> BartForConditionalGeneration:
+    sizes = {"encoder_layers": 1, "decoder_layers": 1, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64}
+    heads = {"encoder_attention_heads": 4, "decoder_attention_heads": 4}
+    config = BartConfig(vocab_size=128, d_model=32, max_position_embeddings=64, **sizes, **heads)
+    return BartForConditionalGeneration(config).eval()
+
+
+def tiny_mamba() -> MambaForCausalLM:
+    return MambaForCausalLM(MambaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, state_size=4)).eval()
+
+
+UNSERVED_MODELS = [
+    (tiny_t5, r"T5Config is an encoder-decoder model.*cache_implementation"),
+    (tiny_bart, r"BartConfig is an encoder-decoder model.*cache_implementation"),
+    (tiny_mamba, r"MambaConfig has layers of type \['linear_attention'\].*attention layers only.*cache_implementation"),
+]
+
+
+@pytest.mark.parametrize("build,match", UNSERVED_MODELS, ids=["t5", "bart", "mamba"])
+@pytest.mark.parametrize("name", NAMES)
+def test_models_we_cannot_serve_are_rejected_with_what_to_use_instead(name, build, match):
+    torch.manual_seed(0)
+    with pytest.raises(IncompatibleModelError, match=match):
+        generate(build(), name, example_cache_config(name))
+
+
+# ----- requests -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_empty_prompt_is_rejected_before_the_model_runs(tiny_llama_model, name):
+    """Without this check the model itself fails on an empty prompt with an obscure reshape error (any cache)."""
+    with pytest.raises(ValueError, match=r"The prompt is empty \(position_ids has shape \[1, 0\]\).*at least one"):
+        generate(tiny_llama_model, name, example_cache_config(name), ids=torch.zeros(1, 0, dtype=torch.long))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_max_new_tokens_zero_is_rejected_by_transformers_before_our_code(tiny_llama_model, name):
+    """transformers' own generation-config check already names the value and the setting; no pool is touched."""
+    pool = KVPool.for_model(tiny_llama_model, max_tokens=64, **EXAMPLE_POOL_FORMATS.get(name, {}))
+    with pytest.raises(ValueError, match=r"`max_new_tokens` must be greater than 0, but is 0"):
+        generate(tiny_llama_model, name, example_cache_config(name) | {"pool": pool}, max_new_tokens=0)
+    assert pool.stats()["high_water_pages"] == 0 and pool.stats()["live_tables"] == 0
+
+
+@pytest.mark.parametrize("prompt_length", [3, 30], ids=["growing", "past-the-ring"])
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("model_name", ["tiny_llama_model", "tiny_mistral_model"])
+def test_batch_of_another_size_is_rejected_without_a_change(model_name, name, prompt_length, request):
+    """A cache holding 2 rows fed 3 (or 1), while it still grows and once its rings are full (window 8 or 16)."""
+    model = request.getfixturevalue(model_name)
+    pool = KVPool.for_model(model, max_tokens=512, page_size=4, **EXAMPLE_POOL_FORMATS.get(name, {}))
+    cache = CACHE_FACTORIES[name].from_cache_config(model.config, example_cache_config(name) | {"pool": pool})
+    ids = torch.randint(3, 128, (2, prompt_length), generator=torch.Generator().manual_seed(0))
+    model.generate(ids, max_new_tokens=2, do_sample=False, cache=cache)
+    held, tokens = pool.stats()["pages_used"], cache.get_seq_length()
+    for rows in (3, 1):
+        states = torch.randn(rows, 2, 1, 16)
+        with pytest.raises(ValueError, match=rf"The cache holds 2 rows but a layer got {rows}.*reset\(\)"):
+            cache.update(states, states, 0)
+        assert pool.stats()["pages_used"] == held and cache.get_seq_length() == tokens
+        pool.check_integrity()
+    more = torch.randint(3, 128, (3, prompt_length + 3), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="The cache holds 2 rows but a layer got 3"):
+        model.generate(more, max_new_tokens=2, do_sample=False, cache=cache)
+    cache.reset()
+    assert model.generate(more, max_new_tokens=2, do_sample=False, cache=cache).shape[0] == 3
+    del cache
+    gc.collect()
+    assert pool.stats()["pages_used"] == 0
+
+
+# ----- soak -----------------------------------------------------------------------------------------
+
+
+def test_short_soak_keeps_memory_flat(tiny_gemma3_model):
+    """A CI-sized soak (scripts/soak.py runs the long one): no page or page table outlives its call."""
+    report = run_soak(tiny_gemma3_model, 300, seed=1)
+    assert report.num_calls_with_pages_left == 0 and report.max_live_tables == 0
+    assert report.num_refused > 0 and report.num_exhausted > 0  # the pools are small enough to overflow
+    assert report.tokens_generated > 0
+    assert report.rss_growth_bytes < 32 * MIB, f"RSS grew {report.rss_growth_bytes / MIB:.1f} MiB after warm-up"
+    for stats in report.pools.values():
+        assert 0 < stats["high_water_pages"] <= stats["pages_total"]
