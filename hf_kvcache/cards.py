@@ -113,8 +113,8 @@ CARD_SETTINGS: tuple[CardSetting, ...] = (
     CardSetting(
         model=SMOLLM2_135M,
         cache_implementation="quantized_values",
-        result_label="values-int4",
-        cache_config={"bits": 4},
+        result_label="values-int4-r128",
+        cache_config={"bits": 4, "residual_length": 128},
         description=(
             "Keeps keys in full precision and stores values as 4-bit integers with an asymmetric scale and zero "
             "per token and group of `group_size` channels, quantized once when stored; attention gets them "

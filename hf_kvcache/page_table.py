@@ -107,6 +107,8 @@ class PageTable:
             if self.allocator.refcount(page) - moved[page] > 1:
                 moved[page] += 1
                 shared.append((row, index))
+        if not shared and not num_extra:  # the common case of a ring's step: nothing to copy or take
+            return [], []
         fresh = self.allocator.allocate(len(shared) + num_extra)
         copies = []
         for (row, index), dst in zip(shared, fresh):

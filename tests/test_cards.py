@@ -24,7 +24,7 @@ from hf_kvcache.integration import CACHE_FACTORIES
 from hf_kvcache.models import BUNDLED_MODEL, tiny_llama
 
 ROOT = Path(__file__).parents[1]
-REPORT = ROOT / "model_cards" / "results" / "smollm2-135m-essays" / "report.json"
+REPORT = ROOT / "model_cards" / "results" / "smollm2-135m-essays-2048" / "report.json"
 REGISTERED = [setting for setting in CARD_SETTINGS if setting.cache_implementation in CACHE_FACTORIES]
 IDS = [setting.cache_implementation for setting in REGISTERED]
 PROMPT = torch.tensor([[1, 5, 9, 3, 7, 11], [4, 8, 15, 16, 23, 42]])
@@ -291,7 +291,9 @@ def test_publish_uploads_each_validated_folder(monkeypatch, tmp_path, capsys):
     folder = tmp_path / "smollm2-135m-instruct-paged_pool"
     repo_id = "me/smollm2-135m-instruct-paged_pool"
     assert ("create_repo", {"repo_id": repo_id, "repo_type": "model", "exist_ok": True}) in FakeApi.calls
-    (upload,) = [kwargs for name, kwargs in FakeApi.calls if name == "upload_folder"]
+    uploads = [kwargs for name, kwargs in FakeApi.calls if name == "upload_folder"]
+    assert len(uploads) == len(list(tmp_path.iterdir()))  # every rendered folder, once
+    (upload,) = [kwargs for kwargs in uploads if kwargs["repo_id"] == repo_id]
     assert (upload["repo_id"], Path(upload["folder_path"])) == (repo_id, folder)
     assert f'GenerationConfig.from_pretrained("{repo_id}")' in (folder / "README.md").read_text()
     assert f"https://huggingface.co/{repo_id}/commit/0" in capsys.readouterr().out

@@ -110,7 +110,7 @@ def test_pool_bytes_per_token_against_the_paged_cache(dtype, bits, target):
 
 
 def test_values_are_quantized_once_and_keys_kept_exact(tiny_llama_model):
-    cache = QuantizedValueCache(tiny_llama_model.config, bits=4, group_size=16)
+    cache = QuantizedValueCache(tiny_llama_model.config, bits=4, group_size=16, residual_length=0)
     keys = torch.randn(1, 2, 40, 16)
     values = torch.randn(1, 2, 40, 16)
     out_keys, out_values = cache.update(keys, values, 0)

@@ -274,13 +274,19 @@ class PoolCache(Cache):
             )
 
     def memory_stats(self) -> dict[str, int]:
-        """Pages this cache holds (shared pages once), their bytes, and the tokens per row."""
+        """Pages this cache holds (shared pages once), the KV bytes it holds, and the tokens per row.
+
+        ``bytes_held`` counts the pages plus ``residual_bytes``, the full-precision values of the newest
+        ``residual_length`` tokens a quantized cache keeps outside the pool.
+        """
         pages = self._held_pages()
         page_bytes = {device: pool.format.page_bytes for device, pool in self._binder.pools.items()}
         num_rows = max((rows.table.num_rows for rows in self._binder.rows.values()), default=0)
+        residual_bytes = sum(rows.store.residual_bytes for rows in self._binder.rows.values())
         return {
             "pages_held": len(pages),
-            "bytes_held": sum(page_bytes[device] for device, _ in pages),
+            "bytes_held": sum(page_bytes[device] for device, _ in pages) + residual_bytes,
+            "residual_bytes": residual_bytes,
             "num_rows": num_rows,
             "tokens_per_row": self.get_seq_length(),
         }

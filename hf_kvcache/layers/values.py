@@ -109,6 +109,13 @@ class ValueStore:
         write_slots(pool.values, page_layer, parts, codes)
         write_slots(pool.value_scales, page_layer, parts, torch.cat([scale, zero], dim=-1))
 
+    @property
+    def residual_bytes(self) -> int:
+        """Bytes of the full-precision residual values held outside the pool."""
+        if self.residual is None:
+            return 0
+        return sum(buffer.numel() * buffer.element_size() for buffer in self.residual.buffers.values())
+
     def remember(self, page_layer: int, start: int, value_states: torch.Tensor) -> None:
         """Keeps the full-precision values of tokens ``[start, start + n)`` for the residual window."""
         if self.residual is not None:
