@@ -49,7 +49,7 @@ from transformers.cache_utils import Cache
 
 from hf_kvcache.bench_ring import SLIDING_BASELINE, SLIDING_CACHES, build_sliding_cache, ring_pool
 from hf_kvcache.caches.base import PoolCache
-from hf_kvcache.eval.caches import CacheSpec
+from hf_kvcache.eval.caches import CacheSpec, installed_quantized_backends
 from hf_kvcache.eval.data import load_essays
 from hf_kvcache.eval.fidelity import kv_bytes
 from hf_kvcache.integration import CACHE_FACTORIES
@@ -66,13 +66,14 @@ QUANTIZED_CACHES = {
         CacheSpec("values-int4", "quantized_values", {"bits": 4}),
         *(
             CacheSpec(f"{backend}-int{bits}", "quantized", {"backend": backend, "nbits": bits})
-            for backend in ("quanto", "hqq")
+            for backend in installed_quantized_backends()
             for bits in (4, 2)
         ),
     )
 }
-"""Lossy caches of every token: ours (values only) and transformers' ``QuantizedCache`` (keys and values; the
-optional extras ``.[quanto]`` and ``.[hqq]``). Their tokens are compared with ``dynamic``'s, a difference is a loss."""
+"""Lossy caches of every token: ours (values only) and transformers' ``QuantizedCache`` (keys and values) for each
+installed backend (the optional extras ``.[quanto]``, ``.[hqq]``). Their tokens are compared with ``dynamic``'s; a
+difference is a loss."""
 CACHE_NAMES = FULL_CACHES + SLIDING_CACHES + tuple(QUANTIZED_CACHES)
 """Caches the benchmark knows; ``dynamic`` is the baseline every run includes."""
 BASELINE = "dynamic"

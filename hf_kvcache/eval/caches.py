@@ -95,8 +95,18 @@ def default_specs() -> list[CacheSpec]:
     specs = [CacheSpec("dynamic", "dynamic")]
     for name in CACHE_FACTORIES:
         specs += [CacheSpec(label, name, settings) for label, settings in REGISTERED_DEFAULTS.get(name, [(name, {})])]
-    if importlib.util.find_spec("optimum") and importlib.util.find_spec("optimum.quanto"):
-        specs.append(CacheSpec("quanto-int4", "quantized", {"backend": "quanto", "nbits": 4}))
-    if importlib.util.find_spec("hqq"):
-        specs.append(CacheSpec("hqq-int4", "quantized", {"backend": "hqq", "nbits": 4}))
+    specs += [
+        CacheSpec(f"{backend}-int4", "quantized", {"backend": backend, "nbits": 4})
+        for backend in installed_quantized_backends()
+    ]
     return specs
+
+
+def installed_quantized_backends() -> list[str]:
+    """The backends of transformers' ``QuantizedCache`` installed here (extras ``.[quanto]``, ``.[hqq]``)."""
+    backends = []
+    if importlib.util.find_spec("optimum") and importlib.util.find_spec("optimum.quanto"):
+        backends.append("quanto")
+    if importlib.util.find_spec("hqq"):
+        backends.append("hqq")
+    return backends
