@@ -65,7 +65,7 @@ class PagedLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         self.num_tokens = max(0, self.num_tokens + tokens_to_remove)
 
-    # Row changes are done once per device by the cache on the shared ``PagedRows``.
+    # Row changes are done once per group and device by the cache, on the shared rows.
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         pass
 

@@ -26,9 +26,9 @@ import math
 from collections.abc import Callable
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
 
 from hf_kvcache.kernels import ChunkIndex, read_slots, split_by_chunk
+from hf_kvcache.layers.paged import PagedLayer
 from hf_kvcache.layers.rows import PagedRows
 from hf_kvcache.pool import KVPool
 
@@ -212,20 +212,16 @@ class RingRows(PagedRows):
             self._step = self._rows = None
 
 
-class RingLayer(CacheLayerMixin):
+class RingLayer(PagedLayer):
     """One model layer's KV store as a ring of the last ``window`` tokens (plus ``sink_tokens`` pinned).
 
     Args:
-        layer_idx: the model layer.
-        page_layer: the layer's place in its group of layers.
+        layer_idx / page_layer: as for ``PagedLayer``.
         bind: returns the ``RingRows`` of the layer's group for the device and dtype of the first states written.
         window / sink_tokens: as for ``RingRows``.
         is_sliding: the model's own mask applies this window (a sliding layer); ``False`` where the
             ring imposes the window on a full-attention layer.
     """
-
-    is_croppable = True
-    is_compileable = False
 
     def __init__(
         self,
@@ -236,26 +232,16 @@ class RingLayer(CacheLayerMixin):
         sink_tokens: int = 0,
         is_sliding: bool = True,
     ) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.page_layer = page_layer
+        super().__init__(layer_idx, page_layer, bind)
         self.window = window
         self.sink_tokens = sink_tokens
         self.is_sliding = is_sliding
-        self.num_tokens = 0
-        self.rows: RingRows | None = None
-        self._bind = bind
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(layer_idx={self.layer_idx}, window={self.window}, "
             f"sink_tokens={self.sink_tokens}, num_tokens={self.num_tokens})"
         )
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.rows = self._bind(key_states)
-        self.device, self.dtype = key_states.device, key_states.dtype
-        self.is_initialized = True
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -272,24 +258,5 @@ class RingLayer(CacheLayerMixin):
         sinks, first = visible_span(self.num_tokens, query_length, self.window, self.sink_tokens)
         return sinks + self.num_tokens + query_length - first, first - sinks
 
-    def get_seq_length(self) -> int:
-        return self.num_tokens
-
     def get_max_length(self) -> int:
         return self.window + self.sink_tokens
-
-    def reset(self) -> None:
-        self.num_tokens = 0
-
-    def crop(self, tokens_to_remove: int) -> None:
-        self.num_tokens = max(0, self.num_tokens + tokens_to_remove)
-
-    # Row changes are done once per device by the cache on the shared ``RingRows``.
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        pass
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        pass
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        pass
