@@ -27,23 +27,16 @@ not touched before pays page faults; ``round_median_step_ms`` shows such a round
 """
 
 import dataclasses
-import datetime
 import gc
 import logging
 import math
-import os
-import platform
 import statistics
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
-import psutil
 import torch
-import transformers
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 
@@ -53,6 +46,7 @@ from hf_kvcache.eval.caches import CacheSpec, installed_quantized_backends
 from hf_kvcache.eval.data import load_essays
 from hf_kvcache.eval.fidelity import kv_bytes
 from hf_kvcache.integration import CACHE_FACTORIES
+from hf_kvcache.measure import OtherCpuUse, PeakMemory
 from hf_kvcache.pool import KVPool
 
 logger = logging.getLogger("hf_kvcache.bench")
@@ -200,86 +194,6 @@ class _Prefill:
     keys: list[torch.Tensor]  # per layer [rows, num_kv_heads, length, head_dim]
     values: list[torch.Tensor]
     next_tokens: torch.Tensor  # [rows], greedy pick after the prompt
-
-
-class PeakMemory:
-    """Context manager measuring peak memory growth over a block, in bytes (``peak_bytes`` after exit).
-
-    Args:
-        device: CUDA uses the allocator's peak statistics; any other device samples the process RSS.
-        interval_s: seconds between RSS samples.
-    """
-
-    def __init__(self, device: torch.device, interval_s: float = 0.002) -> None:
-        self.device = device
-        self.interval_s = interval_s
-        self.peak_bytes = 0
-        self._process = psutil.Process()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._base = 0
-        self._peak = 0
-
-    def __enter__(self) -> "PeakMemory":
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._base = torch.cuda.memory_allocated(self.device)
-        else:
-            self._base = self._peak = self._process.memory_info().rss
-            self._thread = threading.Thread(target=self._sample, name="rss-sampler", daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
-    ) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device)
-        else:
-            self._stop.set()
-            self._thread.join()
-            peak = max(self._peak, self._process.memory_info().rss)
-        self.peak_bytes = max(0, peak - self._base)
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._peak = max(self._peak, self._process.memory_info().rss)
-
-
-class OtherCpuUse:
-    """Context manager measuring the CPU time other processes used during a block (``other_cores`` after exit).
-
-    On a shared machine a benchmark's timings are only as good as the machine was quiet; this says how quiet.
-
-    Attributes:
-        wall_s: seconds the block took.
-        other_cpu_s: CPU-seconds of all processes minus this one's (children included) over the block.
-        other_cores: ``other_cpu_s / wall_s``, the mean number of cores others kept busy.
-    """
-
-    def __init__(self) -> None:
-        self._process = psutil.Process()
-        self.wall_s = self.other_cpu_s = self.other_cores = 0.0
-
-    def _busy_s(self) -> tuple[float, float, float]:
-        machine = psutil.cpu_times()
-        own = self._process.cpu_times()
-        busy = sum(machine) - machine.idle - getattr(machine, "iowait", 0.0)
-        return time.perf_counter(), busy, own.user + own.system + own.children_user + own.children_system
-
-    def __enter__(self) -> "OtherCpuUse":
-        self._start = self._busy_s()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
-    ) -> None:
-        end = self._busy_s()
-        self.wall_s = end[0] - self._start[0]
-        self.other_cpu_s = max(0.0, (end[1] - self._start[1]) - (end[2] - self._start[2]))
-        self.other_cores = self.other_cpu_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
 def essay_token_stream(tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
@@ -486,25 +400,6 @@ def _summarize(
             )
         )
     return results
-
-
-def machine_info(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-    """Versions and hardware a benchmark ran on, for its JSON record."""
-    info = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."),
-    }
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
 
 
 def markdown_table(results: Sequence[DecodeResult], busy_cores: float = 0.25) -> str:

@@ -33,13 +33,12 @@ from hf_kvcache.bench import (
     QUANTIZED_CACHES,
     SLIDING_CACHES,
     DecodeBenchConfig,
-    OtherCpuUse,
     essay_token_stream,
-    machine_info,
     markdown_table,
     results_record,
     run_decode_benchmark,
 )
+from hf_kvcache.measure import OtherCpuUse, machine_info
 from hf_kvcache.models import BUNDLED_MODEL, load_bundled_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from hf_kvcache.bench import OtherCpuUse, machine_info
 from hf_kvcache.bench_ring import (
     SLIDING_CACHES,
     RingUpdateBenchConfig,
@@ -25,6 +24,7 @@ from hf_kvcache.bench_ring import (
     run_ring_update_benchmark,
 )
 from hf_kvcache.config import PageFormat
+from hf_kvcache.measure import OtherCpuUse, machine_info
 from hf_kvcache.models import BUNDLED_MODEL, bundled_model_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

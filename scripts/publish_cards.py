@@ -14,7 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-from hf_kvcache.cards import check_can_publish, plan_cards, publish_card, render_card, reproduce_command, validate_card
+from hf_kvcache.cards import check_can_publish, plan_cards, publish_card, render_card, validate_card
+from hf_kvcache.eval.command import reproduce_command
 from hf_kvcache.eval.report import EvalReport
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,6 @@ from hf_kvcache.bench import (
     QUANTIZED_CACHES,
     DecodeBenchConfig,
     DecodeResult,
-    machine_info,
     markdown_table,
     results_record,
     run_decode_benchmark,
@@ -27,6 +26,7 @@ from hf_kvcache.bench_ring import (
 )
 from hf_kvcache.bench_ring import markdown_table as update_markdown_table
 from hf_kvcache.bench_ring import results_record as update_results_record
+from hf_kvcache.measure import machine_info
 from hf_kvcache.models import tiny_llama
 
 LENGTHS = (16, 40)  # the window exactly, and past a ring of two pages (it wraps)

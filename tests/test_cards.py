@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
 import hf_kvcache
 from hf_kvcache import cards
 from hf_kvcache.cards import CARD_SETTINGS, generate_with_cache, plan_cards, render_card, validate_card
+from hf_kvcache.eval.command import reproduce_command
 from hf_kvcache.eval.report import EvalReport
 from hf_kvcache.integration import CACHE_FACTORIES
 from hf_kvcache.models import BUNDLED_MODEL, tiny_llama
@@ -66,7 +67,7 @@ def rendered(report_path, tmp_path_factory) -> dict[str, Path]:
     report = EvalReport.load(report_path)
     ready, _ = plan_cards(report)
     root = tmp_path_factory.mktemp("cards")
-    command = cards.reproduce_command(report, output="results")
+    command = reproduce_command(report, output="results")
     return {s.cache_implementation: render_card(s, report, root, command, f"me/{s.folder_name}") for s in ready}
 
 
@@ -217,7 +218,7 @@ def test_card_table_is_the_json(rendered, report_path, source):
 def test_reproduce_command_is_the_reports_configuration(monkeypatch):
     """The card's command, fed to the eval script, builds exactly the report's EvalConfig."""
     report = EvalReport.load(REPORT)
-    command = cards.reproduce_command(report, output="model_cards/results/smollm2-135m-essays")
+    command = reproduce_command(report, output="model_cards/results/smollm2-135m-essays")
     words = shlex.split(command.replace("\\\n", " "))
     assert words[:2] == ["python", "scripts/evaluate_caches.py"]
     script = load_script("evaluate_caches")
@@ -237,7 +238,7 @@ def test_reproduce_command_is_the_reports_configuration(monkeypatch):
             assert value == report.config[key], key
     assert words[words.index("--output") + 1] == "model_cards/results/smollm2-135m-essays"
     recorded = dataclasses.replace(report, config={**report.config, "command": "python run.py"})
-    assert cards.reproduce_command(recorded, output="elsewhere") == "python run.py"  # a recorded command wins
+    assert reproduce_command(recorded, output="elsewhere") == "python run.py"  # a recorded command wins
 
 
 def test_publish_dry_run_writes_and_validates(tmp_path, capsys):
