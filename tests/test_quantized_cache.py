@@ -1,9 +1,12 @@
 """QuantizedValueCache: equal to its pure-torch spec, bytes per token, hybrid models, greedy on SmolLM2."""
 
+import copy
+
 import pytest
 import torch
 from helpers import padded_batch, run
 from transformers import DynamicCache
+from transformers.cache_utils import DummyLayer
 
 import hf_kvcache  # noqa: F401  (registers "quantized_values")
 from hf_kvcache import IncompatibleModelError, KVPool, PagedCache, QuantizedValueCache
@@ -178,3 +181,12 @@ def test_pool_must_match_the_value_format(tiny_llama_model):
         return_dict_in_generate=True,
     )
     assert out.cache.pool is int4
+
+
+def test_models_that_reuse_another_layers_kv_are_refused(tiny_llama_model):
+    """Their reusing layers would read values from the buffer the next layer overwrites."""
+    config = copy.deepcopy(tiny_llama_model.config)
+    config.kv_sharing_modes = ["store", "reuse"]
+    with pytest.raises(IncompatibleModelError, match="kv_sharing_modes has 'reuse'.*paged_pool or sliding_ring"):
+        QuantizedValueCache(config, group_size=16)
+    assert isinstance(PagedCache(config).layers[1], DummyLayer)  # the paged cache serves it

@@ -9,6 +9,7 @@ from transformers import PreTrainedConfig
 
 from hf_kvcache.caches.base import PoolCache, RowPolicy
 from hf_kvcache.config import DEFAULT_PAGE_SIZE, CacheOptions, PageFormat
+from hf_kvcache.errors import IncompatibleModelError
 from hf_kvcache.pool import KVPool
 
 DEFAULT_GROUP_SIZE = 64
@@ -103,6 +104,14 @@ class QuantizedValueCache(PoolCache):
             group_size=group_size,
             residual_length=residual_length,
         )
+        text_config = config.get_text_config(decoder=True)
+        if "reuse" in (getattr(text_config, "kv_sharing_modes", None) or ()):
+            # A reusing layer reads the values an earlier layer's update returned, which here live in a buffer
+            # the next layer overwrites.
+            raise IncompatibleModelError(
+                f"{type(text_config).__name__} shares KV between layers (kv_sharing_modes has 'reuse'); "
+                "quantized_values does not support it yet. Use paged_pool or sliding_ring for this model."
+            )
         super().__init__(config, options, dtype, device)
 
     def _row_policy(self, layer_type: str, layer_kwargs: dict[str, Any]) -> RowPolicy:
