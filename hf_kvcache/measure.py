@@ -4,6 +4,7 @@ Benchmarks are only as good as the machine was quiet and the record says what it
 shared by the decode benchmark (``hf_kvcache.bench``) and the ring update micro-benchmark (``hf_kvcache.bench_ring``).
 """
 
+import argparse
 import datetime
 import os
 import platform
@@ -114,3 +115,25 @@ def machine_info(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def add_machine_args(parser: argparse.ArgumentParser) -> None:
+    """The ``--device``, ``--dtype`` and ``--threads`` options every benchmark script takes."""
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch CPU threads (default: torch's). On a machine shared with other jobs, 1 avoids timing the OS "
+        "scheduler: a parallel op waits for a descheduled worker thread",
+    )
+
+
+def machine_settings(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
+    """Applies ``--threads`` and returns the ``(device, dtype)`` of ``add_machine_args``' options."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    return torch.device(args.device), DTYPES[args.dtype]

@@ -24,8 +24,6 @@ import json
 import logging
 from pathlib import Path
 
-import torch
-
 from hf_kvcache.bench import (
     BASELINE,
     CACHE_NAMES,
@@ -38,10 +36,9 @@ from hf_kvcache.bench import (
     results_record,
     run_decode_benchmark,
 )
-from hf_kvcache.measure import OtherCpuUse, machine_info
+from hf_kvcache.measure import OtherCpuUse, add_machine_args, machine_info, machine_settings
 from hf_kvcache.models import BUNDLED_MODEL, load_bundled_model
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUITES = {
     "paged": {"caches": FULL_CACHES, "lengths": (256, 1024, 4096), "output": Path("benchmarks/decode.json")},
     "quantized": {
@@ -68,21 +65,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--caches", nargs="+", choices=CACHE_NAMES, help="caches to time (default: the suite's)")
     parser.add_argument("--window", type=int, default=defaults.window, help="tokens kept by the sliding caches")
     parser.add_argument("--output", type=Path, help="JSON record path (default: the suite's)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    parser.add_argument(
-        "--threads",
-        type=int,
-        help="torch CPU threads (default: torch's). On a machine shared with other jobs, 1 avoids timing the OS "
-        "scheduler: a parallel op waits for a descheduled worker thread",
-    )
+    add_machine_args(parser)
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     suite = SUITES[args.suite]
     output = args.output or suite["output"]
@@ -94,7 +82,7 @@ def main() -> None:
         caches=tuple(args.caches or suite["caches"]),
         window=args.window,
     )
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    device, dtype = machine_settings(args)
     model, tokenizer = load_bundled_model(dtype=dtype, device=device)
     info = machine_info(device, dtype)
     with OtherCpuUse() as others:

@@ -13,7 +13,6 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
 from transformers import AutoConfig
 
 from hf_kvcache.bench_ring import (
@@ -24,10 +23,8 @@ from hf_kvcache.bench_ring import (
     run_ring_update_benchmark,
 )
 from hf_kvcache.config import PageFormat
-from hf_kvcache.measure import OtherCpuUse, machine_info
+from hf_kvcache.measure import OtherCpuUse, add_machine_args, machine_info, machine_settings
 from hf_kvcache.models import BUNDLED_MODEL, bundled_model_path
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def parse_args() -> argparse.Namespace:
@@ -41,21 +38,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--caches", nargs="+", default=list(SLIDING_CACHES), choices=SLIDING_CACHES)
     parser.add_argument("--page-size", type=int, default=defaults.page_size, help="slots per page of the ring")
     parser.add_argument("--output", type=Path, default=Path("benchmarks/ring_update.json"), help="JSON record path")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    parser.add_argument(
-        "--threads",
-        type=int,
-        help="torch CPU threads (default: torch's). On a machine shared with other jobs, 1 avoids timing the OS "
-        "scheduler: a parallel op waits for a descheduled worker thread",
-    )
+    add_machine_args(parser)
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     bench = RingUpdateBenchConfig(
         windows=tuple(args.windows),
         batches=tuple(args.batches),
@@ -65,7 +53,7 @@ def main() -> None:
         caches=tuple(args.caches),
         page_size=args.page_size,
     )
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    device, dtype = machine_settings(args)
     config = AutoConfig.from_pretrained(bundled_model_path())
     page_format = PageFormat.from_model_config(config, dtype)
     info = machine_info(device, dtype)
