@@ -1,6 +1,8 @@
 """Teaches ``model.generate(cache_implementation=NAME, cache_config={...})`` our cache names.
 
-The only module that touches transformers' internals, through exactly two seams:
+The only module that touches transformers' internals, through exactly two seams (plus one public
+registry, ``AttentionInterface``/``AttentionMaskInterface``, where ``attn_implementation="hf_kvcache"``
+is added: see ``hf_kvcache.attention``):
 
 1. ``transformers.generation.configuration_utils.ALL_CACHE_IMPLEMENTATIONS``, the tuple that
    ``GenerationConfig.validate`` reads: our names are appended, so configs naming them validate,
@@ -9,7 +11,7 @@ The only module that touches transformers' internals, through exactly two seams:
    every other name goes to the original method untouched. It runs before any forward pass, so the
    wrapper also checks requests on our caches there (``check_request``: empty prompts, ``admission_check``).
 
-``register()`` is idempotent and ``unregister()`` puts both seams back exactly as they were.
+``register()`` is idempotent and ``unregister()`` puts all three back exactly as they were.
 """
 
 import functools
@@ -23,7 +25,10 @@ from transformers import __version__ as transformers_version
 from transformers.cache_utils import Cache
 from transformers.generation import configuration_utils
 from transformers.generation.utils import GenerationMixin
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
 
+from hf_kvcache.attention import ATTENTION_NAME, banded_sdpa_attention
 from hf_kvcache.caches import PagedCache, QuantizedValueCache, SlidingRingCache
 from hf_kvcache.caches.base import PoolCache
 
@@ -131,6 +136,8 @@ def register() -> None:
         GenerationMixin._prepare_cache_for_generation = functools.wraps(_original_prepare)(
             _prepare_cache_for_generation
         )
+        AttentionInterface.register(ATTENTION_NAME, banded_sdpa_attention)
+        AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
 def unregister() -> None:
@@ -141,6 +148,8 @@ def unregister() -> None:
             return
         configuration_utils.ALL_CACHE_IMPLEMENTATIONS = _original_names
         GenerationMixin._prepare_cache_for_generation = _original_prepare
+        for interface in (AttentionInterface, AttentionMaskInterface):  # register() has no public undo
+            interface._global_mapping.pop(ATTENTION_NAME, None)
         _original_prepare = _original_names = None
 
 

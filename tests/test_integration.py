@@ -1,4 +1,4 @@
-"""Registration: the two seams in transformers, additive, idempotent, undoable, version-checked."""
+"""Registration: two seams in transformers plus an attention name; additive, idempotent, undoable, version-checked."""
 
 import inspect
 
@@ -8,9 +8,12 @@ from helpers import EXAMPLE_POOL_FORMATS, example_cache_config
 from transformers import DynamicCache, GenerationConfig, StaticCache
 from transformers.generation import configuration_utils
 from transformers.generation.utils import GenerationMixin
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
 
 import hf_kvcache
 from hf_kvcache import KVPool, PagedCache
+from hf_kvcache.attention import ATTENTION_NAME, banded_sdpa_attention
 from hf_kvcache.integration import CACHE_FACTORIES, check_transformers_version
 
 NAMES = sorted(CACHE_FACTORIES)
@@ -46,12 +49,16 @@ def test_register_is_idempotent_and_undoable():
     try:
         assert not any(name in configuration_utils.ALL_CACHE_IMPLEMENTATIONS for name in NAMES)
         assert GenerationMixin._prepare_cache_for_generation.__module__ == "transformers.generation.utils"
+        assert ATTENTION_NAME not in AttentionInterface._global_mapping
+        assert ATTENTION_NAME not in AttentionMaskInterface._global_mapping
         with pytest.raises(ValueError, match="Invalid `cache_implementation`"):
             GenerationConfig(cache_implementation="paged_pool").validate(strict=True)
         hf_kvcache.unregister()  # a no-op
     finally:
         hf_kvcache.register()
     assert names == configuration_utils.ALL_CACHE_IMPLEMENTATIONS
+    assert AttentionInterface._global_mapping[ATTENTION_NAME] is banded_sdpa_attention
+    assert AttentionMaskInterface._global_mapping[ATTENTION_NAME] is sdpa_mask
 
 
 @pytest.mark.parametrize("name,expected", [(None, DynamicCache), ("dynamic", DynamicCache), ("static", StaticCache)])

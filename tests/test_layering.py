@@ -7,7 +7,19 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).parents[1] / "hf_kvcache"
-ORDER = ["errors", "quant", "config", "allocator", "page_table", "pool", "kernels", "layers", "caches", "integration"]
+ORDER = [
+    "errors",
+    "quant",
+    "config",
+    "allocator",
+    "page_table",
+    "pool",
+    "kernels",
+    "layers",
+    "attention",
+    "caches",
+    "integration",
+]
 
 
 def imports_of(module: str) -> set[str]:

@@ -1,7 +1,9 @@
 """SlidingRingCache and ring layers: exact where the model defines the window, exact against a banded
 mask where the ring imposes it, bounded memory, attention sinks, row operations and crop."""
 
+import contextlib
 import math
+import warnings
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from transformers import DynamicCache
 
 import hf_kvcache  # noqa: F401  (registers "sliding_ring")
 from hf_kvcache import KVPool, PagedCache, SlidingRingCache
+from hf_kvcache.attention import ATTENTION_NAME
 from hf_kvcache.caches.base import ATTENTION_LAYER_TYPES
 from hf_kvcache.config import layer_groups, layer_types
 from hf_kvcache.layers import PagedLayer, RingLayer, RingRows
@@ -65,6 +68,17 @@ def test_chunked_prefill_matches_dynamic_cache(model_name, chunks, request):
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
+@contextlib.contextmanager
+def banded_attention(model):
+    """The model with ``attn_implementation="hf_kvcache"``, which applies the ring's band within a step."""
+    before = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(before)
+
+
 @pytest.mark.parametrize("window,sink_tokens,prompt", [(8, 0, 5), (8, 0, 8), (16, 0, 1), (8, 2, 6), (20, 4, 20)])
 def test_imposed_window_equals_banded_attention(tiny_llama_model, window, sink_tokens, prompt):
     """A full-attention model through the ring sees exactly the last ``window`` tokens (plus the sinks)."""
@@ -74,35 +88,79 @@ def test_imposed_window_equals_banded_attention(tiny_llama_model, window, sink_t
     torch.testing.assert_close(actual, banded_logits(tiny_llama_model, ids, window, sink_tokens), rtol=1e-5, atol=1e-5)
 
 
-def test_imposed_window_on_smollm2_equals_banded_attention(bundled):
+@pytest.mark.parametrize("window,sink_tokens", [(8, 0), (8, 2), (20, 4)])
+@pytest.mark.parametrize("chunks", [[70], [9, 1], [5, 3, 1, 20, 31], [24, 7]])
+def test_imposed_window_prefill_past_the_window_equals_banded_attention(tiny_llama_model, window, sink_tokens, chunks):
+    """Prompts and prefill chunks reaching far past the window (and past the ring) keep to the band too."""
+    ids = random_ids(2, 70, seed=window + sink_tokens)
+    cache = SlidingRingCache(tiny_llama_model.config, window=window, sink_tokens=sink_tokens)
+    with banded_attention(tiny_llama_model):
+        actual = teacher_forced_logits(tiny_llama_model, ids, cache, chunks)
+    torch.testing.assert_close(actual, banded_logits(tiny_llama_model, ids, window, sink_tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_past_an_imposed_window_without_banded_attention_warns(tiny_llama_model):
+    ids = random_ids(1, 20)
+    cache = SlidingRingCache(tiny_llama_model.config, window=8)
+    with pytest.warns(UserWarning, match='A step of 20 tokens reaches past the ring.s window=8.*"hf_kvcache"'):
+        tiny_llama_model(ids, cache=cache)
+    with warnings.catch_warnings():  # once per cache; and never where the band is applied
+        warnings.simplefilter("error")
+        tiny_llama_model(ids[:, :4], cache=cache)
+        with banded_attention(tiny_llama_model):
+            tiny_llama_model(ids, cache=SlidingRingCache(tiny_llama_model.config, window=8))
+
+
+def test_banded_attention_without_a_band_is_sdpa(tiny_llama_model):
+    """Keys that carry no band (every cache but a ring's multi-token steps) are attended exactly as by sdpa."""
+    ids, mask = padded_batch([12, 5])
+    expected = run(tiny_llama_model, ids, mask, max_new_tokens=6)
+    with banded_attention(tiny_llama_model):
+        actual = run(tiny_llama_model, ids, mask, max_new_tokens=6)
+        paged = run(tiny_llama_model, ids, mask, max_new_tokens=6, cache_implementation="paged_pool")
+    assert_same_generation(expected, actual)
+    assert_same_generation(expected, paged)
+
+
+@pytest.mark.parametrize("prompt", [16, 64])
+def test_imposed_window_on_smollm2_equals_banded_attention(bundled, prompt):
+    """The real model: a prompt inside the window under sdpa, one twice the window under the banded attention."""
     model, tokenizer = bundled
     text = "The quick brown fox jumps over the lazy dog while the cat watches from the garden wall. " * 6
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :96]
     cache = SlidingRingCache(model.config, window=32, sink_tokens=4)
-    with torch.inference_mode():
-        actual = teacher_forced_logits(model, ids, cache, [16, 1])
+    with torch.inference_mode(), banded_attention(model) if prompt > 32 else contextlib.nullcontext():
+        actual = teacher_forced_logits(model, ids, cache, [prompt, 1])
         expected = banded_logits(model, ids, 32, 4)
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_imposed_window_with_left_padding_matches_unpadded_rows(tiny_llama_model):
-    """Each row of a left-padded batch decodes exactly as it does alone."""
+@pytest.mark.parametrize("banded", [False, True])
+def test_imposed_window_with_left_padding_matches_unpadded_rows(tiny_llama_model, banded):
+    """Each row of a left-padded batch, prompts longer than the window included, decodes exactly as it does alone."""
     ids, mask = padded_batch([30, 6, 19])
     cache_config = {"window": 8}
-    batch = run(
-        tiny_llama_model, ids, mask, max_new_tokens=20, cache_implementation="sliding_ring", cache_config=cache_config
-    )
-    for row in range(ids.shape[0]):
-        alone = ids[row : row + 1, mask[row].bool()]
-        single = run(
+    with banded_attention(tiny_llama_model) if banded else warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # without the band, prompts past the window warn
+        batch = run(
             tiny_llama_model,
-            alone,
-            torch.ones_like(alone),
+            ids,
+            mask,
             max_new_tokens=20,
             cache_implementation="sliding_ring",
             cache_config=cache_config,
         )
-        assert torch.equal(batch.sequences[row, -20:], single.sequences[0, -20:])
+        for row in range(ids.shape[0]):
+            alone = ids[row : row + 1, mask[row].bool()]
+            single = run(
+                tiny_llama_model,
+                alone,
+                torch.ones_like(alone),
+                max_new_tokens=20,
+                cache_implementation="sliding_ring",
+                cache_config=cache_config,
+            )
+            assert torch.equal(batch.sequences[row, -20:], single.sequences[0, -20:])
 
 
 @pytest.mark.parametrize("sink_tokens", [0, 4])
@@ -188,13 +246,12 @@ def test_row_operations_and_reset_match_dynamic(tiny_mistral_model):
 def test_crop_is_exact_where_tokens_remain_and_refused_where_evicted(tiny_llama_model):
     ids = random_ids(1, 80)
     cache = SlidingRingCache(tiny_llama_model.config, window=8)
-    tiny_llama_model(ids[:, :70], cache=cache)
-    cache.crop(-5)  # tokens 57..64 are still in the ring
-    assert cache.get_seq_length() == 65
-    actual = teacher_forced_logits(tiny_llama_model, ids[:, 65:], cache, [1])
-    reference = SlidingRingCache(tiny_llama_model.config, window=8)
-    expected = teacher_forced_logits(tiny_llama_model, ids, reference, [65, 1])[:, 65:]
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    with banded_attention(tiny_llama_model):
+        tiny_llama_model(ids[:, :70], cache=cache)
+        cache.crop(-5)  # tokens 57..64 are still in the ring
+        assert cache.get_seq_length() == 65
+        actual = teacher_forced_logits(tiny_llama_model, ids[:, 65:], cache, [1])
+    torch.testing.assert_close(actual, banded_logits(tiny_llama_model, ids, 8)[:, 65:], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="has overwritten tokens.*Crop at most"):
         cache.crop(-40)
     assert cache.get_seq_length() == 80  # a refused crop changes nothing

@@ -1,5 +1,6 @@
 """``SlidingRingCache``: every layer is a ring of the last ``window`` tokens, with optional attention sinks."""
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -7,8 +8,10 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from hf_kvcache.attention import ATTENTION_NAME
 from hf_kvcache.caches.base import PoolCache, RowPolicy
 from hf_kvcache.config import DEFAULT_PAGE_SIZE, CacheOptions
+from hf_kvcache.layers import RingLayer
 from hf_kvcache.pool import KVPool
 
 
@@ -43,10 +46,11 @@ class SlidingRingCache(PoolCache):
     """A cache of bounded memory: each layer keeps a fixed ring of pages, reused in a circle.
 
     Sliding layers of the model (Mistral, Gemma 3) are rings of the model's window: outputs equal
-    ``DynamicCache``'s. Full-attention layers become rings of ``window`` tokens: each generated token
-    attends to the last ``window`` tokens (and the ``sink_tokens`` first ones, StreamingLLM's
-    attention sinks), with memory that stops growing once the window is full. A prompt chunk longer
-    than the window attends over itself in full (transformers' causal mask) before the ring keeps its end.
+    ``DynamicCache``'s. Full-attention layers become rings of ``window`` tokens: each token attends
+    to the last ``window`` tokens (and the ``sink_tokens`` first ones, StreamingLLM's attention
+    sinks), with memory that stops growing once the window is full. Within a prompt or prefill chunk
+    that reaches past the window, only ``attn_implementation="hf_kvcache"`` keeps to that band (the
+    model's own mask there is plainly causal); with another attention the cache warns, once.
 
     Args:
         config: the model's config.
@@ -80,11 +84,38 @@ class SlidingRingCache(PoolCache):
             sink_tokens=sink_tokens,
         )
         super().__init__(config, options, dtype, device)
+        self._warned_unbanded = False
         if sink_tokens and window is None:
             raise ValueError(
                 f"sink_tokens={sink_tokens} needs a window: sinks are kept in the rings that cache_config window "
                 "imposes on full-attention layers (the model's sliding layers keep the model's own window)."
             )
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.layers[layer_idx]
+        num_new = key_states.shape[-2]
+        if (
+            not self._warned_unbanded
+            and isinstance(layer, RingLayer)
+            and not layer.is_sliding
+            and num_new > 1
+            and layer.num_tokens + num_new > layer.window
+            and self._attention_name() != ATTENTION_NAME
+        ):
+            self._warned_unbanded = True
+            warnings.warn(
+                f"A step of {num_new} tokens reaches past the ring's window={layer.window}, but the model's "
+                f"{self._attention_name()!r} attention applies a plainly causal mask: within this step each token "
+                "sees all earlier ones, not just its window. Load the model with attn_implementation="
+                f'"{ATTENTION_NAME}" (or call model.set_attn_implementation("{ATTENTION_NAME}")) for the exact band.',
+                stacklevel=2,
+            )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _attention_name(self) -> str | None:
+        return getattr(self._binder.config, "_attn_implementation", None)
 
     def _row_policy(self, layer_type: str, layer_kwargs: dict[str, Any]) -> RowPolicy:
         if layer_type == "sliding_attention":

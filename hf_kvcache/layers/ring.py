@@ -20,6 +20,12 @@ Attention gets the visible tokens in time order (sinks first), gathered slot by 
 
 which is what transformers' sliding-window layer returns (``window - 1`` past tokens plus the
 new ones), so its sliding mask, padding and chunked prefill apply unchanged.
+
+A step of several new tokens also hands attention its *band* (``band_of(keys)``, ``[n, num_visible]``):
+which visible token each new token may see, itself and the ``window - 1`` before it plus the sinks.
+On a model's sliding layer the model's own mask says the same; on a full-attention layer, where
+the ring imposes the window and the model's mask is plainly causal, ``attn_implementation="hf_kvcache"``
+(``hf_kvcache.attention``) applies it, so that prefill sees exactly what decoding does.
 """
 
 import math
@@ -31,6 +37,13 @@ from hf_kvcache.kernels import ChunkIndex, read_slots, split_by_chunk
 from hf_kvcache.layers.paged import PagedLayer
 from hf_kvcache.layers.rows import PagedRows
 from hf_kvcache.pool import KVPool
+
+BAND_ATTRIBUTE = "hf_kvcache_band"
+
+
+def band_of(keys: torch.Tensor) -> torch.Tensor | None:
+    """The band a ring attached to the keys it returned (``None``: attend as the model's mask says)."""
+    return getattr(keys, BAND_ATTRIBUTE, None)
 
 
 def visible_span(start: int, num_new: int, window: int, sink_tokens: int) -> tuple[int, int]:
@@ -64,7 +77,7 @@ class RingRows(PagedRows):
         self.num_slots = ring_num_slots(window, sink_tokens, page_size)  # logical slots per row
         self.ring_slots = self.num_slots - sink_tokens
         self.total = 0  # tokens written per row, evicted ones included
-        self._step: tuple[int, int, list[ChunkIndex], list[ChunkIndex], torch.Tensor | None] | None = None
+        self._step: tuple | None = None  # (start, num_new, *what _step_index returns)
         self._rows: torch.Tensor | None = None  # see _slot_rows
 
     @property
@@ -86,11 +99,12 @@ class RingRows(PagedRows):
             key_states / value_states: ``[batch, heads, n, head_dim]``.
 
         Returns:
-            keys, values ``[batch, heads, num_visible, head_dim]`` in time order (see ``visible_span``).
+            keys, values ``[batch, heads, num_visible, head_dim]`` in time order (see ``visible_span``); the keys
+            of a step of several tokens carry its band (``band_of``).
         """
         self.begin_step(start, key_states, value_states)
         num_new = key_states.shape[-2]
-        write, read, kept = self._step_index(start, num_new)
+        write, read, kept, band = self._step_index(start, num_new)
         sinks, first = visible_span(start, num_new, self.window, self.sink_tokens)
         batch = key_states.shape[0]
 
@@ -99,11 +113,14 @@ class RingRows(PagedRows):
 
         if num_new <= self.max_step:  # write first: attention reads the new tokens from their slots
             self._store(page_layer, start, write, kept, key_states, value_states)
-            return self.store.read(page_layer, gather, start + num_new, start + num_new - first)
-        keys, values = self.store.read(page_layer, gather, start, start - first, start + num_new)
-        self._store(page_layer, start, write, kept, key_states, value_states)  # a long chunk: only its tail stays
-        attended = self.store.as_attended(value_states)
-        return torch.cat([keys, key_states], dim=-2), torch.cat([values, attended], dim=-2)
+            keys, values = self.store.read(page_layer, gather, start + num_new, start + num_new - first)
+        else:
+            keys, values = self.store.read(page_layer, gather, start, start - first, start + num_new)
+            self._store(page_layer, start, write, kept, key_states, value_states)  # a long chunk: only its tail stays
+            attended = self.store.as_attended(value_states)
+            keys, values = torch.cat([keys, key_states], dim=-2), torch.cat([values, attended], dim=-2)
+        setattr(keys, BAND_ATTRIBUTE, band)  # keys are a fresh tensor of this step
+        return keys, values
 
     def check_crop(self, num_tokens: int) -> None:
         """Raises ``ValueError`` if cropping to ``num_tokens`` needs tokens the ring has overwritten."""
@@ -142,11 +159,15 @@ class RingRows(PagedRows):
     def _slot(self, token: int) -> int:
         return token if token < self.sink_tokens else self.sink_tokens + (token - self.sink_tokens) % self.ring_slots
 
-    def _step_index(self, start: int, num_new: int) -> tuple[list[ChunkIndex], list[ChunkIndex], torch.Tensor | None]:
+    def _step_index(
+        self, start: int, num_new: int
+    ) -> tuple[list[ChunkIndex], list[ChunkIndex], torch.Tensor | None, torch.Tensor | None]:
         """Slot indices of the step's writes and reads, built by the group's first layer and reused by the rest.
 
         Returns:
-            ``(write, read, kept)``: ``kept`` selects the new tokens that are written (``None``: all).
+            ``(write, read, kept, band)``: ``kept`` selects the new tokens that are written (``None``: all);
+            ``band`` is ``[num_new, num_visible]``, true where a new token may see a visible one (``None`` for
+            a single new token, which sees them all).
         """
         if self._step is None or self._step[:2] != (start, num_new):
             device = self.pool.device
@@ -165,7 +186,12 @@ class RingRows(PagedRows):
                     ]
                 )
                 written = written[kept]
-            self._step = (start, num_new, self._slot_index(written), self._slot_index(read), kept)
+            band = None
+            if num_new > 1:
+                visible = torch.cat([read, torch.arange(last, end, device=device)])  # [num_visible] tokens
+                query = torch.arange(start, end, device=device).unsqueeze(1)  # [num_new, 1]
+                band = (visible <= query) & ((visible > query - self.window) | (visible < self.sink_tokens))
+            self._step = (start, num_new, self._slot_index(written), self._slot_index(read), kept, band)
         return self._step[2:]
 
     def _slot_index(self, tokens: torch.Tensor) -> list[ChunkIndex]:
