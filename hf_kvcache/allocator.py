@@ -69,8 +69,12 @@ class PageAllocator:
             self._refcounts[page] += 1
 
     def free(self, pages: list[int]) -> None:
-        """Drops one reference from each page; pages left with none go back to the free list."""
-        for page in pages:
+        """Drops one reference from each page; pages left with none go back to the free list.
+
+        Pages freed together are pushed last first, so that the next ``allocate`` hands them out in the
+        order they are given here: a row's consecutive pages come back consecutive.
+        """
+        for page in reversed(pages):
             if page == NULL_PAGE or self._refcounts[page] == 0:
                 raise ValueError(f"Cannot free page {page}: it is not allocated.")
             self._refcounts[page] -= 1

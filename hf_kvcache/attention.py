@@ -1,12 +1,17 @@
-"""``attn_implementation="hf_kvcache"``: transformers' sdpa attention that also honours a ring's band.
+"""``attn_implementation="hf_kvcache"``: transformers' sdpa attention that also reads a ring's ``KeyLayout``.
 
-A full-attention model (Llama, SmolLM2) builds a plainly causal mask. Where ``SlidingRingCache``
-imposes a window on its layers, a step of several new tokens (a prompt, a prefill chunk) must
-still let each of them see only its last ``window`` tokens and the sinks, as decoding does. The
-ring hands its keys back with that band (``hf_kvcache.layers.ring.band_of``); this attention ANDs
-it into the model's mask and is ``"sdpa"`` otherwise, with the same masks (``sdpa_mask``).
+A full-attention model (Llama, SmolLM2) builds a plainly causal mask, for keys in time order. The
+ring layers of our caches (``hf_kvcache.layers.ring``) hand their keys back with a ``KeyLayout``
+where that is not enough:
 
-Load the model with it, or switch an existing one::
+- where ``SlidingRingCache`` imposes a window, a step of several new tokens (a prompt, a prefill
+  chunk) must still let each see only its last ``window`` tokens and the sinks: the layout's band;
+- with this attention the ring hands over its pages in place, in slot order, without gathering
+  them: the layout's ``mask_columns`` put the model's mask (padding, its own sliding window) in
+  that order, and its band says which slots hold a token the step may see.
+
+This attention ANDs the layout into the model's mask and is ``"sdpa"`` otherwise, with the same
+masks (``sdpa_mask``). Load the model with it, or switch an existing one::
 
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="hf_kvcache")
     model.set_attn_implementation("hf_kvcache")
@@ -16,9 +21,10 @@ Load the model with it, or switch an existing one::
 """
 
 import torch
+import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from hf_kvcache.layers.ring import band_of
+from hf_kvcache.layers.ring import layout_of
 
 ATTENTION_NAME = "hf_kvcache"
 
@@ -31,19 +37,33 @@ def banded_sdpa_attention(
     attention_mask: torch.Tensor | None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' sdpa attention over ``[batch, heads, n, head_dim]`` states, within the keys' band if any.
+    """transformers' sdpa attention over ``[batch, heads, n, head_dim]`` states, within the keys' layout if any.
 
     Args:
-        attention_mask: the model's ``[batch, 1, n, num_keys]`` mask (boolean, or additive floats), or ``None``
-            for plain causal attention.
+        attention_mask: the model's ``[batch, 1, n, num_visible]`` mask (boolean, or additive floats), or
+            ``None`` for plain causal attention.
         kwargs: passed on to ``sdpa_attention_forward`` (``scaling``, ``dropout``, ...).
     """
-    band = band_of(key)  # [n, num_keys]: the band includes causality
-    if band is not None:
-        if attention_mask is None:
-            attention_mask = band
-        elif attention_mask.dtype == torch.bool:
-            attention_mask = attention_mask & band
+    layout = layout_of(key)
+    if layout is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    allowed = layout.band[None, None]  # [1, 1, n, num_keys]: includes causality
+    if attention_mask is None:
+        attention_mask = allowed
+    else:
+        if layout.mask_columns is not None:  # keys in slot order: the model's mask follows them
+            attention_mask = attention_mask.index_select(-1, layout.mask_columns)
+        if attention_mask.dtype == torch.bool:
+            attention_mask = attention_mask & allowed
         else:
-            attention_mask = attention_mask.masked_fill(~band, torch.finfo(attention_mask.dtype).min)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+            attention_mask = attention_mask.masked_fill(~allowed, torch.finfo(attention_mask.dtype).min)
+    if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None or module.training:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    # Straight to torch, with grouped heads: transformers' sdpa repeats or packs them wherever a mask is
+    # given, which on CPU is slower than torch's own grouped-query path.
+    grouped = query.shape[1] != key.shape[1]
+    scale = kwargs.get("scaling")
+    output = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, scale=scale, enable_gqa=grouped
+    )  # [batch, heads, n, head_dim]
+    return output.transpose(1, 2).contiguous(), None

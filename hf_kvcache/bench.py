@@ -26,13 +26,15 @@ reused without growing RSS. For the same reason timings on CPU depend a little o
 not touched before pays page faults; ``round_median_step_ms`` shows such a round.
 """
 
+import contextlib
 import dataclasses
 import gc
 import logging
 import math
 import statistics
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +42,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 
-from hf_kvcache.bench_ring import SLIDING_BASELINE, SLIDING_CACHES, build_sliding_cache, ring_pool
+from hf_kvcache.bench_ring import RING_ATTENTION, SLIDING_BASELINE, SLIDING_CACHES, build_sliding_cache, ring_pool
 from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.eval.caches import CacheSpec, installed_quantized_backends
 from hf_kvcache.eval.data import load_essays
@@ -302,15 +304,17 @@ def _measure(
         pools[name] = KVPool.for_model(
             model, max_tokens=max_tokens, page_size=config.page_size, alert_thresholds=(), **value_format
         )
-    if "sliding_ring" in config.caches:
-        pools["sliding_ring"] = ring_pool(
-            model.config, config.window, batch, config.page_size, model.dtype, model.device
-        )
+    rings = [name for name in config.caches if name in RING_ATTENTION]
+    if rings:  # one pool for the rings: each run gives all its pages back, consecutive for the next
+        pool = ring_pool(model.config, config.window, batch, config.page_size, model.dtype, model.device)
+        pools.update(dict.fromkeys(rings, pool))
     runs: dict[str, list[_Run]] = {name: [] for name in config.caches}
     for _ in range(config.rounds):
         for name in config.caches:
             if name in SLIDING_CACHES:
                 cache = build_sliding_cache(name, model.config, config.window, capacity, pools.get(name))
+                with model_attention(model, RING_ATTENTION.get(name)):
+                    runs[name].append(_decode(model, cache, prefill, length, batch, config))
             elif name in QUANTIZED_CACHES:
                 spec = QUANTIZED_CACHES[name]
                 if name in pools:
@@ -318,7 +322,8 @@ def _measure(
                 cache = spec.build(model, capacity)
             else:
                 cache = CacheSpec(name, name, {"pool": pools[name]} if name in pools else {}).build(model, capacity)
-            runs[name].append(_decode(model, cache, prefill, length, batch, config))
+            if name not in SLIDING_CACHES:
+                runs[name].append(_decode(model, cache, prefill, length, batch, config))
             if isinstance(cache, PoolCache):
                 cache.release()
             del cache
@@ -326,12 +331,28 @@ def _measure(
     return runs
 
 
+@contextlib.contextmanager
+def model_attention(model: PreTrainedModel, attn_implementation: str | None) -> Iterator[None]:
+    """Runs the model under ``attn_implementation`` (``None``: its own), then puts its own back."""
+    own = model.config._attn_implementation
+    if attn_implementation is None or attn_implementation == own:
+        yield
+        return
+    model.set_attn_implementation(attn_implementation)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(own)
+
+
 def _decode(
     model: PreTrainedModel, cache: Cache, prefill: _Prefill, length: int, batch: int, config: DecodeBenchConfig
 ) -> _Run:
     """Loads the prefilled state of the first ``batch`` rows into ``cache``, then decodes greedily."""
-    for layer_idx, (keys, values) in enumerate(zip(prefill.keys, prefill.values)):
-        cache.update(keys[:batch], values[:batch], layer_idx)
+    with warnings.catch_warnings():  # no attention reads these updates: a ring's warning about its band is moot
+        warnings.simplefilter("ignore")
+        for layer_idx, (keys, values) in enumerate(zip(prefill.keys, prefill.values)):
+            cache.update(keys[:batch], values[:batch], layer_idx)
     device = prefill.next_tokens.device
     is_cuda = device.type == "cuda"
     next_tokens = prefill.next_tokens[:batch].unsqueeze(1)  # [batch, 1]

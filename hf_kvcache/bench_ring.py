@@ -7,7 +7,11 @@ The caches (``SLIDING_CACHES``) keep the last ``window`` tokens of a full-attent
   token to the last ``window - 1`` and keeps the tail: O(window) copy and a new tensor per update.
 - ``static_sliding``: ``StaticCache`` on the same config; its ``StaticSlidingWindowLayer`` rolls a fixed
   ``[batch, heads, window, head_dim]`` buffer left by one and writes the new token at the end: O(window).
-- ``sliding_ring``: our ``SlidingRingCache``; writes the new token once into its ring slot (O(1)), then
+- ``sliding_ring``: our ``SlidingRingCache`` with the model on ``attn_implementation="hf_kvcache"``
+  (``RING_ATTENTION``); writes the new token once into its ring slot (O(1)) and hands attention a view
+  of the rows' pages in slot order, gathering nothing (O(1)), where the rows' pages are consecutive
+  (a fresh or emptied pool, as here).
+- ``sliding_ring_sdpa``: the same cache with the model on ``"sdpa"``; writes the new token once, then
   gathers the visible tokens in time order for attention (O(window)).
 
 The micro-benchmark times one decode step's ``cache.update(keys, values, layer_idx)`` of each cache, with
@@ -37,13 +41,16 @@ import torch
 from transformers import DynamicCache, PreTrainedConfig, StaticCache
 from transformers.cache_utils import Cache
 
+from hf_kvcache.attention import ATTENTION_NAME
 from hf_kvcache.caches import SlidingRingCache
 from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.config import PageFormat
 from hf_kvcache.pool import KVPool
 
-SLIDING_CACHES = ("dynamic_sliding", "static_sliding", "sliding_ring")
+SLIDING_CACHES = ("dynamic_sliding", "static_sliding", "sliding_ring", "sliding_ring_sdpa")
 """Caches that keep the last ``window`` tokens; ``dynamic_sliding`` is their baseline."""
+RING_ATTENTION = {"sliding_ring": ATTENTION_NAME, "sliding_ring_sdpa": "sdpa"}
+"""The model's ``attn_implementation`` under each ring (transformers' caches run under the model's own)."""
 SLIDING_BASELINE = "dynamic_sliding"
 UPDATE_WINDOWS = (256, 512, 1024, 2048, 4096, 8192)
 TIMED_LAYERS = (0, 1)
@@ -60,6 +67,11 @@ def windowed_config(config: PreTrainedConfig, window: int) -> PreTrainedConfig:
     windowed.sliding_window = window
     windowed.layer_types = ["sliding_attention"] * windowed.num_hidden_layers
     return windowed
+
+
+def with_attention(config: PreTrainedConfig, attn_implementation: str) -> PreTrainedConfig:
+    """A copy of ``config`` naming ``attn_implementation``, for caches updated without a model."""
+    return type(config).from_dict({**config.to_dict(), "attn_implementation": attn_implementation})
 
 
 def ring_pool(
@@ -84,13 +96,16 @@ def build_sliding_cache(
         config: the model's config (full attention in every layer).
         window: tokens each query attends to, itself included.
         max_cache_len: tokens a row receives in all (sizes ``static_sliding``, which keeps ``min(window, this)``).
-        pool: the pool of ``sliding_ring`` (``None``: the default pool of the model's geometry).
+        pool: the pool of a ring (``None``: the default pool of the model's geometry).
+
+    A ring reads its pages in place where ``config`` names ``attn_implementation="hf_kvcache"``: pass the
+    config of the model that runs it (``with_attention`` for a cache updated without a model).
     """
     if name == "dynamic_sliding":
         return DynamicCache(config=windowed_config(config, window))
     if name == "static_sliding":
         return StaticCache(config=windowed_config(config, window), max_cache_len=max_cache_len)
-    if name == "sliding_ring":
+    if name in RING_ATTENTION:
         return SlidingRingCache(config, window=window, pool=pool)
     raise ValueError(f"Unknown sliding cache {name!r}; choose from {list(SLIDING_CACHES)}.")
 
@@ -199,12 +214,13 @@ def run_ring_update_benchmark(
                 step = [state[:, :, -1:].clone() for state in fill]  # [batch, heads, 1, head_dim]
                 max_cache_len = 2 * window + bench.warmup_steps + bench.steps
                 pool = None
-                if "sliding_ring" in bench.caches:
+                if set(RING_ATTENTION) & set(bench.caches):
                     pool = ring_pool(config, window, batch, bench.page_size, dtype, device)
                 timings: dict[str, list[tuple[list[float], list[float]]]] = {name: [] for name in bench.caches}
                 for _ in range(bench.rounds):
                     for name in bench.caches:
-                        cache = build_sliding_cache(name, config, window, max_cache_len, pool)
+                        attended = with_attention(config, RING_ATTENTION[name]) if name in RING_ATTENTION else config
+                        cache = build_sliding_cache(name, attended, window, max_cache_len, pool)
                         timings[name].append(_time_updates(cache, fill, step, bench, device))
                         if isinstance(cache, PoolCache):
                             cache.release()

@@ -140,8 +140,7 @@ class PageTable:
         self.num_tokens = num_tokens
 
     def release_rows(self) -> None:
-        for row in self.rows:
-            self.allocator.free(row)
+        self.allocator.free([page for row in self.rows for page in row])  # at once: reused in this order
         self.rows = []
         self.version += 1
 

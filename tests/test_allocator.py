@@ -130,3 +130,17 @@ def test_grow_shares_identical_rows_and_copies_on_write():
         PageTable(allocator, 4).grow(3, 1, groups=[0, 0, 1])
     with pytest.raises(ValueError, match="holds 3 rows"):
         table.grow(2, 1)
+
+
+def test_pages_freed_together_come_back_in_their_order():
+    """A released table's pages are handed out again in the same order: consecutive rows stay consecutive."""
+    allocator = PageAllocator(32)
+    table = PageTable(allocator, page_size=4)
+    table.grow(3, 10)  # 3 rows of 3 pages
+    first = [list(row) for row in table.rows]
+    assert sum(first, []) == list(range(1, 10))
+    table.release()
+    table.grow(3, 10)
+    assert table.rows == first
+    assert allocator.allocate(2) == [10, 11]
+    allocator.check_integrity()

@@ -19,6 +19,7 @@ from hf_kvcache.bench import (
     run_decode_benchmark,
 )
 from hf_kvcache.bench_ring import (
+    RING_ATTENTION,
     SLIDING_CACHES,
     RingUpdateBenchConfig,
     RingUpdateResult,
@@ -98,7 +99,7 @@ def test_bytes_per_token(results: list[DecodeResult]) -> None:
             assert r.kv_bytes_per_token == pytest.approx(EXACT_BYTES)
         elif r.cache == "dynamic_sliding":  # keeps the last window - 1 tokens
             assert r.kv_bytes_per_token == pytest.approx(EXACT_BYTES * (WINDOW - 1) / WINDOW)
-        elif r.cache == "sliding_ring":  # the window in whole pages, plus a spare page
+        elif r.cache in RING_ATTENTION:  # the window in whole pages, plus a spare page
             assert EXACT_BYTES <= r.kv_bytes_per_token <= EXACT_BYTES * (WINDOW + 2 * PAGE_SIZE) / WINDOW
         elif r.cache in QUANTIZED_CACHES:  # exact bytes: tests/test_quantized_cache.py (here the 128-token
             assert r.kv_bytes_per_token > 0  # full-precision residual of ours outweighs these short contexts)

@@ -122,6 +122,79 @@ def test_banded_attention_without_a_band_is_sdpa(tiny_llama_model):
     assert_same_generation(expected, paged)
 
 
+@pytest.fixture
+def in_place_reads(monkeypatch):
+    """Counts the ring layers' reads of their pages in place (slot order, no gather)."""
+    counted = {"reads": 0}
+    slot_views = RingRows._slot_views
+
+    def counting(self, page_layer):
+        counted["reads"] += 1
+        return slot_views(self, page_layer)
+
+    monkeypatch.setattr(RingRows, "_slot_views", counting)
+    return counted
+
+
+@pytest.mark.parametrize("window,sink_tokens", [(8, 0), (8, 3), (20, 4)])
+@pytest.mark.parametrize("chunks", [[1], [9, 1], [5, 3, 1, 20, 2], [16]])
+def test_pages_read_in_place_equal_pages_gathered(tiny_llama_model, window, sink_tokens, chunks, in_place_reads):
+    """The fast path (keys in slot order, views of the pool) against its slow twin (gathered in time order)."""
+    ids = random_ids(2, 60, seed=window + sink_tokens)
+    pool = KVPool.for_model(tiny_llama_model, max_tokens=1024)  # fresh: a row's pages are consecutive
+    with banded_attention(tiny_llama_model):
+        cache = SlidingRingCache(tiny_llama_model.config, window=window, sink_tokens=sink_tokens, pool=pool)
+        in_place = teacher_forced_logits(tiny_llama_model, ids, cache, chunks)
+        assert in_place_reads["reads"] > 0
+        reads = in_place_reads["reads"]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(RingRows, "_first_page", lambda self: None)  # never consecutive: always gather
+            cache = SlidingRingCache(tiny_llama_model.config, window=window, sink_tokens=sink_tokens)
+            gathered = teacher_forced_logits(tiny_llama_model, ids, cache, chunks)
+        assert in_place_reads["reads"] == reads
+    torch.testing.assert_close(in_place, gathered, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        in_place, banded_logits(tiny_llama_model, ids, window, sink_tokens), rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("model_name", SLIDING_MODELS)
+@pytest.mark.parametrize("lengths,new_tokens", [([5, 3], 2), ([9, 4], 16), ([23, 16, 17], 40)])
+def test_pages_read_in_place_match_dynamic_cache_with_padding(model_name, lengths, new_tokens, request, in_place_reads):
+    """The model's own sliding mask and left padding, put in slot order by the layout's mask columns."""
+    model = request.getfixturevalue(model_name)
+    ids, mask = padded_batch(lengths)
+    reference = run(model, ids, mask, max_new_tokens=new_tokens)
+    pool = KVPool.for_model(model, max_tokens=1024)  # fresh: a row's pages are consecutive
+    with banded_attention(model):
+        ring = run(
+            model,
+            ids,
+            mask,
+            max_new_tokens=new_tokens,
+            cache_implementation="sliding_ring",
+            cache_config={"pool": pool},
+        )
+    assert in_place_reads["reads"] > 0
+    assert_same_generation(reference, ring)
+
+
+def test_pages_read_in_place_are_views_of_the_pool(tiny_llama_model):
+    """Consecutive pages are read without a copy; rows that share pages (beams) are gathered."""
+    pool = KVPool.for_model(tiny_llama_model, max_tokens=1024)
+    cache = SlidingRingCache(tiny_llama_model.config, window=8, pool=pool)
+    with banded_attention(tiny_llama_model):
+        tiny_llama_model(random_ids(2, 20), cache=cache)
+        keys, values = cache.update(torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16), 0)
+        storage = pool.keys[0].untyped_storage().data_ptr()
+        assert keys.untyped_storage().data_ptr() == storage
+        assert values.untyped_storage().data_ptr() == pool.values[0].untyped_storage().data_ptr()
+        assert keys.shape[2] == cache.layers[0].rows.num_slots  # every slot, in slot order
+        cache.reorder_cache(torch.tensor([0, 0]))  # both rows now share row 0's pages
+        keys, _ = cache.update(torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16), 1)
+        assert keys.untyped_storage().data_ptr() != storage
+
+
 @pytest.mark.parametrize("prompt", [16, 64])
 def test_imposed_window_on_smollm2_equals_banded_attention(bundled, prompt):
     """The real model: a prompt inside the window under sdpa, one twice the window under the banded attention."""

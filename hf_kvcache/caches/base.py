@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -15,6 +16,7 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, get_layer_types_and_kwargs
 
+from hf_kvcache.attention import ATTENTION_NAME
 from hf_kvcache.config import CacheOptions, PageFormat, layer_groups
 from hf_kvcache.errors import IncompatibleModelError, PoolExhaustedError
 from hf_kvcache.layers import PagedLayer, PagedRows, RingLayer, RingRows
@@ -47,10 +49,16 @@ class RowPolicy:
             num_tokens = min(num_tokens, ring_num_slots(self.window, self.sink_tokens, page_size))
         return math.ceil(num_tokens / page_size)
 
-    def make_rows(self, pool: KVPool) -> PagedRows:
+    def make_rows(self, pool: KVPool, reads_slots: Callable[[], bool]) -> PagedRows:
+        """The rows of a group on ``pool``; ``reads_slots``: does the model's attention read a ring's ``KeyLayout``."""
         if self.window is None:
             return PagedRows(pool, self.residual_length)
-        return RingRows(pool, self.window, self.sink_tokens, self.residual_length)
+        return RingRows(pool, self.window, self.sink_tokens, self.residual_length, reads_slots)
+
+
+def reads_key_layouts(config: PreTrainedConfig) -> bool:
+    """Whether the model attends with ``attn_implementation="hf_kvcache"``, which reads a ring's ``KeyLayout``."""
+    return getattr(config, "_attn_implementation", None) == ATTENTION_NAME
 
 
 class PoolBinder:
@@ -81,7 +89,8 @@ class PoolBinder:
         rows = self.rows.get((device, group_idx))
         if rows is None:
             pool = self.bind(device, key_states.dtype, key_states.shape[1], key_states.shape[-1])
-            rows = self.rows[(device, group_idx)] = self.policies[group_idx].make_rows(pool)
+            reads_slots = functools.partial(reads_key_layouts, self.config)  # not a method: rows must not hold self
+            rows = self.rows[(device, group_idx)] = self.policies[group_idx].make_rows(pool, reads_slots)
         return rows
 
     def bind(

@@ -94,28 +94,27 @@ class SlidingRingCache(PoolCache):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        layer = self.layers[layer_idx]
-        num_new = key_states.shape[-2]
+        if key_states.shape[-2] > 1 and not self._warned_unbanded:
+            self._warn_if_unbanded(self.layers[layer_idx], key_states.shape[-2])
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _warn_if_unbanded(self, layer: Any, num_new: int) -> None:
+        """Warns (once) when a step reaches past an imposed window and the model's attention ignores the band."""
+        attention = getattr(self._binder.config, "_attn_implementation", None)  # None: no model set it
         if (
-            not self._warned_unbanded
-            and isinstance(layer, RingLayer)
+            isinstance(layer, RingLayer)
             and not layer.is_sliding
-            and num_new > 1
             and layer.num_tokens + num_new > layer.window
-            and self._attention_name() != ATTENTION_NAME
+            and attention not in (None, ATTENTION_NAME)
         ):
             self._warned_unbanded = True
             warnings.warn(
                 f"A step of {num_new} tokens reaches past the ring's window={layer.window}, but the model's "
-                f"{self._attention_name()!r} attention applies a plainly causal mask: within this step each token "
-                "sees all earlier ones, not just its window. Load the model with attn_implementation="
-                f'"{ATTENTION_NAME}" (or call model.set_attn_implementation("{ATTENTION_NAME}")) for the exact band.',
-                stacklevel=2,
+                f"{attention!r} attention applies a plainly causal mask: within this step each token sees all "
+                f'earlier ones, not just its window. Load the model with attn_implementation="{ATTENTION_NAME}" '
+                f'(or call model.set_attn_implementation("{ATTENTION_NAME}")) for the exact band.',
+                stacklevel=3,
             )
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-    def _attention_name(self) -> str | None:
-        return getattr(self._binder.config, "_attn_implementation", None)
 
     def _row_policy(self, layer_type: str, layer_kwargs: dict[str, Any]) -> RowPolicy:
         if layer_type == "sliding_attention":

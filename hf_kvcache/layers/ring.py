@@ -21,15 +21,23 @@ Attention gets the visible tokens in time order (sinks first), gathered slot by 
 which is what transformers' sliding-window layer returns (``window - 1`` past tokens plus the
 new ones), so its sliding mask, padding and chunked prefill apply unchanged.
 
-A step of several new tokens also hands attention its *band* (``band_of(keys)``, ``[n, num_visible]``):
-which visible token each new token may see, itself and the ``window - 1`` before it plus the sinks.
-On a model's sliding layer the model's own mask says the same; on a full-attention layer, where
-the ring imposes the window and the model's mask is plainly causal, ``attn_implementation="hf_kvcache"``
-(``hf_kvcache.attention``) applies it, so that prefill sees exactly what decoding does.
+Attention may also be handed a ``KeyLayout`` with the keys (``layout_of(keys)``), read by
+``attn_implementation="hf_kvcache"`` (``hf_kvcache.attention``):
+
+- a step of several new tokens carries its *band* ``[n, num_keys]``: which key each new token may
+  see, itself and the ``window - 1`` before it plus the sinks. On a model's sliding layer the
+  model's mask says the same; on a full-attention layer, where the ring imposes the window and the
+  model's mask is plainly causal, the band makes prefill see exactly what decoding does;
+- with that attention, and where each row's pages are consecutive in a one-chunk pool with
+  full-precision values (a fresh pool), nothing is gathered at all: attention gets a view of the
+  rows' pages, every slot in slot order, and the layout's band (which slot holds a token the step may
+  see) and ``mask_columns`` (where each slot's token sits in the model's time-ordered mask, see
+  ``get_mask_sizes``). The update is then only the write: O(1) per token.
 """
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -38,12 +46,34 @@ from hf_kvcache.layers.paged import PagedLayer
 from hf_kvcache.layers.rows import PagedRows
 from hf_kvcache.pool import KVPool
 
-BAND_ATTRIBUTE = "hf_kvcache_band"
+LAYOUT_ATTRIBUTE = "hf_kvcache_layout"
 
 
-def band_of(keys: torch.Tensor) -> torch.Tensor | None:
-    """The band a ring attached to the keys it returned (``None``: attend as the model's mask says)."""
-    return getattr(keys, BAND_ATTRIBUTE, None)
+@dataclass(frozen=True)
+class KeyLayout:
+    """What attention must know of the keys a ring returned, beyond the model's mask.
+
+    Attributes:
+        band: ``[num_new, num_keys]``, true where a new token may see a key (causality, window and sinks;
+            false for a slot that holds no token the step may see).
+        mask_columns: ``[num_keys]``, the column of the model's mask (built for the visible tokens in time
+            order) that applies to each key; ``None`` when the keys come in that order.
+    """
+
+    band: torch.Tensor
+    mask_columns: torch.Tensor | None = None
+
+
+def layout_of(keys: torch.Tensor) -> KeyLayout | None:
+    """The layout a ring attached to the keys it returned (``None``: attend as the model's mask says)."""
+    return getattr(keys, LAYOUT_ATTRIBUTE, None)
+
+
+def band(tokens: torch.Tensor, start: int, num_new: int, window: int, sink_tokens: int) -> torch.Tensor:
+    """``[num_new, n]``: may new token ``start + i`` see token ``tokens[j]`` (its window, the sinks; ``-1``: none)."""
+    query = torch.arange(start, start + num_new, device=tokens.device).unsqueeze(1)  # [num_new, 1]
+    seen = (tokens <= query) & ((tokens > query - window) | (tokens < sink_tokens))
+    return seen & (tokens >= 0)
 
 
 def visible_span(start: int, num_new: int, window: int, sink_tokens: int) -> tuple[int, int]:
@@ -67,10 +97,20 @@ class RingRows(PagedRows):
         window: tokens each query attends to, itself included (transformers' ``sliding_window``).
         sink_tokens: first tokens of a row kept for good (attention sinks).
         residual_length: as for ``PagedRows``.
+        reads_slots: whether the model's attention reads a ``KeyLayout`` (``attn_implementation="hf_kvcache"``),
+            asked once per step: then keys may come in slot order, as views of the pages.
     """
 
-    def __init__(self, pool: KVPool, window: int, sink_tokens: int = 0, residual_length: int = 0) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        window: int,
+        sink_tokens: int = 0,
+        residual_length: int = 0,
+        reads_slots: Callable[[], bool] = lambda: False,
+    ) -> None:
         super().__init__(pool, residual_length)
+        self._reads_slots = reads_slots
         page_size = pool.format.page_size
         self.window = window
         self.sink_tokens = sink_tokens
@@ -79,6 +119,8 @@ class RingRows(PagedRows):
         self.total = 0  # tokens written per row, evicted ones included
         self._step: tuple | None = None  # (start, num_new, *what _step_index returns)
         self._rows: torch.Tensor | None = None  # see _slot_rows
+        self._base: int | None = None  # see _first_page
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # see _slot_views
 
     @property
     def num_tokens(self) -> int:
@@ -99,27 +141,32 @@ class RingRows(PagedRows):
             key_states / value_states: ``[batch, heads, n, head_dim]``.
 
         Returns:
-            keys, values ``[batch, heads, num_visible, head_dim]`` in time order (see ``visible_span``); the keys
-            of a step of several tokens carry its band (``band_of``).
+            keys, values ``[batch, heads, num_keys, head_dim]``: the visible tokens in time order (see
+            ``visible_span``), or every slot of the rows in slot order; the keys may carry a ``KeyLayout``.
         """
         self.begin_step(start, key_states, value_states)
         num_new = key_states.shape[-2]
-        write, read, kept, band = self._step_index(start, num_new)
-        sinks, first = visible_span(start, num_new, self.window, self.sink_tokens)
-        batch = key_states.shape[0]
-
-        def gather(chunks: list[torch.Tensor]) -> torch.Tensor:
-            return read_slots(chunks, page_layer, read, batch)
-
-        if num_new <= self.max_step:  # write first: attention reads the new tokens from their slots
+        write, read, kept, layout = self._step_index(start, num_new)
+        if layout is not None and layout.mask_columns is not None:  # in slot order: the pages themselves
             self._store(page_layer, start, write, kept, key_states, value_states)
-            keys, values = self.store.read(page_layer, gather, start + num_new, start + num_new - first)
+            keys, values = self._slot_views(page_layer)
         else:
-            keys, values = self.store.read(page_layer, gather, start, start - first, start + num_new)
-            self._store(page_layer, start, write, kept, key_states, value_states)  # a long chunk: only its tail stays
-            attended = self.store.as_attended(value_states)
-            keys, values = torch.cat([keys, key_states], dim=-2), torch.cat([values, attended], dim=-2)
-        setattr(keys, BAND_ATTRIBUTE, band)  # keys are a fresh tensor of this step
+            sinks, first = visible_span(start, num_new, self.window, self.sink_tokens)
+            batch = key_states.shape[0]
+
+            def gather(chunks: list[torch.Tensor]) -> torch.Tensor:
+                return read_slots(chunks, page_layer, read, batch)
+
+            if num_new <= self.max_step:  # write first: attention reads the new tokens from their slots
+                self._store(page_layer, start, write, kept, key_states, value_states)
+                keys, values = self.store.read(page_layer, gather, start + num_new, start + num_new - first)
+            else:
+                keys, values = self.store.read(page_layer, gather, start, start - first, start + num_new)
+                self._store(page_layer, start, write, kept, key_states, value_states)  # only its tail stays
+                attended = self.store.as_attended(value_states)
+                keys, values = torch.cat([keys, key_states], dim=-2), torch.cat([values, attended], dim=-2)
+        if layout is not None:
+            setattr(keys, LAYOUT_ATTRIBUTE, layout)
         return keys, values
 
     def check_crop(self, num_tokens: int) -> None:
@@ -161,20 +208,18 @@ class RingRows(PagedRows):
 
     def _step_index(
         self, start: int, num_new: int
-    ) -> tuple[list[ChunkIndex], list[ChunkIndex], torch.Tensor | None, torch.Tensor | None]:
+    ) -> tuple[list[ChunkIndex], list[ChunkIndex] | None, torch.Tensor | None, KeyLayout | None]:
         """Slot indices of the step's writes and reads, built by the group's first layer and reused by the rest.
 
         Returns:
-            ``(write, read, kept, band)``: ``kept`` selects the new tokens that are written (``None``: all);
-            ``band`` is ``[num_new, num_visible]``, true where a new token may see a visible one (``None`` for
-            a single new token, which sees them all).
+            ``(write, read, kept, layout)``: ``kept`` selects the new tokens that are written (``None``: all);
+            ``read`` is ``None`` where attention reads the slots in place (``layout.mask_columns`` is set);
+            ``layout`` is ``None`` for a single new token read in time order (it sees every key).
         """
         if self._step is None or self._step[:2] != (start, num_new):
             device = self.pool.device
             end = start + num_new
             sinks, first = visible_span(start, num_new, self.window, self.sink_tokens)
-            last = end if num_new <= self.max_step else start
-            read = torch.cat([torch.arange(sinks, device=device), torch.arange(first, last, device=device)])
             # A chunk longer than the ring overwrites itself: only its sinks and its last ring_slots tokens stay.
             lost_from, lost_to = max(start, self.sink_tokens), end - self.ring_slots
             written, kept = torch.arange(start, end, device=device), None
@@ -186,13 +231,63 @@ class RingRows(PagedRows):
                     ]
                 )
                 written = written[kept]
-            band = None
-            if num_new > 1:
-                visible = torch.cat([read, torch.arange(last, end, device=device)])  # [num_visible] tokens
-                query = torch.arange(start, end, device=device).unsqueeze(1)  # [num_new, 1]
-                band = (visible <= query) & ((visible > query - self.window) | (visible < self.sink_tokens))
-            self._step = (start, num_new, self._slot_index(written), self._slot_index(read), kept, band)
+            if num_new <= self.max_step and self._reads_slots() and self._first_page() is not None:
+                read, layout = None, self._slot_layout(start, num_new, sinks, first)
+            else:
+                last = end if num_new <= self.max_step else start
+                visible = torch.cat([torch.arange(sinks, device=device), torch.arange(first, end, device=device)])
+                read = self._slot_index(visible[: visible.numel() - (end - last)])
+                layout = (
+                    KeyLayout(band(visible, start, num_new, self.window, self.sink_tokens)) if num_new > 1 else None
+                )
+            self._step = (start, num_new, self._slot_index(written), read, kept, layout)
         return self._step[2:]
+
+    def _slot_layout(self, start: int, num_new: int, sinks: int, first: int) -> KeyLayout:
+        """The layout of every slot the rows hold, read in place: which token each holds, and its mask column."""
+        end, device = start + num_new, self.pool.device
+        slots = torch.arange(self._page_ids().shape[1] * self.pool.format.page_size, device=device)  # [num_keys]
+        back = end - 1 - slots  # ring slot s last held token s + ring_slots * k, the largest such below end
+        tokens = torch.where(
+            slots < self.sink_tokens,
+            torch.where(back >= 0, slots, -1),
+            torch.where(
+                back >= 0, slots + self.ring_slots * torch.div(back, self.ring_slots, rounding_mode="floor"), -1
+            ),
+        )
+        num_visible = sinks + end - first  # the model's mask columns: get_mask_sizes
+        columns = torch.where(tokens < sinks, tokens, tokens - first + sinks).clamp(0, num_visible - 1)
+        return KeyLayout(band(tokens, start, num_new, self.window, self.sink_tokens), columns)
+
+    def _first_page(self) -> int | None:
+        """The rows' first page in a one-chunk pool of full-precision values when every row's pages follow one
+        another (row after row), so that a view of the pool is all of them in order; ``None`` otherwise."""
+        if self._base is None:
+            pool, ids = self.pool, self._page_ids()
+            base = int(ids[0, 0])
+            in_place = len(pool.chunk_starts) == 1 and self.store.quant is None
+            if in_place and torch.equal(ids.flatten(), torch.arange(base, base + ids.numel(), device=ids.device)):
+                self._base = base - pool.chunk_starts[0]
+            else:
+                self._base = -1
+        return None if self._base < 0 else self._base
+
+    def _slot_views(self, page_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[batch, heads, num_keys, head_dim]`` of every slot of the rows: views of the pool."""
+        views = self._views.get(page_layer)
+        if views is None:
+            pool, ids, base = self.pool, self._page_ids(), self._first_page()
+            batch, num_pages = ids.shape
+            _, heads, _, page_size, head_dim = pool.keys[0].shape
+
+            def view(chunk: torch.Tensor) -> torch.Tensor:
+                pages = chunk[
+                    page_layer, :, base : base + ids.numel()
+                ]  # [heads, batch * num_pages, page_size, head_dim]
+                return pages.view(heads, batch, num_pages * page_size, head_dim).permute(1, 0, 2, 3)
+
+            views = self._views[page_layer] = (view(pool.keys[0]), view(pool.values[0]))
+        return views
 
     def _slot_index(self, tokens: torch.Tensor) -> list[ChunkIndex]:
         """Where tokens ``[n]`` of every row live, as ``ChunkIndex`` parts over ``(head, batch, n)``."""
@@ -235,7 +330,8 @@ class RingRows(PagedRows):
     def _apply(self, change) -> None:
         super()._apply(change)
         if self._ids is None:  # page ids changed: the step's indices point at old pages
-            self._step = self._rows = None
+            self._step = self._rows = self._base = None
+            self._views = {}
 
 
 class RingLayer(PagedLayer):
