@@ -148,8 +148,10 @@ class RingRows(PagedRows):
         num_new = key_states.shape[-2]
         write, read, kept, layout = self._step_index(start, num_new)
         if layout is not None and layout.mask_columns is not None:  # in slot order: the pages themselves
-            self._store(page_layer, start, write, kept, key_states, value_states)
             keys, values = self._slot_views(page_layer)
+            head_dim = keys.shape[-1]
+            for pages, states in zip(self._flat_views(page_layer), (key_states, value_states)):
+                pages.index_copy_(0, write, states.detach().reshape(-1, head_dim))
         else:
             sinks, first = visible_span(start, num_new, self.window, self.sink_tokens)
             batch = key_states.shape[0]
@@ -208,12 +210,14 @@ class RingRows(PagedRows):
 
     def _step_index(
         self, start: int, num_new: int
-    ) -> tuple[list[ChunkIndex], list[ChunkIndex] | None, torch.Tensor | None, KeyLayout | None]:
+    ) -> tuple[list[ChunkIndex] | torch.Tensor, list[ChunkIndex] | None, torch.Tensor | None, KeyLayout | None]:
         """Slot indices of the step's writes and reads, built by the group's first layer and reused by the rest.
 
         Returns:
-            ``(write, read, kept, layout)``: ``kept`` selects the new tokens that are written (``None``: all);
-            ``read`` is ``None`` where attention reads the slots in place (``layout.mask_columns`` is set);
+            ``(write, read, kept, layout)``: ``kept`` selects the new tokens that are written (``None``: all).
+            Where attention reads the slots in place (``layout.mask_columns`` is set), ``write`` is the rows of
+            the one chunk's flattened layer view for the new states in ``(batch, head, token)`` order and
+            ``read`` is ``None``;
             ``layout`` is ``None`` for a single new token read in time order (it sees every key).
         """
         if self._step is None or self._step[:2] != (start, num_new):
@@ -232,7 +236,10 @@ class RingRows(PagedRows):
                 )
                 written = written[kept]
             if num_new <= self.max_step and self._reads_slots() and self._first_page() is not None:
-                read, layout = None, self._slot_layout(start, num_new, sinks, first)
+                slots = self._slots(written)
+                write = self._slot_rows()[:, :, slots].transpose(0, 1).reshape(-1)  # (batch, head, token) order
+                self._step = (start, num_new, write, None, None, self._slot_layout(start, num_new, sinks, first))
+                return self._step[2:]
             else:
                 last = end if num_new <= self.max_step else start
                 visible = torch.cat([torch.arange(sinks, device=device), torch.arange(first, end, device=device)])
@@ -272,6 +279,11 @@ class RingRows(PagedRows):
                 self._base = -1
         return None if self._base < 0 else self._base
 
+    def _flat_views(self, page_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A one-chunk pool's keys and values of one layer as ``[heads * pages * page_size, head_dim]`` rows."""
+        head_dim = self.pool.format.head_dim
+        return self.pool.keys[0][page_layer].view(-1, head_dim), self.pool.values[0][page_layer].view(-1, head_dim)
+
     def _slot_views(self, page_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[batch, heads, num_keys, head_dim]`` of every slot of the rows: views of the pool."""
         views = self._views.get(page_layer)
@@ -291,8 +303,8 @@ class RingRows(PagedRows):
 
     def _slot_index(self, tokens: torch.Tensor) -> list[ChunkIndex]:
         """Where tokens ``[n]`` of every row live, as ``ChunkIndex`` parts over ``(head, batch, n)``."""
-        page_size, sinks, pool = self.pool.format.page_size, self.sink_tokens, self.pool
-        slots = torch.where(tokens < sinks, tokens, sinks + (tokens - sinks) % self.ring_slots)  # [n]
+        page_size, pool = self.pool.format.page_size, self.pool
+        slots = self._slots(tokens)  # [n]
         if len(pool.chunk_starts) == 1:  # the common case: one lookup in the rows of every slot
             return [ChunkIndex(0, self._slot_rows()[:, :, slots].reshape(-1), None)]
         page_ids = self._page_ids()[:, slots // page_size]  # [batch, n]
@@ -300,6 +312,11 @@ class RingRows(PagedRows):
         return split_by_chunk(
             page_ids, pool.chunk_starts, pool.chunk_sizes, pool.format.num_kv_heads, offsets, page_size
         )
+
+    def _slots(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The logical slot of each token ``[n]``."""
+        sinks = self.sink_tokens
+        return torch.where(tokens < sinks, tokens, sinks + (tokens - sinks) % self.ring_slots)
 
     def _slot_rows(self) -> torch.Tensor:
         """``[heads, batch, slots]``: the row of each logical slot in a one-chunk pool's flattened layer view."""
