@@ -12,10 +12,11 @@ from transformers import DynamicCache
 
 import hf_kvcache  # noqa: F401  (registers "sliding_ring")
 from hf_kvcache import KVPool, PagedCache, SlidingRingCache
-from hf_kvcache.attention import ATTENTION_NAME
+from hf_kvcache.attention import ATTENTION_NAME, banded_sdpa_attention
 from hf_kvcache.caches.base import ATTENTION_LAYER_TYPES
 from hf_kvcache.config import layer_groups, layer_types
 from hf_kvcache.layers import PagedLayer, RingLayer, RingRows
+from hf_kvcache.layers.ring import LAYOUT_ATTRIBUTE, KeyLayout
 
 SLIDING_MODELS = ["tiny_mistral_model", "tiny_gemma3_model"]  # window 8
 
@@ -160,23 +161,51 @@ def test_pages_read_in_place_equal_pages_gathered(tiny_llama_model, window, sink
 
 @pytest.mark.parametrize("model_name", SLIDING_MODELS)
 @pytest.mark.parametrize("lengths,new_tokens", [([5, 3], 2), ([9, 4], 16), ([23, 16, 17], 40)])
-def test_pages_read_in_place_match_dynamic_cache_with_padding(model_name, lengths, new_tokens, request, in_place_reads):
+@pytest.mark.parametrize("name", ["sliding_ring", "paged_pool"])
+def test_pages_read_in_place_match_dynamic_cache_with_padding(
+    model_name, lengths, new_tokens, name, request, in_place_reads
+):
     """The model's own sliding mask and left padding, put in slot order by the layout's mask columns."""
     model = request.getfixturevalue(model_name)
     ids, mask = padded_batch(lengths)
     reference = run(model, ids, mask, max_new_tokens=new_tokens)
     pool = KVPool.for_model(model, max_tokens=1024)  # fresh: a row's pages are consecutive
     with banded_attention(model):
-        ring = run(
-            model,
-            ids,
-            mask,
-            max_new_tokens=new_tokens,
-            cache_implementation="sliding_ring",
-            cache_config={"pool": pool},
-        )
+        ring = run(model, ids, mask, max_new_tokens=new_tokens, cache_implementation=name, cache_config={"pool": pool})
     assert in_place_reads["reads"] > 0
     assert_same_generation(reference, ring)
+
+
+def test_quantized_rings_under_banded_attention_match_sdpa(tiny_gemma3_model):
+    """Quantized values are gathered (their codes cannot be attended in place): the attention only adds the band."""
+    ids, mask = padded_batch([23, 16])
+    settings = {"max_new_tokens": 12, "cache_implementation": "quantized_values", "cache_config": {"bits": 8}}
+    expected = run(tiny_gemma3_model, ids, mask, **settings)
+    with banded_attention(tiny_gemma3_model):
+        actual = run(tiny_gemma3_model, ids, mask, **settings)
+    assert_same_generation(expected, actual)
+
+
+@pytest.mark.parametrize("in_slot_order", [False, True])
+def test_banded_attention_reads_additive_float_masks_like_boolean_ones(in_slot_order):
+    """A custom additive 4D mask gets the same layout as transformers' boolean one; both equal plain attention."""
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(2, 2, 3, 8, generator=generator) for _ in range(3))
+    allowed = torch.rand(2, 1, 3, 3, generator=generator) > 0.3  # the model's mask
+    layout = KeyLayout(torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 1]], dtype=torch.bool))
+    if in_slot_order:
+        layout = KeyLayout(layout.band, torch.tensor([2, 0, 1]))
+    columns = torch.arange(3) if layout.mask_columns is None else layout.mask_columns
+    allowed[..., columns[0]] = True  # every query sees key 0
+    setattr(key, LAYOUT_ATTRIBUTE, layout)
+    module = torch.nn.Module().eval()
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    from_bool, _ = banded_sdpa_attention(module, query, key, value, allowed, scaling=0.5)
+    from_float, _ = banded_sdpa_attention(module, query, key, value, additive, scaling=0.5)
+    torch.testing.assert_close(from_float, from_bool)
+    seen = allowed[..., columns] & layout.band  # [2, 1, 3, 3]
+    scores = (query @ key.transpose(-1, -2) * 0.5).masked_fill(~seen, -torch.inf)
+    torch.testing.assert_close(from_bool, (scores.softmax(-1) @ value).transpose(1, 2))
 
 
 def test_pages_read_in_place_are_views_of_the_pool(tiny_llama_model):
