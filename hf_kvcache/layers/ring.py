@@ -214,11 +214,11 @@ class RingRows(PagedRows):
         """Slot indices of the step's writes and reads, built by the group's first layer and reused by the rest.
 
         Returns:
-            ``(write, read, kept, layout)``: ``kept`` selects the new tokens that are written (``None``: all).
-            Where attention reads the slots in place (``layout.mask_columns`` is set), ``write`` is the rows of
-            the one chunk's flattened layer view for the new states in ``(batch, head, token)`` order and
-            ``read`` is ``None``;
-            ``layout`` is ``None`` for a single new token read in time order (it sees every key).
+            ``(write, read, kept, layout)``: ``kept`` selects the new tokens that are written (``None``: all);
+            ``layout`` is ``None`` for a single new token read in time order (it sees every key). Where
+            attention reads the slots in place (``layout.mask_columns`` is set), ``read`` is ``None`` and
+            ``write`` holds the new states' rows of the one chunk's flattened layer view, in ``(batch, head,
+            token)`` order.
         """
         if self._step is None or self._step[:2] != (start, num_new):
             device = self.pool.device
@@ -240,13 +240,12 @@ class RingRows(PagedRows):
                 write = self._slot_rows()[:, :, slots].transpose(0, 1).reshape(-1)  # (batch, head, token) order
                 self._step = (start, num_new, write, None, None, self._slot_layout(start, num_new, sinks, first))
                 return self._step[2:]
-            else:
-                last = end if num_new <= self.max_step else start
-                visible = torch.cat([torch.arange(sinks, device=device), torch.arange(first, end, device=device)])
-                read = self._slot_index(visible[: visible.numel() - (end - last)])
-                layout = (
-                    KeyLayout(band(visible, start, num_new, self.window, self.sink_tokens)) if num_new > 1 else None
-                )
+            last = end if num_new <= self.max_step else start
+            visible = torch.cat([torch.arange(sinks, device=device), torch.arange(first, end, device=device)])
+            read = self._slot_index(visible[: visible.numel() - (end - last)])
+            layout = None  # a single new token sees every visible one
+            if num_new > 1:
+                layout = KeyLayout(band(visible, start, num_new, self.window, self.sink_tokens))
             self._step = (start, num_new, self._slot_index(written), read, kept, layout)
         return self._step[2:]
 
@@ -254,14 +253,9 @@ class RingRows(PagedRows):
         """The layout of every slot the rows hold, read in place: which token each holds, and its mask column."""
         end, device = start + num_new, self.pool.device
         slots = torch.arange(self._page_ids().shape[1] * self.pool.format.page_size, device=device)  # [num_keys]
-        back = end - 1 - slots  # ring slot s last held token s + ring_slots * k, the largest such below end
-        tokens = torch.where(
-            slots < self.sink_tokens,
-            torch.where(back >= 0, slots, -1),
-            torch.where(
-                back >= 0, slots + self.ring_slots * torch.div(back, self.ring_slots, rounding_mode="floor"), -1
-            ),
-        )
+        back = end - 1 - slots  # ring slot s holds tokens s + ring_slots * k: the last one is below end
+        latest = slots + self.ring_slots * torch.div(back, self.ring_slots, rounding_mode="floor")
+        tokens = torch.where(back < 0, -1, torch.where(slots < self.sink_tokens, slots, latest))  # -1: none yet
         num_visible = sinks + end - first  # the model's mask columns: get_mask_sizes
         columns = torch.where(tokens < sinks, tokens, tokens - first + sinks).clamp(0, num_visible - 1)
         return KeyLayout(band(tokens, start, num_new, self.window, self.sink_tokens), columns)
@@ -293,9 +287,7 @@ class RingRows(PagedRows):
             _, heads, _, page_size, head_dim = pool.keys[0].shape
 
             def view(chunk: torch.Tensor) -> torch.Tensor:
-                pages = chunk[
-                    page_layer, :, base : base + ids.numel()
-                ]  # [heads, batch * num_pages, page_size, head_dim]
+                pages = chunk[page_layer, :, base : base + ids.numel()]  # [heads, rows * pages, page_size, head_dim]
                 return pages.view(heads, batch, num_pages * page_size, head_dim).permute(1, 0, 2, 3)
 
             views = self._views[page_layer] = (view(pool.keys[0]), view(pool.values[0]))
