@@ -75,7 +75,8 @@ def check_request(
     """Checks a request on one of our caches before ``generate`` runs any forward pass.
 
     Rejects an empty prompt (the model itself would fail on it with an obscure reshape error) and, with the
-    cache's ``admission_check`` option, a request whose worst case does not fit its pool.
+    cache's ``admission_check`` option, a request whose worst case does not fit its pool; tells the cache how
+    long its rows will grow (``PoolCache.plan``).
 
     Args:
         batch_size: prompts in the request; each runs ``max(num_beams, num_return_sequences)`` rows.
@@ -92,6 +93,7 @@ def check_request(
                 f"The prompt is empty ({key} has shape {list(value.shape)}): generate needs at least one input token "
                 "per row to start from, e.g. the tokenizer's bos_token_id."
             )
+    cache.plan(max_cache_length)
     if cache.options.admission_check:
         num_rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
         cache.check_admission(num_rows, max_cache_length, model.device, model.dtype)

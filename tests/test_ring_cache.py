@@ -176,6 +176,33 @@ def test_pages_read_in_place_match_dynamic_cache_with_padding(
     assert_same_generation(reference, ring)
 
 
+def test_generate_takes_planned_ring_pages_at_once_and_reads_them_in_place(tiny_llama_model, in_place_reads):
+    """Short prompts in a batch: generate plans the rows' length, so each row's pages are taken together."""
+    ids, mask = padded_batch([5, 3, 9])
+    settings = {"max_new_tokens": 40, "cache_implementation": "sliding_ring"}
+    with banded_attention(tiny_llama_model):
+        pool = KVPool.for_model(tiny_llama_model, max_tokens=2048)
+        fast = run(tiny_llama_model, ids, mask, **settings, cache_config={"window": 20, "pool": pool})
+        assert in_place_reads["reads"] == 40 * 2  # every forward pass, both layers
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(RingRows, "_first_page", lambda self: None)  # never consecutive: always gather
+            slow = run(tiny_llama_model, ids, mask, **settings, cache_config={"window": 20})
+    assert_same_generation(slow, fast)
+
+
+@pytest.mark.parametrize("planned,pages_per_row", [(0, 1), (30, 2), (500, 3)])
+def test_planned_tokens_take_pages_up_to_the_ring(tiny_llama_model, planned, pages_per_row):
+    cache = SlidingRingCache(
+        tiny_llama_model.config, window=20, pool=KVPool.for_model(tiny_llama_model, max_tokens=512)
+    )
+    cache.plan(planned)
+    tiny_llama_model(random_ids(3, 9), cache=cache)  # a ring of 20 tokens: 48 slots, 3 pages of 16
+    assert cache.memory_stats()["pages_held"] == 3 * pages_per_row
+    tiny_llama_model(random_ids(3, 60), cache=cache)
+    assert cache.memory_stats()["pages_held"] == 3 * 3
+    cache.pool.check_integrity()
+
+
 def test_quantized_rings_under_banded_attention_match_sdpa(tiny_gemma3_model):
     """Quantized values are gathered (their codes cannot be attended in place): the attention only adds the band."""
     ids, mask = padded_batch([23, 16])

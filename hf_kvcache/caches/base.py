@@ -79,6 +79,7 @@ class PoolBinder:
         self.policies = policies
         self.pools: dict[torch.device, KVPool] = {}
         self.rows: dict[tuple[torch.device, int], PagedRows] = {}
+        self.planned_tokens = 0  # see PoolCache.plan
         self.pool = KVPool.named(options.pool) if isinstance(options.pool, str) else options.pool
         if self.pool is not None and not isinstance(self.pool, KVPool):
             raise TypeError(f"cache_config pool must be a KVPool or a pool's name, got {type(self.pool).__name__}.")
@@ -91,6 +92,8 @@ class PoolBinder:
             pool = self.bind(device, key_states.dtype, key_states.shape[1], key_states.shape[-1])
             reads_slots = functools.partial(reads_key_layouts, self.config)  # not a method: rows must not hold self
             rows = self.rows[(device, group_idx)] = self.policies[group_idx].make_rows(pool, reads_slots)
+            if isinstance(rows, RingRows):
+                rows.planned_tokens = self.planned_tokens
         return rows
 
     def bind(
@@ -281,6 +284,18 @@ class PoolCache(Cache):
                 "group(s). Lower the batch size, num_beams/num_return_sequences or max_new_tokens, or give the "
                 "pool more room (KVPool.for_model(..., max_tokens=...) or cache_config max_tokens).",
             )
+
+    def plan(self, num_tokens: int) -> None:
+        """Says that rows will hold up to ``num_tokens`` tokens (``generate``: prompt + ``max_new_tokens`` - 1).
+
+        Ring layers then take the pages for them (up to the ring's) at their first write rather than a page at
+        a time, so that each row's pages follow one another on a fresh pool and attention can read them in
+        place (``hf_kvcache.attention``). Those pages are held, and counted as held, from the first write.
+        """
+        self._binder.planned_tokens = num_tokens
+        for rows in self._binder.rows.values():
+            if isinstance(rows, RingRows):
+                rows.planned_tokens = num_tokens
 
     def memory_stats(self) -> dict[str, int]:
         """Pages this cache holds (shared pages once), the KV bytes it holds, and the tokens per row.

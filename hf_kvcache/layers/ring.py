@@ -117,6 +117,7 @@ class RingRows(PagedRows):
         self.num_slots = ring_num_slots(window, sink_tokens, page_size)  # logical slots per row
         self.ring_slots = self.num_slots - sink_tokens
         self.total = 0  # tokens written per row, evicted ones included
+        self.planned_tokens = 0  # tokens a row is expected to reach (``PoolCache.plan``); see _grow
         self._step: tuple | None = None  # (start, num_new, *what _step_index returns)
         self._rows: torch.Tensor | None = None  # see _slot_rows
         self._base: int | None = None  # see _first_page
@@ -194,15 +195,22 @@ class RingRows(PagedRows):
         self.total = 0
 
     def _grow(self, batch: int, start: int, num_new: int, groups: list[int] | None) -> None:
-        """Takes pages for slots the ring fills for the first time; copies shared pages it overwrites."""
-        end = start + num_new
-        fresh = min(end, self.num_slots) - self.table.num_tokens
+        """Takes pages for slots the ring fills for the first time; copies shared pages it overwrites.
+
+        The first write takes the pages of ``planned_tokens`` at once (up to the ring's), so that each row's
+        pages follow one another on a fresh pool, as attention reads them in place (``_first_page``).
+        """
+        end, held = start + num_new, self.table.num_tokens
+        planned = self.planned_tokens if held == 0 else 0
+        fresh = min(max(end, planned), self.num_slots) - held
         if fresh > 0:
             self._apply(lambda: self.table.grow(batch, fresh, groups))
-        if end > self.num_slots and start > 0:  # a prefill's pages are all new: rows sharing them are identical
-            first = max(start, self.num_slots, end - self.ring_slots)
-            slots = {self._slot(token) // self.pool.format.page_size for token in range(first, end)}
-            self._apply(lambda: self.table.make_private(list(range(batch)), sorted(slots)))
+        # Slots written again (a wrapped ring) or taken ahead (planned) may sit in pages rows share (beams);
+        # a prefill's pages are all new, and rows sharing them are identical.
+        if start > 0 and (start < held or end > self.num_slots):
+            first = max(start, end - self.ring_slots)
+            pages = {self._slot(token) // self.pool.format.page_size for token in range(first, end)}
+            self._apply(lambda: self.table.make_private(list(range(batch)), sorted(pages)))
         self.total = end
 
     def _slot(self, token: int) -> int:
