@@ -25,6 +25,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=defaults.model, help="'bundled' or a local model folder")
     parser.add_argument("--dtype", default=defaults.dtype)
     parser.add_argument(
+        "--attn-implementation",
+        default=defaults.attn_implementation,
+        help="the model's attention: \"hf_kvcache\" keeps a ring's window within a prompt too (default: %(default)s)",
+    )
+    parser.add_argument(
         "--cache",
         action="append",
         type=parse_spec,

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from hf_kvcache.eval.caches import CacheSpec, parse_spec
+from hf_kvcache.eval.command import reproduce_command
 from hf_kvcache.eval.runner import EvalConfig, run_evaluation
 from hf_kvcache.models import tiny_llama
 
@@ -52,3 +53,24 @@ def test_run_evaluation_writes_json_markdown_and_plots(tiny_model_dir, tmp_path)
     assert table.count("\n") == 2 + 3 and "| win16 |" in table
     for key in ("plot_quality_vs_memory", "plot_perplexity_by_position"):
         assert paths[key].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_attention_implementation_is_applied_recorded_and_reproduced(tiny_model_dir):
+    """Under "hf_kvcache" a ring keeps its window within the prompt too; a cache without a ring is unchanged."""
+    settings = {
+        "model": tiny_model_dir,
+        "specs": [CacheSpec("dynamic", "dynamic"), parse_spec("ring16=sliding_ring:window=16")],
+        "num_documents": 1,
+        "document_tokens": 48,
+        "prefill_tokens": 32,  # past the window: the prompt sees itself in full under sdpa
+        "generation_tokens": 2,
+        "retrieval_tasks": [],
+        "progress": False,
+    }
+    plain = run_evaluation(EvalConfig(**settings))
+    banded = run_evaluation(EvalConfig(**settings, attn_implementation="hf_kvcache"))
+    assert plain.config["attn_implementation"] == "sdpa" and banded.config["attn_implementation"] == "hf_kvcache"
+    assert banded.caches[0].perplexity == pytest.approx(plain.caches[0].perplexity, rel=1e-6)
+    assert banded.caches[1].perplexity != pytest.approx(plain.caches[1].perplexity, rel=1e-6)
+    assert "--attn-implementation hf_kvcache" in reproduce_command(banded, "out")
+    assert "--attn-implementation" not in reproduce_command(plain, "out")  # the default, as published reports ran

@@ -43,7 +43,10 @@ _EVAL_FLAGS = {
     "retrieval_depths": "--retrieval-depths",
     "retrieval_samples": "--retrieval-samples",
     "seed": "--seed",
+    "attn_implementation": "--attn-implementation",
 }
+_DEFAULT_UNWRITTEN = {"attn_implementation"}
+"""Flags added after reports were published: written only where they differ from the script's default."""
 _UNFLAGGED = {"model", "specs", "num_buckets", "progress", "model_revision"}
 
 
@@ -70,6 +73,8 @@ def reproduce_command(report: EvalReport, output: str) -> str:
         words += ["--cache", format_spec(spec["label"], spec["kind"], spec["settings"])]
     for key, flag in _EVAL_FLAGS.items():
         value = report.config.get(key, getattr(EvalConfig(), key))
+        if key in _DEFAULT_UNWRITTEN and value == getattr(EvalConfig(), key):
+            continue
         words += [flag, *map(str, value)] if isinstance(value, list) else [flag, str(value)]
     words += ["--output", output]
     # One flag and its values per line, as a shell reads it.

