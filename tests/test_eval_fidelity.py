@@ -5,10 +5,11 @@ import math
 import evaluate
 import pytest
 import torch
+from transformers import DynamicCache, QuantizedCache
 
 from hf_kvcache.eval import FIDELITY_METRIC_PATH
-from hf_kvcache.eval.caches import CacheSpec, default_specs, parse_spec
-from hf_kvcache.eval.fidelity import compare_in_decode_mode, fidelity_from_logits, generation_agreement
+from hf_kvcache.eval.caches import CacheSpec, default_specs, installed_quantized_backends, parse_spec
+from hf_kvcache.eval.fidelity import compare_in_decode_mode, fidelity_from_logits, generation_agreement, kv_bytes
 from hf_kvcache.eval.report import summarize
 
 LOSSLESS = [
@@ -89,3 +90,16 @@ def test_specs_parse_and_reject_unknown_kinds():
         parse_spec("x=dynamic:oops")
     with pytest.raises(ValueError, match="prefill_tokens=0"):
         compare_in_decode_mode(None, torch.zeros(1, 4, dtype=torch.long), [], prefill_tokens=0)
+
+
+@pytest.mark.parametrize("backend", installed_quantized_backends())
+def test_kv_bytes_count_every_quantized_part(tiny_llama_model, backend):
+    """transformers' quantized caches hold codes, scales and zeros (hqq as a (codes, meta) pair): all counted."""
+    ids = torch.randint(1, 128, (1, 600), generator=torch.Generator().manual_seed(0))
+    caches = {"dynamic": DynamicCache(config=tiny_llama_model.config)}
+    caches[backend] = QuantizedCache(backend=backend, config=tiny_llama_model.config, nbits=4)
+    with torch.inference_mode():
+        for cache in caches.values():
+            tiny_llama_model(ids, cache=cache)
+    ratio = kv_bytes(caches[backend]) / kv_bytes(caches["dynamic"])
+    assert 4 / 32 < ratio < 0.5  # 4-bit codes of fp32 states plus their scales and zeros

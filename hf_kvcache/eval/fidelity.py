@@ -69,6 +69,10 @@ def kv_bytes(cache: Cache) -> int:
 
 
 def _tensor_bytes(value: object) -> int:
+    if isinstance(value, (tuple, list)):  # e.g. hqq's (codes, meta) pairs
+        return sum(_tensor_bytes(item) for item in value)
+    if isinstance(value, dict):  # hqq's meta: scales and zeros
+        return sum(_tensor_bytes(item) for item in value.values())
     if not isinstance(value, torch.Tensor) or value.dim() == 0:  # 0-dim tensors are counters, not KV
         return 0
     if hasattr(value, "__tensor_flatten__"):  # quantized tensor subclasses: count their packed parts
