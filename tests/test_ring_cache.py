@@ -2,6 +2,7 @@
 mask where the ring imposes it, bounded memory, attention sinks, row operations and crop."""
 
 import contextlib
+import copy
 import math
 import warnings
 
@@ -429,3 +430,18 @@ def test_ring_on_a_pool_grown_across_chunks_matches_dynamic(tiny_mistral_model):
     )
     assert len(pool.chunk_starts) > 2
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_rings_read_in_place_match_dynamic_cache(tiny_mistral_model, in_place_reads):
+    model = copy.deepcopy(tiny_mistral_model).to("cuda")
+    ids, mask = (tensor.to("cuda") for tensor in padded_batch([23, 16, 17]))
+    reference = run(model, ids, mask, max_new_tokens=40)
+    pool = KVPool.for_model(model, max_tokens=1024)
+    with banded_attention(model):
+        ring = run(
+            model, ids, mask, max_new_tokens=40, cache_implementation="sliding_ring", cache_config={"pool": pool}
+        )
+    assert in_place_reads["reads"] > 0
+    assert_same_generation(reference, ring)
