@@ -313,8 +313,6 @@ def _measure(
         for name in config.caches:
             if name in SLIDING_CACHES:
                 cache = build_sliding_cache(name, model.config, config.window, capacity, pools.get(name))
-                with model_attention(model, RING_ATTENTION.get(name)):
-                    runs[name].append(_decode(model, cache, prefill, length, batch, config))
             elif name in QUANTIZED_CACHES:
                 spec = QUANTIZED_CACHES[name]
                 if name in pools:
@@ -322,7 +320,7 @@ def _measure(
                 cache = spec.build(model, capacity)
             else:
                 cache = CacheSpec(name, name, {"pool": pools[name]} if name in pools else {}).build(model, capacity)
-            if name not in SLIDING_CACHES:
+            with model_attention(model, RING_ATTENTION.get(name)):
                 runs[name].append(_decode(model, cache, prefill, length, batch, config))
             if isinstance(cache, PoolCache):
                 cache.release()
