@@ -105,7 +105,9 @@ CARD_SETTINGS: tuple[CardSetting, ...] = (
         description=(
             "Keeps the first `sink_tokens` tokens (attention sinks) and the last `window` tokens, in pages reused "
             "in a circle: KV memory stops growing once a sequence is longer than the window, and older tokens are "
-            "no longer attended to."
+            "no longer attended to. Load the model with `attn_implementation=\"hf_kvcache\"` (after `import "
+            "hf_kvcache`) so that a prompt longer than the window keeps to it too and the ring's pages are read in "
+            "place; under `sdpa` such a prompt attends over itself in full, and the cache warns."
         ),
     ),
     CardSetting(
