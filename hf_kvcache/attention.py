@@ -22,9 +22,9 @@ masks (``sdpa_mask``). Load the model with it, or switch an existing one::
 
 import torch
 import torch.nn.functional as F
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hf_kvcache.layers.ring import layout_of
+from hf_kvcache.transformers_internals import sdpa_attention_forward
 
 ATTENTION_NAME = "hf_kvcache"
 

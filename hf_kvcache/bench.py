@@ -39,9 +39,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.cache_utils import Cache
+from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from hf_kvcache import transformers_internals
 from hf_kvcache.bench_ring import RING_ATTENTION, SLIDING_BASELINE, SLIDING_CACHES, build_sliding_cache, ring_pool
 from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.eval.caches import CacheSpec, installed_quantized_backends
@@ -332,7 +332,7 @@ def _measure(
 @contextlib.contextmanager
 def model_attention(model: PreTrainedModel, attn_implementation: str | None) -> Iterator[None]:
     """Runs the model under ``attn_implementation`` (``None``: its own), then puts its own back."""
-    own = model.config._attn_implementation
+    own = transformers_internals.attn_implementation(model.config)
     if attn_implementation is None or attn_implementation == own:
         yield
         return

@@ -38,8 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import DynamicCache, PreTrainedConfig, StaticCache
-from transformers.cache_utils import Cache
+from transformers import Cache, DynamicCache, PreTrainedConfig, StaticCache
 
 from hf_kvcache.attention import ATTENTION_NAME
 from hf_kvcache.caches import SlidingRingCache

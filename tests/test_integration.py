@@ -1,54 +1,31 @@
-"""Registration: two seams in transformers plus an attention name; additive, idempotent, undoable, version-checked."""
+"""Registration: two seams in transformers plus an attention name; additive, idempotent, undoable, version-checked.
 
-import inspect
+The seams themselves are pinned in ``test_transformers_internals.py``."""
 
 import pytest
 import torch
 from helpers import EXAMPLE_POOL_FORMATS, example_cache_config
-from transformers import DynamicCache, GenerationConfig, StaticCache
-from transformers.generation import configuration_utils
-from transformers.generation.utils import GenerationMixin
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from transformers.modeling_utils import AttentionInterface
+from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache, GenerationConfig, StaticCache
 
 import hf_kvcache
 from hf_kvcache import KVPool, PagedCache
 from hf_kvcache.attention import ATTENTION_NAME, banded_sdpa_attention
 from hf_kvcache.integration import CACHE_FACTORIES, check_transformers_version
+from hf_kvcache.transformers_internals import cache_implementations, prepare_cache_method, sdpa_mask
 
 NAMES = sorted(CACHE_FACTORIES)
 
 
-def test_seams_exist_in_this_transformers():
-    """If an upgrade moves a seam, this is the one test that fails first."""
-    hf_kvcache.unregister()
-    try:
-        assert isinstance(configuration_utils.ALL_CACHE_IMPLEMENTATIONS, tuple)
-        assert "dynamic" in configuration_utils.ALL_CACHE_IMPLEMENTATIONS
-        parameters = list(inspect.signature(GenerationMixin._prepare_cache_for_generation).parameters)
-        # The wrapper takes these by name: batch_size and max_cache_length size the admission check.
-        assert parameters == [
-            "self",
-            "generation_config",
-            "model_kwargs",
-            "generation_mode",
-            "batch_size",
-            "max_cache_length",
-        ]
-    finally:
-        hf_kvcache.register()
-
-
 def test_register_is_idempotent_and_undoable():
     assert hf_kvcache.is_registered()
-    names = configuration_utils.ALL_CACHE_IMPLEMENTATIONS
+    names = cache_implementations()
     hf_kvcache.register()
-    assert names == configuration_utils.ALL_CACHE_IMPLEMENTATIONS
+    assert names == cache_implementations()
     assert all(names.count(name) == 1 for name in NAMES)
     hf_kvcache.unregister()
     try:
-        assert not any(name in configuration_utils.ALL_CACHE_IMPLEMENTATIONS for name in NAMES)
-        assert GenerationMixin._prepare_cache_for_generation.__module__ == "transformers.generation.utils"
+        assert not any(name in cache_implementations() for name in NAMES)
+        assert prepare_cache_method().__module__ == "transformers.generation.utils"
         assert ATTENTION_NAME not in AttentionInterface._global_mapping
         assert ATTENTION_NAME not in AttentionMaskInterface._global_mapping
         with pytest.raises(ValueError, match="Invalid `cache_implementation`"):
@@ -56,7 +33,7 @@ def test_register_is_idempotent_and_undoable():
         hf_kvcache.unregister()  # a no-op
     finally:
         hf_kvcache.register()
-    assert names == configuration_utils.ALL_CACHE_IMPLEMENTATIONS
+    assert names == cache_implementations()
     assert AttentionInterface._global_mapping[ATTENTION_NAME] is banded_sdpa_attention
     assert AttentionMaskInterface._global_mapping[ATTENTION_NAME] is sdpa_mask
 

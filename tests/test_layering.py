@@ -1,5 +1,6 @@
-"""Data flows one way (see GUIDE.md): the allocator and page table import no torch, nothing below the layers
-imports transformers, and lower modules never import higher ones."""
+"""Data flows one way (see GUIDE.md): the allocator and page table import no torch, nothing below
+``transformers_internals`` imports transformers, lower modules never import higher ones, the core never imports
+the tools (eval, bench, cards), and only ``transformers_internals`` reaches past transformers' top-level names."""
 
 import ast
 from pathlib import Path
@@ -15,34 +16,85 @@ ORDER = [
     "page_table",
     "pool",
     "kernels",
+    "transformers_internals",
     "layers",
     "attention",
     "caches",
     "integration",
 ]
+"""The core, lowest first: a module imports only modules before it."""
+TOOLS = ["models", "eval", "bench", "bench_ring", "measure", "soak", "cards"]
+"""Library code on top of the core; each may import the core and the tools it lists in ``TOOL_IMPORTS``."""
+TOOL_IMPORTS = {
+    "models": set(),
+    "eval": {"models"},
+    "bench": {"eval", "bench_ring", "measure"},
+    "bench_ring": set(),
+    "measure": set(),
+    "soak": set(),
+    "cards": {"models", "eval"},
+}
+CORE_FREE = {"measure"}
+"""Tools that import nothing of the core (fetching files from PyPI needs no cache)."""
+
+
+def source_files(module: str) -> list[Path]:
+    path = PACKAGE / f"{module}.py"
+    return [path] if path.exists() else sorted((PACKAGE / module).rglob("*.py"))
 
 
 def imports_of(module: str) -> set[str]:
-    path = PACKAGE / f"{module}.py"
-    files = [path] if path.exists() else sorted((PACKAGE / module).glob("*.py"))
     names = set()
-    for file in files:
+    for file in source_files(module):
         for node in ast.walk(ast.parse(file.read_text())):
             if isinstance(node, ast.Import):
                 names |= {alias.name for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module:
                 names.add(node.module)
+                if node.module == "hf_kvcache":  # from hf_kvcache import caches
+                    names |= {f"hf_kvcache.{alias.name}" for alias in node.names}
     return names
+
+
+def ours(names: set[str]) -> set[str]:
+    """The top-level parts of hf_kvcache among ``names`` (``hf_kvcache.caches.base`` -> ``caches``)."""
+    return {name.split(".")[1] for name in names if name.startswith("hf_kvcache.")}
+
+
+def test_every_module_is_placed():
+    found = {path.stem for path in PACKAGE.glob("*.py")} | {path.name for path in PACKAGE.iterdir() if path.is_dir()}
+    assert found - {"__init__", "__pycache__"} == set(ORDER) | set(TOOLS)
 
 
 @pytest.mark.parametrize("module", ORDER)
 def test_imports_flow_one_way(module):
     names = imports_of(module)
-    ours = {name.split(".")[1] for name in names if name.startswith("hf_kvcache.")}
-    top = {"eval", "bench", "bench_ring", "measure", "models", "soak", "cards"}  # library code above the caches
-    higher = set(ORDER[ORDER.index(module) + 1 :]) | top
-    assert not ours & higher, f"{module} imports higher modules {ours & higher}"
-    if ORDER.index(module) < ORDER.index("layers"):
+    higher = set(ORDER[ORDER.index(module) + 1 :])
+    assert not ours(names) & higher, f"{module} imports higher modules {ours(names) & higher}"
+    if ORDER.index(module) < ORDER.index("transformers_internals"):
         assert not any(name.startswith("transformers") for name in names), f"{module} imports transformers"
     if module in ("allocator", "page_table", "errors"):
         assert not any(name.startswith("torch") for name in names), f"{module} imports torch"
+
+
+@pytest.mark.parametrize("module", ORDER)
+def test_the_core_never_imports_eval_bench_or_cards(module):
+    tools = ours(imports_of(module)) & set(TOOLS)
+    assert not tools, f"the core module {module} imports the tools {tools}"
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_tools_import_each_other_only_as_listed(tool):
+    used = ours(imports_of(tool)) & set(TOOLS) - {tool}
+    assert used <= TOOL_IMPORTS[tool], f"{tool} imports {used - TOOL_IMPORTS[tool]}, not in TOOL_IMPORTS"
+    if tool in CORE_FREE:
+        assert not ours(imports_of(tool)) & set(ORDER), f"{tool} imports the core"
+
+
+@pytest.mark.parametrize("module", ORDER + TOOLS)
+def test_only_transformers_internals_reaches_past_the_public_names(module):
+    """Everywhere else, transformers is imported as ``transformers`` or ``from transformers import ...``."""
+    if module == "transformers_internals":
+        return
+    deep = sorted(name for name in imports_of(module) if name.startswith("transformers."))
+    assert not deep, f"{module} imports {deep}: reach them through hf_kvcache.transformers_internals"

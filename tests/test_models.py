@@ -18,6 +18,7 @@ from hf_kvcache.models import (
     tiny_llama,
     tiny_mistral,
 )
+from hf_kvcache.transformers_internals import attn_implementation
 
 FAKE_MEMBERS = {
     "fake_pkg/other.txt": "other",
@@ -143,7 +144,7 @@ def test_tiny_model_setup_and_generate(
     model = request.getfixturevalue(fixture)
     assert not model.training
     assert model.dtype == torch.float32
-    assert model.config._attn_implementation == "sdpa"
+    assert attn_implementation(model.config) == "sdpa"
     assert model.config.head_dim == 16
     assert model.config.num_key_value_heads == 2
     assert model.config.num_hidden_layers == len(expected_sliding)

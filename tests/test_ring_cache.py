@@ -18,6 +18,7 @@ from hf_kvcache.caches.base import ATTENTION_LAYER_TYPES
 from hf_kvcache.config import layer_groups, layer_types
 from hf_kvcache.layers import PagedLayer, RingLayer, RingRows
 from hf_kvcache.layers.ring import LAYOUT_ATTRIBUTE, KeyLayout
+from hf_kvcache.transformers_internals import attn_implementation
 
 SLIDING_MODELS = ["tiny_mistral_model", "tiny_gemma3_model"]  # window 8
 
@@ -73,7 +74,7 @@ def test_chunked_prefill_matches_dynamic_cache(model_name, chunks, request):
 @contextlib.contextmanager
 def banded_attention(model):
     """The model with ``attn_implementation="hf_kvcache"``, which applies the ring's band within a step."""
-    before = model.config._attn_implementation
+    before = attn_implementation(model.config)
     model.set_attn_implementation(ATTENTION_NAME)
     try:
         yield model

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 import torch
-from transformers import PreTrainedConfig
-from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, get_layer_types_and_kwargs
+from transformers import Cache, CacheLayerMixin, PreTrainedConfig
 
 from hf_kvcache.attention import ATTENTION_NAME
 from hf_kvcache.config import CacheOptions, PageFormat, layer_groups
@@ -22,6 +21,7 @@ from hf_kvcache.errors import IncompatibleModelError, PoolExhaustedError
 from hf_kvcache.layers import PagedLayer, PagedRows, RingLayer, RingRows
 from hf_kvcache.layers.ring import ring_num_slots
 from hf_kvcache.pool import KVPool
+from hf_kvcache.transformers_internals import DummyLayer, attn_implementation, layer_types_and_kwargs
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 QUANT_FIELDS = ("value_bits", "value_group_size")
@@ -58,7 +58,7 @@ class RowPolicy:
 
 def reads_key_layouts(config: PreTrainedConfig) -> bool:
     """Whether the model attends with ``attn_implementation="hf_kvcache"``, which reads a ring's ``KeyLayout``."""
-    return getattr(config, "_attn_implementation", None) == ATTENTION_NAME
+    return attn_implementation(config) == ATTENTION_NAME
 
 
 class PoolBinder:
@@ -173,7 +173,7 @@ class PoolCache(Cache):
         device: str | torch.device | None = None,
     ) -> None:
         config = config.get_text_config(decoder=True)
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+        layer_types, layer_kwargs = layer_types_and_kwargs(config)
         unsupported = sorted({kind for kind in layer_types if kind not in (*ATTENTION_LAYER_TYPES, "dummy")})
         if unsupported:
             raise IncompatibleModelError(

@@ -6,13 +6,13 @@ from typing import Any
 
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import get_layer_types_and_kwargs
 
 from hf_kvcache.attention import ATTENTION_NAME
 from hf_kvcache.caches.base import PoolCache, RowPolicy
 from hf_kvcache.config import DEFAULT_PAGE_SIZE, CacheOptions
 from hf_kvcache.layers import RingLayer
 from hf_kvcache.pool import KVPool
+from hf_kvcache.transformers_internals import attn_implementation, layer_types_and_kwargs
 
 
 def _check_count(name: str, value: Any, low: int) -> None:
@@ -74,7 +74,7 @@ class SlidingRingCache(PoolCache):
         device: str | torch.device | None = None,
     ) -> None:
         text_config = config.get_text_config(decoder=True)
-        self._has_sliding_layers = "sliding_attention" in get_layer_types_and_kwargs(text_config)[0]
+        self._has_sliding_layers = "sliding_attention" in layer_types_and_kwargs(text_config)[0]
         options = RingOptions(
             page_size=page_size,
             pool=pool,
@@ -100,7 +100,7 @@ class SlidingRingCache(PoolCache):
 
     def _warn_if_unbanded(self, layer: Any, num_new: int) -> None:
         """Warns (once) when a step reaches past an imposed window and the model's attention ignores the band."""
-        attention = getattr(self._binder.config, "_attn_implementation", None)  # None: no model set it
+        attention = attn_implementation(self._binder.config)  # None: no model set it
         if (
             isinstance(layer, RingLayer)
             and not layer.is_sliding

@@ -11,8 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from transformers import DynamicCache, PreTrainedModel, QuantizedCache, StaticCache
-from transformers.cache_utils import Cache
+from transformers import Cache, DynamicCache, PreTrainedModel, QuantizedCache, StaticCache
 
 from hf_kvcache.integration import CACHE_FACTORIES
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel
-from transformers.cache_utils import Cache
+from transformers import Cache, PreTrainedModel
 
 from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.eval.caches import CacheSpec
+from hf_kvcache.transformers_internals import cache_layer_state
 
 
 @dataclass
@@ -65,7 +65,7 @@ def kv_bytes(cache: Cache) -> int:
     """Bytes of KV storage a cache holds (pages for ours; every tensor of every layer for transformers')."""
     if isinstance(cache, PoolCache):
         return cache.memory_stats()["bytes_held"]
-    return sum(_tensor_bytes(value) for layer in cache.layers for value in vars(layer).values())
+    return sum(_tensor_bytes(value) for layer in cache.layers for value in cache_layer_state(layer))
 
 
 def _tensor_bytes(value: object) -> int:

@@ -14,6 +14,7 @@ from hf_kvcache.eval.fidelity import compare_in_decode_mode, generation_agreemen
 from hf_kvcache.eval.report import EvalReport, environment, summarize
 from hf_kvcache.eval.retrieval import accuracy_table, run_retrieval
 from hf_kvcache.models import BUNDLED_MODEL, BUNDLED_SOURCE, load_bundled_model
+from hf_kvcache.transformers_internals import commit_hash
 
 
 @dataclass
@@ -102,7 +103,7 @@ def run_evaluation(config: EvalConfig) -> EvalReport:
     settings["specs"] = [dataclasses.asdict(spec) for spec in specs]
     bundled = config.model == "bundled"
     settings["model"] = BUNDLED_MODEL if bundled else config.model
-    settings["model_revision"] = BUNDLED_SOURCE if bundled else getattr(model.config, "_commit_hash", None)
+    settings["model_revision"] = BUNDLED_SOURCE if bundled else commit_hash(model.config)
     data = dict(windows.provenance)
     data["batching"] = (
         f"{config.num_documents} documents of {config.document_tokens} tokens run as one batch; every cache "

@@ -3,7 +3,7 @@
 from collections.abc import Callable
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
+from transformers import CacheLayerMixin
 
 from hf_kvcache.layers.rows import PagedRows
 

@@ -1,0 +1,119 @@
+"""Every use of transformers that is not its public API, in one place.
+
+The rest of hf_kvcache imports only names of the top-level ``transformers`` package (``tests/test_layering.py``
+checks it); what transformers offers only through a submodule, a private attribute or an attribute it does
+not document is reached here, by one small function each. ``tests/test_transformers_internals.py`` pins
+each of them against the installed release, so that an upgrade that moves one fails there first.
+
+Reads:
+
+- ``attn_implementation``: ``config._attn_implementation``, the attention a model runs;
+- ``layer_types_and_kwargs``: ``transformers.cache_utils.get_layer_types_and_kwargs``, each layer's attention
+  type and its cache layer's keywords, as transformers' own caches see them;
+- ``DummyLayer`` (``transformers.cache_utils``): the layer a cache keeps for a layer that caches nothing;
+- ``sdpa_attention_forward`` (``transformers.integrations.sdpa_attention``) and ``sdpa_mask``
+  (``transformers.masking_utils``): sdpa's attention function and mask builder;
+- ``commit_hash``: ``config._commit_hash``, the hub revision a model was loaded from (gone in transformers 5);
+- ``cache_layer_state``: every attribute of a transformers cache layer (its tensors, private ones included);
+- ``check_python_requirements`` (``transformers.dynamic_module_utils``): the check transformers runs on a
+  ``custom_generate/requirements.txt``.
+
+Writes (only ``hf_kvcache.integration`` and ``hf_kvcache.models`` call these):
+
+- ``cache_implementations`` / ``set_cache_implementations``: ``transformers.generation.configuration_utils.
+  ALL_CACHE_IMPLEMENTATIONS``, the tuple ``GenerationConfig.validate`` reads;
+- ``prepare_cache_method`` / ``set_prepare_cache_method``: ``GenerationMixin._prepare_cache_for_generation``;
+- ``remove_attention``: drops a name from ``AttentionInterface`` and ``AttentionMaskInterface`` (their
+  ``_global_mapping``; ``register`` has no public undo);
+- ``drop_quantizer``: ``model.hf_quantizer`` and ``config.quantization_config``, so that a dequantized model
+  saves as a plain checkpoint.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+from transformers import AttentionInterface, AttentionMaskInterface, GenerationMixin, PreTrainedConfig
+from transformers.cache_utils import DummyLayer, get_layer_types_and_kwargs
+from transformers.dynamic_module_utils import check_python_requirements
+from transformers.generation import configuration_utils
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+__all__ = [
+    "DummyLayer",
+    "attn_implementation",
+    "cache_implementations",
+    "cache_layer_state",
+    "check_python_requirements",
+    "commit_hash",
+    "drop_quantizer",
+    "layer_types_and_kwargs",
+    "prepare_cache_method",
+    "remove_attention",
+    "sdpa_attention_forward",
+    "sdpa_mask",
+    "set_cache_implementations",
+    "set_prepare_cache_method",
+]
+
+
+def attn_implementation(config: PreTrainedConfig) -> str | None:
+    """The attention a model of ``config`` runs (``"sdpa"``, ``"eager"``, ...); ``None`` when no model set it."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def layer_types_and_kwargs(config: PreTrainedConfig) -> tuple[list[str], list[dict[str, Any]]]:
+    """Each layer's attention type (``full_attention``, ``sliding_attention``, ``dummy``, ...) and the keywords of
+    its cache layer (a sliding layer's ``sliding_window``), exactly as transformers' own caches read them."""
+    return get_layer_types_and_kwargs(config)
+
+
+def commit_hash(config: PreTrainedConfig) -> str | None:
+    """The hub revision a model's config was loaded from; ``None`` where the config does not say.
+
+    transformers 5 no longer keeps ``_commit_hash`` on a loaded config (it pops the key), so this is ``None``
+    with the releases we support (``tests/test_transformers_internals.py`` pins it).
+    """
+    return getattr(config, "_commit_hash", None)
+
+
+def cache_layer_state(layer: Any) -> list[Any]:
+    """Every attribute value of a transformers cache layer: its tensors (quantized layers keep theirs in private
+    attributes) and its counters."""
+    return list(vars(layer).values())
+
+
+def cache_implementations() -> tuple[str, ...]:
+    """The ``cache_implementation`` names ``GenerationConfig.validate`` accepts."""
+    return configuration_utils.ALL_CACHE_IMPLEMENTATIONS
+
+
+def set_cache_implementations(names: tuple[str, ...]) -> None:
+    """Replaces the names ``GenerationConfig.validate`` accepts."""
+    configuration_utils.ALL_CACHE_IMPLEMENTATIONS = names
+
+
+def prepare_cache_method() -> Callable[..., Any]:
+    """``GenerationMixin._prepare_cache_for_generation``, which builds the cache ``generate`` runs with."""
+    return GenerationMixin._prepare_cache_for_generation
+
+
+def set_prepare_cache_method(method: Callable[..., Any]) -> None:
+    """Replaces ``GenerationMixin._prepare_cache_for_generation`` for every model."""
+    GenerationMixin._prepare_cache_for_generation = method
+
+
+def remove_attention(name: str) -> None:
+    """Drops ``name`` from ``AttentionInterface`` and ``AttentionMaskInterface`` (a no-op where it is absent)."""
+    for interface in (AttentionInterface, AttentionMaskInterface):
+        interface._global_mapping.pop(name, None)
+
+
+def drop_quantizer(model: Any) -> None:
+    """Forgets a loaded model's quantizer and its config entry, so ``save_pretrained`` writes a plain checkpoint.
+
+    For a model whose weights are already dequantized (a GGUF file loads as plain floats but keeps a quantizer
+    that refuses ``save_pretrained``).
+    """
+    model.hf_quantizer = None
+    del model.config.quantization_config
