@@ -48,12 +48,12 @@ def layer_types(config: Any) -> list[str]:
 
 
 def layer_groups(types: list[str]) -> list[list[int]]:
-    """Splits the cached layers into equal groups of one attention type each (``dummy`` layers left out).
+    """Splits the cached layers into equal *layer groups* of one attention type each (``dummy`` layers left out).
 
-    A page spans the layers of one group, and each group has its own page table, so layers that
-    keep different tokens (a full layer keeps all, a sliding layer only its window) never share a
-    page. The group size is the greatest common divisor of the layer counts of each type: a model of
-    one type is one group of all its layers; Gemma 3 (25 sliding + 5 full layers) is 6 groups of 5.
+    A page spans the layers of one layer group, and each layer group has its own page table, so layers
+    that keep different tokens (a full layer keeps all, a sliding layer only its window) never share a
+    page. The layer group size is the greatest common divisor of the layer counts of each type: a model of
+    one type is one layer group of all its layers; Gemma 3 (25 sliding + 5 full layers) is 6 groups of 5.
     """
     kinds = [kind for kind in dict.fromkeys(types) if kind != "dummy"]
     members = {kind: [idx for idx, other in enumerate(types) if other == kind] for kind in kinds}
@@ -63,14 +63,14 @@ def layer_groups(types: list[str]) -> list[list[int]]:
 
 @dataclass(frozen=True)
 class PageFormat:
-    """Geometry of one page: ``page_size`` token slots in every layer of one group of layers.
+    """Geometry of one page: ``page_size`` token slots in every layer of one layer group.
 
     A slot is one token's key and value in one layer; one page id addresses the same
-    ``page_size`` slots in the ``num_layers`` layers of whichever group's page table holds it.
-    A model whose layers are all of one type is one group (``num_groups == 1``); a hybrid model
-    (sliding and full layers) has ``num_groups`` groups of ``num_layers`` layers (``layer_groups``).
+    ``page_size`` slots in the ``num_layers`` layers of whichever layer group's page table holds it.
+    A model whose layers are all of one type is one layer group (``num_layer_groups == 1``); a hybrid
+    model (sliding and full layers) has ``num_layer_groups`` groups of ``num_layers`` layers (``layer_groups``).
     Keys are stored in ``dtype``; values too, or, with ``value_bits`` set, as int8/int4 codes plus a
-    scale and zero per ``value_group_size`` channels in ``dtype`` (``hf_kvcache.quant``).
+    scale and zero per scale group of ``value_group_size`` channels in ``dtype`` (``hf_kvcache.quant``).
     """
 
     num_layers: int
@@ -78,13 +78,13 @@ class PageFormat:
     head_dim: int
     dtype: torch.dtype
     page_size: int = DEFAULT_PAGE_SIZE
-    num_groups: int = 1
+    num_layer_groups: int = 1
     value_bits: int | None = None
     value_group_size: int = 64
 
     def __post_init__(self) -> None:
         check_page_size(self.page_size)
-        for name in ("num_layers", "num_kv_heads", "head_dim", "num_groups"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "num_layer_groups"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PageFormat.{name} must be >= 1, got {getattr(self, name)}.")
         if not self.dtype.is_floating_point:
@@ -103,17 +103,17 @@ class PageFormat:
         """Bytes of one page (keys and values of ``page_size`` slots in ``num_layers`` layers)."""
         key_bytes = self.head_dim * self.dtype.itemsize
         fmt = self.value_format
-        value_bytes = key_bytes if fmt is None else fmt.code_dim + 2 * fmt.num_groups * self.dtype.itemsize
+        value_bytes = key_bytes if fmt is None else fmt.code_dim + 2 * fmt.num_scale_groups * self.dtype.itemsize
         return self.num_layers * self.num_kv_heads * (key_bytes + value_bytes) * self.page_size
 
     @property
     def token_bytes(self) -> int:
-        """Bytes of one token's keys and values in every layer of the model (all groups)."""
-        return self.page_bytes // self.page_size * self.num_groups
+        """Bytes of one token's keys and values in every layer of the model (all layer groups)."""
+        return self.page_bytes // self.page_size * self.num_layer_groups
 
     def pages_for_tokens(self, num_tokens: int) -> int:
-        """Pages holding ``num_tokens`` tokens of one sequence in every layer (a page per group per ``page_size``)."""
-        return math.ceil(num_tokens / self.page_size) * self.num_groups
+        """Pages holding ``num_tokens`` tokens of one sequence in every layer (a page per layer group and page_size)."""
+        return math.ceil(num_tokens / self.page_size) * self.num_layer_groups
 
     @classmethod
     def from_model_config(cls, config: Any, dtype: torch.dtype, page_size: int = DEFAULT_PAGE_SIZE) -> Self:

@@ -38,37 +38,41 @@ class PageTable:
     def num_rows(self) -> int:
         return len(self.rows)
 
-    def grow(self, num_rows: int, num_new_tokens: int, groups: list[int] | None = None) -> list[tuple[int, int]]:
+    def grow(
+        self, num_rows: int, num_new_tokens: int, identical_rows: list[int] | None = None
+    ) -> list[tuple[int, int]]:
         """Makes room for ``num_new_tokens`` more tokens in every row.
 
         Shared pages the new tokens land in are copied first; then pages are appended. On an
-        empty table, ``groups[r]`` names the first row identical to row ``r`` (``groups[r] <= r``):
-        rows of a group share all their new pages, so identical rows are stored once.
+        empty table, ``identical_rows[r]`` names the first row identical to row ``r``
+        (``identical_rows[r] <= r``): identical rows share all their new pages, so they are stored once.
 
         Returns:
             ``(src, dst)`` page pairs whose contents the caller must copy before writing.
 
         Raises:
             PoolExhaustedError: not enough free pages; nothing changed.
-            ValueError: ``num_rows`` differs from the table's rows, or ``groups`` on a non-empty table.
+            ValueError: ``num_rows`` differs from the table's rows, or ``identical_rows`` on a non-empty table.
         """
         if self.rows and num_rows != len(self.rows):
             raise ValueError(
                 f"The cache holds {len(self.rows)} rows but the new tokens come in {num_rows} rows. A cache serves "
                 "one batch at a time: reset() it, or use a new cache, before a batch of another size."
             )
-        if groups is not None and self.num_tokens:
-            raise ValueError("Row groups can only be given for the first tokens of a table.")
-        groups = list(range(num_rows)) if groups is None else groups
-        if len(groups) != num_rows or any(
-            not 0 <= group <= row or groups[group] != group for row, group in enumerate(groups)
+        if identical_rows is not None and self.num_tokens:
+            raise ValueError("identical_rows can only be given for the first tokens of a table.")
+        firsts = list(range(num_rows)) if identical_rows is None else identical_rows
+        if len(firsts) != num_rows or any(
+            not 0 <= first <= row or firsts[first] != first for row, first in enumerate(firsts)
         ):
-            raise ValueError(f"groups must name, for each of {num_rows} rows, its group's first row: {groups}.")
+            raise ValueError(
+                f"identical_rows must name, for each of {num_rows} rows, the first row identical to it: {firsts}."
+            )
         rows = self.rows or [[] for _ in range(num_rows)]  # an empty table takes its rows only once pages are in
         end = self.num_tokens + num_new_tokens
         first_page = self.num_tokens // self.page_size
         touched = [(row, index) for row in range(num_rows) for index in range(first_page, len(rows[row]))]
-        leaders = [row for row in range(num_rows) if groups[row] == row]
+        leaders = [row for row in range(num_rows) if firsts[row] == row]  # rows that get pages of their own
         num_new_pages = math.ceil(end / self.page_size) - len(rows[0])
         copies, fresh = self._copy_on_write(touched, num_new_pages * len(leaders))
         self.rows = rows
@@ -76,8 +80,8 @@ class PageTable:
             self.version += 1
         new_pages = {row: fresh[i * num_new_pages : (i + 1) * num_new_pages] for i, row in enumerate(leaders)}
         for row in range(num_rows):
-            pages = new_pages[groups[row]]
-            if groups[row] != row:
+            pages = new_pages[firsts[row]]
+            if firsts[row] != row:
                 self.allocator.share(pages)
             self.rows[row].extend(pages)
         self.num_tokens = end

@@ -1,21 +1,25 @@
 """The KV pool: preallocated page storage for one model geometry on one device.
 
 Layout. Storage is a list of chunks allocated in a few large steps (a fixed-budget pool has
-exactly one). Chunk ``c`` holds the pages with ids ``[start_c, start_c + num_pages_c)``::
+exactly one). Chunk ``c`` holds the pages with ids ``[start_c, start_c + num_pages_c)``, in every layer
+of one *layer group* (``num_layers`` layers of one attention type; a model has ``num_layer_groups`` of
+them, each with its own page table, so a page id serves one layer group)::
 
     keys[c], values[c]: [num_layers, num_kv_heads, num_pages_c, page_size, head_dim]
 
-    quantized values (format.value_bits set) instead:
-    values[c]:       [num_layers, num_kv_heads, num_pages_c, page_size, code_dim]        uint8 codes
-    value_scales[c]: [num_layers, num_kv_heads, num_pages_c, page_size, 2 * num_groups]  scales, then zeros
+    quantized values (format.value_bits set) instead, per *scale group* of value_group_size channels:
+    values[c]:       [num_layers, num_kv_heads, num_pages_c, page_size, code_dim]          uint8 codes
+    value_scales[c]: [num_layers, num_kv_heads, num_pages_c, page_size, 2 * num_scale_groups]  scales, zeros
 
-    page id p  ->  chunk c with start_c <= p < start_c + num_pages_c, local page p - start_c
-    slot       =  (layer, page id, offset < page_size): one token's key/value in one layer
+    page id p       ->  chunk c with start_c <= p < start_c + num_pages_c, local page p - start_c
+    slot            =   (layer_in_group, page id, offset < page_size): one token's key/value in one layer
+    row r, token t  ->  slot t % page_size of page rows[r][t // page_size] of its layer group's page table
+                        (a ring maps token t to a logical slot first: hf_kvcache.layers.ring)
 
 Page 0 (in chunk 0) is the null page. Pages never move once allocated: growing appends a chunk.
 
 Bookkeeping is delegated to a ``PageAllocator`` (ids and reference counts) and to the
-``PageTable`` of each cache; the pool serializes them with one lock, so threads running
+``PageTable`` of each cache's layer group; the pool serializes them with one lock, so threads running
 ``generate`` on different caches can share a pool. It also keeps live statistics and fires
 alerts when the share of used pages crosses a threshold.
 """
@@ -213,9 +217,11 @@ class KVPool:
             self.keys.append(torch.zeros(*shape, fmt.head_dim, dtype=fmt.dtype, device=self.device))
             if quant is None:
                 self.values.append(torch.zeros(*shape, fmt.head_dim, dtype=fmt.dtype, device=self.device))
-            else:  # codes [..., code_dim] and (scale, zero) per group [..., 2 * num_groups]
+            else:  # codes [..., code_dim] and (scale, zero) per scale group [..., 2 * num_scale_groups]
                 self.values.append(torch.zeros(*shape, quant.code_dim, dtype=torch.uint8, device=self.device))
-                self.value_scales.append(torch.zeros(*shape, 2 * quant.num_groups, dtype=fmt.dtype, device=self.device))
+                self.value_scales.append(
+                    torch.zeros(*shape, 2 * quant.num_scale_groups, dtype=fmt.dtype, device=self.device)
+                )
         self.chunk_starts.append(start)
         self.chunk_sizes.append(num_pages)
 

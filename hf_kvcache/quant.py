@@ -1,8 +1,8 @@
 """Value quantization for a value-quantized KV cache (pure torch): the reference and an in-place fast path.
 
-Each token's ``head_dim`` value channels are cut into ``num_groups`` groups of ``group_size`` consecutive
-channels. A group is stored asymmetrically as unsigned codes plus one ``scale`` and one ``zero`` (the group
-minimum) in the values' dtype::
+Each token's ``head_dim`` value channels are cut into ``num_scale_groups`` *scale groups* of ``group_size``
+consecutive channels. A scale group is stored asymmetrically as unsigned codes plus one ``scale`` and one ``zero``
+(the group's minimum) in the values' dtype::
 
     value ~= zero + code * scale,    code in [0, max_code]  (255 for int8, 15 for int4)
 
@@ -25,7 +25,7 @@ class QuantFormat:
 
     Attributes:
         bits: bits per code, 8 or 4.
-        group_size: consecutive channels sharing one scale and zero; divides ``head_dim``.
+        group_size: consecutive channels sharing one scale and zero (a scale group); divides ``head_dim``.
         head_dim: channels per head; even for 4 bits (two codes per byte).
     """
 
@@ -54,7 +54,7 @@ class QuantFormat:
             )
 
     @property
-    def num_groups(self) -> int:
+    def num_scale_groups(self) -> int:
         """Scales (and zeros) per token per head."""
         return self.head_dim // self.group_size
 
@@ -96,21 +96,21 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Ten
         fmt: the quantization format.
 
     Returns:
-        ``(codes, scale, zero)``: codes ``[..., code_dim]`` uint8; scale and zero ``[..., num_groups]`` in
+        ``(codes, scale, zero)``: codes ``[..., code_dim]`` uint8; scale and zero ``[..., num_scale_groups]`` in
         ``x.dtype``. ``scale >= 0``, and ``scale == 0`` exactly for constant groups.
     """
     if not x.is_floating_point() or x.shape[-1] != fmt.head_dim:
         raise ValueError(f"quantize needs floating x of shape [..., {fmt.head_dim}], got {x.dtype} {tuple(x.shape)}.")
-    groups = x.float().unflatten(-1, (fmt.num_groups, fmt.group_size))  # [..., num_groups, group_size]
-    low, high = groups.aminmax(dim=-1)  # [..., num_groups]
-    span = high - low  # [..., num_groups]
+    groups = x.float().unflatten(-1, (fmt.num_scale_groups, fmt.group_size))  # [..., num_scale_groups, group_size]
+    low, high = groups.aminmax(dim=-1)  # [..., num_scale_groups]
+    span = high - low  # [..., num_scale_groups]
     scale = (span / fmt.max_code).to(x.dtype)
     # Where the cast rounded the scale down, max_code * scale would fall short of the span and the group's
     # maximum would be clamped (error up to a whole scale); one step up restores the bound. The product is
     # exact in float32 for bfloat16/float16 scales.
     scale = torch.where(scale.float() * fmt.max_code < span, scale.nextafter(torch.full_like(scale, torch.inf)), scale)
     zero = low.to(x.dtype)  # exact: the minimum is one of x's values
-    stored_scale = scale.float().unsqueeze(-1)  # [..., num_groups, 1]
+    stored_scale = scale.float().unsqueeze(-1)  # [..., num_scale_groups, 1]
     # A constant group has scale 0 and numerators 0: divide by 1 there to get code 0.
     steps = (groups - low.unsqueeze(-1)) / torch.where(stored_scale > 0, stored_scale, 1)
     codes = steps.round_().clamp_(0, fmt.max_code).to(torch.uint8).flatten(-2)  # [..., head_dim]
@@ -125,13 +125,15 @@ def dequantize(
     ``dequantize_into`` does the same operations in the same order, so the two agree bitwise.
 
     Args:
-        codes: ``[..., code_dim]`` uint8. scale, zero: ``[..., num_groups]``.
+        codes: ``[..., code_dim]`` uint8. scale, zero: ``[..., num_scale_groups]``.
 
     Returns:
         ``[..., head_dim]`` in ``dtype``.
     """
     unpacked = codes if fmt.bits == 8 else unpack_int4(codes)  # [..., head_dim]
-    groups = unpacked.float().unflatten(-1, (fmt.num_groups, fmt.group_size))  # [..., num_groups, group_size]
+    groups = unpacked.float().unflatten(
+        -1, (fmt.num_scale_groups, fmt.group_size)
+    )  # [..., num_scale_groups, group_size]
     values = groups * scale.float().unsqueeze(-1)
     values = values + zero.float().unsqueeze(-1)
     return values.flatten(-2).to(dtype)
@@ -153,7 +155,7 @@ def dequantize_into(
 
     Args:
         out: ``[..., head_dim]`` floating, written in place; may be a view into a larger buffer.
-        codes: ``[..., code_dim]`` uint8. scale, zero: ``[..., num_groups]``.
+        codes: ``[..., code_dim]`` uint8. scale, zero: ``[..., num_scale_groups]``.
         work: a float32 buffer of ``out``'s shape, reused across calls when ``out`` is not float32 (made if
             ``None``).
     """
@@ -172,7 +174,7 @@ def dequantize_into(
         pairs = work.unflatten(-1, (fmt.code_dim, 2))  # view [..., code_dim, 2]
         pairs[..., 0].copy_(codes & 0xF)
         pairs[..., 1].copy_(codes >> 4)
-    groups = work.unflatten(-1, (fmt.num_groups, fmt.group_size))  # view [..., num_groups, group_size]
+    groups = work.unflatten(-1, (fmt.num_scale_groups, fmt.group_size))  # view [..., num_scale_groups, group_size]
     groups.mul_(scale.unsqueeze(-1))
     groups.add_(zero.unsqueeze(-1))
     if work is not out:

@@ -82,12 +82,12 @@ def test_page_table_random_operations_keep_integrity(page_size, num_rows, ops):
         used_before = allocator.num_used
         try:
             if op == "grow":
-                groups = None
+                identical_rows = None
                 if not table.num_tokens:
-                    groups = []
+                    identical_rows = []
                     for row, pick in zip(range(rows), picks + [99] * rows):
-                        groups.append(groups[min(pick, row)] if pick < row else row)
-                copies = table.grow(rows, amount % 9 + 1, groups)
+                        identical_rows.append(identical_rows[min(pick, row)] if pick < row else row)
+                copies = table.grow(rows, amount % 9 + 1, identical_rows)
                 # Every copy leaves a private page behind: the destination is referenced once.
                 assert all(allocator.refcount(dst) == 1 for _, dst in copies)
             elif op == "select" and table.num_rows:
@@ -115,7 +115,7 @@ def test_grow_shares_identical_rows_and_copies_on_write():
     allocator = PageAllocator(32)
     table = PageTable(allocator, page_size=4)
     # Rows 0 and 2 are identical, row 1 differs: 10 tokens = 3 pages each, stored for 2 rows only.
-    assert table.grow(3, 10, groups=[0, 1, 0]) == []
+    assert table.grow(3, 10, identical_rows=[0, 1, 0]) == []
     assert allocator.num_used == 6
     assert table.rows[0] == table.rows[2] and table.rows[0] != table.rows[1]
     # The next token lands in the shared, partly filled page 3: row 0 copies it, row 2 then owns the original.
@@ -125,9 +125,9 @@ def test_grow_shares_identical_rows_and_copies_on_write():
     assert allocator.num_used == 7
     table.check_integrity()
     with pytest.raises(ValueError, match="first tokens"):
-        table.grow(3, 1, groups=[0, 0, 0])
-    with pytest.raises(ValueError, match="its group's first row"):
-        PageTable(allocator, 4).grow(3, 1, groups=[0, 0, 1])
+        table.grow(3, 1, identical_rows=[0, 0, 0])
+    with pytest.raises(ValueError, match="the first row identical to it"):
+        PageTable(allocator, 4).grow(3, 1, identical_rows=[0, 0, 1])
     with pytest.raises(ValueError, match="holds 3 rows"):
         table.grow(2, 1)
 

@@ -130,7 +130,7 @@ def test_pool_made_under_inference_mode_serves_calls_outside_it(tiny_llama_model
 def test_pool_of_another_model_is_rejected(tiny_llama_model, tiny_gemma3_model):
     pool = KVPool.for_model(tiny_gemma3_model, max_tokens=64)
     with pytest.raises(
-        hf_kvcache.IncompatibleModelError, match="num_layers 1 vs 2, num_groups 4 vs 1.*KVPool.for_model"
+        hf_kvcache.IncompatibleModelError, match="num_layers 1 vs 2, num_layer_groups 4 vs 1.*KVPool.for_model"
     ):
         tiny_llama_model.generate(
             torch.tensor([[1, 2, 3]]), max_new_tokens=2, cache_implementation="paged_pool", cache_config={"pool": pool}

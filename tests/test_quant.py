@@ -31,8 +31,10 @@ def values(draw, fmt: QuantFormat) -> torch.Tensor:
     exponent = draw(st.integers(round(math.log2(info.smallest_normal)) - 8, round(math.log2(info.max)) - 5))
     offset = draw(st.sampled_from([0.0, 1.0, -3.0, 100.0]))
     x = (torch.randn(shape, generator=generator, dtype=torch.float64) + offset) * 2.0**exponent
-    constant = torch.rand((*shape[:-1], fmt.num_groups), generator=generator) < draw(st.sampled_from([0.0, 0.3, 1.0]))
-    groups = x.unflatten(-1, (fmt.num_groups, fmt.group_size))
+    constant = torch.rand((*shape[:-1], fmt.num_scale_groups), generator=generator) < draw(
+        st.sampled_from([0.0, 0.3, 1.0])
+    )
+    groups = x.unflatten(-1, (fmt.num_scale_groups, fmt.group_size))
     x = torch.where(constant.unsqueeze(-1), groups[..., :1], groups).flatten(-2)
     limit = info.max / 2
     for _ in range(draw(st.integers(0, 3))):  # a few hand-picked values anywhere
@@ -48,8 +50,8 @@ def cases(draw) -> tuple[QuantFormat, torch.Tensor]:
 
 
 def grouped(tensor: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
-    """``[..., head_dim]`` as float64 ``[..., num_groups, group_size]``."""
-    return tensor.double().unflatten(-1, (fmt.num_groups, fmt.group_size))
+    """``[..., head_dim]`` as float64 ``[..., num_scale_groups, group_size]``."""
+    return tensor.double().unflatten(-1, (fmt.num_scale_groups, fmt.group_size))
 
 
 def unpacked(codes: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
@@ -62,7 +64,7 @@ def test_stored_values_are_within_half_a_scale(case):
     fmt, x = case
     codes, scale, zero = quantize(x, fmt)
     assert codes.dtype == torch.uint8 and codes.shape == (*x.shape[:-1], fmt.code_dim)
-    assert scale.shape == zero.shape == (*x.shape[:-1], fmt.num_groups)
+    assert scale.shape == zero.shape == (*x.shape[:-1], fmt.num_scale_groups)
     assert scale.dtype == zero.dtype == x.dtype
     q = grouped(unpacked(codes, fmt), fmt)
     s, z = scale.double().unsqueeze(-1), zero.double().unsqueeze(-1)
@@ -158,8 +160,8 @@ def test_int4_layout_low_nibble_is_the_even_channel():
 
 def test_format_sizes():
     int8, int4 = QuantFormat(bits=8, group_size=32, head_dim=128), QuantFormat(bits=4, group_size=32, head_dim=128)
-    assert (int8.num_groups, int8.code_dim, int8.max_code) == (4, 128, 255)
-    assert (int4.num_groups, int4.code_dim, int4.max_code) == (4, 64, 15)
+    assert (int8.num_scale_groups, int8.code_dim, int8.max_code) == (4, 128, 255)
+    assert (int4.num_scale_groups, int4.code_dim, int4.max_code) == (4, 64, 15)
 
 
 @pytest.mark.parametrize(

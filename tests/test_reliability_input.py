@@ -88,7 +88,7 @@ def test_cache_config_that_is_not_a_dict_is_rejected(tiny_llama_model, name):
 def test_pool_of_another_geometry_dtype_or_device_is_rejected(tiny_llama_model, tiny_gemma3_model, name):
     formats = EXAMPLE_POOL_FORMATS.get(name, {})
     mismatches = [
-        (KVPool.for_model(tiny_gemma3_model, max_tokens=64, **formats), r"num_layers 1 vs 2, num_groups 4 vs 1"),
+        (KVPool.for_model(tiny_gemma3_model, max_tokens=64, **formats), r"num_layers 1 vs 2, num_layer_groups 4 vs 1"),
         (KVPool.for_model(tiny_llama_model, max_tokens=64, dtype=torch.float16, **formats), "dtype torch.float16 vs"),
         # The meta device has no storage, so a pool on it stands for a pool on another device.
         (KVPool.for_model(tiny_llama_model, max_tokens=64, device="meta", **formats), r"device meta vs cpu"),

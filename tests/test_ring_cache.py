@@ -131,9 +131,9 @@ def in_place_reads(monkeypatch):
     counted = {"reads": 0}
     slot_views = RingRows._slot_views
 
-    def counting(self, page_layer):
+    def counting(self, layer_in_group):
         counted["reads"] += 1
-        return slot_views(self, page_layer)
+        return slot_views(self, layer_in_group)
 
     monkeypatch.setattr(RingRows, "_slot_views", counting)
     return counted
@@ -316,7 +316,7 @@ def test_hybrid_model_layers_draw_from_one_pool_in_groups(tiny_gemma3_model):
     config = tiny_gemma3_model.config
     assert layer_groups(layer_types(config)) == [[0], [1], [2], [3]]
     pool = KVPool.for_model(tiny_gemma3_model, max_tokens=2048)
-    assert (pool.format.num_layers, pool.format.num_groups) == (1, 4)
+    assert (pool.format.num_layers, pool.format.num_layer_groups) == (1, 4)
     cache = PagedCache(config, pool=pool)
     assert [type(layer) for layer in cache.layers] == [RingLayer, RingLayer, RingLayer, PagedLayer]
     ids = random_ids(1, 300)

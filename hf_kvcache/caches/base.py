@@ -24,12 +24,11 @@ from hf_kvcache.pool import KVPool
 from hf_kvcache.transformers_internals import DummyLayer, attn_implementation, layer_types_and_kwargs
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-QUANT_FIELDS = ("value_bits", "value_group_size")
 
 
 @dataclass(frozen=True)
 class RowPolicy:
-    """Which tokens a group of layers keeps: all of them (``window=None``), or a ring of the last ``window``.
+    """Which tokens a layer group keeps: all of them (``window=None``), or a ring of the last ``window``.
 
     Attributes:
         window: tokens each query attends to, itself included; ``None`` keeps every token.
@@ -50,7 +49,7 @@ class RowPolicy:
         return math.ceil(num_tokens / page_size)
 
     def make_rows(self, pool: KVPool, reads_slots: Callable[[], bool]) -> PagedRows:
-        """The rows of a group on ``pool``; ``reads_slots``: does the model's attention read a ring's ``KeyLayout``."""
+        """The rows of a layer group on ``pool``; ``reads_slots``: does the model's attention read a ``KeyLayout``."""
         if self.window is None:
             return PagedRows(pool, self.residual_length)
         return RingRows(pool, self.window, self.sink_tokens, self.residual_length, reads_slots)
@@ -62,7 +61,7 @@ def reads_key_layouts(config: PreTrainedConfig) -> bool:
 
 
 class PoolBinder:
-    """Finds (once per device) the pool a cache's layers write to, and each group's rows on it.
+    """Finds (once per device) the pool a cache's layers write to, and each layer group's rows on it.
 
     Kept apart from the cache so that layers and the cache's finalizer can hold it without a
     reference cycle back to the cache.
@@ -70,7 +69,7 @@ class PoolBinder:
     Args:
         config: the model's decoder config.
         options: the cache's options.
-        policies: the row policy of each group of layers (``config.layer_groups``).
+        policies: the row policy of each layer group (``config.layer_groups``).
     """
 
     def __init__(self, config: PreTrainedConfig, options: CacheOptions, policies: list[RowPolicy]) -> None:
@@ -84,14 +83,15 @@ class PoolBinder:
         if self.pool is not None and not isinstance(self.pool, KVPool):
             raise TypeError(f"cache_config pool must be a KVPool or a pool's name, got {type(self.pool).__name__}.")
 
-    def rows_for(self, group_idx: int, key_states: torch.Tensor) -> PagedRows:
-        """The rows of group ``group_idx`` on the device of ``key_states`` (made on first use)."""
+    def rows_for(self, layer_group_idx: int, key_states: torch.Tensor) -> PagedRows:
+        """The rows of layer group ``layer_group_idx`` on the device of ``key_states`` (made on first use)."""
         device = key_states.device
-        rows = self.rows.get((device, group_idx))
+        rows = self.rows.get((device, layer_group_idx))
         if rows is None:
             pool = self.bind(device, key_states.dtype, key_states.shape[1], key_states.shape[-1])
             reads_slots = functools.partial(reads_key_layouts, self.config)  # not a method: rows must not hold self
-            rows = self.rows[(device, group_idx)] = self.policies[group_idx].make_rows(pool, reads_slots)
+            policy = self.policies[layer_group_idx]
+            rows = self.rows[(device, layer_group_idx)] = policy.make_rows(pool, reads_slots)
             if isinstance(rows, RingRows):
                 rows.planned_tokens = self.planned_tokens
         return rows
@@ -129,7 +129,7 @@ class PoolBinder:
             f"{name} {getattr(theirs, name)} vs {getattr(ours, name)}"
             for name in (
                 "num_layers",
-                "num_groups",
+                "num_layer_groups",
                 "num_kv_heads",
                 "head_dim",
                 "dtype",
@@ -155,8 +155,8 @@ class PoolBinder:
 class PoolCache(Cache):
     """A ``transformers.Cache`` whose layers live in pool pages.
 
-    The model's layers are split into groups of one attention type (``config.layer_groups``); each
-    group has its own page table, and a subclass says which tokens each group keeps
+    The model's layers are split into layer groups of one attention type (``config.layer_groups``); each
+    layer group has its own page table, and a subclass says which tokens each one keeps
     (``_row_policy``): every token, or a ring of the last ``window``.
 
     Args:
@@ -183,7 +183,7 @@ class PoolCache(Cache):
         self.options = options
         groups = layer_groups(layer_types)
         page_format = PageFormat.from_model_config(config, torch.float32)
-        if (page_format.num_layers, page_format.num_groups) != (len(groups[0]), len(groups)):
+        if (page_format.num_layers, page_format.num_layer_groups) != (len(groups[0]), len(groups)):
             raise IncompatibleModelError(
                 f"{type(config).__name__}: transformers and hf_kvcache infer different layer types; "
                 "set config.layer_types explicitly."
@@ -196,10 +196,10 @@ class PoolCache(Cache):
             policies.append(found.pop())
         self._binder = PoolBinder(config, options, policies)
         layers: list[CacheLayerMixin] = [DummyLayer() for _ in layer_types]
-        for group_idx, members in enumerate(groups):
-            bind = functools.partial(self._binder.rows_for, group_idx)
-            for page_layer, layer_idx in enumerate(members):
-                layers[layer_idx] = self._make_layer(layer_idx, page_layer, bind, policies[group_idx])
+        for layer_group_idx, members in enumerate(groups):
+            bind = functools.partial(self._binder.rows_for, layer_group_idx)
+            for layer_in_group, layer_idx in enumerate(members):
+                layers[layer_idx] = self._make_layer(layer_idx, layer_in_group, bind, policies[layer_group_idx])
         super().__init__(layers=layers)
         weakref.finalize(self, self._binder.release)
         if (dtype is None) != (device is None):
@@ -226,10 +226,10 @@ class PoolCache(Cache):
         """Which tokens a layer of ``layer_type`` keeps (``layer_kwargs`` carry its ``sliding_window``)."""
         raise NotImplementedError
 
-    def _make_layer(self, layer_idx: int, page_layer: int, bind, policy: RowPolicy) -> CacheLayerMixin:
+    def _make_layer(self, layer_idx: int, layer_in_group: int, bind, policy: RowPolicy) -> CacheLayerMixin:
         if policy.window is None:
-            return PagedLayer(layer_idx, page_layer, bind)
-        return RingLayer(layer_idx, page_layer, bind, policy.window, policy.sink_tokens, policy.is_sliding)
+            return PagedLayer(layer_idx, layer_in_group, bind)
+        return RingLayer(layer_idx, layer_in_group, bind, policy.window, policy.sink_tokens, policy.is_sliding)
 
     @property
     def pools(self) -> dict[torch.device, KVPool]:
@@ -247,7 +247,7 @@ class PoolCache(Cache):
     def worst_case_pages(self, num_rows: int, num_tokens: int, page_size: int) -> int:
         """Most pages ``num_rows`` rows of ``num_tokens`` tokens each can hold on one pool, no page shared.
 
-        Each group of layers takes its own pages: every token's for a group that keeps them all, at most
+        Each layer group takes its own pages: every token's for a layer group that keeps them all, at most
         a ring's worth (``ring_num_slots``) for a ring. Rows that share pages (beams, identical prompts)
         only need fewer.
         """

@@ -16,18 +16,18 @@ class PagedLayer(CacheLayerMixin):
 
     Args:
         layer_idx: the model layer.
-        page_layer: the layer's place in its group of layers, i.e. which slots of each page are its own.
-        bind: returns the ``PagedRows`` of the layer's group for the device and dtype of the first states written.
+        layer_in_group: the layer's index within its layer group, i.e. which slots of each page are its own.
+        bind: returns the ``PagedRows`` of the layer's layer group for the device and dtype of the first states written.
     """
 
     is_sliding = False
     is_croppable = True
     is_compileable = False
 
-    def __init__(self, layer_idx: int, page_layer: int, bind: Callable[[torch.Tensor], PagedRows]) -> None:
+    def __init__(self, layer_idx: int, layer_in_group: int, bind: Callable[[torch.Tensor], PagedRows]) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.page_layer = page_layer
+        self.layer_in_group = layer_in_group
         self.num_tokens = 0
         self.rows: PagedRows | None = None
         self._bind = bind
@@ -46,9 +46,9 @@ class PagedLayer(CacheLayerMixin):
         """Stores ``[batch, heads, n, head_dim]`` new states; returns all ``[batch, heads, seq_len, head_dim]``."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.rows.write(self.page_layer, self.num_tokens, key_states, value_states)
+        self.rows.write(self.layer_in_group, self.num_tokens, key_states, value_states)
         self.num_tokens += key_states.shape[-2]
-        return self.rows.read(self.page_layer, self.num_tokens)
+        return self.rows.read(self.layer_in_group, self.num_tokens)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.num_tokens + query_length, 0
@@ -65,7 +65,7 @@ class PagedLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         self.num_tokens = max(0, self.num_tokens + tokens_to_remove)
 
-    # Row changes are done once per group and device by the cache, on the shared rows.
+    # Row changes are done once per layer group and device by the cache, on the shared rows.
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         pass
 

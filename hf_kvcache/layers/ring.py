@@ -89,8 +89,42 @@ def ring_num_slots(window: int, sink_tokens: int, page_size: int) -> int:
     return page_size * (math.ceil((sink_tokens + window - 1) / page_size) + 1)
 
 
+@dataclass(frozen=True)
+class RingStep:
+    """Where one step's tokens ``[start, start + num_new)`` are written and read, in every layer of a layer group.
+
+    Built by the layer group's first layer of the step and reused by the others. A step either reads the rows'
+    pages in place (``write_rows`` set; attention gets every slot in slot order, as ``layout`` says) or gathers
+    the visible tokens in time order (``write_parts`` and ``read`` set).
+
+    Attributes:
+        start / num_new: the step's first token and its number of new tokens.
+        layout: what attention must know beyond the model's mask; ``None`` for a single new token read in time
+            order (it sees every key).
+        kept: ``[num_kept]`` the new tokens that are written (a step longer than the ring overwrites itself and
+            keeps its sinks and its last ``ring_slots`` tokens); ``None``: all of them.
+        write_rows: in place only: ``[batch * heads * num_kept]`` rows of the one chunk's flattened layer view the
+            kept states go to, in ``(batch, head, token)`` order.
+        write_parts: gathered only: the kept tokens' slots, as ``ChunkIndex`` parts over ``(head, batch, token)``.
+        read: gathered only: the visible tokens' slots, in time order, as ``ChunkIndex`` parts.
+    """
+
+    start: int
+    num_new: int
+    layout: KeyLayout | None
+    kept: torch.Tensor | None = None
+    write_rows: torch.Tensor | None = None
+    write_parts: list[ChunkIndex] | None = None
+    read: list[ChunkIndex] | None = None
+
+    @property
+    def in_place(self) -> bool:
+        """Attention reads the rows' pages themselves, in slot order."""
+        return self.write_rows is not None
+
+
 class RingRows(PagedRows):
-    """Page table of one cache's ring layers on one pool (one group of layers).
+    """Page table of one cache's ring layers on one pool (one layer group).
 
     Args:
         pool: where the pages live.
@@ -118,7 +152,7 @@ class RingRows(PagedRows):
         self.ring_slots = self.num_slots - sink_tokens
         self.total = 0  # tokens written per row, evicted ones included
         self.planned_tokens = 0  # tokens a row is expected to reach (``PoolCache.plan``); see _grow
-        self._step: tuple | None = None  # (start, num_new, *what _step_index returns)
+        self._step: RingStep | None = None  # the current step's, see _step_index
         self._rows: torch.Tensor | None = None  # see _slot_rows
         self._base: int | None = None  # see _first_page
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # see _slot_views
@@ -133,12 +167,12 @@ class RingRows(PagedRows):
         return self.ring_slots - self.window + 1
 
     def update(
-        self, page_layer: int, start: int, key_states: torch.Tensor, value_states: torch.Tensor
+        self, layer_in_group: int, start: int, key_states: torch.Tensor, value_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes tokens ``[start, start + n)`` of one layer; returns its visible keys and values.
 
         Args:
-            page_layer: the layer's place in its group of layers.
+            layer_in_group: the layer's index within its layer group.
             key_states / value_states: ``[batch, heads, n, head_dim]``.
 
         Returns:
@@ -147,29 +181,29 @@ class RingRows(PagedRows):
         """
         self.begin_step(start, key_states, value_states)
         num_new = key_states.shape[-2]
-        write, read, kept, layout = self._step_index(start, num_new)
-        if layout is not None and layout.mask_columns is not None:  # in slot order: the pages themselves
-            keys, values = self._slot_views(page_layer)
+        step = self._step_index(start, num_new)
+        if step.in_place:  # in slot order: the pages themselves
+            keys, values = self._slot_views(layer_in_group)
             head_dim = keys.shape[-1]
-            for pages, states in zip(self._flat_views(page_layer), (key_states, value_states)):
-                pages.index_copy_(0, write, states.detach().reshape(-1, head_dim))
+            for pages, states in zip(self._flat_views(layer_in_group), (key_states, value_states)):
+                pages.index_copy_(0, step.write_rows, states.detach().reshape(-1, head_dim))
         else:
-            sinks, first = visible_span(start, num_new, self.window, self.sink_tokens)
-            batch = key_states.shape[0]
+            _, first = visible_span(start, num_new, self.window, self.sink_tokens)
+            end, batch = start + num_new, key_states.shape[0]
 
             def gather(chunks: list[torch.Tensor]) -> torch.Tensor:
-                return read_slots(chunks, page_layer, read, batch)
+                return read_slots(chunks, layer_in_group, step.read, batch)
 
             if num_new <= self.max_step:  # write first: attention reads the new tokens from their slots
-                self._store(page_layer, start, write, kept, key_states, value_states)
-                keys, values = self.store.read(page_layer, gather, start + num_new, start + num_new - first)
+                self._store(layer_in_group, step, key_states, value_states)
+                keys, values = self.store.read(layer_in_group, gather, end=end, limit=end - first)
             else:
-                keys, values = self.store.read(page_layer, gather, start, start - first, start + num_new)
-                self._store(page_layer, start, write, kept, key_states, value_states)  # only its tail stays
+                keys, values = self.store.read(layer_in_group, gather, end=start, limit=start - first, newest=end)
+                self._store(layer_in_group, step, key_states, value_states)  # only its tail stays
                 attended = self.store.as_attended(value_states)
                 keys, values = torch.cat([keys, key_states], dim=-2), torch.cat([values, attended], dim=-2)
-        if layout is not None:
-            setattr(keys, LAYOUT_ATTRIBUTE, layout)
+        if step.layout is not None:
+            setattr(keys, LAYOUT_ATTRIBUTE, step.layout)
         return keys, values
 
     def check_crop(self, num_tokens: int) -> None:
@@ -194,7 +228,7 @@ class RingRows(PagedRows):
         super().release()
         self.total = 0
 
-    def _grow(self, batch: int, start: int, num_new: int, groups: list[int] | None) -> None:
+    def _grow(self, batch: int, start: int, num_new: int, identical_rows: list[int] | None) -> None:
         """Takes pages for slots the ring fills for the first time; copies shared pages it overwrites.
 
         The first write takes the pages of ``planned_tokens`` at once (up to the ring's), so that each row's
@@ -204,7 +238,7 @@ class RingRows(PagedRows):
         planned = self.planned_tokens if held == 0 else 0
         fresh = min(max(end, planned), self.num_slots) - held
         if fresh > 0:
-            self._apply(lambda: self.table.grow(batch, fresh, groups))
+            self._apply(lambda: self.table.grow(batch, fresh, identical_rows))
         # Slots written again (a wrapped ring) or taken ahead (planned) may sit in pages rows share (beams);
         # a prefill's pages are all new, and rows sharing them are identical.
         if start > 0 and (start < held or end > self.num_slots):
@@ -216,19 +250,9 @@ class RingRows(PagedRows):
     def _slot(self, token: int) -> int:
         return token if token < self.sink_tokens else self.sink_tokens + (token - self.sink_tokens) % self.ring_slots
 
-    def _step_index(
-        self, start: int, num_new: int
-    ) -> tuple[list[ChunkIndex] | torch.Tensor, list[ChunkIndex] | None, torch.Tensor | None, KeyLayout | None]:
-        """Slot indices of the step's writes and reads, built by the group's first layer and reused by the rest.
-
-        Returns:
-            ``(write, read, kept, layout)``: ``kept`` selects the new tokens that are written (``None``: all);
-            ``layout`` is ``None`` for a single new token read in time order (it sees every key). Where
-            attention reads the slots in place (``layout.mask_columns`` is set), ``read`` is ``None`` and
-            ``write`` holds the new states' rows of the one chunk's flattened layer view, in ``(batch, head,
-            token)`` order.
-        """
-        if self._step is None or self._step[:2] != (start, num_new):
+    def _step_index(self, start: int, num_new: int) -> RingStep:
+        """The step's slot indices: built by the layer group's first layer of the step, reused by the rest."""
+        if self._step is None or (self._step.start, self._step.num_new) != (start, num_new):
             device = self.pool.device
             end = start + num_new
             sinks, first = visible_span(start, num_new, self.window, self.sink_tokens)
@@ -245,17 +269,18 @@ class RingRows(PagedRows):
                 written = written[kept]
             if num_new <= self.max_step and self._reads_slots() and self._first_page() is not None:
                 slots = self._slots(written)
-                write = self._slot_rows()[:, :, slots].transpose(0, 1).reshape(-1)  # (batch, head, token) order
-                self._step = (start, num_new, write, None, None, self._slot_layout(start, num_new, sinks, first))
-                return self._step[2:]
+                rows = self._slot_rows()[:, :, slots].transpose(0, 1).reshape(-1)  # (batch, head, token) order
+                layout = self._slot_layout(start, num_new, sinks, first)
+                self._step = RingStep(start, num_new, layout, write_rows=rows)
+                return self._step
             last = end if num_new <= self.max_step else start
             visible = torch.cat([torch.arange(sinks, device=device), torch.arange(first, end, device=device)])
             read = self._slot_index(visible[: visible.numel() - (end - last)])
             layout = None  # a single new token sees every visible one
             if num_new > 1:
                 layout = KeyLayout(band(visible, start, num_new, self.window, self.sink_tokens))
-            self._step = (start, num_new, self._slot_index(written), read, kept, layout)
-        return self._step[2:]
+            self._step = RingStep(start, num_new, layout, kept, write_parts=self._slot_index(written), read=read)
+        return self._step
 
     def _slot_layout(self, start: int, num_new: int, sinks: int, first: int) -> KeyLayout:
         """The layout of every slot the rows hold, read in place: which token each holds, and its mask column."""
@@ -281,24 +306,28 @@ class RingRows(PagedRows):
                 self._base = -1
         return None if self._base < 0 else self._base
 
-    def _flat_views(self, page_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _flat_views(self, layer_in_group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A one-chunk pool's keys and values of one layer as ``[heads * pages * page_size, head_dim]`` rows."""
         head_dim = self.pool.format.head_dim
-        return self.pool.keys[0][page_layer].view(-1, head_dim), self.pool.values[0][page_layer].view(-1, head_dim)
+        return self.pool.keys[0][layer_in_group].view(-1, head_dim), self.pool.values[0][layer_in_group].view(
+            -1, head_dim
+        )
 
-    def _slot_views(self, page_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _slot_views(self, layer_in_group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[batch, heads, num_keys, head_dim]`` of every slot of the rows: views of the pool."""
-        views = self._views.get(page_layer)
+        views = self._views.get(layer_in_group)
         if views is None:
             pool, ids, base = self.pool, self._page_ids(), self._first_page()
             batch, num_pages = ids.shape
             _, heads, _, page_size, head_dim = pool.keys[0].shape
 
             def view(chunk: torch.Tensor) -> torch.Tensor:
-                pages = chunk[page_layer, :, base : base + ids.numel()]  # [heads, rows * pages, page_size, head_dim]
+                pages = chunk[
+                    layer_in_group, :, base : base + ids.numel()
+                ]  # [heads, rows * pages, page_size, head_dim]
                 return pages.view(heads, batch, num_pages * page_size, head_dim).permute(1, 0, 2, 3)
 
-            views = self._views[page_layer] = (view(pool.keys[0]), view(pool.values[0]))
+            views = self._views[layer_in_group] = (view(pool.keys[0]), view(pool.values[0]))
         return views
 
     def _slot_index(self, tokens: torch.Tensor) -> list[ChunkIndex]:
@@ -330,19 +359,12 @@ class RingRows(PagedRows):
             self._rows = rows.flatten(2)
         return self._rows
 
-    def _store(
-        self,
-        page_layer: int,
-        start: int,
-        parts: list[ChunkIndex],
-        kept: torch.Tensor | None,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-    ) -> None:
-        self.store.remember(page_layer, start, value_states)
-        if kept is not None:
-            key_states, value_states = key_states[:, :, kept], value_states[:, :, kept]
-        self.store.write(page_layer, parts, key_states, value_states)
+    def _store(self, layer_in_group: int, step: RingStep, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Writes the step's kept states ``[batch, heads, num_new, head_dim]`` into their slots (gathered steps)."""
+        self.store.remember(layer_in_group, step.start, value_states)
+        if step.kept is not None:
+            key_states, value_states = key_states[:, :, step.kept], value_states[:, :, step.kept]
+        self.store.write(layer_in_group, step.write_parts, key_states, value_states)
 
     def _apply(self, change) -> None:
         super()._apply(change)
@@ -355,8 +377,8 @@ class RingLayer(PagedLayer):
     """One model layer's KV store as a ring of the last ``window`` tokens (plus ``sink_tokens`` pinned).
 
     Args:
-        layer_idx / page_layer: as for ``PagedLayer``.
-        bind: returns the ``RingRows`` of the layer's group for the device and dtype of the first states written.
+        layer_idx / layer_in_group: as for ``PagedLayer``.
+        bind: returns the ``RingRows`` of the layer's layer group for the device and dtype of the first states written.
         window / sink_tokens: as for ``RingRows``.
         is_sliding: the model's own mask applies this window (a sliding layer); ``False`` where the
             ring imposes the window on a full-attention layer.
@@ -365,13 +387,13 @@ class RingLayer(PagedLayer):
     def __init__(
         self,
         layer_idx: int,
-        page_layer: int,
+        layer_in_group: int,
         bind: Callable[[torch.Tensor], RingRows],
         window: int,
         sink_tokens: int = 0,
         is_sliding: bool = True,
     ) -> None:
-        super().__init__(layer_idx, page_layer, bind)
+        super().__init__(layer_idx, layer_in_group, bind)
         self.window = window
         self.sink_tokens = sink_tokens
         self.is_sliding = is_sliding
@@ -388,7 +410,7 @@ class RingLayer(PagedLayer):
         """Stores ``[batch, heads, n, head_dim]`` new states; returns the visible ones in time order."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        keys, values = self.rows.update(self.page_layer, self.num_tokens, key_states, value_states)
+        keys, values = self.rows.update(self.layer_in_group, self.num_tokens, key_states, value_states)
         self.num_tokens += key_states.shape[-2]
         return keys, values
 

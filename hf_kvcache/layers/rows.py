@@ -1,6 +1,6 @@
-"""The rows of one cache on one pool: its page table plus the index tensors attention needs.
+"""The rows of one layer group of a cache on one pool: its page table plus the index tensors attention needs.
 
-All layers of a cache that live on the same device share one ``PagedRows``. The first layer to
+All layers of a layer group that live on the same device share one ``PagedRows``. The first layer to
 receive a step's new tokens grows the page table (allocating and copying-on-write for every
 layer at once, since a page id addresses the same slots in every layer); the layers after it
 find the table already grown and reuse the same index tensors.
@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from hf_kvcache.kernels import ChunkIndex, read_pages, split_by_chunk
-from hf_kvcache.layers.values import ValueStore
+from hf_kvcache.layers.store import SlotStore
 from hf_kvcache.pool import KVPool
 
 
@@ -25,22 +25,22 @@ def find_identical_rows(key_states: torch.Tensor, value_states: torch.Tensor) ->
     if batch == 1:
         return None
     signature = (key_states.flatten(1).sum(1) + value_states.flatten(1).sum(1)).tolist()  # [batch]
-    groups = list(range(batch))
+    firsts = list(range(batch))
     for row in range(1, batch):
-        for leader in range(row):
+        for first in range(row):
             if (
-                groups[leader] == leader
-                and signature[leader] == signature[row]
-                and torch.equal(key_states[leader], key_states[row])
-                and torch.equal(value_states[leader], value_states[row])
+                firsts[first] == first
+                and signature[first] == signature[row]
+                and torch.equal(key_states[first], key_states[row])
+                and torch.equal(value_states[first], value_states[row])
             ):
-                groups[row] = leader
+                firsts[row] = first
                 break
-    return groups if groups != list(range(batch)) else None
+    return firsts if firsts != list(range(batch)) else None
 
 
 class PagedRows:
-    """Page table of one cache on one pool, with cached read/write indices.
+    """Page table of one layer group of a cache on one pool, with cached read/write indices.
 
     Args:
         pool: where the pages live.
@@ -49,30 +49,30 @@ class PagedRows:
 
     def __init__(self, pool: KVPool, residual_length: int = 0) -> None:
         self.pool = pool
-        self.store = ValueStore(pool, residual_length)
+        self.store = SlotStore(pool, residual_length)
         self.table = pool.new_table()
         self._version = -1  # table version the cached indices below were built for
         self._ids: torch.Tensor | None = None
         self._read: list[ChunkIndex] | None = None
         self._write: tuple[int, int, list[ChunkIndex]] | None = None
-        self._groups: tuple[int, list[int]] | None = None  # (num_tokens, groups) of a shared prefill
+        self._shared_prefill: tuple[int, list[int]] | None = None  # (num_tokens, identical_rows) of a prefill
 
     @property
     def num_tokens(self) -> int:
         return self.table.num_tokens
 
-    def write(self, page_layer: int, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def write(self, layer_in_group: int, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Stores tokens ``[start, start + n)`` of every row for one layer, growing the table if this layer is first.
 
         Args:
-            page_layer: the layer's index within a page (its place in its group of layers).
+            layer_in_group: the layer's index within its layer group (which slots of each page are its own).
             key_states / value_states: ``[batch, heads, n, head_dim]``.
         """
         self.begin_step(start, key_states, value_states)
-        self.store.write(page_layer, self._write_index(start, key_states.shape[-2]), key_states, value_states)
-        self.store.remember(page_layer, start, value_states)
+        self.store.write(layer_in_group, self._write_index(start, key_states.shape[-2]), key_states, value_states)
+        self.store.remember(layer_in_group, start, value_states)
 
-    def read(self, page_layer: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer_in_group: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[batch, heads, num_tokens, head_dim]`` of one layer, for attention."""
         if self._read is None:
             self._read = split_by_chunk(
@@ -80,7 +80,10 @@ class PagedRows:
             )
         batch, parts = self.table.num_rows, self._read
         return self.store.read(
-            page_layer, lambda chunks: read_pages(chunks, page_layer, parts, batch, num_tokens), num_tokens, num_tokens
+            layer_in_group,
+            lambda chunks: read_pages(chunks, layer_in_group, parts, batch, num_tokens),
+            num_tokens,
+            num_tokens,
         )
 
     def begin_step(self, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -103,14 +106,14 @@ class PagedRows:
         if end > self.num_tokens:
             if start != self.num_tokens:
                 raise RuntimeError(f"A layer writes from token {start}; the cache holds {self.num_tokens}.")
-            groups = find_identical_rows(key_states, value_states) if start == 0 else None
-            self._grow(batch, start, num_new, groups)
-            self._groups = (end, groups) if groups else None
-        elif self._groups is not None and self._groups[0] == end:
+            identical_rows = find_identical_rows(key_states, value_states) if start == 0 else None
+            self._grow(batch, start, num_new, identical_rows)
+            self._shared_prefill = (end, identical_rows) if identical_rows else None
+        elif self._shared_prefill is not None and self._shared_prefill[0] == end:
             self._split_differing_rows(key_states, value_states)
 
-    def _grow(self, batch: int, start: int, num_new: int, groups: list[int] | None) -> None:
-        self._apply(lambda: self.table.grow(batch, num_new, groups))
+    def _grow(self, batch: int, start: int, num_new: int, identical_rows: list[int] | None) -> None:
+        self._apply(lambda: self.table.grow(batch, num_new, identical_rows))
 
     def select_rows(self, indices: list[int]) -> None:
         """Keeps rows ``indices`` in that order, sharing the pages of repeated rows."""
@@ -131,7 +134,7 @@ class PagedRows:
 
     def _apply(self, change: Callable[[], list[tuple[int, int]] | None]) -> None:
         """Runs a table change under the pool lock, copies the pages it asks for, drops cached indices."""
-        self._groups = None
+        self._shared_prefill = None
         with self.pool.lock:
             copies = change()
         if copies:
@@ -141,21 +144,20 @@ class PagedRows:
             self._ids = self._read = self._write = None
 
     def _split_differing_rows(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """In a shared prefill, gives private pages to rows whose states differ from their group's first row."""
-        groups = self._groups[1]
+        """In a shared prefill, gives private pages to rows whose states differ from the first row they were
+        identical to in the layers before."""
+        end, firsts = self._shared_prefill
         differing = [
             row
-            for row, leader in enumerate(groups)
-            if leader != row
+            for row, first in enumerate(firsts)
+            if first != row
             and not (
-                torch.equal(key_states[row], key_states[leader])
-                and torch.equal(value_states[row], value_states[leader])
+                torch.equal(key_states[row], key_states[first]) and torch.equal(value_states[row], value_states[first])
             )
         ]
         if differing:
-            end = self._groups[0]
             self._apply(lambda: self.table.make_private(differing))
-            self._groups = (end, [row if row in differing else group for row, group in enumerate(groups)])
+            self._shared_prefill = (end, [row if row in differing else first for row, first in enumerate(firsts)])
 
     def _page_ids(self) -> torch.Tensor:
         """The page table as a ``[batch, num_pages]`` tensor on the pool's device."""

@@ -23,7 +23,7 @@ Gather = Callable[[list[torch.Tensor]], torch.Tensor]
 
 
 class ResidualValues:
-    """Full-precision values of the newest ``length`` tokens of every row, for each layer of a group.
+    """Full-precision values of the newest ``length`` tokens of every row, for each layer of a layer group.
 
     Token ``t`` of a row sits at index ``t % length`` of its layer's ``[batch, heads, length, head_dim]``
     buffer. Tokens from ``first`` on are held (older ones only as codes, e.g. after a ``crop``).
@@ -34,12 +34,12 @@ class ResidualValues:
         self.first = 0
         self.buffers: dict[int, torch.Tensor] = {}
 
-    def write(self, page_layer: int, start: int, value_states: torch.Tensor) -> None:
+    def write(self, layer_in_group: int, start: int, value_states: torch.Tensor) -> None:
         """Keeps the newest of tokens ``[start, start + n)``, given as ``[batch, heads, n, head_dim]`` states."""
         batch, heads, num_new, head_dim = value_states.shape
-        buffer = self.buffers.get(page_layer)
+        buffer = self.buffers.get(layer_in_group)
         if buffer is None or buffer.shape[0] != batch:
-            buffer = self.buffers[page_layer] = value_states.new_zeros(batch, heads, self.length, head_dim)
+            buffer = self.buffers[layer_in_group] = value_states.new_zeros(batch, heads, self.length, head_dim)
         if start == 0:
             self.first = 0
         keep = min(num_new, self.length)
@@ -48,7 +48,7 @@ class ResidualValues:
         buffer.index_copy_(2, index, value_states[:, :, num_new - keep :])
         self.first = max(self.first, end - self.length)
 
-    def overlay(self, page_layer: int, values: torch.Tensor, end: int, limit: int, newest: int) -> None:
+    def overlay(self, layer_in_group: int, values: torch.Tensor, end: int, limit: int, newest: int) -> None:
         """Puts the held full-precision values over the last positions of ``values``.
 
         Args:
@@ -57,14 +57,14 @@ class ResidualValues:
             newest: tokens written so far; the residual window is ``[newest - length, newest)``.
         """
         count = min(end - max(self.first, newest - self.length), limit)
-        if count <= 0 or page_layer not in self.buffers:
+        if count <= 0 or layer_in_group not in self.buffers:
             return
         index = torch.arange(end - count, end, device=values.device) % self.length  # [count]
-        values[:, :, values.shape[2] - count :] = self.buffers[page_layer].index_select(2, index)
+        values[:, :, values.shape[2] - count :] = self.buffers[layer_in_group].index_select(2, index)
 
     def select_rows(self, indices: list[int]) -> None:
-        for page_layer, buffer in self.buffers.items():
-            self.buffers[page_layer] = buffer[torch.tensor(indices, device=buffer.device)]
+        for layer_in_group, buffer in self.buffers.items():
+            self.buffers[layer_in_group] = buffer[torch.tensor(indices, device=buffer.device)]
 
     def crop(self, num_tokens: int) -> None:
         self.first = min(self.first, num_tokens)
@@ -74,8 +74,8 @@ class ResidualValues:
         self.first = 0
 
 
-class ValueStore:
-    """Writes and reads one group's keys and values in a pool, quantizing values if its format says so.
+class SlotStore:
+    """Writes and reads one layer group's slots (keys and values) in a pool, quantizing values if its format says so.
 
     Args:
         pool: where the pages live.
@@ -90,7 +90,7 @@ class ValueStore:
 
     def write(
         self,
-        page_layer: int,
+        layer_in_group: int,
         parts: list[ChunkIndex],
         key_states: torch.Tensor,
         value_states: torch.Tensor,
@@ -101,13 +101,13 @@ class ValueStore:
         """
         pool = self.pool
         key_states, value_states = key_states.detach(), value_states.detach()
-        write_slots(pool.keys, page_layer, parts, key_states)
+        write_slots(pool.keys, layer_in_group, parts, key_states)
         if self.quant is None:
-            write_slots(pool.values, page_layer, parts, value_states)
+            write_slots(pool.values, layer_in_group, parts, value_states)
             return
         codes, scale, zero = quantize(value_states, self.quant)
-        write_slots(pool.values, page_layer, parts, codes)
-        write_slots(pool.value_scales, page_layer, parts, torch.cat([scale, zero], dim=-1))
+        write_slots(pool.values, layer_in_group, parts, codes)
+        write_slots(pool.value_scales, layer_in_group, parts, torch.cat([scale, zero], dim=-1))
 
     @property
     def residual_bytes(self) -> int:
@@ -116,13 +116,13 @@ class ValueStore:
             return 0
         return sum(buffer.numel() * buffer.element_size() for buffer in self.residual.buffers.values())
 
-    def remember(self, page_layer: int, start: int, value_states: torch.Tensor) -> None:
+    def remember(self, layer_in_group: int, start: int, value_states: torch.Tensor) -> None:
         """Keeps the full-precision values of tokens ``[start, start + n)`` for the residual window."""
         if self.residual is not None:
-            self.residual.write(page_layer, start, value_states.detach())
+            self.residual.write(layer_in_group, start, value_states.detach())
 
     def read(
-        self, page_layer: int, gather: Gather, end: int, limit: int, newest: int | None = None
+        self, layer_in_group: int, gather: Gather, end: int, limit: int, newest: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the slots ``gather`` reads, for attention.
 
@@ -140,14 +140,14 @@ class ValueStore:
         if self.quant is None:
             return keys, gather(pool.values)
         codes = gather(pool.values)  # [batch, heads, n, code_dim]
-        scales = gather(pool.value_scales)  # [batch, heads, n, 2 * num_groups]
-        num_groups = self.quant.num_groups
+        scales = gather(pool.value_scales)  # [batch, heads, n, 2 * num_scale_groups]
+        num_scale_groups = self.quant.num_scale_groups
         shape = (*codes.shape[:3], self.quant.head_dim)
         values = self._buffer("values", shape, keys.dtype)  # [batch, heads, n, head_dim]
         work = None if keys.dtype == torch.float32 else self._buffer("work", shape, torch.float32)
-        dequantize_into(values, codes, scales[..., :num_groups], scales[..., num_groups:], self.quant, work)
+        dequantize_into(values, codes, scales[..., :num_scale_groups], scales[..., num_scale_groups:], self.quant, work)
         if self.residual is not None:
-            self.residual.overlay(page_layer, values, end, limit, end if newest is None else newest)
+            self.residual.overlay(layer_in_group, values, end, limit, end if newest is None else newest)
         return keys, values
 
     def as_attended(self, value_states: torch.Tensor) -> torch.Tensor:
