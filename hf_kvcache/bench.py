@@ -47,9 +47,9 @@ from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.eval.caches import CacheSpec, installed_quantized_backends
 from hf_kvcache.eval.data import load_essays
 from hf_kvcache.eval.fidelity import kv_bytes
-from hf_kvcache.integration import CACHE_FACTORIES
 from hf_kvcache.measure import OtherCpuUse, PeakMemory
 from hf_kvcache.pool import KVPool
+from hf_kvcache.registry import REGISTRY
 
 logger = logging.getLogger("hf_kvcache.bench")
 
@@ -58,8 +58,11 @@ FULL_CACHES = ("dynamic", "static", "paged_pool")
 QUANTIZED_CACHES = {
     spec.label: spec
     for spec in (
-        CacheSpec("values-int8", "quantized_values", {"bits": 8}),
-        CacheSpec("values-int4", "quantized_values", {"bits": 4}),
+        *(
+            CacheSpec(label, entry.name, dict(settings))
+            for entry in REGISTRY.values()
+            for label, settings in entry.bench_presets.items()
+        ),
         *(
             CacheSpec(f"{backend}-int{bits}", "quantized", {"backend": backend, "nbits": bits})
             for backend in installed_quantized_backends()
@@ -67,9 +70,9 @@ QUANTIZED_CACHES = {
         ),
     )
 }
-"""Lossy caches of every token: ours (values only) and transformers' ``QuantizedCache`` (keys and values) for each
-installed backend (the optional extras ``.[quanto]``, ``.[hqq]``). Their tokens are compared with ``dynamic``'s; a
-difference is a loss."""
+"""Lossy caches of every token: ours (each registered cache's ``bench_presets``: values only) and transformers'
+``QuantizedCache`` (keys and values) for each installed backend (the optional extras ``.[quanto]``, ``.[hqq]``).
+Their tokens are compared with ``dynamic``'s; a difference is a loss."""
 CACHE_NAMES = FULL_CACHES + SLIDING_CACHES + tuple(QUANTIZED_CACHES)
 """Caches the benchmark knows; ``dynamic`` is the baseline every run includes."""
 BASELINE = "dynamic"
@@ -296,10 +299,8 @@ def _measure(
     ours = {name: {} for name in ("paged_pool",) if name in config.caches}
     for name in config.caches:
         spec = QUANTIZED_CACHES.get(name)
-        if spec is not None and spec.kind == "quantized_values":
-            options = CACHE_FACTORIES[spec.kind].options_class.from_dict(spec.settings)
-            page_format = options.page_format(model.config, model.dtype)
-            ours[name] = {"value_bits": page_format.value_bits, "value_group_size": page_format.value_group_size}
+        if spec is not None and spec.kind in REGISTRY:
+            ours[name] = REGISTRY[spec.kind].pool_kwargs(model.config, model.dtype, spec.settings)
     for name, value_format in ours.items():
         pools[name] = KVPool.for_model(
             model, max_tokens=max_tokens, page_size=config.page_size, alert_thresholds=(), **value_format

@@ -25,8 +25,9 @@ from transformers import GenerationConfig
 from hf_kvcache import __version__
 from hf_kvcache.eval.command import format_spec
 from hf_kvcache.eval.report import CacheResult, EvalReport
-from hf_kvcache.integration import CACHE_FACTORIES, SUPPORTED_TRANSFORMERS, is_registered
+from hf_kvcache.integration import SUPPORTED_TRANSFORMERS, is_registered
 from hf_kvcache.models import BUNDLED_MODEL
+from hf_kvcache.registry import REGISTRY
 from hf_kvcache.transformers_internals import check_python_requirements
 
 CUSTOM_GENERATE_DIR = "custom_generate"
@@ -131,7 +132,7 @@ def plan_cards(report: EvalReport) -> tuple[list[CardSetting], list[str]]:
     ready, skipped = [], []
     for setting in CARD_SETTINGS:
         name = setting.folder_name
-        if setting.cache_implementation not in CACHE_FACTORIES:
+        if setting.cache_implementation not in REGISTRY:
             skipped.append(f"skip {name}: cache {setting.cache_implementation!r} is not registered by hf_kvcache.")
         elif report.config.get("model") != setting.model.eval_name:
             skipped.append(
@@ -201,10 +202,10 @@ def quality_table(result: CacheResult, baseline: CacheResult) -> str:
 
 def require_registered(name: str) -> None:
     """Raises ``ValueError`` naming what to do if ``name`` is not a cache registered by hf_kvcache."""
-    if name not in CACHE_FACTORIES or not is_registered():
+    if name not in REGISTRY or not is_registered():
         raise ValueError(
             f"cache_implementation={name!r} is not a cache registered by hf_kvcache {__version__} "
-            f"(registered: {sorted(CACHE_FACTORIES) if is_registered() else 'none; call hf_kvcache.register()'}). "
+            f"(registered: {sorted(REGISTRY) if is_registered() else 'none; call hf_kvcache.register()'}). "
             "Install an hf_kvcache release that provides it, or name a registered cache."
         )
 

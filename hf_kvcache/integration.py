@@ -11,7 +11,7 @@ The only module that changes transformers, through exactly two seams (plus one p
    every other name goes to the original method untouched. It runs before any forward pass, so the
    wrapper also checks requests on our caches there (``check_request``: empty prompts, ``admission_check``).
 
-Our names are those of ``CACHE_FACTORIES``. ``register()`` is idempotent and ``unregister()`` puts
+Our names are those of ``hf_kvcache.registry.REGISTRY``. ``register()`` is idempotent and ``unregister()`` puts
 all three back exactly as they were.
 """
 
@@ -26,8 +26,8 @@ from transformers import AttentionInterface, AttentionMaskInterface, Cache
 from transformers import __version__ as transformers_version
 
 from hf_kvcache.attention import ATTENTION_NAME, banded_sdpa_attention
-from hf_kvcache.caches import PagedCache, QuantizedValueCache, SlidingRingCache
 from hf_kvcache.caches.base import PoolCache
+from hf_kvcache.registry import REGISTRY
 from hf_kvcache.transformers_internals import (
     cache_implementations,
     prepare_cache_method,
@@ -38,13 +38,6 @@ from hf_kvcache.transformers_internals import (
 )
 
 SUPPORTED_TRANSFORMERS = (Version("5.0"), Version("6.0"))
-
-CACHE_FACTORIES: dict[str, type[PoolCache]] = {
-    "paged_pool": PagedCache,
-    "sliding_ring": SlidingRingCache,
-    "quantized_values": QuantizedValueCache,
-}
-"""Our ``cache_implementation`` names and the cache class each builds."""
 
 _lock = threading.Lock()
 _original_prepare: Callable[..., Any] | None = None
@@ -66,7 +59,7 @@ def build_cache(name: str, model: Any, cache_config: dict[str, Any] | None) -> C
 
     The pool is bound to the model's dtype and device right away; unknown keys are rejected.
     """
-    return CACHE_FACTORIES[name].from_cache_config(model.config, cache_config, model.dtype, model.device)
+    return REGISTRY[name].cache_class.from_cache_config(model.config, cache_config, model.dtype, model.device)
 
 
 def check_request(
@@ -108,7 +101,7 @@ def _prepare_cache_for_generation(
     self, generation_config, model_kwargs, generation_mode, batch_size: int, max_cache_length: int
 ):
     name = generation_config.cache_implementation
-    if name not in CACHE_FACTORIES:
+    if name not in REGISTRY:
         result = _original_prepare(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
         if isinstance(model_kwargs.get("cache"), PoolCache):  # one of our caches, passed as `cache=`
             check_request(self, model_kwargs["cache"], generation_config, model_kwargs, batch_size, max_cache_length)
@@ -138,7 +131,7 @@ def register() -> None:
             return
         _original_names = cache_implementations()
         _original_prepare = prepare_cache_method()
-        new_names = tuple(name for name in CACHE_FACTORIES if name not in _original_names)
+        new_names = tuple(name for name in REGISTRY if name not in _original_names)
         set_cache_implementations(_original_names + new_names)
         set_prepare_cache_method(functools.wraps(_original_prepare)(_prepare_cache_for_generation))
         AttentionInterface.register(ATTENTION_NAME, banded_sdpa_attention)

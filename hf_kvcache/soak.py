@@ -1,10 +1,10 @@
 """Soak test: many short ``generate`` calls on small pools, checking that memory stays flat.
 
-Each call picks a registered cache name, a batch of random prompt lengths, ``max_new_tokens`` and
-``admission_check`` at random, and runs greedy ``generate`` on the pool of that cache's page format (one
-pool per format, shared by every name of that format). Pools are small on purpose: the largest requests
-do not fit, so both refusals (``admission_check``) and mid-generation ``PoolExhaustedError`` happen along
-the way. After every call the soak records whether every pool is back to 0 pages used and to 0 live page
+Each call picks a registered cache name (run with its entry's ``soak_config``), a batch of random prompt lengths,
+``max_new_tokens`` and ``admission_check`` at random, and runs greedy ``generate`` on the pool of that cache's
+page format (one pool per format, shared by every name of that format). Pools are small on purpose: the largest
+requests do not fit, so both refusals (``admission_check``) and mid-generation ``PoolExhaustedError`` happen
+along the way. After every call the soak records whether every pool is back to 0 pages used and to 0 live page
 tables, and samples the process's resident memory (RSS). ``scripts/soak.py`` runs it from the command line.
 """
 
@@ -20,15 +20,8 @@ import torch
 
 from hf_kvcache.config import PageFormat
 from hf_kvcache.errors import PoolExhaustedError
-from hf_kvcache.integration import CACHE_FACTORIES
 from hf_kvcache.pool import KVPool
-
-SOAK_CACHE_CONFIGS: dict[str, dict[str, Any]] = {
-    "paged_pool": {},
-    "sliding_ring": {"window": 16, "sink_tokens": 2},
-    "quantized_values": {"bits": 4},
-}
-"""The ``cache_config`` each registered name runs with (the pool and ``admission_check`` are added per call)."""
+from hf_kvcache.registry import REGISTRY
 
 
 @dataclass
@@ -80,11 +73,8 @@ def soak_pools(model: torch.nn.Module, max_tokens: int, page_size: int) -> dict[
     """
     made: dict[PageFormat, KVPool] = {}
     pools = {}
-    for name, cache_class in CACHE_FACTORIES.items():
-        if name not in SOAK_CACHE_CONFIGS:
-            raise KeyError(f"Add a cache_config for the newly registered {name!r} to SOAK_CACHE_CONFIGS.")
-        options = cache_class.options_class.from_dict(SOAK_CACHE_CONFIGS[name] | {"page_size": page_size})
-        page_format = options.page_format(model.config, model.dtype)
+    for name, entry in REGISTRY.items():
+        page_format = entry.page_format(model.config, model.dtype, {**entry.soak_config, "page_size": page_size})
         if page_format not in made:
             made[page_format] = KVPool(page_format, page_format.pages_for_tokens(max_tokens) + 1, model.device)
         pools[name] = made[page_format]
@@ -135,7 +125,7 @@ def run_soak(
         name = rng.choice(names)
         lengths = [rng.randint(1, max_prompt_tokens) for _ in range(rng.randint(1, max_batch))]
         ids, mask = _left_padded(lengths, vocab_size, generator)
-        cache_config = SOAK_CACHE_CONFIGS[name] | {
+        cache_config = {**REGISTRY[name].soak_config} | {
             "pool": pools[name],
             "page_size": page_size,
             "admission_check": rng.random() < 0.5,

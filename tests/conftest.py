@@ -1,4 +1,7 @@
-"""Shared fixtures. Tests run offline: nothing may reach the Hugging Face Hub."""
+"""Shared fixtures: the models, every registered cache name, and pools that fit a cache name.
+
+Tests run offline: nothing may reach the Hugging Face Hub. Plain helper functions (batches, greedy runs,
+teacher-forced logits) are in ``helpers.py``."""
 
 import os
 
@@ -6,10 +9,16 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+from collections.abc import Callable
+
 import pytest
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from hf_kvcache import KVPool
 from hf_kvcache.models import load_bundled_model, tiny_gemma3, tiny_llama, tiny_mistral
+from hf_kvcache.registry import REGISTRY
+
+PoolFactory = Callable[..., KVPool]
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +43,25 @@ def tiny_mistral_model() -> PreTrainedModel:
 def tiny_gemma3_model() -> PreTrainedModel:
     """Random-init 4-layer Gemma 3: three sliding-window (8) layers, then one full layer."""
     return tiny_gemma3()
+
+
+@pytest.fixture(params=sorted(REGISTRY))
+def cache_name(request: pytest.FixtureRequest) -> str:
+    """Each registered ``cache_implementation`` name in turn: a test taking it covers a cache the day it is
+    registered (its ``CacheEntry.example_config`` works on the tiny models)."""
+    return request.param
+
+
+def pool_for(model: PreTrainedModel, cache_name: str, /, **budget) -> KVPool:
+    """A fixed pool for ``model`` that cache ``cache_name`` can draw from with its example config.
+
+    ``budget``: ``KVPool.for_model`` keywords (``max_tokens``, ``page_size``, ``dtype``, ``device``, ``name``, ...);
+    the value format comes from the registry entry (``CacheEntry.pool_kwargs``).
+    """
+    return KVPool.for_model(model, **budget, **REGISTRY[cache_name].pool_kwargs(model.config, model.dtype))
+
+
+@pytest.fixture
+def make_pool() -> PoolFactory:
+    """The pool factory: ``make_pool(model, name, max_tokens=..., ...)`` (see ``pool_for``)."""
+    return pool_for

@@ -1,23 +1,16 @@
-"""Helpers shared by the cache tests: padded batches, greedy runs, and one working cache_config per cache name."""
+"""Helper functions shared by the cache tests: padded batches, greedy runs, comparing generations.
+
+A working ``cache_config`` per cache name is its registry entry's ``example_config``
+(``hf_kvcache.registry.REGISTRY``); ``conftest.py`` has the ``cache_name`` and ``make_pool`` fixtures."""
 
 import torch
 
-EXAMPLE_CACHE_CONFIGS = {
-    "paged_pool": {},
-    "sliding_ring": {"window": 16, "sink_tokens": 2},
-    "quantized_values": {"bits": 4, "group_size": 16},
-}
-"""A cache_config that works on a full-attention model, for each registered name (tests iterate the registry)."""
+from hf_kvcache.registry import REGISTRY
 
 
-EXAMPLE_POOL_FORMATS = {"quantized_values": {"value_bits": 4, "value_group_size": 16}}
-"""``KVPool.for_model`` keywords of a pool the example cache_config can draw from."""
-
-
-def example_cache_config(name: str) -> dict:
-    if name not in EXAMPLE_CACHE_CONFIGS:
-        raise KeyError(f"Add a working cache_config for the newly registered {name!r} to tests/helpers.py.")
-    return dict(EXAMPLE_CACHE_CONFIGS[name])
+def example_config(name: str) -> dict:
+    """A copy of the registered cache ``name``'s ``example_config``, to add keys to."""
+    return dict(REGISTRY[name].example_config)
 
 
 def padded_batch(lengths: list[int], vocab: int = 128, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,12 +22,12 @@ from hf_kvcache.cards import CARD_SETTINGS, generate_with_cache, plan_cards, ren
 from hf_kvcache.eval.command import reproduce_command
 from hf_kvcache.eval.report import EvalReport
 from hf_kvcache.eval.runner import EvalConfig
-from hf_kvcache.integration import CACHE_FACTORIES
 from hf_kvcache.models import BUNDLED_MODEL, tiny_llama
+from hf_kvcache.registry import REGISTRY
 
 ROOT = Path(__file__).parents[1]
 REPORT = ROOT / "model_cards" / "results" / "smollm2-135m-essays-2048" / "report.json"
-REGISTERED = [setting for setting in CARD_SETTINGS if setting.cache_implementation in CACHE_FACTORIES]
+REGISTERED = [setting for setting in CARD_SETTINGS if setting.cache_implementation in REGISTRY]
 IDS = [setting.cache_implementation for setting in REGISTERED]
 PROMPT = torch.tensor([[1, 5, 9, 3, 7, 11], [4, 8, 15, 16, 23, 42]])
 
@@ -107,7 +107,7 @@ def test_custom_generate_folder_generates_with_our_cache(card_model, rendered, s
     direct = card_model.generate(
         PROMPT, cache_implementation=setting.cache_implementation, cache_config=setting.cache_config, **common
     )
-    assert isinstance(out.cache, CACHE_FACTORIES[setting.cache_implementation])
+    assert isinstance(out.cache, REGISTRY[setting.cache_implementation].cache_class)
     assert torch.equal(out.sequences, direct.sequences)
 
 
@@ -125,7 +125,7 @@ def test_model_folder_with_custom_generate_uses_our_cache(card_model, rendered, 
         cache_implementation=setting.cache_implementation,
         cache_config=setting.cache_config,
     )
-    assert isinstance(out.cache, CACHE_FACTORIES[setting.cache_implementation])
+    assert isinstance(out.cache, REGISTRY[setting.cache_implementation].cache_class)
     assert torch.equal(out.sequences, direct)
 
 
@@ -248,7 +248,7 @@ def test_publish_dry_run_writes_and_validates(tmp_path, capsys):
     validate_card(tmp_path / "smollm2-135m-instruct-paged_pool")
     assert "wrote and validated" in out
     for setting in CARD_SETTINGS:
-        if setting.cache_implementation not in CACHE_FACTORIES:
+        if setting.cache_implementation not in REGISTRY:
             assert f"skip {setting.folder_name}: cache {setting.cache_implementation!r} is not registered" in out
 
 

@@ -4,16 +4,14 @@ The seams themselves are pinned in ``test_transformers_internals.py``."""
 
 import pytest
 import torch
-from helpers import EXAMPLE_POOL_FORMATS, example_cache_config
 from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache, GenerationConfig, StaticCache
 
 import hf_kvcache
 from hf_kvcache import KVPool, PagedCache
 from hf_kvcache.attention import ATTENTION_NAME, banded_sdpa_attention
-from hf_kvcache.integration import CACHE_FACTORIES, check_transformers_version
+from hf_kvcache.integration import check_transformers_version
+from hf_kvcache.registry import REGISTRY
 from hf_kvcache.transformers_internals import cache_implementations, prepare_cache_method, sdpa_mask
-
-NAMES = sorted(CACHE_FACTORIES)
 
 
 def test_register_is_idempotent_and_undoable():
@@ -21,10 +19,10 @@ def test_register_is_idempotent_and_undoable():
     names = cache_implementations()
     hf_kvcache.register()
     assert names == cache_implementations()
-    assert all(names.count(name) == 1 for name in NAMES)
+    assert all(names.count(name) == 1 for name in REGISTRY)
     hf_kvcache.unregister()
     try:
-        assert not any(name in cache_implementations() for name in NAMES)
+        assert not any(name in cache_implementations() for name in REGISTRY)
         assert prepare_cache_method().__module__ == "transformers.generation.utils"
         assert ATTENTION_NAME not in AttentionInterface._global_mapping
         assert ATTENTION_NAME not in AttentionMaskInterface._global_mapping
@@ -53,18 +51,17 @@ def test_existing_names_behave_as_before(tiny_llama_model, name, expected):
     assert torch.equal(out.sequences, before)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_generation_config_naming_our_cache_saves_and_loads(tmp_path, tiny_llama_model, name):
-    formats = EXAMPLE_POOL_FORMATS.get(name, {})
-    pool = KVPool.for_model(tiny_llama_model, max_tokens=512, page_size=8, name=f"saved-{name}", **formats)
-    cache_config = example_cache_config(name) | {"pool": f"saved-{name}"}
+def test_generation_config_naming_our_cache_saves_and_loads(tmp_path, tiny_llama_model, cache_name, make_pool):
+    name = cache_name
+    pool = make_pool(tiny_llama_model, name, max_tokens=512, page_size=8, name=f"saved-{name}")
+    cache_config = {**REGISTRY[name].example_config, "pool": f"saved-{name}"}
     config = GenerationConfig(cache_implementation=name, cache_config=cache_config, max_new_tokens=4, do_sample=False)
     config.validate(strict=True)
     config.save_pretrained(tmp_path)
     loaded = GenerationConfig.from_pretrained(tmp_path)
     assert loaded.cache_implementation == name and loaded.cache_config == cache_config
     out = tiny_llama_model.generate(torch.tensor([[1, 2, 3]]), generation_config=loaded, return_dict_in_generate=True)
-    assert isinstance(out.cache, CACHE_FACTORIES[name]) and out.cache.pool is pool
+    assert isinstance(out.cache, REGISTRY[name].cache_class) and out.cache.pool is pool
 
 
 def test_cache_config_pool_is_used_as_is_and_max_tokens_makes_a_pool(tiny_llama_model):

@@ -20,6 +20,7 @@ ORDER = [
     "layers",
     "attention",
     "caches",
+    "registry",
     "integration",
 ]
 """The core, lowest first: a module imports only modules before it."""

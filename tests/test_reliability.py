@@ -9,14 +9,13 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from helpers import EXAMPLE_POOL_FORMATS, assert_same_generation, example_cache_config, padded_batch, run
+from helpers import assert_same_generation, example_config, padded_batch, run
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from hf_kvcache import KVPool, PageFormat, PoolExhaustedError
-from hf_kvcache.integration import CACHE_FACTORIES
 from hf_kvcache.layers.ring import ring_num_slots
+from hf_kvcache.registry import REGISTRY
 
-NAMES = sorted(CACHE_FACTORIES)
 WAIT_SECONDS = 120  # a generous bound on how long a thread waits for another; only reached if one hangs
 
 
@@ -24,8 +23,8 @@ def pools_for(model, max_tokens: int, page_size: int = 8) -> dict[str, KVPool]:
     """One fixed pool per page format: paged_pool and sliding_ring share one, quantized_values gets its own."""
     made: dict[tuple, KVPool] = {}
     pools = {}
-    for name in NAMES:
-        formats = EXAMPLE_POOL_FORMATS.get(name, {})
+    for name, entry in REGISTRY.items():
+        formats = entry.pool_kwargs(model.config, model.dtype)
         key = tuple(sorted(formats.items()))
         if key not in made:
             made[key] = KVPool.for_model(model, max_tokens=max_tokens, page_size=page_size, **formats)
@@ -42,15 +41,15 @@ class Generation(NamedTuple):
 
 def generate_on(model, name: str, pool: KVPool, ids, mask, **kwargs) -> Generation:
     """Greedy generate on one of our caches drawing from ``pool``, with scores (``helpers.run``)."""
-    cache_config = example_cache_config(name) | {"pool": pool} | kwargs.pop("cache_config", {})
+    cache_config = example_config(name) | {"pool": pool} | kwargs.pop("cache_config", {})
     out = run(model, ids, mask, cache_implementation=name, cache_config=cache_config, **kwargs)
     return Generation(out.sequences, out.logits)
 
 
 def new_cache(model, name: str, pool: KVPool, **cache_config):
     """The cache ``generate`` would build for ``name`` on ``pool``, to pass as ``cache=``."""
-    settings = example_cache_config(name) | {"pool": pool} | cache_config
-    return CACHE_FACTORIES[name].from_cache_config(model.config, settings)
+    settings = example_config(name) | {"pool": pool} | cache_config
+    return REGISTRY[name].cache_class.from_cache_config(model.config, settings)
 
 
 def assert_pools_empty(*pools: KVPool) -> None:
@@ -101,9 +100,10 @@ def test_threads_with_every_cache_match_their_solo_runs(model_name, request):
     """Nine threads, three per cache, of different lengths and batch sizes, on two shared pools."""
     model = request.getfixturevalue(model_name)
     pools = pools_for(model, max_tokens=2048)
+    names = sorted(REGISTRY)
     requests = [
-        (NAMES[i % len(NAMES)], [4 + 5 * i, 2 + 3 * i, 7][: 1 + i // len(NAMES)], 3 + 2 * i, i)
-        for i in range(3 * len(NAMES))
+        (names[i % len(names)], [4 + 5 * i, 2 + 3 * i, 7][: 1 + i // len(names)], 3 + 2 * i, i)
+        for i in range(3 * len(names))
     ]
     inputs = [padded_batch(lengths, seed=seed) for _, lengths, _, seed in requests]
     solo = [
@@ -189,11 +189,10 @@ def count_forwards(model) -> tuple[list[int], torch.utils.hooks.RemovableHandle]
     return calls, handle
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_admission_check_refuses_before_any_forward(tiny_llama_model, name):
+def test_admission_check_refuses_before_any_forward(tiny_llama_model, cache_name):
     model = tiny_llama_model
-    pool = pools_for(model, max_tokens=80)[name]  # 10 pages of 8 tokens
-    held = new_cache(model, name, pool)
+    pool = pools_for(model, max_tokens=80)[cache_name]  # 10 pages of 8 tokens
+    held = new_cache(model, cache_name, pool)
     run(model, *padded_batch([6]), max_new_tokens=3, cache=held)  # 8 tokens: holds 1 page
     before = pool.stats()
     checked = {"admission_check": True}
@@ -202,20 +201,20 @@ def test_admission_check_refuses_before_any_forward(tiny_llama_model, name):
     try:
         # 3 rows of 10 + 40 - 1 tokens: 3 x 7 pages kept in full, 3 x 4 in a ring of 16 + 2 sinks; 9 are free.
         with pytest.raises(PoolExhaustedError, match=r"only 9 of 10 are free.*admission_check refused.*3 rows"):
-            generate_on(model, name, pool, *big, max_new_tokens=40, cache_config=checked)
+            generate_on(model, cache_name, pool, *big, max_new_tokens=40, cache_config=checked)
         with pytest.raises(PoolExhaustedError, match="admission_check refused") as error:  # passed as `cache=`
-            run(model, *big, max_new_tokens=40, cache=new_cache(model, name, pool, **checked))
-        assert error.value.requested_pages == (12 if name == "sliding_ring" else 21)
+            run(model, *big, max_new_tokens=40, cache=new_cache(model, cache_name, pool, **checked))
+        assert error.value.requested_pages == (12 if cache_name == "sliding_ring" else 21)
         # Beams multiply the rows: 1 prompt x 3 beams x 4 pages > 9 free pages.
         with pytest.raises(PoolExhaustedError, match="3 rows of up to 29 tokens"):
-            generate_on(model, name, pool, *prompt, max_new_tokens=20, num_beams=3, cache_config=checked)
+            generate_on(model, cache_name, pool, *prompt, max_new_tokens=20, num_beams=3, cache_config=checked)
         assert calls[0] == 0 and pool.stats() == before
-        fits = generate_on(model, name, pool, *prompt, max_new_tokens=20, num_beams=2, cache_config=checked)
+        fits = generate_on(model, cache_name, pool, *prompt, max_new_tokens=20, num_beams=2, cache_config=checked)
         assert calls[0] > 0
     finally:
         handle.remove()
     assert torch.equal(
-        fits.sequences, generate_on(model, name, pool, *prompt, max_new_tokens=20, num_beams=2).sequences
+        fits.sequences, generate_on(model, cache_name, pool, *prompt, max_new_tokens=20, num_beams=2).sequences
     )
     del held, error
     gc.collect()
@@ -251,15 +250,14 @@ WORST_CASE_PAGES_PER_ROW = {
 
 
 @pytest.mark.parametrize("model_name", sorted(WORST_CASE_PAGES_PER_ROW))
-@pytest.mark.parametrize("name", NAMES)
-def test_worst_case_pages_is_what_a_request_of_distinct_rows_takes(model_name, name, request):
+def test_worst_case_pages_is_what_a_request_of_distinct_rows_takes(model_name, cache_name, request):
     """The admission bound is tight: two rows that share no page take exactly the worst case."""
     model = request.getfixturevalue(model_name)
-    pool = pools_for(model, max_tokens=1024, page_size=4)[name]
-    worst = new_cache(model, name, pool).worst_case_pages(2, 17 + 15 - 1, 4)
+    pool = pools_for(model, max_tokens=1024, page_size=4)[cache_name]
+    worst = new_cache(model, cache_name, pool).worst_case_pages(2, 17 + 15 - 1, 4)
     assert ring_num_slots(16, 2, 4) == 24 and ring_num_slots(8, 0, 4) == 12
-    assert worst == 2 * WORST_CASE_PAGES_PER_ROW[model_name][name]
-    generate_on(model, name, pool, *padded_batch([17, 11], seed=7), max_new_tokens=15, min_new_tokens=15)
+    assert worst == 2 * WORST_CASE_PAGES_PER_ROW[model_name][cache_name]
+    generate_on(model, cache_name, pool, *padded_batch([17, 11], seed=7), max_new_tokens=15, min_new_tokens=15)
     assert pool.stats()["high_water_pages"] == worst
 
 
@@ -298,16 +296,15 @@ def raise_on_call(module: torch.nn.Module, call: int, error: type[BaseException]
 
 
 @pytest.mark.parametrize("error", [Boom, KeyboardInterrupt])
-@pytest.mark.parametrize("name", NAMES)
-def test_pages_come_back_after_a_failure_inside_the_model(tiny_gemma3_model, name, error):
+def test_pages_come_back_after_a_failure_inside_the_model(tiny_gemma3_model, cache_name, error):
     model = tiny_gemma3_model
-    pool = pools_for(model, max_tokens=512, page_size=4)[name]
+    pool = pools_for(model, max_tokens=512, page_size=4)[cache_name]
     ids, mask = padded_batch([9, 14], seed=11)
-    expected = generate_on(model, name, pool, ids, mask, max_new_tokens=8)
+    expected = generate_on(model, cache_name, pool, ids, mask, max_new_tokens=8)
     handle = raise_on_call(model.model.layers[-1], 4, error)  # the last layer, in the third decode step
     try:
         with pytest.raises(error, match="injected on call 4") as info:
-            generate_on(model, name, pool, ids, mask, max_new_tokens=8)
+            generate_on(model, cache_name, pool, ids, mask, max_new_tokens=8)
     finally:
         handle.remove()
     assert pool.stats()["pages_used"] > 0  # the traceback holds generate's frame, which holds the cache
@@ -316,16 +313,15 @@ def test_pages_come_back_after_a_failure_inside_the_model(tiny_gemma3_model, nam
     # frame sits in a reference cycle (a frame that refers to its own exception), which only the collector frees.
     gc.collect()
     assert_pools_empty(pool)
-    assert_same_generation(expected, generate_on(model, name, pool, ids, mask, max_new_tokens=8))
+    assert_same_generation(expected, generate_on(model, cache_name, pool, ids, mask, max_new_tokens=8))
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_a_cache_kept_across_a_failure_resets_and_a_dropped_cache_returns_its_pages(tiny_gemma3_model, name):
+def test_a_cache_kept_across_a_failure_resets_and_a_dropped_cache_returns_its_pages(tiny_gemma3_model, cache_name):
     model = tiny_gemma3_model
-    pool = pools_for(model, max_tokens=512, page_size=4)[name]
+    pool = pools_for(model, max_tokens=512, page_size=4)[cache_name]
     ids, mask = padded_batch([9, 14], seed=12)
-    expected = generate_on(model, name, pool, ids, mask, max_new_tokens=8)
-    cache = new_cache(model, name, pool)
+    expected = generate_on(model, cache_name, pool, ids, mask, max_new_tokens=8)
+    cache = new_cache(model, cache_name, pool)
     handle = raise_on_call(model.model.layers[1], 3, Boom)  # mid-step: earlier layers of the step have written
     try:
         with pytest.raises(Boom):

@@ -8,7 +8,7 @@ import gc
 
 import pytest
 import torch
-from helpers import EXAMPLE_POOL_FORMATS, example_cache_config
+from helpers import example_config
 from transformers import (
     BartConfig,
     BartForConditionalGeneration,
@@ -18,11 +18,10 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
-from hf_kvcache import IncompatibleModelError, KVPool
-from hf_kvcache.integration import CACHE_FACTORIES
+from hf_kvcache import IncompatibleModelError
+from hf_kvcache.registry import REGISTRY
 from hf_kvcache.soak import run_soak
 
-NAMES = sorted(CACHE_FACTORIES)
 MIB = 2**20
 
 
@@ -66,36 +65,35 @@ OWN_KEY_ERRORS = {
         ({"group_size": 32}, ValueError, r"group_size=32 does not divide the model's head_dim=16; choose one of"),
     ],
 }
-CASES = [(name, *case) for name in NAMES for case in SHARED_KEY_ERRORS + OWN_KEY_ERRORS.get(name, [])]
+CASES = [(name, *case) for name in sorted(REGISTRY) for case in SHARED_KEY_ERRORS + OWN_KEY_ERRORS.get(name, [])]
 
 
 @pytest.mark.parametrize("name,cache_config,error,match", CASES)
 def test_bad_cache_config_names_the_key_and_the_value(tiny_llama_model, name, cache_config, error, match):
     with pytest.raises(error, match=match):
-        generate(tiny_llama_model, name, example_cache_config(name) | cache_config)
+        generate(tiny_llama_model, name, example_config(name) | cache_config)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_cache_config_that_is_not_a_dict_is_rejected(tiny_llama_model, name):
+def test_cache_config_that_is_not_a_dict_is_rejected(tiny_llama_model, cache_name):
     with pytest.raises(TypeError, match=r"cache_config must be a dict of \w+Options keys \[.*\], got 'paged' \(str\)"):
-        generate(tiny_llama_model, name, "paged")
+        generate(tiny_llama_model, cache_name, "paged")
 
 
 # ----- pools and models that do not fit -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_pool_of_another_geometry_dtype_or_device_is_rejected(tiny_llama_model, tiny_gemma3_model, name):
-    formats = EXAMPLE_POOL_FORMATS.get(name, {})
+def test_pool_of_another_geometry_dtype_or_device_is_rejected(
+    tiny_llama_model, tiny_gemma3_model, cache_name, make_pool
+):
     mismatches = [
-        (KVPool.for_model(tiny_gemma3_model, max_tokens=64, **formats), r"num_layers 1 vs 2, num_layer_groups 4 vs 1"),
-        (KVPool.for_model(tiny_llama_model, max_tokens=64, dtype=torch.float16, **formats), "dtype torch.float16 vs"),
+        (make_pool(tiny_gemma3_model, cache_name, max_tokens=64), r"num_layers 1 vs 2, num_layer_groups 4 vs 1"),
+        (make_pool(tiny_llama_model, cache_name, max_tokens=64, dtype=torch.float16), "dtype torch.float16 vs"),
         # The meta device has no storage, so a pool on it stands for a pool on another device.
-        (KVPool.for_model(tiny_llama_model, max_tokens=64, device="meta", **formats), r"device meta vs cpu"),
+        (make_pool(tiny_llama_model, cache_name, max_tokens=64, device="meta"), r"device meta vs cpu"),
     ]
     for pool, match in mismatches:
         with pytest.raises(IncompatibleModelError, match=rf"built for another model or placement \({match}.*for_model"):
-            generate(tiny_llama_model, name, example_cache_config(name) | {"pool": pool})
+            generate(tiny_llama_model, cache_name, example_config(cache_name) | {"pool": pool})
         assert pool.stats()["pages_used"] == 0 and pool.stats()["live_tables"] == 0
 
 
@@ -123,40 +121,37 @@ UNSERVED_MODELS = [
 
 
 @pytest.mark.parametrize("build,match", UNSERVED_MODELS, ids=["t5", "bart", "mamba"])
-@pytest.mark.parametrize("name", NAMES)
-def test_models_we_cannot_serve_are_rejected_with_what_to_use_instead(name, build, match):
+def test_models_we_cannot_serve_are_rejected_with_what_to_use_instead(cache_name, build, match):
     torch.manual_seed(0)
     with pytest.raises(IncompatibleModelError, match=match):
-        generate(build(), name, example_cache_config(name))
+        generate(build(), cache_name, example_config(cache_name))
 
 
 # ----- requests -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_empty_prompt_is_rejected_before_the_model_runs(tiny_llama_model, name):
+def test_empty_prompt_is_rejected_before_the_model_runs(tiny_llama_model, cache_name):
     """Without this check the model itself fails on an empty prompt with an obscure reshape error (any cache)."""
     with pytest.raises(ValueError, match=r"The prompt is empty \(position_ids has shape \[1, 0\]\).*at least one"):
-        generate(tiny_llama_model, name, example_cache_config(name), ids=torch.zeros(1, 0, dtype=torch.long))
+        generate(tiny_llama_model, cache_name, example_config(cache_name), ids=torch.zeros(1, 0, dtype=torch.long))
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_max_new_tokens_zero_is_rejected_by_transformers_before_our_code(tiny_llama_model, name):
+def test_max_new_tokens_zero_is_rejected_by_transformers_before_our_code(tiny_llama_model, cache_name, make_pool):
     """transformers' own generation-config check already names the value and the setting; no pool is touched."""
-    pool = KVPool.for_model(tiny_llama_model, max_tokens=64, **EXAMPLE_POOL_FORMATS.get(name, {}))
+    pool = make_pool(tiny_llama_model, cache_name, max_tokens=64)
     with pytest.raises(ValueError, match=r"`max_new_tokens` must be greater than 0, but is 0"):
-        generate(tiny_llama_model, name, example_cache_config(name) | {"pool": pool}, max_new_tokens=0)
+        generate(tiny_llama_model, cache_name, example_config(cache_name) | {"pool": pool}, max_new_tokens=0)
     assert pool.stats()["high_water_pages"] == 0 and pool.stats()["live_tables"] == 0
 
 
 @pytest.mark.parametrize("prompt_length", [3, 30], ids=["growing", "past-the-ring"])
-@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("model_name", ["tiny_llama_model", "tiny_mistral_model"])
-def test_batch_of_another_size_is_rejected_without_a_change(model_name, name, prompt_length, request):
+def test_batch_of_another_size_is_rejected_without_a_change(model_name, cache_name, prompt_length, request, make_pool):
     """A cache holding 2 rows fed 3 (or 1), while it still grows and once its rings are full (window 8 or 16)."""
     model = request.getfixturevalue(model_name)
-    pool = KVPool.for_model(model, max_tokens=512, page_size=4, **EXAMPLE_POOL_FORMATS.get(name, {}))
-    cache = CACHE_FACTORIES[name].from_cache_config(model.config, example_cache_config(name) | {"pool": pool})
+    pool = make_pool(model, cache_name, max_tokens=512, page_size=4)
+    cache_class = REGISTRY[cache_name].cache_class
+    cache = cache_class.from_cache_config(model.config, example_config(cache_name) | {"pool": pool})
     ids = torch.randint(3, 128, (2, prompt_length), generator=torch.Generator().manual_seed(0))
     model.generate(ids, max_new_tokens=2, do_sample=False, cache=cache)
     held, tokens = pool.stats()["pages_used"], cache.get_seq_length()

@@ -1,4 +1,5 @@
-"""Our ``transformers.Cache`` subclasses, one file per cache over ``base.PoolCache``."""
+"""Our ``transformers.Cache`` subclasses, one file per cache over ``base.PoolCache``, each with its registry
+``ENTRY`` (``entry.CacheEntry``; collected in ``hf_kvcache.registry``)."""
 
 from hf_kvcache.caches.paged import PagedCache
 from hf_kvcache.caches.quantized import QuantizedValueCache

@@ -6,6 +6,7 @@ import torch
 from transformers import PreTrainedConfig
 
 from hf_kvcache.caches.base import PoolCache, RowPolicy
+from hf_kvcache.caches.entry import CacheEntry
 from hf_kvcache.config import DEFAULT_PAGE_SIZE, CacheOptions
 from hf_kvcache.pool import KVPool
 
@@ -43,3 +44,11 @@ class PagedCache(PoolCache):
         if layer_type == "sliding_attention":
             return RowPolicy(window=layer_kwargs["sliding_window"], is_sliding=True)
         return RowPolicy()
+
+
+ENTRY = CacheEntry(
+    name="paged_pool",
+    cache_class=PagedCache,
+    example_config={},
+    eval_presets={"paged_pool": {}},
+)

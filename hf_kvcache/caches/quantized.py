@@ -8,6 +8,7 @@ import torch
 from transformers import PreTrainedConfig
 
 from hf_kvcache.caches.base import PoolCache, RowPolicy
+from hf_kvcache.caches.entry import CacheEntry
 from hf_kvcache.config import DEFAULT_PAGE_SIZE, CacheOptions, PageFormat
 from hf_kvcache.errors import IncompatibleModelError
 from hf_kvcache.pool import KVPool
@@ -119,3 +120,13 @@ class QuantizedValueCache(PoolCache):
         if layer_type == "sliding_attention":
             return RowPolicy(window=layer_kwargs["sliding_window"], is_sliding=True, residual_length=residual_length)
         return RowPolicy(residual_length=residual_length)
+
+
+ENTRY = CacheEntry(
+    name="quantized_values",
+    cache_class=QuantizedValueCache,
+    example_config={"bits": 4, "group_size": 16},
+    eval_presets={"values-int8": {"bits": 8}, "values-int4": {"bits": 4}},
+    bench_presets={"values-int8": {"bits": 8}, "values-int4": {"bits": 4}},
+    soak_config={"bits": 4},  # group_size: the default for the model's head_dim
+)

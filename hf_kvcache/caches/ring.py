@@ -9,6 +9,7 @@ from transformers import PreTrainedConfig
 
 from hf_kvcache.attention import ATTENTION_NAME
 from hf_kvcache.caches.base import PoolCache, RowPolicy
+from hf_kvcache.caches.entry import CacheEntry
 from hf_kvcache.config import DEFAULT_PAGE_SIZE, CacheOptions
 from hf_kvcache.layers import RingLayer
 from hf_kvcache.pool import KVPool
@@ -128,3 +129,11 @@ class SlidingRingCache(PoolCache):
                 )
             return RowPolicy()
         return RowPolicy(window=options.window, sink_tokens=options.sink_tokens)
+
+
+ENTRY = CacheEntry(
+    name="sliding_ring",
+    cache_class=SlidingRingCache,
+    example_config={"window": 16, "sink_tokens": 2},
+    eval_presets={"ring-256": {"window": 256}, "ring-256-sink4": {"window": 256, "sink_tokens": 4}},
+)

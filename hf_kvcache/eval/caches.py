@@ -13,7 +13,7 @@ from typing import Any
 
 from transformers import Cache, DynamicCache, PreTrainedModel, QuantizedCache, StaticCache
 
-from hf_kvcache.integration import CACHE_FACTORIES
+from hf_kvcache.registry import REGISTRY
 
 TRANSFORMERS_KINDS = ("dynamic", "static", "quantized", "sliding")
 """``dynamic``: DynamicCache (the baseline). ``static``: StaticCache. ``quantized``: QuantizedCache
@@ -36,7 +36,7 @@ class CacheSpec:
     settings: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        known = TRANSFORMERS_KINDS + tuple(CACHE_FACTORIES)
+        known = TRANSFORMERS_KINDS + tuple(REGISTRY)
         if self.kind not in known:
             raise ValueError(f"Unknown cache kind {self.kind!r} for {self.label!r}; choose one of {list(known)}.")
 
@@ -62,7 +62,7 @@ class CacheSpec:
             windowed.sliding_window = window
             windowed.layer_types = ["sliding_attention"] * config.num_hidden_layers
             return DynamicCache(config=windowed)
-        return CACHE_FACTORIES[self.kind].from_cache_config(model.config, settings, model.dtype, model.device)
+        return REGISTRY[self.kind].cache_class.from_cache_config(model.config, settings, model.dtype, model.device)
 
 
 def parse_spec(text: str) -> CacheSpec:
@@ -81,19 +81,12 @@ def parse_spec(text: str) -> CacheSpec:
     return CacheSpec(label, kind, settings)
 
 
-REGISTERED_DEFAULTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
-    "sliding_ring": [("ring-256", {"window": 256}), ("ring-256-sink4", {"window": 256, "sink_tokens": 4})],
-    "quantized_values": [("values-int8", {"bits": 8}), ("values-int4", {"bits": 4})],
-}
-"""The settings (label, cache_config) a default evaluation runs for a registered cache; others run as they are."""
-
-
 def default_specs() -> list[CacheSpec]:
-    """The baseline, every registered cache (with ``REGISTERED_DEFAULTS``), and transformers' int4 quantized
-    cache for each installed backend (quanto, hqq)."""
+    """The baseline, every registered cache (each of its entry's ``eval_presets``), and transformers' int4
+    quantized cache for each installed backend (quanto, hqq)."""
     specs = [CacheSpec("dynamic", "dynamic")]
-    for name in CACHE_FACTORIES:
-        specs += [CacheSpec(label, name, settings) for label, settings in REGISTERED_DEFAULTS.get(name, [(name, {})])]
+    for entry in REGISTRY.values():
+        specs += [CacheSpec(label, entry.name, dict(settings)) for label, settings in entry.eval_presets.items()]
     specs += [
         CacheSpec(f"{backend}-int4", "quantized", {"backend": backend, "nbits": 4})
         for backend in installed_quantized_backends()

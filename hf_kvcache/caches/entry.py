@@ -1,0 +1,62 @@
+"""``CacheEntry``: what the registry (``hf_kvcache.registry``) knows of one cache name.
+
+Each cache module declares its entry next to its class; the tests, the soak, the evaluation and the
+benchmarks take the settings they run a cache with from here, so a new cache is covered by all of them
+the day its entry is registered.
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hf_kvcache.config import PageFormat
+
+if TYPE_CHECKING:  # the cache classes import this module
+    from hf_kvcache.caches.base import PoolCache
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One registered ``cache_implementation`` name and the settings it runs with everywhere.
+
+    Attributes:
+        name: the ``generate(cache_implementation=...)`` name.
+        cache_class: the cache it builds (``cache_class.from_cache_config``).
+        example_config: a ``cache_config`` that works on a tiny full-attention model (head_dim 16); the tests run
+            every registered name with it.
+        eval_presets: label -> ``cache_config`` of each run of the cache in the default evaluation
+            (``hf_kvcache.eval``).
+        bench_presets: label -> ``cache_config`` of each run of the cache in the lossy decode benchmark (``--suite
+            quantized``, next to transformers' ``QuantizedCache``); empty for a lossless cache, which the ``paged``
+            and ``sliding`` suites time (``hf_kvcache.bench.catalogue``).
+        soak_config: the ``cache_config`` the soak runs it with (``hf_kvcache.bench.soak``); defaults to
+            ``example_config``.
+    """
+
+    name: str
+    cache_class: "type[PoolCache]"
+    example_config: Mapping[str, Any]
+    eval_presets: Mapping[str, Mapping[str, Any]]
+    bench_presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    soak_config: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.soak_config is None:
+            object.__setattr__(self, "soak_config", self.example_config)
+
+    def page_format(
+        self, model_config: Any, dtype: torch.dtype, cache_config: Mapping[str, Any] | None = None
+    ) -> PageFormat:
+        """The format of the pool this cache draws from with ``cache_config`` (default: ``example_config``)."""
+        settings = self.example_config if cache_config is None else cache_config
+        return self.cache_class.options_class.from_dict(settings).page_format(model_config, dtype)
+
+    def pool_kwargs(
+        self, model_config: Any, dtype: torch.dtype, cache_config: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The ``KVPool.for_model`` keywords of a pool this cache can draw from with ``cache_config`` (default:
+        ``example_config``): its value format, e.g. ``{"value_bits": 4, "value_group_size": 16}``."""
+        page_format = self.page_format(model_config, dtype, cache_config)
+        return {"value_bits": page_format.value_bits, "value_group_size": page_format.value_group_size}
