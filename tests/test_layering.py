@@ -24,18 +24,19 @@ ORDER = [
     "integration",
 ]
 """The core, lowest first: a module imports only modules before it."""
-TOOLS = ["models", "eval", "bench", "bench_ring", "measure", "soak", "cards"]
+TOOLS = ["wheels", "models", "eval", "bench", "bench_ring", "measure", "soak", "cards"]
 """Library code on top of the core; each may import the core and the tools it lists in ``TOOL_IMPORTS``."""
 TOOL_IMPORTS = {
-    "models": set(),
-    "eval": {"models"},
+    "wheels": set(),
+    "models": {"wheels"},
+    "eval": {"wheels", "models"},
     "bench": {"eval", "bench_ring", "measure"},
     "bench_ring": set(),
     "measure": set(),
     "soak": set(),
     "cards": {"models", "eval"},
 }
-CORE_FREE = {"measure"}
+CORE_FREE = {"wheels", "measure"}
 """Tools that import nothing of the core (fetching files from PyPI needs no cache)."""
 
 
