@@ -44,9 +44,7 @@ from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokeniz
 from hf_kvcache import transformers_internals
 from hf_kvcache.bench_ring import RING_ATTENTION, SLIDING_BASELINE, SLIDING_CACHES, build_sliding_cache, ring_pool
 from hf_kvcache.caches.base import PoolCache
-from hf_kvcache.eval.caches import CacheSpec, installed_quantized_backends
-from hf_kvcache.eval.data import load_essays
-from hf_kvcache.eval.fidelity import kv_bytes
+from hf_kvcache.eval import CacheSpec, installed_quantized_backends, kv_bytes, load_essays
 from hf_kvcache.measure import OtherCpuUse, PeakMemory
 from hf_kvcache.pool import KVPool
 from hf_kvcache.registry import REGISTRY

@@ -3,8 +3,9 @@
 The caches (``SLIDING_CACHES``) keep the last ``window`` tokens of a full-attention model:
 
 - ``dynamic_sliding``: transformers' ``DynamicCache`` on a copy of the model's config whose every layer is
-  a sliding-window layer (``windowed_config``); its ``DynamicSlidingWindowLayer`` concatenates the new
-  token to the last ``window - 1`` and keeps the tail: O(window) copy and a new tensor per update.
+  a sliding-window layer (``hf_kvcache.eval.sliding_window_config``); its ``DynamicSlidingWindowLayer``
+  concatenates the new token to the last ``window - 1`` and keeps the tail: O(window) copy and a new tensor per
+  update.
 - ``static_sliding``: ``StaticCache`` on the same config; its ``StaticSlidingWindowLayer`` rolls a fixed
   ``[batch, heads, window, head_dim]`` buffer left by one and writes the new token at the end: O(window).
 - ``sliding_ring``: our ``SlidingRingCache`` with the model on ``attn_implementation="hf_kvcache"``
@@ -27,7 +28,6 @@ reuses those indices). ``per_layer_us`` weighs them as a decode step of the mode
 figures differ only by noise.
 """
 
-import copy
 import dataclasses
 import gc
 import math
@@ -44,6 +44,7 @@ from hf_kvcache.attention import ATTENTION_NAME
 from hf_kvcache.caches import SlidingRingCache
 from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.config import PageFormat
+from hf_kvcache.eval import sliding_window_config
 from hf_kvcache.pool import KVPool
 
 SLIDING_CACHES = ("dynamic_sliding", "static_sliding", "sliding_ring", "sliding_ring_sdpa")
@@ -54,18 +55,6 @@ SLIDING_BASELINE = "dynamic_sliding"
 UPDATE_WINDOWS = (256, 512, 1024, 2048, 4096, 8192)
 TIMED_LAYERS = (0, 1)
 """Layers the micro-benchmark updates each step: the step's first layer, and one after it."""
-
-
-def windowed_config(config: PreTrainedConfig, window: int) -> PreTrainedConfig:
-    """A copy of the model's decoder config in which every layer is a sliding-window layer of ``window`` tokens.
-
-    transformers' caches built on it get ``DynamicSlidingWindowLayer`` / ``StaticSlidingWindowLayer`` layers
-    (the same copy as the eval's ``sliding`` cache kind makes).
-    """
-    windowed = copy.deepcopy(config.get_text_config(decoder=True))
-    windowed.sliding_window = window
-    windowed.layer_types = ["sliding_attention"] * windowed.num_hidden_layers
-    return windowed
 
 
 def with_attention(config: PreTrainedConfig, attn_implementation: str) -> PreTrainedConfig:
@@ -101,9 +90,9 @@ def build_sliding_cache(
     config of the model that runs it (``with_attention`` for a cache updated without a model).
     """
     if name == "dynamic_sliding":
-        return DynamicCache(config=windowed_config(config, window))
+        return DynamicCache(config=sliding_window_config(config, window))
     if name == "static_sliding":
-        return StaticCache(config=windowed_config(config, window), max_cache_len=max_cache_len)
+        return StaticCache(config=sliding_window_config(config, window), max_cache_len=max_cache_len)
     if name in RING_ATTENTION:
         return SlidingRingCache(config, window=window, pool=pool)
     raise ValueError(f"Unknown sliding cache {name!r}; choose from {list(SLIDING_CACHES)}.")

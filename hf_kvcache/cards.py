@@ -23,8 +23,7 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData, get_token, is_offli
 from transformers import GenerationConfig
 
 from hf_kvcache import __version__
-from hf_kvcache.eval.command import format_spec
-from hf_kvcache.eval.report import CacheResult, EvalReport
+from hf_kvcache.eval import CacheResult, EvalReport, format_spec
 from hf_kvcache.integration import SUPPORTED_TRANSFORMERS, is_registered
 from hf_kvcache.models import BUNDLED_MODEL
 from hf_kvcache.registry import REGISTRY

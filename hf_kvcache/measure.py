@@ -1,21 +1,18 @@
-"""Measuring the machine a benchmark runs on: peak memory over a block, CPU other processes took, versions.
+"""Measuring the machine a benchmark runs on: peak memory over a block, CPU other processes took.
+
+Versions and hardware for a record: ``hf_kvcache.eval.environment``.
 
 Benchmarks are only as good as the machine was quiet and the record says what it was; these helpers are
 shared by the decode benchmark (``hf_kvcache.bench``) and the ring update micro-benchmark (``hf_kvcache.bench_ring``).
 """
 
 import argparse
-import datetime
-import os
-import platform
 import threading
 import time
 from types import TracebackType
-from typing import Any
 
 import psutil
 import torch
-import transformers
 
 
 class PeakMemory:
@@ -96,25 +93,6 @@ class OtherCpuUse:
         self.wall_s = end[0] - self._start[0]
         self.other_cpu_s = max(0.0, (end[1] - self._start[1]) - (end[2] - self._start[2]))
         self.other_cores = self.other_cpu_s / self.wall_s if self.wall_s > 0 else 0.0
-
-
-def machine_info(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-    """Versions and hardware a benchmark ran on, for its JSON record."""
-    info = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."),
-    }
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

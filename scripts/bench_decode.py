@@ -36,7 +36,8 @@ from hf_kvcache.bench import (
     results_record,
     run_decode_benchmark,
 )
-from hf_kvcache.measure import OtherCpuUse, add_machine_args, machine_info, machine_settings
+from hf_kvcache.eval import environment
+from hf_kvcache.measure import OtherCpuUse, add_machine_args, machine_settings
 from hf_kvcache.models import BUNDLED_MODEL, load_bundled_model
 
 SUITES = {
@@ -84,7 +85,7 @@ def main() -> None:
     )
     device, dtype = machine_settings(args)
     model, tokenizer = load_bundled_model(dtype=dtype, device=device)
-    info = machine_info(device, dtype)
+    info = environment(device, dtype)
     with OtherCpuUse() as others:
         results = run_decode_benchmark(model, essay_token_stream(tokenizer), config)
     record = results_record(results, config, info)

@@ -23,7 +23,8 @@ from hf_kvcache.bench_ring import (
     run_ring_update_benchmark,
 )
 from hf_kvcache.config import PageFormat
-from hf_kvcache.measure import OtherCpuUse, add_machine_args, machine_info, machine_settings
+from hf_kvcache.eval import environment
+from hf_kvcache.measure import OtherCpuUse, add_machine_args, machine_settings
 from hf_kvcache.models import BUNDLED_MODEL, bundled_model_path
 
 
@@ -56,7 +57,7 @@ def main() -> None:
     device, dtype = machine_settings(args)
     config = AutoConfig.from_pretrained(bundled_model_path())
     page_format = PageFormat.from_model_config(config, dtype)
-    info = machine_info(device, dtype)
+    info = environment(device, dtype)
     with OtherCpuUse() as others:
         results = run_ring_update_benchmark(config, bench, dtype, device)
     record = results_record(results, bench, info)

@@ -27,7 +27,7 @@ from hf_kvcache.bench_ring import (
 )
 from hf_kvcache.bench_ring import markdown_table as update_markdown_table
 from hf_kvcache.bench_ring import results_record as update_results_record
-from hf_kvcache.measure import machine_info
+from hf_kvcache.eval import environment
 from hf_kvcache.models import tiny_llama
 
 LENGTHS = (16, 40)  # the window exactly, and past a ring of two pages (it wraps)
@@ -122,7 +122,7 @@ def test_markdown_table_and_record(results: list[DecodeResult]) -> None:
     assert lines[2].startswith("| dynamic | - | 16 | 1 |")
     assert lines[5].startswith(f"| dynamic_sliding | {WINDOW} | 16 | 1 |")
     config = DecodeBenchConfig(lengths=LENGTHS, batches=BATCHES, caches=CACHE_NAMES, window=WINDOW)
-    record = json.loads(json.dumps(results_record(results, config, machine_info(torch.device("cpu"), torch.float32))))
+    record = json.loads(json.dumps(results_record(results, config, environment(torch.device("cpu"), torch.float32))))
     assert set(record) == {"machine", "config", "results"}
     assert record["config"]["window"] == WINDOW
     assert {result["cache"] for result in record["results"]} == set(CACHE_NAMES)
@@ -182,7 +182,7 @@ def test_update_table_and_record(update_results: list[RingUpdateResult]) -> None
     assert len(lines) == 2 + len(update_results)
     assert lines[2].startswith("| dynamic_sliding | 8 | 1 |")
     bench = RingUpdateBenchConfig(windows=UPDATE_WINDOWS, batches=UPDATE_BATCHES)
-    info = machine_info(torch.device("cpu"), torch.float32)
+    info = environment(torch.device("cpu"), torch.float32)
     record = json.loads(json.dumps(update_results_record(update_results, bench, info)))
     assert set(record) == {"machine", "config", "timed_layers", "results"}
     assert len(record["results"]) == len(update_results)

@@ -6,7 +6,7 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from hf_kvcache.eval.caches import CacheSpec, default_specs
-from hf_kvcache.eval.data import load_qa
+from hf_kvcache.eval.qa import load_qa
 from hf_kvcache.eval.retrieval import (
     RULER_DEPTHS,
     PromptBuilder,

@@ -31,12 +31,14 @@ TOOL_IMPORTS = {
     "models": {"wheels"},
     "eval": {"wheels", "models"},
     "bench": {"eval", "bench_ring", "measure"},
-    "bench_ring": set(),
+    "bench_ring": {"eval"},
     "measure": set(),
     "soak": set(),
     "cards": {"models", "eval"},
 }
 CORE_FREE = {"wheels", "measure"}
+PACKAGES = {"eval", "bench", "cards"}
+"""Tool packages: another tool imports their public names (``from hf_kvcache.eval import ...``), not their modules."""
 """Tools that import nothing of the core (fetching files from PyPI needs no cache)."""
 
 
@@ -91,6 +93,16 @@ def test_tools_import_each_other_only_as_listed(tool):
     assert used <= TOOL_IMPORTS[tool], f"{tool} imports {used - TOOL_IMPORTS[tool]}, not in TOOL_IMPORTS"
     if tool in CORE_FREE:
         assert not ours(imports_of(tool)) & set(ORDER), f"{tool} imports the core"
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_tools_use_other_tool_packages_only_through_their_public_names(tool):
+    inner = sorted(
+        name
+        for name in imports_of(tool)
+        if any(name.startswith(f"hf_kvcache.{package}.") for package in PACKAGES - {tool})
+    )
+    assert not inner, f"{tool} imports {inner}: import the package's public names instead"
 
 
 @pytest.mark.parametrize("module", ORDER + TOOLS)

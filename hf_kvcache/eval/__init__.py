@@ -1,6 +1,39 @@
-"""Evaluation: the quality each cache costs against the full-precision ``DynamicCache``."""
+"""Evaluation: the quality each cache costs against the full-precision ``DynamicCache``.
+
+Modules: ``caches`` (what to compare: ``CacheSpec``), ``data`` (essays, text sources, token windows), ``qa``
+(RULER's QA data), ``fidelity`` (decode-mode comparison), ``retrieval`` (needle and RULER tasks), ``report``
+(results, JSON/Markdown/plots, the environment record), ``runner`` (one run), ``command`` (the eval script's flags
+and the command that reruns a report).
+
+The names below are the evaluation's public surface: the benchmarks (``hf_kvcache.bench``) and the model cards
+(``hf_kvcache.cards``) use these and nothing else of it (``tests/test_layering.py`` checks that).
+"""
 
 from pathlib import Path
 
+from hf_kvcache.eval.caches import CacheSpec, installed_quantized_backends, parse_spec, sliding_window_config
+from hf_kvcache.eval.command import format_spec, reproduce_command
+from hf_kvcache.eval.data import load_essays
+from hf_kvcache.eval.fidelity import kv_bytes
+from hf_kvcache.eval.report import CacheResult, EvalReport, environment
+from hf_kvcache.eval.runner import EvalConfig, run_evaluation
+
 FIDELITY_METRIC_PATH = str(Path(__file__).parent / "metrics" / "kv_cache_fidelity")
 """Folder of the ``evaluate`` metric module: ``evaluate.load(FIDELITY_METRIC_PATH)``."""
+
+__all__ = [
+    "FIDELITY_METRIC_PATH",
+    "CacheResult",
+    "CacheSpec",
+    "EvalConfig",
+    "EvalReport",
+    "environment",
+    "format_spec",
+    "installed_quantized_backends",
+    "kv_bytes",
+    "load_essays",
+    "parse_spec",
+    "reproduce_command",
+    "run_evaluation",
+    "sliding_window_config",
+]

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from transformers import Cache, DynamicCache, PreTrainedModel, QuantizedCache, StaticCache
+from transformers import Cache, DynamicCache, PreTrainedConfig, PreTrainedModel, QuantizedCache, StaticCache
 
 from hf_kvcache.registry import REGISTRY
 
@@ -58,11 +58,20 @@ class CacheSpec:
             window = settings.pop("window", None)
             if not isinstance(window, int) or window < 1 or settings:
                 raise ValueError(f"A sliding cache takes exactly one setting, window=<int >= 1>; got {self.settings}.")
-            windowed = copy.deepcopy(config)
-            windowed.sliding_window = window
-            windowed.layer_types = ["sliding_attention"] * config.num_hidden_layers
-            return DynamicCache(config=windowed)
+            return DynamicCache(config=sliding_window_config(config, window))
         return REGISTRY[self.kind].cache_class.from_cache_config(model.config, settings, model.dtype, model.device)
+
+
+def sliding_window_config(config: PreTrainedConfig, window: int) -> PreTrainedConfig:
+    """A copy of a model's decoder config in which every layer is a sliding-window layer of ``window`` tokens.
+
+    transformers' caches built on it get ``DynamicSlidingWindowLayer``/``StaticSlidingWindowLayer`` layers: the
+    ``sliding`` kind here, and the benchmarks' ``dynamic_sliding``/``static_sliding`` (``hf_kvcache.bench``).
+    """
+    windowed = copy.deepcopy(config.get_text_config(decoder=True))
+    windowed.sliding_window = window
+    windowed.layer_types = ["sliding_attention"] * windowed.num_hidden_layers
+    return windowed
 
 
 def parse_spec(text: str) -> CacheSpec:

@@ -1,12 +1,16 @@
 """Plain report objects of an evaluation, and their JSON, Markdown and PNG forms."""
 
+import datetime
 import json
 import math
+import os
+import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 
 from hf_kvcache.eval.caches import CacheSpec
 from hf_kvcache.eval.fidelity import TokenMetrics
@@ -166,19 +170,31 @@ class EvalReport:
         return paths
 
 
-def environment() -> dict[str, Any]:
-    """Versions and hardware, for the report."""
-    import os
-    import platform
+def environment(device: torch.device | None = None, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """Versions and hardware a run measured on, for its record: the one function every report and benchmark uses.
 
-    import transformers
-
-    return {
+    Args:
+        device / dtype: what a benchmark ran on; the record then also holds the date, the processor, the device,
+            the dtype and the GPU's name on CUDA. Without them (an evaluation report) it holds the GPU's name, or
+            ``None`` without CUDA, under ``cuda``.
+    """
+    info = {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
+    if device is None:
+        return info | {"cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+    info = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **info,
+        "processor": platform.processor() or platform.machine(),
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info

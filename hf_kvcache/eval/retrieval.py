@@ -37,7 +37,8 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_kvcache.eval.caches import CacheSpec
-from hf_kvcache.eval.data import QAItem, load_essays, load_qa, load_ruler_essays, qa_distractor_pool
+from hf_kvcache.eval.data import load_essays, load_ruler_essays
+from hf_kvcache.eval.qa import QAItem, load_qa, qa_distractor_pool
 
 TASKS = ("needle", "niah_single", "qa_squad", "qa_hotpotqa")
 """Task names ``run_retrieval`` accepts; only ``needle`` uses the requested depths."""
