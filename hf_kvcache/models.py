@@ -157,6 +157,28 @@ def tiny_gemma3(sliding_window: int = 8, seed: int = 0, **overrides: Any) -> Gem
     return _build_tiny(Gemma3ForCausalLM, Gemma3TextConfig, seed, {**settings, **overrides})
 
 
+def random_padded_batch(
+    lengths: list[int], vocab_size: int, generator: torch.Generator, low: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token rows of the given lengths for a (tiny) model, left-padded with id 0, as ``generate`` takes them.
+
+    Args:
+        lengths: tokens of each row.
+        vocab_size: ids are drawn from ``[low, vocab_size)``, row after row, with ``generator``.
+        low: the smallest id drawn (1 leaves out the pad id 0; 3 also bos and eos).
+
+    Returns:
+        ``(input_ids, attention_mask)``, both ``[len(lengths), max(lengths)]`` int64.
+    """
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)  # [batch, width]
+    mask = torch.zeros_like(ids)  # [batch, width]
+    for row, length in enumerate(lengths):
+        ids[row, width - length :] = torch.randint(low, vocab_size, (length,), generator=generator)
+        mask[row, width - length :] = 1
+    return ids, mask
+
+
 def _build_tiny(
     model_class: type[PreTrainedModel],
     config_class: type[PreTrainedConfig],

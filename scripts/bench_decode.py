@@ -1,4 +1,4 @@
-"""Decode benchmark of the bundled model (SmolLM2-135M-Instruct) on real text; see ``hf_kvcache.bench``.
+"""Decode benchmark of the bundled model (SmolLM2-135M-Instruct) on real text; see ``hf_kvcache.bench.decode``.
 
 Two suites, each measured against its baselines in the same run:
 
@@ -20,24 +20,19 @@ results) to ``--output`` as JSON and prints a Markdown table.
 """
 
 import argparse
-import json
 import logging
 from pathlib import Path
 
-from hf_kvcache.bench import (
-    BASELINE,
-    CACHE_NAMES,
-    FULL_CACHES,
-    QUANTIZED_CACHES,
-    SLIDING_CACHES,
+from hf_kvcache.bench.catalogue import BASELINE, CACHE_NAMES, FULL_CACHES, QUANTIZED_CACHES, SLIDING_CACHES
+from hf_kvcache.bench.decode import (
     DecodeBenchConfig,
     essay_token_stream,
     markdown_table,
     results_record,
     run_decode_benchmark,
 )
+from hf_kvcache.bench.measure import OtherCpuUse, add_machine_args, machine_settings, write_record
 from hf_kvcache.eval import environment
-from hf_kvcache.measure import OtherCpuUse, add_machine_args, machine_settings
 from hf_kvcache.models import BUNDLED_MODEL, load_bundled_model
 
 SUITES = {
@@ -90,16 +85,7 @@ def main() -> None:
         results = run_decode_benchmark(model, essay_token_stream(tokenizer), config)
     record = results_record(results, config, info)
     record["model"] = BUNDLED_MODEL
-    record["wall_s"] = round(others.wall_s, 1)
-    # Timings are only as good as the machine was quiet: CPU time other processes took during the run.
-    record["other_processes_cores"] = round(others.other_cores, 3)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(record, indent=2) + "\n")
-    print(markdown_table(results))
-    print(
-        f"\nWall time {record['wall_s']} s; other processes kept {others.other_cores:.2f} cores busy on average; "
-        f"record written to {output}."
-    )
+    write_record(record, output, others, markdown_table(results))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Micro-benchmark of one decode step's cache update: ``sliding_ring`` next to transformers' sliding-window
 layers, with the bundled model's KV geometry (SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64); see
-``hf_kvcache.bench_ring``. Only the model's config is read: no weights are loaded, no forward pass runs.
+``hf_kvcache.bench.ring_update``. Only the model's config is read: no weights are loaded, no forward pass runs.
 
 Example (CPU, fp32, the default windows 256 ... 8192)::
 
@@ -10,13 +10,13 @@ Writes the record (machine, settings, geometry, results) to ``--output`` as JSON
 """
 
 import argparse
-import json
 from pathlib import Path
 
 from transformers import AutoConfig
 
-from hf_kvcache.bench_ring import (
-    SLIDING_CACHES,
+from hf_kvcache.bench.catalogue import SLIDING_CACHES
+from hf_kvcache.bench.measure import OtherCpuUse, add_machine_args, machine_settings, write_record
+from hf_kvcache.bench.ring_update import (
     RingUpdateBenchConfig,
     markdown_table,
     results_record,
@@ -24,7 +24,6 @@ from hf_kvcache.bench_ring import (
 )
 from hf_kvcache.config import PageFormat
 from hf_kvcache.eval import environment
-from hf_kvcache.measure import OtherCpuUse, add_machine_args, machine_settings
 from hf_kvcache.models import BUNDLED_MODEL, bundled_model_path
 
 
@@ -67,16 +66,7 @@ def main() -> None:
         "num_kv_heads": page_format.num_kv_heads,
         "head_dim": page_format.head_dim,
     }
-    record["wall_s"] = round(others.wall_s, 1)
-    # Timings are only as good as the machine was quiet: CPU time other processes took during the run.
-    record["other_processes_cores"] = round(others.other_cores, 3)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(record, indent=2) + "\n")
-    print(markdown_table(results, page_format.num_layers))
-    print(
-        f"\nWall time {record['wall_s']} s; other processes kept {others.other_cores:.2f} cores busy on average; "
-        f"record written to {args.output}."
-    )
+    write_record(record, args.output, others, markdown_table(results, page_format.num_layers))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Usage: python scripts/soak.py [--calls 5000] [--model tiny_gemma3] [--max-tokens 64] [--json soak.json]
 
 Exits with status 1 if a call left pages in use or a page table alive, or if RSS grew by more than
---max-rss-growth-mib after the warm-up calls. Library: ``hf_kvcache.soak``.
+--max-rss-growth-mib after the warm-up calls. Library: ``hf_kvcache.bench.soak``.
 """
 
 import argparse
@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import transformers  # noqa: E402
 
 from hf_kvcache import models  # noqa: E402
-from hf_kvcache.soak import run_soak  # noqa: E402
+from hf_kvcache.bench.soak import run_soak  # noqa: E402
 
 MODELS = {"tiny_llama": models.tiny_llama, "tiny_mistral": models.tiny_mistral, "tiny_gemma3": models.tiny_gemma3}
 MIB = 2**20

@@ -5,6 +5,7 @@ A working ``cache_config`` per cache name is its registry entry's ``example_conf
 
 import torch
 
+from hf_kvcache.models import random_padded_batch
 from hf_kvcache.registry import REGISTRY
 
 
@@ -14,15 +15,8 @@ def example_config(name: str) -> dict:
 
 
 def padded_batch(lengths: list[int], vocab: int = 128, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random token rows of the given lengths, left-padded with token 0."""
-    generator = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, length in enumerate(lengths):
-        ids[row, width - length :] = torch.randint(1, vocab, (length,), generator=generator)
-        mask[row, width - length :] = 1
-    return ids, mask
+    """Random token rows of the given lengths, left-padded with token 0, and their attention mask."""
+    return random_padded_batch(lengths, vocab, torch.Generator().manual_seed(seed))
 
 
 def run(model, ids, mask, **kwargs):

@@ -1,5 +1,5 @@
-"""Tests for the benchmarks (hf_kvcache.bench, hf_kvcache.bench_ring) on a tiny random Llama: structure and
-correctness only, never timings."""
+"""Tests for the benchmarks (hf_kvcache.bench: catalogue, decode, ring_update) on a tiny random Llama: structure
+and correctness only, never timings."""
 
 import json
 import math
@@ -8,25 +8,17 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from hf_kvcache.bench import (
-    CACHE_NAMES,
-    FULL_CACHES,
-    QUANTIZED_CACHES,
+from hf_kvcache.bench.catalogue import CACHE_NAMES, FULL_CACHES, QUANTIZED_CACHES, RING_ATTENTION, SLIDING_CACHES
+from hf_kvcache.bench.decode import (
     DecodeBenchConfig,
     DecodeResult,
     markdown_table,
     results_record,
     run_decode_benchmark,
 )
-from hf_kvcache.bench_ring import (
-    RING_ATTENTION,
-    SLIDING_CACHES,
-    RingUpdateBenchConfig,
-    RingUpdateResult,
-    run_ring_update_benchmark,
-)
-from hf_kvcache.bench_ring import markdown_table as update_markdown_table
-from hf_kvcache.bench_ring import results_record as update_results_record
+from hf_kvcache.bench.ring_update import RingUpdateBenchConfig, RingUpdateResult, run_ring_update_benchmark
+from hf_kvcache.bench.ring_update import markdown_table as update_markdown_table
+from hf_kvcache.bench.ring_update import results_record as update_results_record
 from hf_kvcache.eval import environment
 from hf_kvcache.models import tiny_llama
 

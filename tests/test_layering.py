@@ -24,19 +24,16 @@ ORDER = [
     "integration",
 ]
 """The core, lowest first: a module imports only modules before it."""
-TOOLS = ["wheels", "models", "eval", "bench", "bench_ring", "measure", "soak", "cards"]
+TOOLS = ["wheels", "models", "eval", "bench", "cards"]
 """Library code on top of the core; each may import the core and the tools it lists in ``TOOL_IMPORTS``."""
 TOOL_IMPORTS = {
     "wheels": set(),
     "models": {"wheels"},
     "eval": {"wheels", "models"},
-    "bench": {"eval", "bench_ring", "measure"},
-    "bench_ring": {"eval"},
-    "measure": set(),
-    "soak": set(),
+    "bench": {"models", "eval"},
     "cards": {"models", "eval"},
 }
-CORE_FREE = {"wheels", "measure"}
+CORE_FREE = {"wheels"}
 PACKAGES = {"eval", "bench", "cards"}
 """Tool packages: another tool imports their public names (``from hf_kvcache.eval import ...``), not their modules."""
 """Tools that import nothing of the core (fetching files from PyPI needs no cache)."""

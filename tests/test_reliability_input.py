@@ -19,8 +19,8 @@ from transformers import (
 )
 
 from hf_kvcache import IncompatibleModelError
+from hf_kvcache.bench.soak import run_soak
 from hf_kvcache.registry import REGISTRY
-from hf_kvcache.soak import run_soak
 
 MIB = 2**20
 

@@ -5,21 +5,22 @@ Each call picks a registered cache name (run with its entry's ``soak_config``), 
 page format (one pool per format, shared by every name of that format). Pools are small on purpose: the largest
 requests do not fit, so both refusals (``admission_check``) and mid-generation ``PoolExhaustedError`` happen
 along the way. After every call the soak records whether every pool is back to 0 pages used and to 0 live page
-tables, and samples the process's resident memory (RSS). ``scripts/soak.py`` runs it from the command line.
+tables, and samples the process's resident memory (RSS, ``measure.rss_bytes``). ``scripts/soak.py`` runs it from
+the command line.
 """
 
 import dataclasses
-import os
 import random
-import resource
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from hf_kvcache.bench.measure import rss_bytes
 from hf_kvcache.config import PageFormat
 from hf_kvcache.errors import PoolExhaustedError
+from hf_kvcache.models import random_padded_batch
 from hf_kvcache.pool import KVPool
 from hf_kvcache.registry import REGISTRY
 
@@ -49,21 +50,6 @@ class SoakReport:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def rss_bytes() -> int:
-    """Resident memory of this process now (``/proc/self/statm``; elsewhere ``psutil``, else the peak RSS)."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        pass
-    try:
-        import psutil
-    except ImportError:  # no live figure available: the peak is an upper bound (KiB on Linux, bytes on macOS)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak if os.uname().sysname == "Darwin" else peak * 1024
-    return psutil.Process().memory_info().rss
 
 
 def soak_pools(model: torch.nn.Module, max_tokens: int, page_size: int) -> dict[str, KVPool]:
@@ -124,7 +110,7 @@ def run_soak(
             rss_start = rss_bytes()
         name = rng.choice(names)
         lengths = [rng.randint(1, max_prompt_tokens) for _ in range(rng.randint(1, max_batch))]
-        ids, mask = _left_padded(lengths, vocab_size, generator)
+        ids, mask = random_padded_batch(lengths, vocab_size, generator, low=3)  # special ids 0-2 left out
         cache_config = {**REGISTRY[name].soak_config} | {
             "pool": pools[name],
             "page_size": page_size,
@@ -170,14 +156,3 @@ def run_soak(
             for pool in distinct
         },
     )
-
-
-def _left_padded(lengths: list[int], vocab_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random ids ``[batch, max(lengths)]`` (special ids 0-2 left out) left-padded with 0, and their mask."""
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, length in enumerate(lengths):
-        ids[row, width - length :] = torch.randint(3, vocab_size, (length,), generator=generator)
-        mask[row, width - length :] = 1
-    return ids, mask

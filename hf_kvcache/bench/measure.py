@@ -1,25 +1,42 @@
-"""Measuring the machine a benchmark runs on: peak memory over a block, CPU other processes took.
+"""Measuring a benchmark's machine and writing its record: resident memory, peak memory over a block, the CPU other
+processes took, the ``--device``/``--dtype``/``--threads`` options, the checks every benchmark config shares, and
+the JSON record a benchmark script writes.
 
-Versions and hardware for a record: ``hf_kvcache.eval.environment``.
-
-Benchmarks are only as good as the machine was quiet and the record says what it was; these helpers are
-shared by the decode benchmark (``hf_kvcache.bench``) and the ring update micro-benchmark (``hf_kvcache.bench_ring``).
+Benchmarks are only as good as the machine was quiet and the record says what it was; these helpers are shared by
+the decode benchmark (``decode``), the ring update micro-benchmark (``ring_update``) and the soak (``soak``). The
+versions and hardware of a record come from ``hf_kvcache.eval.environment``, the one function that says them for
+every report.
 """
 
 import argparse
+import dataclasses
+import json
+import os
 import threading
 import time
+from collections.abc import Sequence
+from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import psutil
 import torch
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process now, in bytes (``/proc/self/statm``, else ``psutil``)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return psutil.Process().memory_info().rss
 
 
 class PeakMemory:
     """Context manager measuring peak memory growth over a block, in bytes (``peak_bytes`` after exit).
 
     Args:
-        device: CUDA uses the allocator's peak statistics; any other device samples the process RSS.
+        device: CUDA uses the allocator's peak statistics; any other device samples the process RSS (``rss_bytes``).
         interval_s: seconds between RSS samples.
     """
 
@@ -27,7 +44,6 @@ class PeakMemory:
         self.device = device
         self.interval_s = interval_s
         self.peak_bytes = 0
-        self._process = psutil.Process()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._base = 0
@@ -39,7 +55,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         else:
-            self._base = self._peak = self._process.memory_info().rss
+            self._base = self._peak = rss_bytes()
             self._thread = threading.Thread(target=self._sample, name="rss-sampler", daemon=True)
             self._thread.start()
         return self
@@ -53,12 +69,12 @@ class PeakMemory:
         else:
             self._stop.set()
             self._thread.join()
-            peak = max(self._peak, self._process.memory_info().rss)
+            peak = max(self._peak, rss_bytes())
         self.peak_bytes = max(0, peak - self._base)
 
     def _sample(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self._peak = max(self._peak, self._process.memory_info().rss)
+            self._peak = max(self._peak, rss_bytes())
 
 
 class OtherCpuUse:
@@ -115,3 +131,49 @@ def machine_settings(args: argparse.Namespace) -> tuple[torch.device, torch.dtyp
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     return torch.device(args.device), DTYPES[args.dtype]
+
+
+def check_settings(config: Any, sequences: dict[str, int]) -> None:
+    """The checks every benchmark config shares: each field named in ``sequences`` is a non-empty sequence of ints
+    at least the given low, ``steps`` and ``rounds`` are at least 1, and ``warmup_steps`` at least 0.
+
+    Raises:
+        ValueError: naming the field and the value.
+    """
+    for name, low in sequences.items():
+        values = getattr(config, name)
+        if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < low for v in values):
+            raise ValueError(f"{name} must be a non-empty sequence of ints >= {low}, got {values!r}.")
+    for name in ("steps", "rounds"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}.")
+    if config.warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be >= 0, got {config.warmup_steps}.")
+
+
+def results_record(
+    results: Sequence[Any], config: Any, machine: dict[str, Any], extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The JSON-ready record of one benchmark invocation: machine, settings, ``extra`` entries, then the results
+    (dataclasses, one per measurement)."""
+    return {
+        "machine": machine,
+        "config": dataclasses.asdict(config),
+        **(extra or {}),
+        "results": [dataclasses.asdict(result) for result in results],
+    }
+
+
+def write_record(record: dict[str, Any], output: Path, others: OtherCpuUse, table: str) -> None:
+    """Adds the run's wall time and the CPU other processes took to ``record``, writes it to ``output`` as JSON, and
+    prints ``table`` (the results in Markdown) and where the record went."""
+    record["wall_s"] = round(others.wall_s, 1)
+    # Timings are only as good as the machine was quiet: CPU time other processes took during the run.
+    record["other_processes_cores"] = round(others.other_cores, 3)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(record, indent=2) + "\n")
+    print(table)
+    print(
+        f"\nWall time {record['wall_s']} s; other processes kept {others.other_cores:.2f} cores busy on average; "
+        f"record written to {output}."
+    )

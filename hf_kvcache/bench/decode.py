@@ -14,7 +14,8 @@ tokens/s (``batch / median step time``), the ratio to ``DynamicCache``'s tokens/
 invocation, KV bytes held and per token of context, peak memory growth over the timed loop, and whether its
 greedy tokens equal its reference's.
 
-The sliding-window caches (``SLIDING_CACHES``, see ``hf_kvcache.bench_ring``) keep the last ``window``
+The caches and how each is built are in ``hf_kvcache.bench.catalogue``. The sliding-window caches
+(``SLIDING_CACHES``) keep the last ``window``
 tokens, so their tokens are checked against ``dynamic_sliding``'s and their tokens/s is also given as a
 ratio to its; every prompt is at least ``window`` tokens long, so the window is full from the first step.
 
@@ -27,10 +28,8 @@ not touched before pays page faults; ``round_median_step_ms`` shows such a round
 """
 
 import contextlib
-import dataclasses
 import gc
 import logging
-import math
 import statistics
 import time
 import warnings
@@ -42,38 +41,22 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_kvcache import transformers_internals
-from hf_kvcache.bench_ring import RING_ATTENTION, SLIDING_BASELINE, SLIDING_CACHES, build_sliding_cache, ring_pool
+from hf_kvcache.bench import measure
+from hf_kvcache.bench.catalogue import (
+    BASELINE,
+    CACHE_NAMES,
+    FULL_CACHES,
+    RING_ATTENTION,
+    SLIDING_BASELINE,
+    SLIDING_CACHES,
+    bench_pools,
+    build_cache,
+)
+from hf_kvcache.bench.measure import OtherCpuUse, PeakMemory
 from hf_kvcache.caches.base import PoolCache
-from hf_kvcache.eval import CacheSpec, installed_quantized_backends, kv_bytes, load_essays
-from hf_kvcache.measure import OtherCpuUse, PeakMemory
-from hf_kvcache.pool import KVPool
-from hf_kvcache.registry import REGISTRY
+from hf_kvcache.eval import kv_bytes, load_essays
 
 logger = logging.getLogger("hf_kvcache.bench")
-
-FULL_CACHES = ("dynamic", "static", "paged_pool")
-"""Caches that keep every token; their greedy tokens are checked against ``dynamic``'s."""
-QUANTIZED_CACHES = {
-    spec.label: spec
-    for spec in (
-        *(
-            CacheSpec(label, entry.name, dict(settings))
-            for entry in REGISTRY.values()
-            for label, settings in entry.bench_presets.items()
-        ),
-        *(
-            CacheSpec(f"{backend}-int{bits}", "quantized", {"backend": backend, "nbits": bits})
-            for backend in installed_quantized_backends()
-            for bits in (4, 2)
-        ),
-    )
-}
-"""Lossy caches of every token: ours (each registered cache's ``bench_presets``: values only) and transformers'
-``QuantizedCache`` (keys and values) for each installed backend (the optional extras ``.[quanto]``, ``.[hqq]``).
-Their tokens are compared with ``dynamic``'s; a difference is a loss."""
-CACHE_NAMES = FULL_CACHES + SLIDING_CACHES + tuple(QUANTIZED_CACHES)
-"""Caches the benchmark knows; ``dynamic`` is the baseline every run includes."""
-BASELINE = "dynamic"
 
 
 @dataclass(frozen=True)
@@ -104,15 +87,7 @@ class DecodeBenchConfig:
     sample_interval_s: float = 0.002
 
     def __post_init__(self) -> None:
-        for name in ("lengths", "batches"):
-            values = getattr(self, name)
-            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
-                raise ValueError(f"{name} must be a non-empty sequence of positive ints, got {values!r}.")
-        for name in ("steps", "rounds"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}.")
+        measure.check_settings(self, {"lengths": 1, "batches": 1})
         unknown = sorted(set(self.caches) - set(CACHE_NAMES))
         if unknown:
             raise ValueError(f"Unknown caches {unknown}; choose from {list(CACHE_NAMES)}.")
@@ -288,37 +263,11 @@ def _measure(
 ) -> dict[str, list[_Run]]:
     """Runs every cache ``config.rounds`` times, interleaved; returns each cache's runs."""
     capacity = length + config.tokens_per_row
-    pools: dict[str, KVPool] = {}
-    # Rows round up to whole pages, so the budget is per row, not the batch's token total. The pools are full
-    # by design at the end of every run: no use-alert thresholds. A fixed pool is one chunk (a default pool
-    # that has grown gathers from several, which is slower).
-    pages_per_row = math.ceil(capacity / config.page_size)
-    max_tokens = batch * pages_per_row * config.page_size
-    ours = {name: {} for name in ("paged_pool",) if name in config.caches}
-    for name in config.caches:
-        spec = QUANTIZED_CACHES.get(name)
-        if spec is not None and spec.kind in REGISTRY:
-            ours[name] = REGISTRY[spec.kind].pool_kwargs(model.config, model.dtype, spec.settings)
-    for name, value_format in ours.items():
-        pools[name] = KVPool.for_model(
-            model, max_tokens=max_tokens, page_size=config.page_size, alert_thresholds=(), **value_format
-        )
-    rings = [name for name in config.caches if name in RING_ATTENTION]
-    if rings:  # one pool for the rings: each run gives all its pages back, consecutive for the next
-        pool = ring_pool(model.config, config.window, batch, config.page_size, model.dtype, model.device)
-        pools.update(dict.fromkeys(rings, pool))
+    pools = bench_pools(model, config.caches, config.window, batch, capacity, config.page_size)
     runs: dict[str, list[_Run]] = {name: [] for name in config.caches}
     for _ in range(config.rounds):
         for name in config.caches:
-            if name in SLIDING_CACHES:
-                cache = build_sliding_cache(name, model.config, config.window, capacity, pools.get(name))
-            elif name in QUANTIZED_CACHES:
-                spec = QUANTIZED_CACHES[name]
-                if name in pools:
-                    spec = dataclasses.replace(spec, settings={**spec.settings, "pool": pools[name]})
-                cache = spec.build(model, capacity)
-            else:
-                cache = CacheSpec(name, name, {"pool": pools[name]} if name in pools else {}).build(model, capacity)
+            cache = build_cache(name, model, config.window, capacity, pools.get(name))
             with model_attention(model, RING_ATTENTION.get(name)):
                 runs[name].append(_decode(model, cache, prefill, length, batch, config))
             if isinstance(cache, PoolCache):
@@ -452,8 +401,4 @@ def markdown_table(results: Sequence[DecodeResult], busy_cores: float = 0.25) ->
 
 def results_record(results: Sequence[DecodeResult], config: DecodeBenchConfig, info: dict[str, Any]) -> dict[str, Any]:
     """The JSON-ready record of one benchmark invocation: machine, settings and results."""
-    return {
-        "machine": info,
-        "config": dataclasses.asdict(config),
-        "results": [dataclasses.asdict(result) for result in results],
-    }
+    return measure.results_record(results, config, info)

@@ -1,36 +1,19 @@
-"""Sliding-window caches under benchmark, and a micro-benchmark of their update alone.
+"""Micro-benchmark of one decode step's cache update alone, for the sliding-window caches of
+``hf_kvcache.bench.catalogue`` (``SLIDING_CACHES``).
 
-The caches (``SLIDING_CACHES``) keep the last ``window`` tokens of a full-attention model:
-
-- ``dynamic_sliding``: transformers' ``DynamicCache`` on a copy of the model's config whose every layer is
-  a sliding-window layer (``hf_kvcache.eval.sliding_window_config``); its ``DynamicSlidingWindowLayer``
-  concatenates the new token to the last ``window - 1`` and keeps the tail: O(window) copy and a new tensor per
-  update.
-- ``static_sliding``: ``StaticCache`` on the same config; its ``StaticSlidingWindowLayer`` rolls a fixed
-  ``[batch, heads, window, head_dim]`` buffer left by one and writes the new token at the end: O(window).
-- ``sliding_ring``: our ``SlidingRingCache`` with the model on ``attn_implementation="hf_kvcache"``
-  (``RING_ATTENTION``); writes the new token once into its ring slot (O(1)) and hands attention a view
-  of the rows' pages in slot order, gathering nothing (O(1)), where the rows' pages are consecutive
-  (a fresh or emptied pool, as here).
-- ``sliding_ring_sdpa``: the same cache with the model on ``"sdpa"``; writes the new token once, then
-  gathers the visible tokens in time order for attention (O(window)).
-
-The micro-benchmark times one decode step's ``cache.update(keys, values, layer_idx)`` of each cache, with
-the model's KV geometry (heads, head_dim, layers, dtype) and random keys/values, no model forward. Per
-(window, batch) and cache: layers 0 and 1 get a prefill of ``2 * window`` tokens (the window is full and
-has wrapped), then ``warmup_steps`` untimed and ``steps`` timed decode steps, each updating layer 0 then
-layer 1 with one new token per row, each update timed alone (device synchronized on CUDA). Runs are
-interleaved across caches (``A B C A B C ...``) over ``rounds``. Two figures, because a cache's layers can
-share per-step work: layer 0's update is the step's first (the ring grows or checks its page table and
-builds the step's slot indices there, once for all layers); layer 1's is every later layer's (the ring
-reuses those indices). ``per_layer_us`` weighs them as a decode step of the model does:
-``(first + (num_layers - 1) * next) / num_layers``. transformers' layers share nothing, so their two
-figures differ only by noise.
+It times one decode step's ``cache.update(keys, values, layer_idx)`` of each cache, with the model's KV geometry
+(heads, head_dim, layers, dtype) and random keys/values, no model forward. Per (window, batch) and cache: layers 0
+and 1 get a prefill of ``2 * window`` tokens (the window is full and has wrapped), then ``warmup_steps`` untimed
+and ``steps`` timed decode steps, each updating layer 0 then layer 1 with one new token per row, each update timed
+alone (device synchronized on CUDA). Runs are interleaved across caches (``A B C A B C ...``) over ``rounds``. Two
+figures, because a cache's layers can share per-step work: layer 0's update is the step's first (the ring grows or
+checks its page table and builds the step's slot indices there, once for all layers); layer 1's is every later
+layer's (the ring reuses those indices). ``per_layer_us`` weighs them as a decode step of the model does:
+``(first + (num_layers - 1) * next) / num_layers``. transformers' layers share nothing, so their two figures
+differ only by noise.
 """
 
-import dataclasses
 import gc
-import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -38,64 +21,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import Cache, DynamicCache, PreTrainedConfig, StaticCache
+from transformers import Cache, PreTrainedConfig
 
-from hf_kvcache.attention import ATTENTION_NAME
-from hf_kvcache.caches import SlidingRingCache
+from hf_kvcache.bench import measure
+from hf_kvcache.bench.catalogue import (
+    RING_ATTENTION,
+    SLIDING_BASELINE,
+    SLIDING_CACHES,
+    build_sliding_cache,
+    ring_pool,
+    with_attention,
+)
 from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.config import PageFormat
-from hf_kvcache.eval import sliding_window_config
-from hf_kvcache.pool import KVPool
 
-SLIDING_CACHES = ("dynamic_sliding", "static_sliding", "sliding_ring", "sliding_ring_sdpa")
-"""Caches that keep the last ``window`` tokens; ``dynamic_sliding`` is their baseline."""
-RING_ATTENTION = {"sliding_ring": ATTENTION_NAME, "sliding_ring_sdpa": "sdpa"}
-"""The model's ``attn_implementation`` under each ring (transformers' caches run under the model's own)."""
-SLIDING_BASELINE = "dynamic_sliding"
 UPDATE_WINDOWS = (256, 512, 1024, 2048, 4096, 8192)
 TIMED_LAYERS = (0, 1)
 """Layers the micro-benchmark updates each step: the step's first layer, and one after it."""
-
-
-def with_attention(config: PreTrainedConfig, attn_implementation: str) -> PreTrainedConfig:
-    """A copy of ``config`` naming ``attn_implementation``, for caches updated without a model."""
-    return type(config).from_dict({**config.to_dict(), "attn_implementation": attn_implementation})
-
-
-def ring_pool(
-    config: PreTrainedConfig, window: int, batch: int, page_size: int, dtype: torch.dtype, device: torch.device
-) -> KVPool:
-    """A fixed pool for ``batch`` rows of a ``sliding_ring`` cache of ``window`` tokens (no sinks).
-
-    A ring row takes ``ceil((window - 1) / page_size) + 1`` pages (``hf_kvcache.layers.ring``); the budget,
-    ``ceil(window / page_size) + 1`` pages per row, is never less. The pool is full by design: no use alerts.
-    """
-    page_format = PageFormat.from_model_config(config, dtype, page_size)
-    pages_per_row = page_format.pages_for_tokens((math.ceil(window / page_size) + 1) * page_size)
-    return KVPool(page_format, batch * pages_per_row + 1, device, alert_thresholds=())
-
-
-def build_sliding_cache(
-    name: str, config: PreTrainedConfig, window: int, max_cache_len: int, pool: KVPool | None = None
-) -> Cache:
-    """A fresh, empty sliding-window cache (a name from ``SLIDING_CACHES``) for a model of ``config``.
-
-    Args:
-        config: the model's config (full attention in every layer).
-        window: tokens each query attends to, itself included.
-        max_cache_len: tokens a row receives in all (sizes ``static_sliding``, which keeps ``min(window, this)``).
-        pool: the pool of a ring (``None``: the default pool of the model's geometry).
-
-    A ring reads its pages in place where ``config`` names ``attn_implementation="hf_kvcache"``: pass the
-    config of the model that runs it (``with_attention`` for a cache updated without a model).
-    """
-    if name == "dynamic_sliding":
-        return DynamicCache(config=sliding_window_config(config, window))
-    if name == "static_sliding":
-        return StaticCache(config=sliding_window_config(config, window), max_cache_len=max_cache_len)
-    if name in RING_ATTENTION:
-        return SlidingRingCache(config, window=window, pool=pool)
-    raise ValueError(f"Unknown sliding cache {name!r}; choose from {list(SLIDING_CACHES)}.")
 
 
 @dataclass(frozen=True)
@@ -123,15 +65,7 @@ class RingUpdateBenchConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name, low in (("windows", 2), ("batches", 1)):
-            values = getattr(self, name)
-            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < low for v in values):
-                raise ValueError(f"{name} must be a non-empty sequence of ints >= {low}, got {values!r}.")
-        for name in ("steps", "rounds"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}.")
+        measure.check_settings(self, {"windows": 2, "batches": 1})
         unknown = sorted(set(self.caches) - set(SLIDING_CACHES))
         if unknown or not self.caches:
             raise ValueError(f"caches must name some of {list(SLIDING_CACHES)}, got {list(self.caches)}.")
@@ -309,10 +243,5 @@ def markdown_table(results: Sequence[RingUpdateResult], num_layers: int) -> str:
 def results_record(
     results: Sequence[RingUpdateResult], bench: RingUpdateBenchConfig, info: dict[str, Any]
 ) -> dict[str, Any]:
-    """The JSON-ready record of one invocation: machine, settings and results."""
-    return {
-        "machine": info,
-        "config": dataclasses.asdict(bench),
-        "timed_layers": list(TIMED_LAYERS),
-        "results": [dataclasses.asdict(result) for result in results],
-    }
+    """The JSON-ready record of one invocation: machine, settings, the timed layers and results."""
+    return measure.results_record(results, bench, info, {"timed_layers": list(TIMED_LAYERS)})

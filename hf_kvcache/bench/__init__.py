@@ -1,0 +1,9 @@
+"""Benchmarks and the soak: library code under ``scripts/bench_decode.py``, ``scripts/bench_ring_update.py`` and
+``scripts/soak.py``.
+
+Modules: ``catalogue`` (the caches compared and how each is built), ``decode`` (decode tokens/s, KV bytes and
+peak memory of each cache, against its baselines in the same run), ``ring_update`` (one cache update alone,
+sliding caches), ``measure`` (RSS and peak memory, other processes' CPU, the scripts' machine options, the
+checks and JSON record every benchmark shares) and ``soak`` (thousands of short ``generate`` calls on small
+pools, checking that memory stays flat).
+"""

@@ -1,0 +1,154 @@
+"""The caches the decode benchmark compares, and how each is built for a run (``hf_kvcache.bench.decode``).
+
+Three groups, each measured against its baseline in the same run:
+
+- ``FULL_CACHES`` keep every token: transformers' ``DynamicCache`` (``dynamic``, the baseline every run includes)
+  and ``StaticCache`` (``static``), and our ``paged_pool``.
+- ``SLIDING_CACHES`` keep the last ``window`` tokens of a full-attention model; ``dynamic_sliding`` is their
+  baseline:
+
+  - ``dynamic_sliding``: transformers' ``DynamicCache`` on a copy of the model's config whose every layer is a
+    sliding-window layer (``hf_kvcache.eval.sliding_window_config``, as the eval's ``sliding`` kind); its
+    ``DynamicSlidingWindowLayer`` concatenates the new token to the last ``window - 1`` and keeps the tail:
+    O(window) copy and a new tensor per update.
+  - ``static_sliding``: ``StaticCache`` on the same config; its ``StaticSlidingWindowLayer`` rolls a fixed
+    ``[batch, heads, window, head_dim]`` buffer left by one and writes the new token at the end: O(window).
+  - ``sliding_ring``: our ``SlidingRingCache`` with the model on ``attn_implementation="hf_kvcache"``
+    (``RING_ATTENTION``); writes the new token once into its ring slot (O(1)) and hands attention a view of the
+    rows' pages in slot order, gathering nothing (O(1)), where the rows' pages are consecutive (a fresh or
+    emptied pool, as here).
+  - ``sliding_ring_sdpa``: the same cache with the model on ``"sdpa"``; writes the new token once, then gathers
+    the visible tokens in time order for attention (O(window)).
+
+- ``QUANTIZED_CACHES`` are lossy caches of every token: ours (each registered cache's ``bench_presets``) and
+  transformers' ``QuantizedCache`` for each installed backend; their tokens are compared with ``dynamic``'s.
+
+Our caches draw from fixed pools made for the run (``bench_pools``): one chunk each, sized for the rows, full by
+design at the end of a run.
+"""
+
+import dataclasses
+import math
+
+import torch
+from transformers import Cache, DynamicCache, PreTrainedConfig, PreTrainedModel, StaticCache
+
+from hf_kvcache.attention import ATTENTION_NAME
+from hf_kvcache.caches import SlidingRingCache
+from hf_kvcache.config import PageFormat
+from hf_kvcache.eval import CacheSpec, installed_quantized_backends, sliding_window_config
+from hf_kvcache.pool import KVPool
+from hf_kvcache.registry import REGISTRY
+
+BASELINE = "dynamic"
+"""The baseline of every run: ratios of every cache and the token checks of full caches."""
+FULL_CACHES = ("dynamic", "static", "paged_pool")
+"""Caches that keep every token; their greedy tokens are checked against ``dynamic``'s."""
+SLIDING_CACHES = ("dynamic_sliding", "static_sliding", "sliding_ring", "sliding_ring_sdpa")
+"""Caches that keep the last ``window`` tokens; ``dynamic_sliding`` is their baseline."""
+SLIDING_BASELINE = "dynamic_sliding"
+RING_ATTENTION = {"sliding_ring": ATTENTION_NAME, "sliding_ring_sdpa": "sdpa"}
+"""The model's ``attn_implementation`` under each ring (transformers' caches run under the model's own)."""
+QUANTIZED_CACHES = {
+    spec.label: spec
+    for spec in (
+        *(
+            CacheSpec(label, entry.name, dict(settings))
+            for entry in REGISTRY.values()
+            for label, settings in entry.bench_presets.items()
+        ),
+        *(
+            CacheSpec(f"{backend}-int{bits}", "quantized", {"backend": backend, "nbits": bits})
+            for backend in installed_quantized_backends()
+            for bits in (4, 2)
+        ),
+    )
+}
+"""Lossy caches of every token: ours (each registered cache's ``bench_presets``: values only) and transformers'
+``QuantizedCache`` (keys and values) for each installed backend (the optional extras ``.[quanto]``, ``.[hqq]``).
+Their tokens are compared with ``dynamic``'s; a difference is a loss."""
+CACHE_NAMES = FULL_CACHES + SLIDING_CACHES + tuple(QUANTIZED_CACHES)
+"""Caches the decode benchmark knows; ``dynamic`` is the baseline every run includes."""
+
+
+def with_attention(config: PreTrainedConfig, attn_implementation: str) -> PreTrainedConfig:
+    """A copy of ``config`` naming ``attn_implementation``, for caches updated without a model."""
+    return type(config).from_dict({**config.to_dict(), "attn_implementation": attn_implementation})
+
+
+def ring_pool(
+    config: PreTrainedConfig, window: int, batch: int, page_size: int, dtype: torch.dtype, device: torch.device
+) -> KVPool:
+    """A fixed pool for ``batch`` rows of a ``sliding_ring`` cache of ``window`` tokens (no sinks).
+
+    A ring row takes ``ceil((window - 1) / page_size) + 1`` pages (``hf_kvcache.layers.ring``); the budget,
+    ``ceil(window / page_size) + 1`` pages per row, is never less. The pool is full by design: no use alerts.
+    """
+    page_format = PageFormat.from_model_config(config, dtype, page_size)
+    pages_per_row = page_format.pages_for_tokens((math.ceil(window / page_size) + 1) * page_size)
+    return KVPool(page_format, batch * pages_per_row + 1, device, alert_thresholds=())
+
+
+def build_sliding_cache(
+    name: str, config: PreTrainedConfig, window: int, max_cache_len: int, pool: KVPool | None = None
+) -> Cache:
+    """A fresh, empty sliding-window cache (a name from ``SLIDING_CACHES``) for a model of ``config``.
+
+    Args:
+        config: the model's config (full attention in every layer).
+        window: tokens each query attends to, itself included.
+        max_cache_len: tokens a row receives in all (sizes ``static_sliding``, which keeps ``min(window, this)``).
+        pool: the pool of a ring (``None``: the default pool of the model's geometry).
+
+    A ring reads its pages in place where ``config`` names ``attn_implementation="hf_kvcache"``: pass the
+    config of the model that runs it (``with_attention`` for a cache updated without a model).
+    """
+    if name == "dynamic_sliding":
+        return DynamicCache(config=sliding_window_config(config, window))
+    if name == "static_sliding":
+        return StaticCache(config=sliding_window_config(config, window), max_cache_len=max_cache_len)
+    if name in RING_ATTENTION:
+        return SlidingRingCache(config, window=window, pool=pool)
+    raise ValueError(f"Unknown sliding cache {name!r}; choose from {list(SLIDING_CACHES)}.")
+
+
+def bench_pools(
+    model: PreTrainedModel, names: tuple[str, ...], window: int, batch: int, capacity: int, page_size: int
+) -> dict[str, KVPool]:
+    """Fixed pools for ``batch`` rows of ``capacity`` tokens, one per cache of ours among ``names``.
+
+    Rows round up to whole pages, so the budget is per row, not the batch's token total. The pools are full by
+    design at the end of every run: no use-alert thresholds. A fixed pool is one chunk (a default pool that has
+    grown gathers from several, which is slower). The rings share one pool: each run gives all its pages back,
+    consecutive for the next.
+    """
+    max_tokens = batch * math.ceil(capacity / page_size) * page_size
+    value_formats = {name: {} for name in ("paged_pool",) if name in names}
+    for name in names:
+        spec = QUANTIZED_CACHES.get(name)
+        if spec is not None and spec.kind in REGISTRY:
+            value_formats[name] = REGISTRY[spec.kind].pool_kwargs(model.config, model.dtype, spec.settings)
+    pools = {
+        name: KVPool.for_model(model, max_tokens=max_tokens, page_size=page_size, alert_thresholds=(), **value_format)
+        for name, value_format in value_formats.items()
+    }
+    rings = [name for name in names if name in RING_ATTENTION]
+    if rings:
+        pool = ring_pool(model.config, window, batch, page_size, model.dtype, model.device)
+        pools.update(dict.fromkeys(rings, pool))
+    return pools
+
+
+def build_cache(name: str, model: PreTrainedModel, window: int, capacity: int, pool: KVPool | None = None) -> Cache:
+    """A fresh, empty cache ``name`` (from ``CACHE_NAMES``) for ``model``; ours draw from ``pool`` when given.
+
+    Args:
+        window: the sliding caches' window.
+        capacity: tokens a row receives in all (sizes the static caches).
+    """
+    if name in SLIDING_CACHES:
+        return build_sliding_cache(name, model.config, window, capacity, pool)
+    spec = QUANTIZED_CACHES.get(name) or CacheSpec(name, name)
+    if pool is not None:
+        spec = dataclasses.replace(spec, settings={**spec.settings, "pool": pool})
+    return spec.build(model, capacity)
