@@ -6,7 +6,7 @@ Examples:
 
 Each card goes to ``<output-dir>/<model>-<cache>/`` and, unless ``--dry-run``, to the Hub model repo
 ``<namespace>/<model>-<cache>``. Settings whose cache is not registered, or whose label is not in a report,
-are skipped with a message (see ``hf_kvcache.cards.CARD_SETTINGS``).
+are skipped with a message (see ``hf_kvcache.cards.settings.CARD_SETTINGS``).
 """
 
 import argparse
@@ -14,9 +14,11 @@ import os
 import sys
 from pathlib import Path
 
-from hf_kvcache.cards import check_can_publish, plan_cards, publish_card, render_card, validate_card
-from hf_kvcache.eval.command import reproduce_command
-from hf_kvcache.eval.report import EvalReport
+from hf_kvcache.cards.publish import check_can_publish, publish_card
+from hf_kvcache.cards.render import render_card
+from hf_kvcache.cards.settings import plan_cards
+from hf_kvcache.cards.validate import validate_card
+from hf_kvcache.eval import EvalReport, reproduce_command
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NAMESPACE_PLACEHOLDER = "<namespace>"

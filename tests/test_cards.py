@@ -17,8 +17,10 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
 
 import hf_kvcache
-from hf_kvcache import cards
-from hf_kvcache.cards import CARD_SETTINGS, generate_with_cache, plan_cards, render_card, validate_card
+from hf_kvcache.cards import generate_with_cache, publish
+from hf_kvcache.cards.render import render_card
+from hf_kvcache.cards.settings import CARD_SETTINGS, plan_cards
+from hf_kvcache.cards.validate import validate_card
 from hf_kvcache.eval.command import reproduce_command
 from hf_kvcache.eval.report import EvalReport
 from hf_kvcache.eval.runner import EvalConfig
@@ -271,12 +273,12 @@ class FakeApi:
 def test_publish_refuses_offline_and_without_a_token(monkeypatch, tmp_path):
     script = load_script("publish_cards")
     argv = [str(REPORT), "--namespace", "me", "--output-dir", str(tmp_path)]
-    monkeypatch.setattr(cards, "HfApi", None)  # any network call would fail
-    monkeypatch.setattr(cards, "is_offline_mode", lambda: True)
+    monkeypatch.setattr(publish, "HfApi", None)  # any network call would fail
+    monkeypatch.setattr(publish, "is_offline_mode", lambda: True)
     with pytest.raises(SystemExit, match="HF_HUB_OFFLINE is set.*--dry-run"):
         script.main(argv)
-    monkeypatch.setattr(cards, "is_offline_mode", lambda: False)
-    monkeypatch.setattr(cards, "get_token", lambda: None)
+    monkeypatch.setattr(publish, "is_offline_mode", lambda: False)
+    monkeypatch.setattr(publish, "get_token", lambda: None)
     with pytest.raises(SystemExit, match="No Hugging Face token: run `hf auth login` or set HF_TOKEN"):
         script.main(argv)
     assert not any(tmp_path.iterdir())  # refused before writing anything
@@ -285,9 +287,9 @@ def test_publish_refuses_offline_and_without_a_token(monkeypatch, tmp_path):
 
 
 def test_publish_uploads_each_validated_folder(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(cards, "is_offline_mode", lambda: False)
-    monkeypatch.setattr(cards, "get_token", lambda: "hf_test")
-    monkeypatch.setattr(cards, "HfApi", FakeApi)
+    monkeypatch.setattr(publish, "is_offline_mode", lambda: False)
+    monkeypatch.setattr(publish, "get_token", lambda: "hf_test")
+    monkeypatch.setattr(publish, "HfApi", FakeApi)
     FakeApi.calls.clear()
     load_script("publish_cards").main([str(REPORT), "--namespace", "me", "--output-dir", str(tmp_path)])
     folder = tmp_path / "smollm2-135m-instruct-paged_pool"
