@@ -53,7 +53,6 @@ from hf_kvcache.bench.catalogue import (
     build_cache,
 )
 from hf_kvcache.bench.measure import OtherCpuUse, PeakMemory
-from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.eval import kv_bytes, load_essays
 
 logger = logging.getLogger("hf_kvcache.bench")
@@ -264,17 +263,15 @@ def _measure(
     """Runs every cache ``config.rounds`` times, interleaved; returns each cache's runs."""
     capacity = length + config.tokens_per_row
     pools = bench_pools(model, config.caches, config.window, batch, capacity, config.page_size)
-    runs: dict[str, list[_Run]] = {name: [] for name in config.caches}
-    for _ in range(config.rounds):
-        for name in config.caches:
-            cache = build_cache(name, model, config.window, capacity, pools.get(name))
-            with model_attention(model, RING_ATTENTION.get(name)):
-                runs[name].append(_decode(model, cache, prefill, length, batch, config))
-            if isinstance(cache, PoolCache):
-                cache.release()
-            del cache
-            gc.collect()
-    return runs
+
+    def build(name: str) -> Cache:
+        return build_cache(name, model, config.window, capacity, pools.get(name))
+
+    def run(name: str, cache: Cache) -> _Run:
+        with model_attention(model, RING_ATTENTION.get(name)):
+            return _decode(model, cache, prefill, length, batch, config)
+
+    return measure.run_interleaved(config.caches, config.rounds, build, run)
 
 
 @contextlib.contextmanager

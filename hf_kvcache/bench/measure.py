@@ -10,17 +10,23 @@ every report.
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 import torch
+from transformers import Cache
+
+from hf_kvcache.caches.base import PoolCache
+
+Result = TypeVar("Result")
 
 
 def rss_bytes() -> int:
@@ -131,6 +137,31 @@ def machine_settings(args: argparse.Namespace) -> tuple[torch.device, torch.dtyp
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     return torch.device(args.device), DTYPES[args.dtype]
+
+
+def run_interleaved(
+    names: Sequence[str], rounds: int, build: Callable[[str], Cache], run: Callable[[str, Cache], Result]
+) -> dict[str, list[Result]]:
+    """Runs every cache ``rounds`` times, interleaved (``A B C A B C ...``), so that slow drifts of the machine hit
+    every cache alike.
+
+    Each run gets a fresh cache, ``build(name)``; ``run(name, cache)`` measures it. Our caches give their pages
+    back right after their run (the next run of a ring finds them consecutive again) and memory is collected
+    before the next cache is built.
+
+    Returns:
+        Each cache's ``rounds`` results, in round order.
+    """
+    results: dict[str, list[Result]] = {name: [] for name in names}
+    for _ in range(rounds):
+        for name in names:
+            cache = build(name)
+            results[name].append(run(name, cache))
+            if isinstance(cache, PoolCache):
+                cache.release()
+            del cache
+            gc.collect()
+    return results
 
 
 def check_settings(config: Any, sequences: dict[str, int]) -> None:

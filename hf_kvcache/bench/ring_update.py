@@ -32,7 +32,6 @@ from hf_kvcache.bench.catalogue import (
     ring_pool,
     with_attention,
 )
-from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.config import PageFormat
 
 UPDATE_WINDOWS = (256, 512, 1024, 2048, 4096, 8192)
@@ -126,32 +125,34 @@ def run_ring_update_benchmark(
     with torch.inference_mode():
         for window in bench.windows:
             for batch in bench.batches:
-                shape = (
-                    batch,
-                    page_format.num_kv_heads,
-                    2 * window,
-                    page_format.head_dim,
-                )  # fill: [batch, heads, 2W, hd]
+                shape = (batch, page_format.num_kv_heads, 2 * window, page_format.head_dim)  # fill: [.., 2W, hd]
                 fill = [torch.randn(shape, generator=generator, dtype=dtype).to(device) for _ in range(2)]
-                step = [state[:, :, -1:].clone() for state in fill]  # [batch, heads, 1, head_dim]
-                max_cache_len = 2 * window + bench.warmup_steps + bench.steps
-                pool = None
-                if set(RING_ATTENTION) & set(bench.caches):
-                    pool = ring_pool(config, window, batch, bench.page_size, dtype, device)
-                timings: dict[str, list[tuple[list[float], list[float]]]] = {name: [] for name in bench.caches}
-                for _ in range(bench.rounds):
-                    for name in bench.caches:
-                        attended = with_attention(config, RING_ATTENTION[name]) if name in RING_ATTENTION else config
-                        cache = build_sliding_cache(name, attended, window, max_cache_len, pool)
-                        timings[name].append(_time_updates(cache, fill, step, bench, device))
-                        if isinstance(cache, PoolCache):
-                            cache.release()
-                        del cache
-                        gc.collect()
+                timings = _measure(config, bench, window, fill, device)
                 results.extend(_summarize(timings, window, batch, num_layers, bench))
-                del fill, step, pool
+                del fill
                 gc.collect()
     return results
+
+
+def _measure(
+    config: PreTrainedConfig, bench: RingUpdateBenchConfig, window: int, fill: list[torch.Tensor], device: torch.device
+) -> dict[str, list[tuple[list[float], list[float]]]]:
+    """Times every cache of ``bench`` ``bench.rounds`` times, interleaved, at one (window, batch); ``fill`` holds the
+    prefill's keys and values ``[batch, heads, 2 * window, head_dim]``."""
+    step = [state[:, :, -1:].clone() for state in fill]  # [batch, heads, 1, head_dim]
+    max_cache_len = 2 * window + bench.warmup_steps + bench.steps
+    pool = None
+    if set(RING_ATTENTION) & set(bench.caches):
+        pool = ring_pool(config, window, fill[0].shape[0], bench.page_size, fill[0].dtype, device)
+
+    def build(name: str) -> Cache:
+        attended = with_attention(config, RING_ATTENTION[name]) if name in RING_ATTENTION else config
+        return build_sliding_cache(name, attended, window, max_cache_len, pool)
+
+    def run(name: str, cache: Cache) -> tuple[list[float], list[float]]:
+        return _time_updates(cache, fill, step, bench, device)
+
+    return measure.run_interleaved(bench.caches, bench.rounds, build, run)
 
 
 def _time_updates(
