@@ -29,3 +29,36 @@ def assert_same_generation(reference, candidate):
     assert torch.equal(reference.sequences, candidate.sequences)
     for step, (expected, actual) in enumerate(zip(reference.logits, candidate.logits, strict=True)):
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=f"logits differ at step {step}")
+
+
+def random_ids(batch: int, length: int, seed: int = 0, vocab: int = 128) -> torch.Tensor:
+    """``[batch, length]`` random token ids in ``[1, vocab)`` (no padding), the same for the same seed."""
+    return torch.randint(1, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def teacher_forced_logits(model, ids: torch.Tensor, cache, chunks: list[int]) -> torch.Tensor:
+    """The model's logits ``[batch, seq_len, vocab]`` over ``ids`` fed through ``cache`` in chunks of the given
+    sizes (the last size repeated to the end): a prefill, then decode steps or prefill chunks."""
+    logits, start = [], 0
+    while start < ids.shape[1]:
+        size = chunks[min(len(logits), len(chunks) - 1)]
+        logits.append(model(ids[:, start : start + size], cache=cache).logits)
+        start += size
+    return torch.cat(logits, dim=1)
+
+
+def assert_beams_and_sampling_match(
+    model, ids: torch.Tensor, mask: torch.Tensor, name: str, max_new_tokens: int, num_return_sequences: int, seed: int
+) -> None:
+    """Beam search (4 beams) and seeded sampling (``num_return_sequences`` each) through our cache ``name`` give
+    exactly the tokens they give with transformers' default cache."""
+    beams = {"num_beams": 4, "max_new_tokens": max_new_tokens}
+    assert torch.equal(
+        model.generate(ids, attention_mask=mask, **beams),
+        model.generate(ids, attention_mask=mask, cache_implementation=name, **beams),
+    )
+    sampling = {"do_sample": True, "num_return_sequences": num_return_sequences, "max_new_tokens": max_new_tokens}
+    torch.manual_seed(seed)
+    expected = model.generate(ids, attention_mask=mask, **sampling)
+    torch.manual_seed(seed)
+    assert torch.equal(expected, model.generate(ids, attention_mask=mask, cache_implementation=name, **sampling))

@@ -141,9 +141,12 @@ def test_hub_sources_fail_fast_when_offline(monkeypatch: pytest.MonkeyPatch, sou
     assert "essays, ruler-essays" in message and "directory of .txt files" in message
 
 
-def _go_online(monkeypatch: pytest.MonkeyPatch) -> None:
+def _go_online(monkeypatch: pytest.MonkeyPatch, api: type, load_dataset) -> None:
+    """The hub switched on, with ``api`` standing in for ``HfApi`` and ``load_dataset`` for datasets'."""
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.setenv(name, "0")
+    monkeypatch.setattr(data, "HfApi", api)
+    monkeypatch.setattr(data.datasets, "load_dataset", load_dataset)
 
 
 def test_unreachable_hub_becomes_the_same_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -151,9 +154,7 @@ def test_unreachable_hub_becomes_the_same_clear_error(monkeypatch: pytest.Monkey
         def dataset_info(self, repo_id: str, timeout: float) -> None:
             raise OSError("[Errno -2] Name or service not known")
 
-    _go_online(monkeypatch)
-    monkeypatch.setattr(data, "HfApi", Unreachable)
-    monkeypatch.setattr(data.datasets, "load_dataset", _forbid_load_dataset)
+    _go_online(monkeypatch, Unreachable, _forbid_load_dataset)
     with pytest.raises(ValueError, match=r"source='pg19' needs the Hugging Face Hub .*did not answer.*essays"):
         load_texts("pg19")
 
@@ -166,9 +167,7 @@ def test_connection_error_during_download_becomes_the_same_clear_error(monkeypat
     def load_dataset_offline(*args: object, **kwargs: object) -> None:
         raise ConnectionError("Couldn't reach 'Salesforce/wikitext' on the Hub")
 
-    _go_online(monkeypatch)
-    monkeypatch.setattr(data, "HfApi", Reachable)
-    monkeypatch.setattr(data.datasets, "load_dataset", load_dataset_offline)
+    _go_online(monkeypatch, Reachable, load_dataset_offline)
     with pytest.raises(ValueError, match=r"source='wikitext' needs the Hugging Face Hub .*did not answer"):
         load_texts("wikitext")
 

@@ -5,6 +5,7 @@ import math
 import evaluate
 import pytest
 import torch
+from helpers import random_ids
 from transformers import DynamicCache, QuantizedCache
 
 from hf_kvcache.eval import FIDELITY_METRIC_PATH
@@ -20,39 +21,35 @@ LOSSLESS = [
 ]
 
 
-def documents(batch: int = 2, length: int = 48) -> torch.Tensor:
-    return torch.randint(1, 128, (batch, length), generator=torch.Generator().manual_seed(0))
-
-
 @pytest.mark.parametrize("model_name", ["tiny_llama_model", "tiny_gemma3_model"])
 def test_lossless_caches_report_no_change(model_name, request):
     model = request.getfixturevalue(model_name)
-    metrics = compare_in_decode_mode(model, documents(), LOSSLESS, prefill_tokens=5, progress=False)
+    metrics = compare_in_decode_mode(model, random_ids(2, 48), LOSSLESS, prefill_tokens=5, progress=False)
     results = summarize(LOSSLESS, metrics)
     assert [r.label for r in results] == [spec.label for spec in LOSSLESS]
     for result in results:
         assert result.perplexity_change == pytest.approx(0, abs=1e-4), result.label
         assert result.kl_mean == pytest.approx(0, abs=1e-6), result.label
         assert result.top1_agreement == 1.0, result.label
-    agreement = generation_agreement(model, documents()[:, :6], LOSSLESS, max_new_tokens=12)
+    agreement = generation_agreement(model, random_ids(2, 48)[:, :6], LOSSLESS, max_new_tokens=12)
     assert all(counts == [12, 12] for counts in agreement.values())
 
 
 def test_lossy_cache_reports_a_change(tiny_llama_model):
     specs = [CacheSpec("dynamic", "dynamic"), parse_spec("window8=sliding:window=8")]
-    metrics = compare_in_decode_mode(tiny_llama_model, documents(), specs, prefill_tokens=4, progress=False)
+    metrics = compare_in_decode_mode(tiny_llama_model, random_ids(2, 48), specs, prefill_tokens=4, progress=False)
     baseline, windowed = summarize(specs, metrics)
     assert windowed.kl_mean > 1e-4 and windowed.top1_agreement < 1.0
     assert windowed.perplexity_change != 0
     assert windowed.kv_bytes_per_token < baseline.kv_bytes_per_token / 2  # 8 of 47 tokens kept
     # The window only bites once the sequence is past it: the first bucket is unchanged.
     assert windowed.perplexity_by_bucket[0] == pytest.approx(baseline.perplexity_by_bucket[0], rel=1e-5)
-    agreement = generation_agreement(tiny_llama_model, documents(length=30), specs, max_new_tokens=20)
+    agreement = generation_agreement(tiny_llama_model, random_ids(2, 30), specs, max_new_tokens=20)
     assert agreement["dynamic"] == [20, 20] and min(agreement["window8"]) < 20
 
 
 def test_decode_mode_perplexity_equals_a_full_forward(tiny_llama_model):
-    ids = documents(batch=3, length=40)
+    ids = random_ids(3, 40)
     metrics = compare_in_decode_mode(tiny_llama_model, ids, [CacheSpec("dynamic", "dynamic")], 7, progress=False)
     logits = tiny_llama_model(ids).logits[:, :-1]
     nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
@@ -95,7 +92,7 @@ def test_specs_parse_and_reject_unknown_kinds():
 @pytest.mark.parametrize("backend", installed_quantized_backends())
 def test_kv_bytes_count_every_quantized_part(tiny_llama_model, backend):
     """transformers' quantized caches hold codes, scales and zeros (hqq as a (codes, meta) pair): all counted."""
-    ids = torch.randint(1, 128, (1, 600), generator=torch.Generator().manual_seed(0))
+    ids = random_ids(1, 600)
     caches = {"dynamic": DynamicCache(config=tiny_llama_model.config)}
     caches[backend] = QuantizedCache(backend=backend, config=tiny_llama_model.config, nbits=4)
     with torch.inference_mode():

@@ -85,30 +85,6 @@ def test_cache_config_pool_is_used_as_is_and_max_tokens_makes_a_pool(tiny_llama_
     assert own is not pool and own.stats()["pages_total"] == 8 and own.format.page_size == 8
 
 
-@pytest.mark.parametrize(
-    "cache_config,error,match",
-    [
-        (
-            {"page_sise": 8},
-            ValueError,
-            r"Unknown cache_config keys \['page_sise'\].*valid keys are \['page_size', 'pool', 'max_tokens', "
-            r"'admission_check'\]",
-        ),
-        ({"page_size": 0}, ValueError, "page_size=0 is out of range"),
-        ({"page_size": "16"}, TypeError, "page_size must be an int"),
-        ({"max_tokens": -3}, ValueError, "max_tokens must be a positive int"),
-        ({"pool": "no-such-pool"}, ValueError, "No pool named 'no-such-pool'"),
-        ({"pool": 3}, TypeError, "must be a KVPool or a pool's name"),
-        ({"dtype": torch.float16}, ValueError, "Unknown cache_config keys"),
-    ],
-)
-def test_bad_cache_config_is_rejected(tiny_llama_model, cache_config, error, match):
-    with pytest.raises(error, match=match):
-        tiny_llama_model.generate(
-            torch.tensor([[1, 2]]), max_new_tokens=2, cache_implementation="paged_pool", cache_config=cache_config
-        )
-
-
 def test_cache_object_and_name_together_are_rejected(tiny_llama_model):
     with pytest.raises(ValueError, match="both"):
         tiny_llama_model.generate(

@@ -4,7 +4,7 @@ import gc
 
 import pytest
 import torch
-from helpers import assert_same_generation, padded_batch, run
+from helpers import assert_beams_and_sampling_match, assert_same_generation, padded_batch, random_ids, run
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 import hf_kvcache  # noqa: F401  (registers "paged_pool")
@@ -25,6 +25,23 @@ class RecordPages(LogitsProcessor):
         return scores
 
 
+def pages_used_by_step(model, seed: int, max_tokens: int, **generate_kwargs) -> list[int]:
+    """Pages in use after the prefill and after each step of ``paged_pool`` generating from one 40-token prompt on a
+    fresh pool; checks that every page is back once the cache is gone."""
+    pool = KVPool.for_model(model, max_tokens=max_tokens)
+    recorder = RecordPages(pool)
+    model.generate(
+        random_ids(1, 40, seed=seed),
+        cache_implementation="paged_pool",
+        cache_config={"pool": pool},
+        logits_processor=LogitsProcessorList([recorder]),
+        **generate_kwargs,
+    )
+    gc.collect()
+    assert pool.stats()["pages_used"] == 0
+    return recorder.pages_used
+
+
 @pytest.mark.parametrize("model_name", MODELS)
 @pytest.mark.parametrize("lengths,new_tokens", [([5, 3], 2), ([8, 7, 1], 1), ([9, 4], 16), ([23, 16, 17], 30)])
 def test_greedy_matches_dynamic_cache(model_name, lengths, new_tokens, request):
@@ -42,60 +59,26 @@ def test_greedy_matches_dynamic_cache(model_name, lengths, new_tokens, request):
 def test_beam_search_and_sampling_match(model_name, request):
     model = request.getfixturevalue(model_name)
     ids, mask = padded_batch([12, 20])
-    beams = {"num_beams": 4, "max_new_tokens": 12}
-    assert torch.equal(
-        model.generate(ids, attention_mask=mask, **beams),
-        model.generate(ids, attention_mask=mask, cache_implementation="paged_pool", **beams),
-    )
-    sampling = {"do_sample": True, "num_return_sequences": 4, "max_new_tokens": 12}
-    torch.manual_seed(7)
-    expected = model.generate(ids, attention_mask=mask, **sampling)
-    torch.manual_seed(7)
-    assert torch.equal(
-        expected, model.generate(ids, attention_mask=mask, cache_implementation="paged_pool", **sampling)
-    )
+    assert_beams_and_sampling_match(model, ids, mask, "paged_pool", max_new_tokens=12, num_return_sequences=4, seed=7)
 
 
 def test_identical_rows_share_prompt_pages(tiny_llama_model):
     """num_return_sequences=4 expands one 40-token prompt into 4 identical rows before prefill."""
-    pool = KVPool.for_model(tiny_llama_model, max_tokens=1024)
-    recorder = RecordPages(pool)
-    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(1))
-    tiny_llama_model.generate(
-        ids,
-        do_sample=True,
-        num_return_sequences=4,
-        max_new_tokens=3,
-        cache_implementation="paged_pool",
-        cache_config={"pool": pool},
-        logits_processor=LogitsProcessorList([recorder]),
+    pages_used = pages_used_by_step(
+        tiny_llama_model, seed=1, max_tokens=1024, do_sample=True, num_return_sequences=4, max_new_tokens=3
     )
     # Prefill: 40 tokens = 2 full pages + 1 partial page, stored once for the 4 rows.
     # Step 1 writes into the shared partial page: 3 rows copy it, the 4th keeps the original.
     # The full pages stay shared.
-    assert recorder.pages_used[:2] == [3, 3 + 3]
-    gc.collect()
-    assert pool.stats()["pages_used"] == 0
+    assert pages_used[:2] == [3, 3 + 3]
 
 
 def test_beam_search_shares_pages(tiny_llama_model):
-    pool = KVPool.for_model(tiny_llama_model, max_tokens=2048)
-    recorder = RecordPages(pool)
-    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(2))
-    tiny_llama_model.generate(
-        ids,
-        num_beams=4,
-        max_new_tokens=20,
-        cache_implementation="paged_pool",
-        cache_config={"pool": pool},
-        logits_processor=LogitsProcessorList([recorder]),
-    )
-    assert recorder.pages_used[0] == 3  # the prompt once, not 4 times
+    pages_used = pages_used_by_step(tiny_llama_model, seed=2, max_tokens=2048, num_beams=4, max_new_tokens=20)
+    assert pages_used[0] == 3  # the prompt once, not 4 times
     # Beams copy only the page they write into: never more than 2 full prompt pages + 1 partial page per beam,
     # plus the pages the beams grew.
-    assert max(recorder.pages_used) < 4 * 5
-    gc.collect()
-    assert pool.stats()["pages_used"] == 0
+    assert max(pages_used) < 4 * 5
 
 
 def test_shared_pages_are_copied_before_write():
@@ -259,12 +242,6 @@ def test_smollm2_batch_beam_and_sampling_match(bundled):
     reference = run(model, batch.input_ids, batch.attention_mask, max_new_tokens=16)
     paged = run(model, batch.input_ids, batch.attention_mask, max_new_tokens=16, cache_implementation="paged_pool")
     assert_same_generation(reference, paged)
-    beams = {"num_beams": 4, "max_new_tokens": 8}
-    assert torch.equal(
-        model.generate(**batch, **beams), model.generate(**batch, cache_implementation="paged_pool", **beams)
+    assert_beams_and_sampling_match(
+        model, batch.input_ids, batch.attention_mask, "paged_pool", max_new_tokens=8, num_return_sequences=4, seed=11
     )
-    sampling = {"do_sample": True, "num_return_sequences": 4, "max_new_tokens": 8}
-    torch.manual_seed(11)
-    expected = model.generate(**batch, **sampling)
-    torch.manual_seed(11)
-    assert torch.equal(expected, model.generate(**batch, cache_implementation="paged_pool", **sampling))

@@ -6,6 +6,7 @@ import threading
 
 import pytest
 import torch
+from helpers import random_ids
 
 import hf_kvcache  # noqa: F401
 from hf_kvcache import KVPool, PagedCache, PageFormat, PoolExhaustedError
@@ -144,9 +145,7 @@ def test_pool_of_another_model_is_rejected(tiny_llama_model, tiny_gemma3_model):
 
 def test_threads_share_one_pool(tiny_llama_model):
     pool = KVPool.for_model(tiny_llama_model, max_tokens=4096)
-    prompts = [
-        torch.randint(1, 128, (1 + i % 3, 5 + 3 * i), generator=torch.Generator().manual_seed(i)) for i in range(6)
-    ]
+    prompts = [random_ids(1 + i % 3, 5 + 3 * i, seed=i) for i in range(6)]
     expected = [tiny_llama_model.generate(p, max_new_tokens=12, do_sample=False) for p in prompts]
     results: dict[int, torch.Tensor] = {}
 

@@ -1,7 +1,7 @@
 """Reliability: bad input fails early with an error that names the value and the setting; a short soak.
 
-Range checks of each cache's own keys (window, sink_tokens, bits, group_size, residual_length) are also in
-``test_ring_cache.py`` and ``test_quantized_cache.py``; here every registered name gets the shared keys.
+Every registered name gets the shared keys over its example config, and each cache its own keys (window,
+sink_tokens, bits, group_size, residual_length) too.
 """
 
 import gc
@@ -77,6 +77,50 @@ def test_bad_cache_config_names_the_key_and_the_value(tiny_llama_model, name, ca
 def test_cache_config_that_is_not_a_dict_is_rejected(tiny_llama_model, cache_name):
     with pytest.raises(TypeError, match=r"cache_config must be a dict of \w+Options keys \[.*\], got 'paged' \(str\)"):
         generate(tiny_llama_model, cache_name, "paged")
+
+
+AS_GIVEN_ERRORS = {
+    "paged_pool": [
+        (
+            {"page_sise": 8},
+            ValueError,
+            r"Unknown cache_config keys \['page_sise'\].*valid keys are \['page_size', 'pool', 'max_tokens', "
+            r"'admission_check'\]",
+        ),
+        ({"page_size": 0}, ValueError, "page_size=0 is out of range"),
+        ({"page_size": "16"}, TypeError, "page_size must be an int"),
+        ({"max_tokens": -3}, ValueError, "max_tokens must be a positive int"),
+        ({"pool": "no-such-pool"}, ValueError, "No pool named 'no-such-pool'"),
+        ({"pool": 3}, TypeError, "must be a KVPool or a pool's name"),
+        ({"dtype": torch.float16}, ValueError, "Unknown cache_config keys"),
+    ],
+    "sliding_ring": [
+        ({}, ValueError, "cache_config window is required"),
+        ({"window": 0}, ValueError, "window=0 is out of range"),
+        ({"window": "64"}, TypeError, "window must be an int"),
+        ({"window": 8, "sink_tokens": -1}, ValueError, "sink_tokens=-1 is out of range"),
+        ({"windows": 8}, ValueError, r"Unknown cache_config keys \['windows'\].*'window', 'sink_tokens'"),
+    ],
+    "quantized_values": [
+        ({"bits": 3}, ValueError, "bits=3 is not supported: choose bits=8 or bits=4"),
+        ({"bits": "4"}, TypeError, "bits must be an int"),
+        ({"group_size": 12}, ValueError, r"group_size=12 does not divide the model's head_dim=16; choose one of"),
+        ({"group_size": 0}, ValueError, "group_size=0 is out of range"),
+        ({"residual_length": -1}, ValueError, "residual_length=-1 is out of range"),
+        ({"bit": 4}, ValueError, r"Unknown cache_config keys \['bit'\].*'bits', 'group_size', 'residual_length'"),
+    ],
+}
+"""Each cache's own bad ``cache_config``s, given as they are (not over its example config: a ring without a window)."""
+
+
+@pytest.mark.parametrize(
+    "name,cache_config,error,match", [(name, *case) for name, cases in AS_GIVEN_ERRORS.items() for case in cases]
+)
+def test_bad_cache_config_as_given_is_rejected(tiny_llama_model, name, cache_config, error, match):
+    with pytest.raises(error, match=match):
+        tiny_llama_model.generate(
+            torch.tensor([[1, 2]]), max_new_tokens=2, cache_implementation=name, cache_config=cache_config
+        )
 
 
 # ----- pools and models that do not fit -------------------------------------------------------------

@@ -8,7 +8,14 @@ import warnings
 
 import pytest
 import torch
-from helpers import assert_same_generation, padded_batch, run
+from helpers import (
+    assert_beams_and_sampling_match,
+    assert_same_generation,
+    padded_batch,
+    random_ids,
+    run,
+    teacher_forced_logits,
+)
 from transformers import DynamicCache
 
 import hf_kvcache  # noqa: F401  (registers "sliding_ring")
@@ -30,20 +37,6 @@ def banded_logits(model, ids: torch.Tensor, window: int, sink_tokens: int = 0) -
     query, key = positions[:, None], positions[None, :]
     allowed = (key <= query) & ((key > query - window) | (key < sink_tokens))  # [seq, seq]
     return model(ids, attention_mask=allowed.expand(ids.shape[0], 1, -1, -1)).logits
-
-
-def teacher_forced_logits(model, ids: torch.Tensor, cache, chunks: list[int]) -> torch.Tensor:
-    """Feeds ``ids`` through the cache in chunks of the given sizes (the last one repeated to the end)."""
-    logits, start = [], 0
-    while start < ids.shape[1]:
-        size = chunks[min(len(logits), len(chunks) - 1)]
-        logits.append(model(ids[:, start : start + size], cache=cache).logits)
-        start += size
-    return torch.cat(logits, dim=1)
-
-
-def random_ids(batch: int, length: int, seed: int = 0, vocab: int = 128) -> torch.Tensor:
-    return torch.randint(1, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("model_name", SLIDING_MODELS)
@@ -341,17 +334,9 @@ def test_layer_groups_split_by_type_in_equal_sizes():
 
 def test_beam_search_and_return_sequences_match_dynamic(tiny_mistral_model):
     ids, mask = padded_batch([12, 30])
-    beams = {"num_beams": 4, "max_new_tokens": 20}
-    assert torch.equal(
-        tiny_mistral_model.generate(ids, attention_mask=mask, **beams),
-        tiny_mistral_model.generate(ids, attention_mask=mask, cache_implementation="sliding_ring", **beams),
+    assert_beams_and_sampling_match(
+        tiny_mistral_model, ids, mask, "sliding_ring", max_new_tokens=20, num_return_sequences=3, seed=3
     )
-    sampling = {"do_sample": True, "num_return_sequences": 3, "max_new_tokens": 20}
-    torch.manual_seed(3)
-    expected = tiny_mistral_model.generate(ids, attention_mask=mask, **sampling)
-    torch.manual_seed(3)
-    actual = tiny_mistral_model.generate(ids, attention_mask=mask, cache_implementation="sliding_ring", **sampling)
-    assert torch.equal(expected, actual)
 
 
 def test_row_operations_and_reset_match_dynamic(tiny_mistral_model):
@@ -397,23 +382,6 @@ def test_assisted_decoding_matches_dynamic(tiny_mistral_model):
         ids, max_new_tokens=20, do_sample=False, assistant_model=assistant, cache_implementation="sliding_ring"
     )
     assert torch.equal(expected, actual)
-
-
-@pytest.mark.parametrize(
-    "cache_config,error,match",
-    [
-        ({}, ValueError, "cache_config window is required"),
-        ({"window": 0}, ValueError, "window=0 is out of range"),
-        ({"window": "64"}, TypeError, "window must be an int"),
-        ({"window": 8, "sink_tokens": -1}, ValueError, "sink_tokens=-1 is out of range"),
-        ({"windows": 8}, ValueError, r"Unknown cache_config keys \['windows'\].*'window', 'sink_tokens'"),
-    ],
-)
-def test_bad_ring_config_is_rejected(tiny_llama_model, cache_config, error, match):
-    with pytest.raises(error, match=match):
-        tiny_llama_model.generate(
-            torch.tensor([[1, 2]]), max_new_tokens=2, cache_implementation="sliding_ring", cache_config=cache_config
-        )
 
 
 def test_sinks_without_a_window_to_keep_them_are_rejected(tiny_mistral_model):
