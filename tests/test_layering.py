@@ -109,3 +109,28 @@ def test_only_transformers_internals_reaches_past_the_public_names(module):
         return
     deep = sorted(name for name in imports_of(module) if name.startswith("transformers."))
     assert not deep, f"{module} imports {deep}: reach them through hf_kvcache.transformers_internals"
+
+
+def test_readme_layout_block_is_the_tree():
+    """The README's Layout block names every module of the package, under its folder, and nothing else."""
+    readme = (PACKAGE.parent / "README.md").read_text()
+    block = readme.split("## Layout\n\n```\n", 1)[1].split("```", 1)[0]
+    listed, folder = set(), ""
+    for line in block.splitlines()[1:]:
+        indent = len(line) - len(line.lstrip())
+        if indent == 0:
+            break
+        names = [word for word in line.strip().split("  ")[0].split() if word.endswith((".py", ".md", "/"))]
+        if indent == 2:
+            folder = names[0] if names[0].endswith("/") else ""
+            listed |= {names[0]} if folder else set(names)
+        else:
+            listed |= {folder + name for name in names}
+    found = {
+        path.relative_to(PACKAGE).as_posix() + ("/" if path.is_dir() else "")
+        for path in [*PACKAGE.glob("*"), *PACKAGE.glob("*/*")]
+        if path.name not in ("__init__.py", "__pycache__") and (path.is_dir() or path.suffix in (".py", ".md"))
+    }
+    assert listed == found, (
+        f"missing from the README: {sorted(found - listed)}; not in the tree: {sorted(listed - found)}"
+    )
