@@ -134,3 +134,17 @@ def test_readme_layout_block_is_the_tree():
     assert listed == found, (
         f"missing from the README: {sorted(found - listed)}; not in the tree: {sorted(listed - found)}"
     )
+
+
+def test_only_integration_and_models_change_transformers():
+    """transformers_internals' writes are called from integration (the two seams, the attention name) and models
+    (the GGUF quantizer of the bundled model) only."""
+    writes = {"set_cache_implementations", "set_prepare_cache_method", "remove_attention", "drop_quantizer"}
+    callers = {
+        file.relative_to(PACKAGE).as_posix()
+        for file in PACKAGE.rglob("*.py")
+        if file.name != "transformers_internals.py"
+        for node in ast.walk(ast.parse(file.read_text()))
+        if isinstance(node, ast.Name | ast.Attribute) and getattr(node, "id", getattr(node, "attr", None)) in writes
+    }
+    assert callers == {"integration.py", "models.py"}
