@@ -1,4 +1,5 @@
-"""Helper functions shared by the cache tests: padded batches, greedy runs, comparing generations.
+"""Helper functions shared by the tests: padded batches and random ids, greedy runs, teacher-forced logits, comparing
+generations.
 
 A working ``cache_config`` per cache name is its registry entry's ``example_config``
 (``hf_kvcache.registry.REGISTRY``); ``conftest.py`` has the ``cache_name`` and ``make_pool`` fixtures."""
