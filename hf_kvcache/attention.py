@@ -47,23 +47,30 @@ def banded_sdpa_attention(
     layout = layout_of(key)
     if layout is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    allowed = layout.band[None, None]  # [1, 1, n, num_keys]: includes causality
+    allowed = layout.band.unsqueeze(1)  # [batch, 1, n, num_keys]: includes causality
     if attention_mask is None:
         attention_mask = allowed
     else:
-        if layout.mask_columns is not None:  # keys in slot order: the model's mask follows them
-            attention_mask = attention_mask.index_select(-1, layout.mask_columns)
+        if layout.mask_columns is not None:  # keys in slot order: the model's mask follows them, row by row
+            columns = layout.mask_columns[:, None, None, :]  # [batch, 1, 1, num_keys]
+            attention_mask = attention_mask.expand(columns.shape[0], -1, allowed.shape[2], -1)
+            attention_mask = attention_mask.gather(
+                -1, columns.expand(-1, attention_mask.shape[1], allowed.shape[2], -1)
+            )
         if attention_mask.dtype == torch.bool:
             attention_mask = attention_mask & allowed
         else:
             attention_mask = attention_mask.masked_fill(~allowed, torch.finfo(attention_mask.dtype).min)
     if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None or module.training:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    # Straight to torch, with grouped heads: transformers' sdpa repeats or packs them wherever a mask is
-    # given, which on CPU is slower than torch's own grouped-query path.
     grouped = query.shape[1] != key.shape[1]
-    scale = kwargs.get("scaling")
+    if grouped and query.device.type != "cpu":
+        # CUDA's fused kernels do not take a mask together with enable_gqa (torch falls back to the math kernel):
+        # repeat the KV heads instead, as transformers' own sdpa does. On CPU torch's grouped path is the fastest.
+        repeats = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
+        grouped = False
     output = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, scale=scale, enable_gqa=grouped
+        query, key, value, attn_mask=attention_mask, scale=kwargs.get("scaling"), enable_gqa=grouped
     )  # [batch, heads, n, head_dim]
     return output.transpose(1, 2).contiguous(), None

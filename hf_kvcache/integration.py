@@ -91,7 +91,8 @@ def check_request(
                 f"The prompt is empty ({key} has shape {list(value.shape)}): generate needs at least one input token "
                 "per row to start from, e.g. the tokenizer's bos_token_id."
             )
-    cache.plan(max_cache_length)
+    mask = model_kwargs.get("attention_mask")  # [rows, prompt_length]; generate drops it when all ones
+    cache.plan(max_cache_length, mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None)
     if cache.options.admission_check:
         num_rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
         cache.check_admission(num_rows, max_cache_length, model.device, model.dtype)

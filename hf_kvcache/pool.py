@@ -16,7 +16,10 @@ them, each with its own page table, so a page id serves one layer group)::
     row r, token t  ->  slot t % page_size of page rows[r][t // page_size] of its layer group's page table
                         (a ring maps token t to a logical slot first: hf_kvcache.layers.ring)
 
-Page 0 (in chunk 0) is the null page. Pages never move once allocated: growing appends a chunk.
+Page 0 (in chunk 0) is the null page. Pages never move once allocated: growing appends a chunk, all or
+nothing (a chunk that cannot be allocated leaves the pool as it was and the request fails alone). A page is
+zeroed when it is handed out, so no slot a request has not written can hold anything but zeros (an earlier
+request's overflowed values, NaN or inf, would poison attention that reads whole pages: 0 x NaN is NaN).
 
 Bookkeeping is delegated to a ``PageAllocator`` (ids and reference counts) and to the
 ``PageTable`` of each cache's layer group; the pool serializes them with one lock, so threads running
@@ -46,11 +49,71 @@ AlertCallback = Callable[[float, dict[str, Any]], None]
 DEFAULT_INITIAL_TOKENS = 4096
 """A default pool starts with room for this many tokens, then doubles as needed."""
 DEFAULT_MAX_MEMORY_FRACTION = 0.5
-"""A default pool grows up to this fraction of RAM (CPU) or of the free memory when it was made (CUDA)."""
+"""The default pools of one device grow, together, up to this fraction of the memory (CPU: the RAM, or the
+container's limit where lower; CUDA: the free memory when the first of them was made)."""
+CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+"""Where a container's memory limit is read (cgroup v2, then v1)."""
 
 _NAMED_POOLS: "weakref.WeakValueDictionary[str, KVPool]" = weakref.WeakValueDictionary()
 _DEFAULT_POOLS: dict[tuple[PageFormat, torch.device], "KVPool"] = {}
+_DEFAULT_BUDGETS: dict[torch.device, "MemoryBudget"] = {}
 _REGISTRY_LOCK = threading.Lock()
+
+
+def normalize_device(device: str | torch.device) -> torch.device:
+    """``device`` the way tensors on it report theirs: an accelerator with its index (the current one when none is
+    given: ``"cuda"`` is ``cuda:0`` on the default device), the CPU without one (``"cpu:0"`` is ``cpu``)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.index is None:
+        current = getattr(getattr(torch, device.type, None), "current_device", None)
+        if current is not None:
+            return torch.device(device.type, current())
+    return device
+
+
+def memory_limit_bytes() -> int:
+    """Bytes of RAM this process may use: the physical memory, or the container's cgroup limit where it is lower."""
+    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in CGROUP_MEMORY_LIMITS:
+        try:
+            with open(path) as file:
+                value = file.read().strip()
+        except OSError:
+            continue
+        if value.isdigit():  # "max" (v2) means no limit; v1 writes a huge number instead
+            limit = min(limit, int(value))
+    return limit
+
+
+class MemoryBudget:
+    """Bytes that the default pools of one device may hold together, whatever their page formats.
+
+    Args:
+        total_bytes: the cap (``DEFAULT_MAX_MEMORY_FRACTION`` of the device's memory).
+    """
+
+    def __init__(self, total_bytes: int) -> None:
+        self.total_bytes = total_bytes
+        self.used_bytes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def free_bytes(self) -> int:
+        return self.total_bytes - self.used_bytes
+
+    def reserve(self, num_bytes: int) -> bool:
+        """Takes ``num_bytes`` of the budget if it has them; False (and nothing taken) otherwise."""
+        with self._lock:
+            if num_bytes > self.free_bytes:
+                return False
+            self.used_bytes += num_bytes
+            return True
+
+    def release(self, num_bytes: int) -> None:
+        with self._lock:
+            self.used_bytes -= num_bytes
 
 
 class KVPool:
@@ -61,6 +124,7 @@ class KVPool:
         num_pages: page ids to allocate now, the null page included (>= 2).
         device: where the storage lives.
         max_pages: let the pool grow, in doublings, up to this many page ids; ``None`` for a fixed pool.
+        budget: a memory budget the pool's growth also draws from (the default pools of a device share one).
         name: register the pool under this name so a ``cache_config`` can say ``{"pool": name}``.
         alert_thresholds: fractions of the pool's capacity whose upward crossing logs a warning and
             calls the alert callbacks (once per crossing).
@@ -73,6 +137,7 @@ class KVPool:
         device: str | torch.device = "cpu",
         *,
         max_pages: int | None = None,
+        budget: "MemoryBudget | None" = None,
         name: str | None = None,
         alert_thresholds: tuple[float, ...] = (0.9,),
     ) -> None:
@@ -83,8 +148,9 @@ class KVPool:
         if any(not 0 < threshold <= 1 for threshold in alert_thresholds):
             raise ValueError(f"alert_thresholds must lie in (0, 1], got {alert_thresholds}.")
         self.format = page_format
-        self.device = torch.device(device)
+        self.device = normalize_device(device)
         self.max_pages = max_pages or num_pages
+        self._budget = budget
         self.name = name
         self.lock = threading.RLock()
         self._allocator = PageAllocator(num_pages)
@@ -152,7 +218,7 @@ class KVPool:
         if len(given) != 1:
             raise ValueError(f"Give exactly one of {list(budgets)} to size the pool; got {given or 'none'}.")
         dtype = dtype or model.dtype
-        device = torch.device(device) if device is not None else model.device
+        device = normalize_device(device if device is not None else model.device)
         page_format = dataclasses.replace(
             PageFormat.from_model_config(model.config, dtype, page_size),
             value_bits=value_bits,
@@ -188,52 +254,84 @@ class KVPool:
     def default(cls, page_format: PageFormat, device: str | torch.device) -> "KVPool":
         """The shared growable pool for this format and device, made on first use.
 
-        It starts with room for ``DEFAULT_INITIAL_TOKENS`` tokens and doubles when full, up to
-        ``DEFAULT_MAX_MEMORY_FRACTION`` of the RAM (CPU) or of the free memory (CUDA).
+        It starts with room for ``DEFAULT_INITIAL_TOKENS`` tokens and doubles when full. The default pools of one
+        device share one ``MemoryBudget``: together they hold at most ``DEFAULT_MAX_MEMORY_FRACTION`` of the RAM
+        (CPU; the container's limit where lower, ``memory_limit_bytes``) or of the free memory (CUDA).
         """
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = normalize_device(device)
         with _REGISTRY_LOCK:
             pool = _DEFAULT_POOLS.get((page_format, device))
             if pool is None:
-                if device.type == "cuda":
-                    budget = torch.cuda.mem_get_info(device)[0]
-                else:
-                    budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-                max_pages = max(2, int(budget * DEFAULT_MAX_MEMORY_FRACTION) // page_format.page_bytes)
-                num_pages = min(max_pages, page_format.pages_for_tokens(DEFAULT_INITIAL_TOKENS) + 1)
-                pool = cls(page_format, num_pages, device, max_pages=max_pages)
+                budget = _DEFAULT_BUDGETS.get(device)
+                if budget is None:
+                    memory = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else memory_limit_bytes()
+                    budget = _DEFAULT_BUDGETS[device] = MemoryBudget(int(memory * DEFAULT_MAX_MEMORY_FRACTION))
+                max_pages = max(2, budget.total_bytes // page_format.page_bytes)
+                # What the other formats' default pools left of the budget, at least the null page and one more.
+                room = max(2, budget.free_bytes // page_format.page_bytes)
+                num_pages = min(max_pages, room, page_format.pages_for_tokens(DEFAULT_INITIAL_TOKENS) + 1)
+                budget.reserve(num_pages * page_format.page_bytes)
+                pool = cls(page_format, num_pages, device, max_pages=max_pages, budget=budget)
                 _DEFAULT_POOLS[(page_format, device)] = pool
             return pool
 
     def _add_chunk(self, start: int, num_pages: int) -> None:
+        """Appends the storage of pages ``[start, start + num_pages)``: all of it, or (if allocating fails) none."""
         fmt = self.format
         shape = (fmt.num_layers, fmt.num_kv_heads, num_pages, fmt.page_size)
         quant = fmt.value_format
         # Normal tensors even when made under torch.inference_mode(): the pool outlives that scope and is
         # written in place by later calls that may run outside it.
         with torch.inference_mode(False):
-            self.keys.append(torch.zeros(*shape, fmt.head_dim, dtype=fmt.dtype, device=self.device))
+            keys = torch.zeros(*shape, fmt.head_dim, dtype=fmt.dtype, device=self.device)
             if quant is None:
-                self.values.append(torch.zeros(*shape, fmt.head_dim, dtype=fmt.dtype, device=self.device))
+                values = torch.zeros(*shape, fmt.head_dim, dtype=fmt.dtype, device=self.device)
+                scales = None
             else:  # codes [..., code_dim] and (scale, zero) per scale group [..., 2 * num_scale_groups]
-                self.values.append(torch.zeros(*shape, quant.code_dim, dtype=torch.uint8, device=self.device))
-                self.value_scales.append(
-                    torch.zeros(*shape, 2 * quant.num_scale_groups, dtype=fmt.dtype, device=self.device)
-                )
+                values = torch.zeros(*shape, quant.code_dim, dtype=torch.uint8, device=self.device)
+                scales = torch.zeros(*shape, 2 * quant.num_scale_groups, dtype=fmt.dtype, device=self.device)
+        self.keys.append(keys)
+        self.values.append(values)
+        if scales is not None:
+            self.value_scales.append(scales)
         self.chunk_starts.append(start)
         self.chunk_sizes.append(num_pages)
 
+    def _growth_room(self) -> int:
+        """Page ids the pool can still add: up to ``max_pages``, and within its memory budget if it has one."""
+        room = self.max_pages - (self._allocator.num_pages + 1)
+        if self._budget is not None:
+            room = min(room, self._budget.free_bytes // self.format.page_bytes)
+        return max(0, room)
+
+    @property
+    def capacity_pages(self) -> int:
+        """Usable pages the pool holds or could still grow to (the null page excluded)."""
+        with self.lock:
+            return self._allocator.num_pages + self._growth_room()
+
     def _grow(self, num_needed: int) -> bool:
-        """Doubles the pool (as often as needed, within ``max_pages``); False if it cannot hold ``num_needed`` more."""
+        """Doubles the pool (as often as needed, within its room); False if it cannot hold ``num_needed`` more.
+
+        All or nothing: if the device cannot allocate the new chunk, the pool stays as it was.
+        """
         num_ids = self._allocator.num_pages + 1
-        if self._allocator.num_free + self.max_pages - num_ids < num_needed:
+        room = self._growth_room()
+        if self._allocator.num_free + room < num_needed:
             return False
         target = num_ids
         while target - num_ids < num_needed - self._allocator.num_free:
-            target = min(self.max_pages, 2 * target)
-        self._add_chunk(num_ids, target - num_ids)
+            target = min(num_ids + room, 2 * target)
+        num_bytes = (target - num_ids) * self.format.page_bytes
+        if self._budget is not None and not self._budget.reserve(num_bytes):
+            return False  # another default pool of this device took the room meanwhile
+        try:
+            self._add_chunk(num_ids, target - num_ids)
+        except (RuntimeError, MemoryError) as error:  # torch's out-of-memory errors are RuntimeErrors
+            if self._budget is not None:
+                self._budget.release(num_bytes)
+            logger.warning("KV pool on %s could not grow by %d bytes: %s", self.device, num_bytes, error)
+            return False
         self._allocator.add_pages(target - num_ids)
         logger.info(
             "KV pool on %s grew to %d pages (%.1f MiB).", self.device, target, self.stats()["bytes_total"] / 2**20
@@ -243,7 +341,7 @@ class KVPool:
     # ----- pages ----------------------------------------------------------------------------
 
     def allocate(self, num: int) -> list[int]:
-        """Takes ``num`` pages, growing a default pool if needed; all or nothing.
+        """Takes ``num`` pages, growing a default pool if needed; all or nothing. The pages come zeroed.
 
         Raises:
             PoolExhaustedError: the pool (at its cap) cannot hold ``num`` more pages.
@@ -253,13 +351,27 @@ class KVPool:
                 raise PoolExhaustedError(
                     num,
                     self._allocator.num_free,
-                    self.max_pages - 1,
+                    self._allocator.num_pages + self._growth_room(),
                     f"Pages hold {self.format.page_size} tokens. Give the pool more room (KVPool.for_model(..., "
                     "max_tokens=...) or cache_config max_tokens), or lower the batch size or max_new_tokens.",
                 )
             pages = self._allocator.allocate(num)
             self._check_alerts()
-            return pages
+        self._zero(pages)  # outside the lock: the pages are the caller's alone now
+        return pages
+
+    def _zero(self, pages: list[int]) -> None:
+        """Zeroes every layer's slots of ``pages``."""
+        if not pages:
+            return
+        ids = torch.tensor(pages, dtype=torch.long)
+        for chunk_idx, (start, size) in enumerate(zip(self.chunk_starts, self.chunk_sizes)):
+            local = ids[(ids >= start) & (ids < start + size)] - start
+            if local.numel():
+                local = local.to(self.device)
+                for storage in (self.keys, self.values, self.value_scales):
+                    if storage:
+                        storage[chunk_idx].index_fill_(2, local, 0)
 
     def share(self, pages: list[int]) -> None:
         with self.lock:
@@ -277,7 +389,7 @@ class KVPool:
     def num_available_pages(self) -> int:
         """Pages a request could take now: the free ones plus the room a growable pool can still grow into."""
         with self.lock:
-            return self._allocator.num_free + self.max_pages - (self._allocator.num_pages + 1)
+            return self._allocator.num_free + self._growth_room()
 
     def new_table(self) -> PageTable:
         """An empty page table drawing from this pool, counted in its statistics."""
@@ -322,7 +434,7 @@ class KVPool:
                 "pages_total": self._allocator.num_pages,
                 "pages_used": used,
                 "pages_free": self._allocator.num_free,
-                "max_pages": self.max_pages - 1,
+                "max_pages": self._allocator.num_pages + self._growth_room(),
                 "high_water_pages": self._allocator.high_water,
                 "page_size": self.format.page_size,
                 "page_bytes": page_bytes,
@@ -340,7 +452,7 @@ class KVPool:
         self._callbacks.append(callback)
 
     def _check_alerts(self) -> None:
-        fraction = self._allocator.num_used / (self.max_pages - 1)
+        fraction = self._allocator.num_used / (self._allocator.num_pages + self._growth_room())
         for i, threshold in enumerate(self._thresholds):
             if fraction < threshold:
                 self._armed[i] = True

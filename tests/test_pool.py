@@ -10,6 +10,7 @@ from helpers import random_ids
 
 import hf_kvcache  # noqa: F401
 from hf_kvcache import KVPool, PagedCache, PageFormat, PoolExhaustedError
+from hf_kvcache import pool as pool_module
 
 FORMAT = PageFormat(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32, page_size=16)
 
@@ -211,3 +212,97 @@ def test_model_split_across_devices_gets_one_pool_per_device(tiny_llama_model):
     assert sorted(device.type for device in out.cache.pools) == ["cpu", "cuda"]
     with pytest.raises(ValueError, match="spans 2 devices"):
         _ = out.cache.pool
+
+
+def test_devices_are_normalized_and_mismatches_named(tiny_llama_model, monkeypatch):
+    """A pool or cache made for "cpu:0" or torch.device("cpu") is the model's "cpu" pool; "cuda" means the current
+    CUDA device with its index, as the model's tensors report it; a pool on another device is refused by name."""
+    assert pool_module.normalize_device("cpu:0") == torch.device("cpu")
+    assert pool_module.normalize_device(torch.device("cpu")) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert pool_module.normalize_device("cuda") == torch.device("cuda", 1)
+    assert pool_module.normalize_device(torch.device("cuda", 0)) == torch.device("cuda", 0)
+    monkeypatch.undo()
+    ids = torch.tensor([[1, 2, 3]])
+    for device in ("cpu:0", torch.device("cpu:0"), "cpu"):
+        pool = KVPool.for_model(tiny_llama_model, max_tokens=64, device=device)
+        assert pool.device == torch.device("cpu")
+        out = tiny_llama_model.generate(
+            ids, max_new_tokens=2, cache_implementation="paged_pool", cache_config={"pool": pool}
+        )
+        assert out.shape == (1, 5)
+        cache = PagedCache(tiny_llama_model.config, dtype=torch.float32, device=device)
+        tiny_llama_model(ids, cache=cache)
+        assert list(cache.pools) == [torch.device("cpu")]
+    elsewhere = KVPool.for_model(tiny_llama_model, max_tokens=64, device="meta")
+    with pytest.raises(hf_kvcache.IncompatibleModelError, match="device meta vs cpu"):
+        tiny_llama_model.generate(
+            ids, max_new_tokens=2, cache_implementation="paged_pool", cache_config={"pool": elsewhere}
+        )
+
+
+def test_a_failed_growth_leaves_the_pool_as_it_was(monkeypatch):
+    """Growth allocates keys and values (and scales) before it appends any: an allocation failure in between
+    changes nothing, the request fails alone with PoolExhaustedError, and the pool grows later."""
+    pool = KVPool(PageFormat(2, 2, 16, torch.float32, value_bits=4, value_group_size=16), num_pages=4, max_pages=64)
+    table = pool.new_table()
+    table.grow(1, 3 * 16)  # 3 pages
+    zeros, calls = torch.zeros, {"n": 0}
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the values, after the keys were made
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory (injected)")
+        return zeros(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "zeros", failing)
+    with pytest.raises(PoolExhaustedError, match="needs 5 pages"):
+        table.grow(1, 5 * 16)
+    monkeypatch.undo()
+    assert len(pool.keys) == len(pool.values) == len(pool.value_scales) == len(pool.chunk_starts) == 1
+    assert pool.stats()["pages_used"] == 3 and table.num_tokens == 3 * 16
+    pool.check_integrity()
+    table.grow(1, 5 * 16)
+    assert len(pool.keys) == len(pool.values) == len(pool.value_scales) == len(pool.chunk_starts) == 2
+    pool.check_integrity()
+    table.release()
+    pool.check_integrity()
+
+
+def test_default_pools_of_a_device_share_one_memory_cap(monkeypatch):
+    """Pools of different formats on one device draw from one budget: together they never pass it."""
+    monkeypatch.setattr(pool_module, "_DEFAULT_POOLS", {})
+    monkeypatch.setattr(pool_module, "_DEFAULT_BUDGETS", {})
+    small, large = FORMAT, PageFormat(2, 2, 16, torch.float32, page_size=32)
+    cap = 1000 * small.page_bytes
+    monkeypatch.setattr(pool_module, "memory_limit_bytes", lambda: int(cap / pool_module.DEFAULT_MAX_MEMORY_FRACTION))
+    first = KVPool.default(small, "cpu")
+    second = KVPool.default(large, "cpu")
+    budget = pool_module._DEFAULT_BUDGETS[torch.device("cpu")]
+    assert budget.total_bytes == cap
+
+    def held_bytes() -> int:
+        return sum(pool.stats()["bytes_total"] for pool in (first, second))
+
+    assert held_bytes() == budget.used_bytes <= cap
+    table = first.new_table()
+    table.grow(1, first.capacity_pages * small.page_size)  # grows into the rest of the budget
+    assert held_bytes() == budget.used_bytes <= cap
+    assert second.capacity_pages == second.stats()["pages_total"]  # no room left to grow into
+    with pytest.raises(PoolExhaustedError):
+        second.new_table().grow(1, (second.stats()["pages_free"] + 1) * large.page_size)
+    first.check_integrity()
+    table.release()
+    second.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "contents,expected", [(None, "physical"), ("max\n", "physical"), ("1073741824\n", 2**30), ("9" * 30, "physical")]
+)
+def test_cpu_memory_limit_reads_the_containers_cgroup(tmp_path, monkeypatch, contents, expected):
+    physical = pool_module.os.sysconf("SC_PAGE_SIZE") * pool_module.os.sysconf("SC_PHYS_PAGES")
+    limit = tmp_path / "memory.max"
+    if contents is not None:
+        limit.write_text(contents)
+    monkeypatch.setattr(pool_module, "CGROUP_MEMORY_LIMITS", (str(limit), str(tmp_path / "absent")))
+    assert pool_module.memory_limit_bytes() == (physical if expected == "physical" else expected)

@@ -214,18 +214,19 @@ def test_banded_attention_reads_additive_float_masks_like_boolean_ones(in_slot_o
     generator = torch.Generator().manual_seed(0)
     query, key, value = (torch.randn(2, 2, 3, 8, generator=generator) for _ in range(3))
     allowed = torch.rand(2, 1, 3, 3, generator=generator) > 0.3  # the model's mask
-    layout = KeyLayout(torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 1]], dtype=torch.bool))
-    if in_slot_order:
-        layout = KeyLayout(layout.band, torch.tensor([2, 0, 1]))
-    columns = torch.arange(3) if layout.mask_columns is None else layout.mask_columns
-    allowed[..., columns[0]] = True  # every query sees key 0
+    band = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 1]], dtype=torch.bool).expand(2, -1, -1)  # [batch, n, keys]
+    layout = KeyLayout(band)
+    if in_slot_order:  # each row's keys in their own order
+        layout = KeyLayout(layout.band, torch.tensor([[2, 0, 1], [1, 2, 0]]))
+    columns = torch.arange(3).expand(2, -1) if layout.mask_columns is None else layout.mask_columns  # [batch, keys]
+    allowed[torch.arange(2), ..., columns[:, 0]] = True  # every query sees key 0
     setattr(key, LAYOUT_ATTRIBUTE, layout)
     module = torch.nn.Module().eval()
     additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
     from_bool, _ = banded_sdpa_attention(module, query, key, value, allowed, scaling=0.5)
     from_float, _ = banded_sdpa_attention(module, query, key, value, additive, scaling=0.5)
     torch.testing.assert_close(from_float, from_bool)
-    seen = allowed[..., columns] & layout.band  # [2, 1, 3, 3]
+    seen = allowed.gather(-1, columns[:, None, None, :].expand(-1, 1, 3, -1)) & layout.band.unsqueeze(1)  # [2, 1, 3, 3]
     scores = (query @ key.transpose(-1, -2) * 0.5).masked_fill(~seen, -torch.inf)
     torch.testing.assert_close(from_bool, (scores.softmax(-1) @ value).transpose(1, 2))
 
@@ -285,6 +286,71 @@ def test_imposed_window_with_left_padding_matches_unpadded_rows(tiny_llama_model
                 cache_config=cache_config,
             )
             assert torch.equal(batch.sequences[row, -20:], single.sequences[0, -20:])
+
+
+@contextlib.contextmanager
+def model_attention(model, attention: str):
+    """The model under ``attention`` for the block (without warnings: prompts past the window warn under sdpa)."""
+    before = model.config._attn_implementation
+    model.set_attn_implementation(attention)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield model
+    finally:
+        model.set_attn_implementation(before)
+
+
+@pytest.mark.parametrize(
+    "attention,path",
+    [("sdpa", "gathered"), ("eager", "gathered"), (ATTENTION_NAME, "gathered"), (ATTENTION_NAME, "in place")],
+)
+@pytest.mark.parametrize("window,sink_tokens", [(8, 4), (8, 1), (20, 3)])
+def test_sinks_are_each_rows_first_real_tokens(tiny_llama_model, attention, path, window, sink_tokens, in_place_reads):
+    """A left-padded batch with sinks decodes every row exactly as the row does alone (30 greedy tokens, the
+    prompts reaching past the window and not), under every attention and on both read paths."""
+    ids, mask = padded_batch([30, 6, 19])
+    cache_config = {"window": window, "sink_tokens": sink_tokens}
+    settings = {"max_new_tokens": 30, "cache_implementation": "sliding_ring"}
+    with model_attention(tiny_llama_model, attention), pytest.MonkeyPatch.context() as patch:
+        if path == "gathered":
+            patch.setattr(RingRows, "_first_page", lambda self: None)  # never consecutive: always gather
+        pool = KVPool.for_model(tiny_llama_model, max_tokens=2048)  # fresh: a row's pages are consecutive
+        batch = run(tiny_llama_model, ids, mask, **settings, cache_config={**cache_config, "pool": pool})
+        assert (in_place_reads["reads"] > 0) == (path == "in place")
+        for row in range(ids.shape[0]):
+            alone = ids[row : row + 1, mask[row].bool()]
+            single = run(tiny_llama_model, alone, torch.ones_like(alone), **settings, cache_config=cache_config)
+            generated = single.sequences[0, alone.shape[1] :]  # up to its end of sequence, if any
+            assert torch.equal(batch.sequences[row, ids.shape[1] : ids.shape[1] + generated.numel()], generated)
+            for step, (expected, actual) in enumerate(zip(single.logits, batch.logits)):
+                torch.testing.assert_close(actual[row], expected[0], rtol=1e-5, atol=1e-5, msg=f"row {row} step {step}")
+
+
+@pytest.mark.parametrize("chunks", [[30, 1], [9, 1], [4, 7, 1]])
+def test_padded_rows_with_sinks_equal_the_banded_reference_row_by_row(tiny_llama_model, chunks):
+    """Teacher-forced through the cache, told each row's padding with ``plan``: every real position of every row
+    equals the banded-mask reference of the row alone (its window and its own first real tokens)."""
+    window, sink_tokens = 8, 3
+    ids, mask = padded_batch([40, 12, 27])
+    cache = SlidingRingCache(tiny_llama_model.config, window=window, sink_tokens=sink_tokens)
+    cache.plan(ids.shape[1], attention_mask=mask)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate numbers a padded row's tokens
+    logits, start = [], 0
+    with banded_attention(tiny_llama_model):
+        while start < ids.shape[1]:
+            size = chunks[min(len(logits), len(chunks) - 1)]
+            end = min(start + size, ids.shape[1])
+            out = tiny_llama_model(
+                ids[:, start:end], attention_mask=mask[:, :end], position_ids=positions[:, start:end], cache=cache
+            )
+            logits.append(out.logits)
+            start = end
+    logits = torch.cat(logits, dim=1)
+    for row in range(ids.shape[0]):
+        real = mask[row].bool()
+        expected = banded_logits(tiny_llama_model, ids[row : row + 1, real], window, sink_tokens)[0]
+        torch.testing.assert_close(logits[row, real], expected, rtol=1e-5, atol=1e-5, msg=f"row {row}")
 
 
 @pytest.mark.parametrize("sink_tokens", [0, 4])

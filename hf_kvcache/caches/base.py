@@ -20,7 +20,7 @@ from hf_kvcache.config import CacheOptions, PageFormat, layer_groups
 from hf_kvcache.errors import IncompatibleModelError, PoolExhaustedError
 from hf_kvcache.layers import PagedLayer, PagedRows, RingLayer, RingRows
 from hf_kvcache.layers.ring import ring_num_slots
-from hf_kvcache.pool import KVPool
+from hf_kvcache.pool import KVPool, normalize_device
 from hf_kvcache.transformers_internals import DummyLayer, attn_implementation, layer_types_and_kwargs
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -79,6 +79,7 @@ class PoolBinder:
         self.pools: dict[torch.device, KVPool] = {}
         self.rows: dict[tuple[torch.device, int], PagedRows] = {}
         self.planned_tokens = 0  # see PoolCache.plan
+        self.pad_lengths: list[int] | None = None  # see PoolCache.plan
         self.pool = KVPool.named(options.pool) if isinstance(options.pool, str) else options.pool
         if self.pool is not None and not isinstance(self.pool, KVPool):
             raise TypeError(f"cache_config pool must be a KVPool or a pool's name, got {type(self.pool).__name__}.")
@@ -93,7 +94,7 @@ class PoolBinder:
             policy = self.policies[layer_group_idx]
             rows = self.rows[(device, layer_group_idx)] = policy.make_rows(pool, reads_slots)
             if isinstance(rows, RingRows):
-                rows.planned_tokens = self.planned_tokens
+                rows.set_plan(self.planned_tokens, self.pad_lengths)
         return rows
 
     def bind(
@@ -205,7 +206,7 @@ class PoolCache(Cache):
         if (dtype is None) != (device is None):
             raise ValueError("Give both dtype and device to bind the pool early, or neither.")
         if dtype is not None:
-            self._binder.bind(torch.device(device), dtype)
+            self._binder.bind(normalize_device(device), dtype)
 
     options_class = CacheOptions
 
@@ -268,7 +269,7 @@ class PoolCache(Cache):
         Raises:
             PoolExhaustedError: the worst case needs more pages than the pool has free or can still grow into.
         """
-        device = torch.device(device)
+        device = normalize_device(device)
         pool = self._binder.bind(device, dtype)
         page_size = pool.format.page_size
         worst = self.worst_case_pages(num_rows, num_tokens, page_size)
@@ -278,24 +279,35 @@ class PoolCache(Cache):
             raise PoolExhaustedError(
                 requested,
                 available,
-                pool.max_pages - 1,
+                pool.capacity_pages,
                 f"admission_check refused the request before any compute: {num_rows} rows of up to {num_tokens} "
                 f"tokens need up to {worst} pages of {page_size} tokens in {len(self._binder.policies)} layer "
                 "group(s). Lower the batch size, num_beams/num_return_sequences or max_new_tokens, or give the "
                 "pool more room (KVPool.for_model(..., max_tokens=...) or cache_config max_tokens).",
             )
 
-    def plan(self, num_tokens: int) -> None:
-        """Says that rows will hold up to ``num_tokens`` tokens (``generate``: prompt + ``max_new_tokens`` - 1).
+    def plan(self, num_tokens: int, attention_mask: torch.Tensor | None = None) -> None:
+        """Says how long rows will grow and where each starts, before the first write (``generate`` does both).
 
-        Ring layers then take the pages for them (up to the ring's) at their first write rather than a page at
-        a time, so that each row's pages follow one another on a fresh pool and attention can read them in
-        place (``hf_kvcache.attention``). Those pages are held, and counted as held, from the first write.
+        Ring layers then take the pages for ``num_tokens`` tokens (up to the ring's) at their first write rather
+        than a page at a time, so that each row's pages follow one another on a fresh pool and attention can read
+        them in place (``hf_kvcache.attention``); those pages are held, and counted as held, from the first write.
+        The attention mask tells each row's leading padding, so that a ring's sinks are the row's first *real*
+        tokens.
+
+        Args:
+            num_tokens: tokens a row may hold at most (``generate``: prompt + ``max_new_tokens`` - 1).
+            attention_mask: ``[rows, prompt_length]`` the mask the prompt is fed with (1: token, 0: padding);
+                ``None`` for rows without padding.
         """
-        self._binder.planned_tokens = num_tokens
+        pad_lengths = None
+        if attention_mask is not None:
+            leading = (torch.as_tensor(attention_mask).long().cumsum(-1) == 0).sum(-1)  # [rows]
+            pad_lengths = leading.tolist() if bool(leading.any()) else None
+        self._binder.planned_tokens, self._binder.pad_lengths = num_tokens, pad_lengths
         for rows in self._binder.rows.values():
             if isinstance(rows, RingRows):
-                rows.planned_tokens = num_tokens
+                rows.set_plan(num_tokens, pad_lengths)
 
     def memory_stats(self) -> dict[str, int]:
         """Pages this cache holds (shared pages once), the KV bytes it holds, and the tokens per row.

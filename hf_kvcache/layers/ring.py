@@ -1,10 +1,13 @@
 """The sliding ring: a fixed set of pages per row, reused in a circle; one write per token per layer.
 
-A row keeps its first ``sink_tokens`` tokens pinned and the rest in a ring of ``ring_slots``
-slots, laid out over the row's pages as *logical slots*::
+A row keeps its first ``sink_tokens`` real tokens pinned and the rest in a ring of ``ring_slots``
+slots, laid out over the row's pages as *logical slots*. Rows of a left-padded batch start at different
+tokens: row ``r``'s first ``pad_lengths[r]`` tokens are padding, and its tokens count from its first real one
+(``u = t - pad_lengths[r]``)::
 
-    token t  ->  logical slot t                                  if t < sink_tokens
-                 sink_tokens + (t - sink_tokens) % ring_slots    otherwise
+    token t of row r  ->  nothing (the null page)                  if u < 0 (padding)
+                          logical slot u                           if u < sink_tokens
+                          sink_tokens + (u - sink_tokens) % ring_slots    otherwise
 
     logical slot s  ->  slot s % page_size of page rows[r][s // page_size]
 
@@ -16,15 +19,20 @@ without overwriting a token it still attends to, and a ``crop`` of as many token
 
 Attention gets the visible tokens in time order (sinks first), gathered slot by slot:
 
-    visible(start, n) = [0, sink_tokens) + [max(0, start - window + 1), start + n)
+    visible(start, n) = sinks + [first, start + n),    first = max(0, start - window + 1)
 
 which is what transformers' sliding-window layer returns (``window - 1`` past tokens plus the
-new ones), so its sliding mask, padding and chunked prefill apply unchanged.
+new ones), so its sliding mask, padding and chunked prefill apply unchanged. Once the window has left
+the sinks behind (``first > sink_tokens``) the model's mask has ``sink_tokens`` columns before the
+window (``get_mask_sizes``); they hold each row's own sinks, tokens ``[pad, pad + sink_tokens)``, or where
+a padded row's window still reaches its sinks, its tokens ``[first - sink_tokens, first)`` in time order. Both
+choices put a real, earlier token under a real, earlier column of the model's mask, so every attention
+(``sdpa``, ``eager``) masks a padded row exactly as the row alone.
 
 Attention may also be handed a ``KeyLayout`` with the keys (``layout_of(keys)``), read by
 ``attn_implementation="hf_kvcache"`` (``hf_kvcache.attention``):
 
-- a step of several new tokens carries its *band* ``[n, num_keys]``: which key each new token may
+- a step of several new tokens carries its *band* ``[batch, n, num_keys]``: which key each new token may
   see, itself and the ``window - 1`` before it plus the sinks. On a model's sliding layer the
   model's mask says the same; on a full-attention layer, where the ring imposes the window and the
   model's mask is plainly causal, the band makes prefill see exactly what decoding does;
@@ -41,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_kvcache.allocator import NULL_PAGE
 from hf_kvcache.kernels import ChunkIndex, read_slots, split_by_chunk
 from hf_kvcache.layers.paged import PagedLayer
 from hf_kvcache.layers.rows import PagedRows
@@ -54,10 +63,10 @@ class KeyLayout:
     """What attention must know of the keys a ring returned, beyond the model's mask.
 
     Attributes:
-        band: ``[num_new, num_keys]``, true where a new token may see a key (causality, window and sinks;
-            false for a slot that holds no token the step may see).
-        mask_columns: ``[num_keys]``, the column of the model's mask (built for the visible tokens in time
-            order) that applies to each key; ``None`` when the keys come in that order.
+        band: ``[batch, num_new, num_keys]``, true where a new token of a row may see a key (causality, window and
+            the row's sinks; false for a slot that holds no token the step may see).
+        mask_columns: ``[batch, num_keys]``, the column of the model's mask (built for the visible tokens in time
+            order) that applies to each key of a row; ``None`` when the keys come in that order.
     """
 
     band: torch.Tensor
@@ -69,11 +78,23 @@ def layout_of(keys: torch.Tensor) -> KeyLayout | None:
     return getattr(keys, LAYOUT_ATTRIBUTE, None)
 
 
-def band(tokens: torch.Tensor, start: int, num_new: int, window: int, sink_tokens: int) -> torch.Tensor:
-    """``[num_new, n]``: may new token ``start + i`` see token ``tokens[j]`` (its window, the sinks; ``-1``: none)."""
-    query = torch.arange(start, start + num_new, device=tokens.device).unsqueeze(1)  # [num_new, 1]
-    seen = (tokens <= query) & ((tokens > query - window) | (tokens < sink_tokens))
-    return seen & (tokens >= 0)
+def band(
+    tokens: torch.Tensor, start: int, num_new: int, window: int, sink_tokens: int, pad_lengths: torch.Tensor
+) -> torch.Tensor:
+    """``[batch, num_new, n]``: may new token ``start + i`` of row ``b`` see token ``tokens[b, j]``?
+
+    A row sees its window and its own sinks (its first ``sink_tokens`` real tokens), never padding; ``-1`` in
+    ``tokens`` marks a slot that holds no token. A padding query is left to the model's mask.
+
+    Args:
+        tokens: ``[batch, n]`` the token each key holds.
+        pad_lengths: ``[batch]`` leading padding tokens of each row.
+    """
+    query = torch.arange(start, start + num_new, device=tokens.device).view(1, -1, 1)  # [1, num_new, 1]
+    keys = tokens.unsqueeze(1)  # [batch, 1, n]
+    pads = pad_lengths.view(-1, 1, 1)  # [batch, 1, 1]
+    seen = (keys <= query) & ((keys > query - window) | (keys - pads < sink_tokens))
+    return (seen & (keys >= pads)) | (query < pads)
 
 
 def visible_span(start: int, num_new: int, window: int, sink_tokens: int) -> tuple[int, int]:
@@ -95,24 +116,23 @@ class RingStep:
 
     Built by the layer group's first layer of the step and reused by the others. A step either reads the rows'
     pages in place (``write_rows`` set; attention gets every slot in slot order, as ``layout`` says) or gathers
-    the visible tokens in time order (``write_parts`` and ``read`` set).
+    the visible tokens in time order (``write_parts`` and ``read`` set). Every new token is written; those a row
+    keeps nowhere (its padding, and in a step longer than the ring the tokens it overwrites itself, between the
+    row's sinks and its last ``ring_slots`` tokens) go to the null page.
 
     Attributes:
         start / num_new: the step's first token and its number of new tokens.
         layout: what attention must know beyond the model's mask; ``None`` for a single new token read in time
             order (it sees every key).
-        kept: ``[num_kept]`` the new tokens that are written (a step longer than the ring overwrites itself and
-            keeps its sinks and its last ``ring_slots`` tokens); ``None``: all of them.
-        write_rows: in place only: ``[batch * heads * num_kept]`` rows of the one chunk's flattened layer view the
-            kept states go to, in ``(batch, head, token)`` order.
-        write_parts: gathered only: the kept tokens' slots, as ``ChunkIndex`` parts over ``(head, batch, token)``.
+        write_rows: in place only: ``[batch * heads * num_new]`` rows of the one chunk's flattened layer view the
+            new states go to, in ``(batch, head, token)`` order.
+        write_parts: gathered only: the new tokens' slots, as ``ChunkIndex`` parts over ``(head, batch, token)``.
         read: gathered only: the visible tokens' slots, in time order, as ``ChunkIndex`` parts.
     """
 
     start: int
     num_new: int
     layout: KeyLayout | None
-    kept: torch.Tensor | None = None
     write_rows: torch.Tensor | None = None
     write_parts: list[ChunkIndex] | None = None
     read: list[ChunkIndex] | None = None
@@ -129,7 +149,7 @@ class RingRows(PagedRows):
     Args:
         pool: where the pages live.
         window: tokens each query attends to, itself included (transformers' ``sliding_window``).
-        sink_tokens: first tokens of a row kept for good (attention sinks).
+        sink_tokens: first real tokens of a row kept for good (attention sinks).
         residual_length: as for ``PagedRows``.
         reads_slots: whether the model's attention reads a ``KeyLayout`` (``attn_implementation="hf_kvcache"``),
             asked once per step: then keys may come in slot order, as views of the pages.
@@ -152,6 +172,8 @@ class RingRows(PagedRows):
         self.ring_slots = self.num_slots - sink_tokens
         self.total = 0  # tokens written per row, evicted ones included
         self.planned_tokens = 0  # tokens a row is expected to reach (``PoolCache.plan``); see _grow
+        self.pad_lengths: list[int] | None = None  # leading padding of each row (``PoolCache.plan``); None: none
+        self._pads: torch.Tensor | None = None  # ``pad_lengths`` as a [batch] tensor, see _pad_tensor
         self._step: RingStep | None = None  # the current step's, see _step_index
         self._rows: torch.Tensor | None = None  # see _slot_rows
         self._base: int | None = None  # see _first_page
@@ -181,12 +203,11 @@ class RingRows(PagedRows):
         """
         self.begin_step(start, key_states, value_states)
         num_new = key_states.shape[-2]
-        step = self._step_index(start, num_new)
+        step = self._step_index(start, num_new, key_states.shape[0])
         if step.in_place:  # in slot order: the pages themselves
             keys, values = self._slot_views(layer_in_group)
-            head_dim = keys.shape[-1]
             for pages, states in zip(self._flat_views(layer_in_group), (key_states, value_states)):
-                pages.index_copy_(0, step.write_rows, states.detach().reshape(-1, head_dim))
+                pages.index_copy_(0, step.write_rows, states.detach().reshape(-1, pages.shape[-1]).to(pages.dtype))
         else:
             _, first = visible_span(start, num_new, self.window, self.sink_tokens)
             end, batch = start + num_new, key_states.shape[0]
@@ -208,7 +229,7 @@ class RingRows(PagedRows):
 
     def check_crop(self, num_tokens: int) -> None:
         """Raises ``ValueError`` if cropping to ``num_tokens`` needs tokens the ring has overwritten."""
-        oldest = self.total - self.ring_slots  # oldest ring token still held
+        oldest = self.total - self.ring_slots  # oldest ring token still held (of an unpadded row: the strictest)
         needed = max(self.sink_tokens, num_tokens - self.window + 1)
         if needed < oldest and num_tokens > self.sink_tokens:
             raise ValueError(
@@ -223,6 +244,16 @@ class RingRows(PagedRows):
         if num_tokens < self.table.num_tokens:
             self._apply(lambda: self.table.crop(num_tokens))
         self.total = num_tokens
+
+    def set_plan(self, planned_tokens: int, pad_lengths: list[int] | None) -> None:
+        """The tokens a row is expected to reach, and each row's leading padding (``PoolCache.plan``)."""
+        self.planned_tokens, self.pad_lengths, self._pads = planned_tokens, pad_lengths, None
+
+    def select_rows(self, indices: list[int]) -> None:
+        super().select_rows(indices)
+        if self.pad_lengths is not None:
+            self.pad_lengths = [self.pad_lengths[index] for index in indices]
+            self._pads = None
 
     def release(self) -> None:
         super().release()
@@ -242,56 +273,76 @@ class RingRows(PagedRows):
         # Slots written again (a wrapped ring) or taken ahead (planned) may sit in pages rows share (beams);
         # a prefill's pages are all new, and rows sharing them are identical.
         if start > 0 and (start < held or end > self.num_slots):
-            first = max(start, end - self.ring_slots)
-            pages = {self._slot(token) // self.pool.format.page_size for token in range(first, end)}
-            self._apply(lambda: self.table.make_private(list(range(batch)), sorted(pages)))
+            tokens = torch.arange(max(start, end - self.ring_slots), end, device=self.pool.device)
+            slots = self._slots(tokens.expand(batch, -1))
+            pages = sorted(set((slots[slots >= 0] // self.pool.format.page_size).tolist()))
+            self._apply(lambda: self.table.make_private(list(range(batch)), pages))
         self.total = end
 
-    def _slot(self, token: int) -> int:
-        return token if token < self.sink_tokens else self.sink_tokens + (token - self.sink_tokens) % self.ring_slots
+    def _pad_tensor(self, batch: int) -> torch.Tensor:
+        """``[batch]`` leading padding of each row (zeros where the cache was not told)."""
+        if self._pads is None or self._pads.shape[0] != batch:
+            pads = self.pad_lengths if self.pad_lengths is not None and len(self.pad_lengths) == batch else [0] * batch
+            self._pads = torch.tensor(pads, dtype=torch.long, device=self.pool.device)
+        return self._pads
 
-    def _step_index(self, start: int, num_new: int) -> RingStep:
+    def _slots(self, tokens: torch.Tensor, lost_before: int | None = None) -> torch.Tensor:
+        """``[batch, n]`` logical slot of each row's token ``tokens [batch, n]``; ``-1`` where the row keeps none.
+
+        A row keeps no padding, and (``lost_before``) none of a step's tokens before it past the row's sinks: a
+        step longer than the ring overwrites those itself.
+        """
+        sinks = self.sink_tokens
+        local = tokens - self._pad_tensor(tokens.shape[0]).unsqueeze(1)  # [batch, n]: counted from the first real
+        slots = torch.where(local < sinks, local, sinks + (local - sinks) % self.ring_slots)
+        dropped = local < 0
+        if lost_before is not None:
+            dropped |= (local >= sinks) & (tokens < lost_before)
+        return slots.masked_fill(dropped, -1)
+
+    def _step_index(self, start: int, num_new: int, batch: int) -> RingStep:
         """The step's slot indices: built by the layer group's first layer of the step, reused by the rest."""
         if self._step is None or (self._step.start, self._step.num_new) != (start, num_new):
             device = self.pool.device
             end = start + num_new
             sinks, first = visible_span(start, num_new, self.window, self.sink_tokens)
-            # A chunk longer than the ring overwrites itself: only its sinks and its last ring_slots tokens stay.
-            lost_from, lost_to = max(start, self.sink_tokens), end - self.ring_slots
-            written, kept = torch.arange(start, end, device=device), None
-            if lost_to > lost_from:
-                kept = torch.cat(
-                    [
-                        torch.arange(lost_from - start, device=device),
-                        torch.arange(lost_to - start, num_new, device=device),
-                    ]
-                )
-                written = written[kept]
+            new_tokens = torch.arange(start, end, device=device).expand(batch, -1)  # [batch, num_new]
+            # A chunk longer than the ring overwrites itself: a row keeps its sinks and its last ring_slots tokens.
+            written = self._slots(new_tokens, lost_before=end - self.ring_slots)
+            pads = self._pad_tensor(batch)
             if num_new <= self.max_step and self._reads_slots() and self._first_page() is not None:
-                slots = self._slots(written)
-                rows = self._slot_rows()[:, :, slots].transpose(0, 1).reshape(-1)  # (batch, head, token) order
-                layout = self._slot_layout(start, num_new, sinks, first)
-                self._step = RingStep(start, num_new, layout, write_rows=rows)
+                rows = self._flat_rows(written).transpose(0, 1).reshape(-1)  # (batch, head, token) order
+                self._step = RingStep(start, num_new, self._slot_layout(start, num_new, sinks, first), rows)
                 return self._step
             last = end if num_new <= self.max_step else start
-            visible = torch.cat([torch.arange(sinks, device=device), torch.arange(first, end, device=device)])
-            read = self._slot_index(visible[: visible.numel() - (end - last)])
+            window = torch.arange(first, last, device=device).expand(batch, -1)  # [batch, last - first]
+            if sinks:  # each row's own sinks, or where its window still reaches them, the tokens just before it
+                sink_start = pads.clamp(max=first - sinks).unsqueeze(1)  # [batch, 1]
+                visible = torch.cat([sink_start + torch.arange(sinks, device=device), window], dim=1)
+            else:
+                visible = window
             layout = None  # a single new token sees every visible one
             if num_new > 1:
-                layout = KeyLayout(band(visible, start, num_new, self.window, self.sink_tokens))
-            self._step = RingStep(start, num_new, layout, kept, write_parts=self._slot_index(written), read=read)
+                keys = torch.cat([visible, new_tokens], dim=1) if last == start else visible
+                layout = KeyLayout(band(keys, start, num_new, self.window, self.sink_tokens, pads))
+            read = self._slot_index(self._slots(visible))
+            self._step = RingStep(start, num_new, layout, write_parts=self._slot_index(written), read=read)
         return self._step
 
     def _slot_layout(self, start: int, num_new: int, sinks: int, first: int) -> KeyLayout:
         """The layout of every slot the rows hold, read in place: which token each holds, and its mask column."""
-        end, device = start + num_new, self.pool.device
+        device = self.pool.device
+        pads = self._pad_tensor(self._page_ids().shape[0]).unsqueeze(1)  # [batch, 1]
         slots = torch.arange(self._page_ids().shape[1] * self.pool.format.page_size, device=device)  # [num_keys]
-        back = end - 1 - slots  # ring slot s holds tokens s + ring_slots * k: the last one is below end
+        back = (start + num_new - pads) - 1 - slots  # [batch, num_keys]: ring slot s holds s + ring_slots * k
         latest = slots + self.ring_slots * torch.div(back, self.ring_slots, rounding_mode="floor")
-        tokens = torch.where(back < 0, -1, torch.where(slots < self.sink_tokens, slots, latest))  # -1: none yet
-        num_visible = sinks + end - first  # the model's mask columns: get_mask_sizes
-        columns = torch.where(tokens < sinks, tokens, tokens - first + sinks).clamp(0, num_visible - 1)
-        return KeyLayout(band(tokens, start, num_new, self.window, self.sink_tokens), columns)
+        local = torch.where(slots < self.sink_tokens, slots, latest)  # counted from the row's first real token
+        tokens = torch.where(back < 0, -1, local + pads)  # [batch, num_keys]; -1: none yet
+        offset, num_visible = first - sinks, sinks + start + num_new - first  # the model's mask: get_mask_sizes
+        # A row's sinks before the mask's first column stand under its sink columns (real and earlier for the row).
+        columns = torch.where(tokens >= offset, tokens - offset, local).clamp(0, num_visible - 1)
+        layout_band = band(tokens, start, num_new, self.window, self.sink_tokens, pads.squeeze(1))
+        return KeyLayout(layout_band, columns)
 
     def _first_page(self) -> int | None:
         """The rows' first page in a one-chunk pool of full-precision values when every row's pages follow one
@@ -309,9 +360,8 @@ class RingRows(PagedRows):
     def _flat_views(self, layer_in_group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A one-chunk pool's keys and values of one layer as ``[heads * pages * page_size, head_dim]`` rows."""
         head_dim = self.pool.format.head_dim
-        return self.pool.keys[0][layer_in_group].view(-1, head_dim), self.pool.values[0][layer_in_group].view(
-            -1, head_dim
-        )
+        keys, values = self.pool.keys[0][layer_in_group], self.pool.values[0][layer_in_group]
+        return keys.view(-1, head_dim), values.view(-1, head_dim)
 
     def _slot_views(self, layer_in_group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[batch, heads, num_keys, head_dim]`` of every slot of the rows: views of the pool."""
@@ -322,33 +372,38 @@ class RingRows(PagedRows):
             _, heads, _, page_size, head_dim = pool.keys[0].shape
 
             def view(chunk: torch.Tensor) -> torch.Tensor:
-                pages = chunk[
-                    layer_in_group, :, base : base + ids.numel()
-                ]  # [heads, rows * pages, page_size, head_dim]
+                pages = chunk[layer_in_group, :, base : base + ids.numel()]  # [heads, rows * pages, page_size, hd]
                 return pages.view(heads, batch, num_pages * page_size, head_dim).permute(1, 0, 2, 3)
 
             views = self._views[layer_in_group] = (view(pool.keys[0]), view(pool.values[0]))
         return views
 
-    def _slot_index(self, tokens: torch.Tensor) -> list[ChunkIndex]:
-        """Where tokens ``[n]`` of every row live, as ``ChunkIndex`` parts over ``(head, batch, n)``."""
-        page_size, pool = self.pool.format.page_size, self.pool
-        slots = self._slots(tokens)  # [n]
+    def _slot_index(self, slots: torch.Tensor) -> list[ChunkIndex]:
+        """Where each row's slots ``[batch, n]`` (``-1``: the null page) live, as ``ChunkIndex`` parts over
+        ``(head, batch, n)``."""
+        pool = self.pool
         if len(pool.chunk_starts) == 1:  # the common case: one lookup in the rows of every slot
-            return [ChunkIndex(0, self._slot_rows()[:, :, slots].reshape(-1), None)]
-        page_ids = self._page_ids()[:, slots // page_size]  # [batch, n]
-        offsets = (slots % page_size).expand_as(page_ids)  # [batch, n]
+            return [ChunkIndex(0, self._flat_rows(slots).reshape(-1), None)]
+        page_size = pool.format.page_size
+        ids = self._page_ids()
+        ids = torch.cat([ids, torch.full_like(ids[:, :1], NULL_PAGE)], dim=1)  # [batch, pages + 1]
+        null = slots < 0
+        page_ids = ids.gather(1, torch.where(null, ids.shape[1] - 1, slots // page_size))  # [batch, n]
+        offsets = torch.where(null, 0, slots % page_size)  # [batch, n]
         return split_by_chunk(
             page_ids, pool.chunk_starts, pool.chunk_sizes, pool.format.num_kv_heads, offsets, page_size
         )
 
-    def _slots(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The logical slot of each token ``[n]``."""
-        sinks = self.sink_tokens
-        return torch.where(tokens < sinks, tokens, sinks + (tokens - sinks) % self.ring_slots)
+    def _flat_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """``[heads, batch, n]``: the row of each row's slot ``[batch, n]`` (``-1``: the null page's first slot) in a
+        one-chunk pool's flattened layer view."""
+        rows = self._slot_rows()  # [heads, batch, slots + 1]
+        index = slots.masked_fill(slots < 0, rows.shape[-1] - 1)
+        return rows.gather(2, index.unsqueeze(0).expand(rows.shape[0], -1, -1))
 
     def _slot_rows(self) -> torch.Tensor:
-        """``[heads, batch, slots]``: the row of each logical slot in a one-chunk pool's flattened layer view."""
+        """``[heads, batch, slots + 1]``: the row of each logical slot in a one-chunk pool's flattened layer view,
+        then the null page's first slot."""
         if self._rows is None:
             pool = self.pool
             page_size = pool.format.page_size
@@ -356,14 +411,13 @@ class RingRows(PagedRows):
             pages = self._page_ids().unsqueeze(-1)  # [batch, pages, 1]
             offsets = torch.arange(page_size, device=pool.device)  # [page_size]
             rows = (heads * pool.chunk_sizes[0] + pages) * page_size + offsets  # [heads, batch, pages, page_size]
-            self._rows = rows.flatten(2)
+            null = (heads.view(-1, 1, 1) * pool.chunk_sizes[0] + NULL_PAGE) * page_size  # [heads, 1, 1]
+            self._rows = torch.cat([rows.flatten(2), null.expand(-1, pages.shape[0], 1)], dim=2)
         return self._rows
 
     def _store(self, layer_in_group: int, step: RingStep, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Writes the step's kept states ``[batch, heads, num_new, head_dim]`` into their slots (gathered steps)."""
+        """Writes the step's states ``[batch, heads, num_new, head_dim]`` into their slots (gathered steps)."""
         self.store.remember(layer_in_group, step.start, value_states)
-        if step.kept is not None:
-            key_states, value_states = key_states[:, :, step.kept], value_states[:, :, step.kept]
         self.store.write(layer_in_group, step.write_parts, key_states, value_states)
 
     def _apply(self, change) -> None:
