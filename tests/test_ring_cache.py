@@ -480,3 +480,23 @@ def test_cuda_rings_read_in_place_match_dynamic_cache(tiny_mistral_model, in_pla
         )
     assert in_place_reads["reads"] > 0
     assert_same_generation(reference, ring)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_banded_attention_takes_a_fused_kernel(tiny_llama_model, in_place_reads):
+    """With a mask and grouped KV heads, hf_kvcache attention runs on a fused sdpa kernel on CUDA: with the math
+    kernel disabled it still runs (torch raises "No available kernel" otherwise), and equals the math kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = copy.deepcopy(tiny_llama_model).to("cuda", torch.float16)
+    ids, mask = (tensor.to("cuda") for tensor in padded_batch([23, 16, 17]))
+    settings = {"max_new_tokens": 20, "cache_implementation": "sliding_ring"}
+    with banded_attention(model):
+        with sdpa_kernel([SDPBackend.MATH]):
+            reference = run(model, ids, mask, **settings, cache_config={"window": 8, "sink_tokens": 2})
+        pool = KVPool.for_model(model, max_tokens=1024)
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+            fused = run(model, ids, mask, **settings, cache_config={"window": 8, "sink_tokens": 2, "pool": pool})
+    assert in_place_reads["reads"] > 0
+    assert torch.equal(fused.sequences, reference.sequences)

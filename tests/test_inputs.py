@@ -1,0 +1,129 @@
+"""Correct on every input a user can give: recycled pages, half precision and autocast, assisted decoding with
+drafts that get rejected, on every registered cache (the registry drives the grid)."""
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+from helpers import EXAMPLE_POOL_FORMATS, assert_same_generation, example_cache_config, padded_batch, run
+
+import hf_kvcache  # noqa: F401  (registers the names)
+from hf_kvcache import KVPool
+from hf_kvcache.attention import ATTENTION_NAME
+from hf_kvcache.integration import CACHE_FACTORIES
+from hf_kvcache.models import tiny_gemma3, tiny_llama, tiny_mistral
+
+NAMES = sorted(CACHE_FACTORIES)
+
+
+def exact_config(name: str, length: int) -> dict:
+    """A cache_config under which ``name`` keeps every one of ``length`` tokens exactly (so it equals DynamicCache)."""
+    config = example_cache_config(name)
+    if "window" in config:
+        config.update(window=length, sink_tokens=0)
+    if name == "quantized_values":
+        config["residual_length"] = length  # attention gets every value in full precision
+    return config
+
+
+@contextlib.contextmanager
+def attention(model, name: str):
+    before = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(before)
+
+
+@pytest.mark.parametrize("fill", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", ATTENTION_NAME])
+@pytest.mark.parametrize("name", NAMES)
+def test_recycled_pages_cannot_change_an_output(tiny_llama_model, name, attn, fill):
+    """Free pages full of what an earlier request may leave (an fp16 overflow: inf, NaN) change nothing: every
+    slot a request has not written reads as zero, also where attention reads whole pages in place (a ring window
+    of 32 on a 20-token prompt)."""
+    ids, mask = padded_batch([20, 13])
+    cache_config = example_cache_config(name)
+    if "window" in cache_config:
+        cache_config.update(window=32, sink_tokens=0)
+    pool = KVPool.for_model(tiny_llama_model, max_tokens=1024, **EXAMPLE_POOL_FORMATS.get(name, {}))
+    settings = {"max_new_tokens": 8, "cache_implementation": name, "cache_config": {**cache_config, "pool": pool}}
+    with attention(tiny_llama_model, attn):
+        fresh = run(tiny_llama_model, ids, mask, **settings)
+        fresh.cache.release()  # every page back to the pool, all free
+        assert pool.stats()["pages_used"] == 0
+        for storage in (pool.keys, pool.values, pool.value_scales):
+            for chunk in storage:
+                chunk[:, :, 1:] = fill if chunk.is_floating_point() else 255  # every page but the null page
+        recycled = run(tiny_llama_model, ids, mask, **settings)
+    assert_same_generation(fresh, recycled)
+    assert not any(step.isnan().any() for step in recycled.logits)
+
+
+HALF_MODELS = {"tiny_llama": tiny_llama, "tiny_gemma3": tiny_gemma3}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("model_name", sorted(HALF_MODELS))
+@pytest.mark.parametrize("name", NAMES)
+def test_half_precision_models_equal_dynamic_cache(name, model_name, dtype):
+    """bf16 and fp16 models through every cache: the same greedy tokens as DynamicCache in the same dtype, and the
+    logits within torch's default tolerance for that dtype (bf16: 1.6e-2 relative; fp16: 1e-3; measured: equal)."""
+    model = HALF_MODELS[model_name]().to(dtype)
+    ids, mask = padded_batch([9, 5])
+    reference = run(model, ids, mask, max_new_tokens=12)
+    actual = run(model, ids, mask, max_new_tokens=12, cache_implementation=name, cache_config=exact_config(name, 64))
+    assert actual.cache.pool.format.dtype == dtype
+    assert torch.equal(actual.sequences, reference.sequences)
+    for expected, got in zip(reference.logits, actual.logits, strict=True):
+        torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", ATTENTION_NAME])
+@pytest.mark.parametrize("name", NAMES)
+def test_generation_under_autocast_equals_dynamic_cache(tiny_llama_model, name, attn):
+    """An fp32 model under torch.autocast(bfloat16): the pool keeps the model's dtype and stores the bf16 states
+    cast to it (a ring's in-place write too); the tokens are DynamicCache's under the same autocast."""
+    ids, mask = padded_batch([9, 5])
+    with attention(tiny_llama_model, attn), torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = run(tiny_llama_model, ids, mask, max_new_tokens=8)
+        actual = run(
+            tiny_llama_model,
+            ids,
+            mask,
+            max_new_tokens=8,
+            cache_implementation=name,
+            cache_config=exact_config(name, 64),
+        )
+    assert actual.cache.pool.format.dtype == torch.float32
+    assert torch.equal(actual.sequences, reference.sequences)
+
+
+ASSISTED_MODELS = {"tiny_mistral": tiny_mistral, "tiny_gemma3": tiny_gemma3}
+
+
+@pytest.mark.parametrize("model_name", sorted(ASSISTED_MODELS))
+@pytest.mark.parametrize("name", NAMES)
+def test_assisted_decoding_with_another_assistant_equals_dynamic_cache(name, model_name, monkeypatch):
+    """A different (differently seeded) assistant: its drafts get rejected, so the cache is cropped by up to
+    20 tokens at a time, on models with sliding layers (rings) and full ones."""
+    build = ASSISTED_MODELS[model_name]
+    model, assistant = build(), build(seed=1)
+    assistant.generation_config.num_assistant_tokens = 20
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    crops = []
+    cache_class = CACHE_FACTORIES[name]
+    crop = cache_class.crop
+    monkeypatch.setattr(cache_class, "crop", lambda self, n: crops.append(n) or crop(self, n))
+    ids, mask = padded_batch([12], seed=3)
+    settings = {"max_new_tokens": 40, "do_sample": False, "assistant_model": assistant}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = model.generate(ids, attention_mask=mask, **settings)
+        actual = model.generate(
+            ids, attention_mask=mask, **settings, cache_implementation=name, cache_config=exact_config(name, 64)
+        )
+    assert crops and min(crops) < 0, "no draft was rejected: the test would not crop"
+    assert torch.equal(actual, expected)
