@@ -20,13 +20,34 @@ masks (``sdpa_mask``). Load the model with it, or switch an existing one::
 ``AttentionMaskInterface``; nothing about ``"sdpa"`` or ``"eager"`` changes.
 """
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
 from hf_kvcache.layers.ring import layout_of
-from hf_kvcache.transformers_internals import sdpa_attention_forward
+from hf_kvcache.transformers_internals import attn_implementation, sdpa_attention_forward
 
 ATTENTION_NAME = "hf_kvcache"
+
+
+@contextlib.contextmanager
+def model_attention(model: torch.nn.Module, name: str | None) -> Iterator[torch.nn.Module]:
+    """Runs ``model`` under ``attn_implementation=name`` for the block (``None``: its own), then under its own again.
+
+    ``model.set_attn_implementation`` walks the model (about 3 ms for a 30-layer model): switch per group of
+    forward passes, not per pass.
+    """
+    own = attn_implementation(model.config)
+    if name is None or name == own:
+        yield model
+        return
+    model.set_attn_implementation(name)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(own)
 
 
 def banded_sdpa_attention(

@@ -37,7 +37,9 @@ from hf_kvcache.transformers_internals import (
     set_prepare_cache_method,
 )
 
-SUPPORTED_TRANSFORMERS = (Version("5.0"), Version("6.0"))
+SUPPORTED_TRANSFORMERS = (Version("5.24"), Version("6.0"))
+"""The releases hf_kvcache runs on (CI tests the lowest too); 5.23 and earlier pass the cache to the model as
+``past_key_values``, not ``cache``."""
 
 _lock = threading.Lock()
 _original_prepare: Callable[..., Any] | None = None

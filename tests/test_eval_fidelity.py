@@ -1,6 +1,7 @@
 """The decode-mode comparison, its summary and the `evaluate` metric module, on tiny models."""
 
 import math
+import warnings
 
 import evaluate
 import pytest
@@ -12,6 +13,7 @@ from hf_kvcache.eval import FIDELITY_METRIC_PATH
 from hf_kvcache.eval.caches import CacheSpec, default_specs, installed_quantized_backends, parse_spec
 from hf_kvcache.eval.fidelity import compare_in_decode_mode, fidelity_from_logits, generation_agreement, kv_bytes
 from hf_kvcache.eval.report import summarize
+from hf_kvcache.transformers_internals import attn_implementation
 
 LOSSLESS = [
     CacheSpec("dynamic", "dynamic"),
@@ -41,7 +43,8 @@ def test_lossy_cache_reports_a_change(tiny_llama_model):
     baseline, windowed = summarize(specs, metrics)
     assert windowed.kl_mean > 1e-4 and windowed.top1_agreement < 1.0
     assert windowed.perplexity_change != 0
-    assert windowed.kv_bytes_per_token < baseline.kv_bytes_per_token / 2  # 8 of 47 tokens kept
+    assert windowed.kv_bytes_held < baseline.kv_bytes_held / 2  # 8 of 47 tokens kept
+    assert windowed.kv_bytes_per_token <= baseline.kv_bytes_per_token  # per token held: no worse
     # The window only bites once the sequence is past it: the first bucket is unchanged.
     assert windowed.perplexity_by_bucket[0] == pytest.approx(baseline.perplexity_by_bucket[0], rel=1e-5)
     agreement = generation_agreement(tiny_llama_model, random_ids(2, 30), specs, max_new_tokens=20)
@@ -100,3 +103,35 @@ def test_kv_bytes_count_every_quantized_part(tiny_llama_model, backend):
             tiny_llama_model(ids, cache=cache)
     ratio = kv_bytes(caches[backend]) / kv_bytes(caches["dynamic"])
     assert 4 / 32 < ratio < 0.5  # 4-bit codes of fp32 states plus their scales and zeros
+
+
+def test_kv_bytes_per_token_are_per_token_held(tiny_llama_model):
+    """A ring's memory per token is over the tokens it holds (its window), not every token it saw; the memory it
+    holds is what shows its saving."""
+    specs = [CacheSpec("paged_pool", "paged_pool"), parse_spec("ring16=sliding_ring:window=16@hf_kvcache")]
+    metrics = compare_in_decode_mode(tiny_llama_model, random_ids(2, 48), specs, prefill_tokens=4, progress=False)
+    assert tokens_held_in(metrics) == {"dynamic": 47, "paged_pool": 47, "ring16": 16}
+    paged, ring = metrics["paged_pool"], metrics["ring16"]
+    assert ring.kv_bytes_held < paged.kv_bytes_held
+    assert ring.kv_bytes_per_token == pytest.approx(ring.kv_bytes_held / 16)
+    assert paged.kv_bytes_per_token == pytest.approx(paged.kv_bytes_held / 47)
+
+
+def tokens_held_in(metrics) -> dict[str, int]:
+    return {label: round(metric.kv_bytes_held / metric.kv_bytes_per_token) for label, metric in metrics.items()}
+
+
+def test_each_cache_runs_under_its_attention_without_a_warning(tiny_llama_model):
+    """The default evaluation runs the rings the way the README recommends (under "hf_kvcache": a prompt past the
+    window keeps to it, and nothing warns), the other caches under the model's attention."""
+    rings = [spec for spec in default_specs() if spec.kind == "sliding_ring"]
+    assert rings and all(spec.attn_implementation == "hf_kvcache" for spec in rings)
+    assert all(spec.attn_implementation is None for spec in default_specs() if spec.kind != "sliding_ring")
+    specs = [CacheSpec("dynamic", "dynamic"), parse_spec("ring8=sliding_ring:window=8@hf_kvcache")]
+    assert specs[1] == CacheSpec("ring8", "sliding_ring", {"window": 8}, "hf_kvcache")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the ring's "plainly causal mask" warning would fail here
+        metrics = compare_in_decode_mode(tiny_llama_model, random_ids(2, 40), specs, prefill_tokens=20, progress=False)
+    assert attn_implementation(tiny_llama_model.config) == "sdpa"  # switched back
+    results = summarize(specs, metrics, attn_implementation="sdpa")
+    assert [r.attn_implementation for r in results] == ["sdpa", "hf_kvcache"]

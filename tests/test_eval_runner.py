@@ -40,17 +40,22 @@ def test_run_evaluation_writes_json_markdown_and_plots(tiny_model_dir, tmp_path)
     assert [r.label for r in report.caches] == ["dynamic", "paged_pool", "win16"]
     dynamic, paged, windowed = report.caches
     assert paged.perplexity_change == pytest.approx(0, abs=1e-4) and paged.top1_agreement == 1.0
-    assert windowed.kl_mean > 0 and windowed.kv_bytes_per_token < dynamic.kv_bytes_per_token
+    assert windowed.kl_mean > 0 and windowed.kv_bytes_held < dynamic.kv_bytes_held
     assert paged.pool_stats["pages_used"] > 0 and dynamic.pool_stats is None
     assert all(r.retrieval["num_samples"] == 1 for r in report.caches)
     assert report.data["num_windows"] == 2 and report.data["window_tokens"] == 64 and "batching" in report.data
 
     paths = report.save(tmp_path)
     saved = json.loads(paths["json"].read_text())
-    assert saved["config"]["specs"][2] == {"label": "win16", "kind": "sliding", "settings": {"window": 16}}
+    assert saved["config"]["specs"][2] == {
+        "label": "win16",
+        "kind": "sliding",
+        "settings": {"window": 16},
+        "attn_implementation": None,  # the model's, recorded in config["attn_implementation"]
+    }
     assert saved["environment"]["torch"] and saved["data"]["tokens_sha256"]
     table = paths["markdown"].read_text()
-    assert table.count("\n") == 2 + 3 and "| win16 |" in table
+    assert table.count("\n") == 2 + 3 and "| win16 | sdpa |" in table
     for key in ("plot_quality_vs_memory", "plot_perplexity_by_position"):
         assert paths[key].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -74,3 +79,26 @@ def test_attention_implementation_is_applied_recorded_and_reproduced(tiny_model_
     assert banded.caches[1].perplexity != pytest.approx(plain.caches[1].perplexity, rel=1e-6)
     assert "--attn-implementation hf_kvcache" in reproduce_command(banded, "out")
     assert "--attn-implementation" not in reproduce_command(plain, "out")  # the default, as published reports ran
+
+
+@pytest.mark.parametrize("window,beyond", [(24, True), (128, False)])
+def test_greedy_agreement_starts_past_every_window_or_says_it_did_not(tiny_model_dir, window, beyond):
+    """The greedy tokens follow a prompt as long as the largest window (where the documents allow), so they leave
+    every ring's window; where a window is longer than a document, the report says the agreement never left it."""
+    config = EvalConfig(
+        model=tiny_model_dir,
+        specs=[CacheSpec("dynamic", "dynamic"), parse_spec(f"ring=sliding_ring:window={window}@hf_kvcache")],
+        num_documents=1,
+        document_tokens=64,
+        prefill_tokens=16,
+        generation_tokens=6,
+        retrieval_tasks=[],
+        progress=False,
+    )
+    report = run_evaluation(config)
+    dynamic, ring = report.caches
+    assert ring.generation_prompt_tokens == dynamic.generation_prompt_tokens == min(window, 64)
+    assert dynamic.generation_beyond_window is None and ring.generation_beyond_window is beyond
+    assert ring.attn_implementation == "hf_kvcache" and dynamic.attn_implementation == "sdpa"
+    assert ("never went past the cache's window" in report.markdown()) is not beyond
+    assert "@hf_kvcache" in reproduce_command(report, "out")

@@ -1,25 +1,21 @@
 """Correct on every input a user can give: recycled pages, half precision and autocast, assisted decoding with
 drafts that get rejected, on every registered cache (the registry drives the grid)."""
 
-import contextlib
 import warnings
 
 import pytest
 import torch
-from helpers import EXAMPLE_POOL_FORMATS, assert_same_generation, example_cache_config, padded_batch, run
+from helpers import assert_same_generation, example_config, padded_batch, run
 
 import hf_kvcache  # noqa: F401  (registers the names)
-from hf_kvcache import KVPool
-from hf_kvcache.attention import ATTENTION_NAME
-from hf_kvcache.integration import CACHE_FACTORIES
+from hf_kvcache.attention import ATTENTION_NAME, model_attention
 from hf_kvcache.models import tiny_gemma3, tiny_llama, tiny_mistral
-
-NAMES = sorted(CACHE_FACTORIES)
+from hf_kvcache.registry import REGISTRY
 
 
 def exact_config(name: str, length: int) -> dict:
     """A cache_config under which ``name`` keeps every one of ``length`` tokens exactly (so it equals DynamicCache)."""
-    config = example_cache_config(name)
+    config = example_config(name)
     if "window" in config:
         config.update(window=length, sink_tokens=0)
     if name == "quantized_values":
@@ -27,30 +23,19 @@ def exact_config(name: str, length: int) -> dict:
     return config
 
 
-@contextlib.contextmanager
-def attention(model, name: str):
-    before = model.config._attn_implementation
-    model.set_attn_implementation(name)
-    try:
-        yield model
-    finally:
-        model.set_attn_implementation(before)
-
-
 @pytest.mark.parametrize("fill", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("attn", ["sdpa", "eager", ATTENTION_NAME])
-@pytest.mark.parametrize("name", NAMES)
-def test_recycled_pages_cannot_change_an_output(tiny_llama_model, name, attn, fill):
+def test_recycled_pages_cannot_change_an_output(tiny_llama_model, cache_name, attn, fill, make_pool):
     """Free pages full of what an earlier request may leave (an fp16 overflow: inf, NaN) change nothing: every
     slot a request has not written reads as zero, also where attention reads whole pages in place (a ring window
     of 32 on a 20-token prompt)."""
     ids, mask = padded_batch([20, 13])
-    cache_config = example_cache_config(name)
+    cache_config = example_config(cache_name)
     if "window" in cache_config:
         cache_config.update(window=32, sink_tokens=0)
-    pool = KVPool.for_model(tiny_llama_model, max_tokens=1024, **EXAMPLE_POOL_FORMATS.get(name, {}))
-    settings = {"max_new_tokens": 8, "cache_implementation": name, "cache_config": {**cache_config, "pool": pool}}
-    with attention(tiny_llama_model, attn):
+    pool = make_pool(tiny_llama_model, cache_name, max_tokens=1024)
+    settings = {"max_new_tokens": 8, "cache_implementation": cache_name, "cache_config": {**cache_config, "pool": pool}}
+    with model_attention(tiny_llama_model, attn):
         fresh = run(tiny_llama_model, ids, mask, **settings)
         fresh.cache.release()  # every page back to the pool, all free
         assert pool.stats()["pages_used"] == 0
@@ -67,14 +52,15 @@ HALF_MODELS = {"tiny_llama": tiny_llama, "tiny_gemma3": tiny_gemma3}
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("model_name", sorted(HALF_MODELS))
-@pytest.mark.parametrize("name", NAMES)
-def test_half_precision_models_equal_dynamic_cache(name, model_name, dtype):
+def test_half_precision_models_equal_dynamic_cache(cache_name, model_name, dtype):
     """bf16 and fp16 models through every cache: the same greedy tokens as DynamicCache in the same dtype, and the
     logits within torch's default tolerance for that dtype (bf16: 1.6e-2 relative; fp16: 1e-3; measured: equal)."""
     model = HALF_MODELS[model_name]().to(dtype)
     ids, mask = padded_batch([9, 5])
     reference = run(model, ids, mask, max_new_tokens=12)
-    actual = run(model, ids, mask, max_new_tokens=12, cache_implementation=name, cache_config=exact_config(name, 64))
+    actual = run(
+        model, ids, mask, max_new_tokens=12, cache_implementation=cache_name, cache_config=exact_config(cache_name, 64)
+    )
     assert actual.cache.pool.format.dtype == dtype
     assert torch.equal(actual.sequences, reference.sequences)
     for expected, got in zip(reference.logits, actual.logits, strict=True):
@@ -82,20 +68,19 @@ def test_half_precision_models_equal_dynamic_cache(name, model_name, dtype):
 
 
 @pytest.mark.parametrize("attn", ["sdpa", ATTENTION_NAME])
-@pytest.mark.parametrize("name", NAMES)
-def test_generation_under_autocast_equals_dynamic_cache(tiny_llama_model, name, attn):
+def test_generation_under_autocast_equals_dynamic_cache(tiny_llama_model, cache_name, attn):
     """An fp32 model under torch.autocast(bfloat16): the pool keeps the model's dtype and stores the bf16 states
     cast to it (a ring's in-place write too); the tokens are DynamicCache's under the same autocast."""
     ids, mask = padded_batch([9, 5])
-    with attention(tiny_llama_model, attn), torch.autocast("cpu", dtype=torch.bfloat16):
+    with model_attention(tiny_llama_model, attn), torch.autocast("cpu", dtype=torch.bfloat16):
         reference = run(tiny_llama_model, ids, mask, max_new_tokens=8)
         actual = run(
             tiny_llama_model,
             ids,
             mask,
             max_new_tokens=8,
-            cache_implementation=name,
-            cache_config=exact_config(name, 64),
+            cache_implementation=cache_name,
+            cache_config=exact_config(cache_name, 64),
         )
     assert actual.cache.pool.format.dtype == torch.float32
     assert torch.equal(actual.sequences, reference.sequences)
@@ -105,8 +90,7 @@ ASSISTED_MODELS = {"tiny_mistral": tiny_mistral, "tiny_gemma3": tiny_gemma3}
 
 
 @pytest.mark.parametrize("model_name", sorted(ASSISTED_MODELS))
-@pytest.mark.parametrize("name", NAMES)
-def test_assisted_decoding_with_another_assistant_equals_dynamic_cache(name, model_name, monkeypatch):
+def test_assisted_decoding_with_another_assistant_equals_dynamic_cache(cache_name, model_name, monkeypatch):
     """A different (differently seeded) assistant: its drafts get rejected, so the cache is cropped by up to
     20 tokens at a time, on models with sliding layers (rings) and full ones."""
     build = ASSISTED_MODELS[model_name]
@@ -114,7 +98,7 @@ def test_assisted_decoding_with_another_assistant_equals_dynamic_cache(name, mod
     assistant.generation_config.num_assistant_tokens = 20
     assistant.generation_config.num_assistant_tokens_schedule = "constant"
     crops = []
-    cache_class = CACHE_FACTORIES[name]
+    cache_class = REGISTRY[cache_name].cache_class
     crop = cache_class.crop
     monkeypatch.setattr(cache_class, "crop", lambda self, n: crops.append(n) or crop(self, n))
     ids, mask = padded_batch([12], seed=3)
@@ -123,7 +107,11 @@ def test_assisted_decoding_with_another_assistant_equals_dynamic_cache(name, mod
         warnings.simplefilter("ignore")
         expected = model.generate(ids, attention_mask=mask, **settings)
         actual = model.generate(
-            ids, attention_mask=mask, **settings, cache_implementation=name, cache_config=exact_config(name, 64)
+            ids,
+            attention_mask=mask,
+            **settings,
+            cache_implementation=cache_name,
+            cache_config=exact_config(cache_name, 64),
         )
     assert crops and min(crops) < 0, "no draft was rejected: the test would not crop"
     assert torch.equal(actual, expected)

@@ -97,5 +97,7 @@ def test_cache_object_and_name_together_are_rejected(tiny_llama_model):
 
 def test_transformers_version_is_checked():
     check_transformers_version("5.24.0")
-    with pytest.raises(ImportError, match=r"supports transformers >= 5.0, < 6.0; found 4.46.0"):
+    with pytest.raises(ImportError, match=r"supports transformers >= 5.24, < 6.0; found 4.46.0"):
         check_transformers_version("4.46.0")
+    with pytest.raises(ImportError, match=r"found 5.23.0"):  # passes the cache as past_key_values
+        check_transformers_version("5.23.0")

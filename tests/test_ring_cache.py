@@ -20,12 +20,11 @@ from transformers import DynamicCache
 
 import hf_kvcache  # noqa: F401  (registers "sliding_ring")
 from hf_kvcache import KVPool, PagedCache, SlidingRingCache
-from hf_kvcache.attention import ATTENTION_NAME, banded_sdpa_attention
+from hf_kvcache.attention import ATTENTION_NAME, banded_sdpa_attention, model_attention
 from hf_kvcache.caches.base import ATTENTION_LAYER_TYPES
 from hf_kvcache.config import layer_groups, layer_types
 from hf_kvcache.layers import PagedLayer, RingLayer, RingRows
 from hf_kvcache.layers.ring import LAYOUT_ATTRIBUTE, KeyLayout
-from hf_kvcache.transformers_internals import attn_implementation
 
 SLIDING_MODELS = ["tiny_mistral_model", "tiny_gemma3_model"]  # window 8
 
@@ -64,15 +63,9 @@ def test_chunked_prefill_matches_dynamic_cache(model_name, chunks, request):
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
-@contextlib.contextmanager
 def banded_attention(model):
     """The model with ``attn_implementation="hf_kvcache"``, which applies the ring's band within a step."""
-    before = attn_implementation(model.config)
-    model.set_attn_implementation(ATTENTION_NAME)
-    try:
-        yield model
-    finally:
-        model.set_attn_implementation(before)
+    return model_attention(model, ATTENTION_NAME)
 
 
 @pytest.mark.parametrize("window,sink_tokens,prompt", [(8, 0, 5), (8, 0, 8), (16, 0, 1), (8, 2, 6), (20, 4, 20)])
@@ -288,19 +281,6 @@ def test_imposed_window_with_left_padding_matches_unpadded_rows(tiny_llama_model
             assert torch.equal(batch.sequences[row, -20:], single.sequences[0, -20:])
 
 
-@contextlib.contextmanager
-def model_attention(model, attention: str):
-    """The model under ``attention`` for the block (without warnings: prompts past the window warn under sdpa)."""
-    before = model.config._attn_implementation
-    model.set_attn_implementation(attention)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield model
-    finally:
-        model.set_attn_implementation(before)
-
-
 @pytest.mark.parametrize(
     "attention,path",
     [("sdpa", "gathered"), ("eager", "gathered"), (ATTENTION_NAME, "gathered"), (ATTENTION_NAME, "in place")],
@@ -312,7 +292,8 @@ def test_sinks_are_each_rows_first_real_tokens(tiny_llama_model, attention, path
     ids, mask = padded_batch([30, 6, 19])
     cache_config = {"window": window, "sink_tokens": sink_tokens}
     settings = {"max_new_tokens": 30, "cache_implementation": "sliding_ring"}
-    with model_attention(tiny_llama_model, attention), pytest.MonkeyPatch.context() as patch:
+    with model_attention(tiny_llama_model, attention), pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # without the band, prompts past the window warn
         if path == "gathered":
             patch.setattr(RingRows, "_first_page", lambda self: None)  # never consecutive: always gather
         pool = KVPool.for_model(tiny_llama_model, max_tokens=2048)  # fresh: a row's pages are consecutive

@@ -27,20 +27,19 @@ reused without growing RSS. For the same reason timings on CPU depend a little o
 not touched before pays page faults; ``round_median_step_ms`` shows such a round.
 """
 
-import contextlib
 import gc
 import logging
 import statistics
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from hf_kvcache import transformers_internals
+from hf_kvcache.attention import model_attention
 from hf_kvcache.bench import measure
 from hf_kvcache.bench.catalogue import (
     BASELINE,
@@ -272,20 +271,6 @@ def _measure(
             return _decode(model, cache, prefill, length, batch, config)
 
     return measure.run_interleaved(config.caches, config.rounds, build, run)
-
-
-@contextlib.contextmanager
-def model_attention(model: PreTrainedModel, attn_implementation: str | None) -> Iterator[None]:
-    """Runs the model under ``attn_implementation`` (``None``: its own), then puts its own back."""
-    own = transformers_internals.attn_implementation(model.config)
-    if attn_implementation is None or attn_implementation == own:
-        yield
-        return
-    model.set_attn_implementation(attn_implementation)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(own)
 
 
 def _decode(

@@ -33,6 +33,8 @@ class CacheEntry:
             and ``sliding`` suites time (``hf_kvcache.bench.catalogue``).
         soak_config: the ``cache_config`` the soak runs it with (``hf_kvcache.bench.soak``); defaults to
             ``example_config``.
+        attn_implementation: the attention the README recommends running the cache under (the evaluation does),
+            ``None`` for the model's own.
     """
 
     name: str
@@ -41,6 +43,7 @@ class CacheEntry:
     eval_presets: Mapping[str, Mapping[str, Any]]
     bench_presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     soak_config: Mapping[str, Any] | None = None
+    attn_implementation: str | None = None
 
     def __post_init__(self) -> None:
         if self.soak_config is None:

@@ -136,4 +136,5 @@ ENTRY = CacheEntry(
     cache_class=SlidingRingCache,
     example_config={"window": 16, "sink_tokens": 2},
     eval_presets={"ring-256": {"window": 256}, "ring-256-sink4": {"window": 256, "sink_tokens": 4}},
+    attn_implementation=ATTENTION_NAME,  # prompts past the window keep to it; the pages are read in place
 )

@@ -58,7 +58,7 @@ def quality_table(result: CacheResult, baseline: CacheResult) -> str:
     retrieval = bool(result.retrieval and baseline.retrieval)
     header = ["cache", "perplexity", "perplexity vs baseline", "KL vs baseline (nats)", "top-1 agreement"]
     header += ["retrieval accuracy"] if retrieval else []
-    header += ["KV bytes/token", "KV bytes vs baseline"]
+    header += ["KV bytes/token held", "KV memory held vs baseline"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row, name in ((baseline, f"{baseline.label} (baseline)"), (result, result.label)):
         cells = [
@@ -69,10 +69,10 @@ def quality_table(result: CacheResult, baseline: CacheResult) -> str:
             f"{100 * row.top1_agreement:.2f}%",
         ]
         cells += [f"{100 * row.retrieval['accuracy']:.1f}%"] if retrieval else []
-        cells += [
-            f"{row.kv_bytes_per_token:,.0f}",
-            f"{100 * (row.kv_bytes_per_token / baseline.kv_bytes_per_token - 1):+.2f}%",
-        ]
+        held = (row.kv_bytes_held, baseline.kv_bytes_held)
+        if None in held:  # a report from before kv_bytes_held: the memory per token is all it has
+            held = (row.kv_bytes_per_token, baseline.kv_bytes_per_token)
+        cells += [f"{row.kv_bytes_per_token:,.0f}", f"{100 * (held[0] / held[1] - 1):+.2f}%"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -51,7 +51,10 @@ class CardSetting:
     @property
     def eval_spec(self) -> str:
         """The ``--cache`` argument of the eval script that produces this card's result."""
-        return format_spec(self.result_label, self.cache_implementation, self.cache_config)
+        attention = (
+            REGISTRY[self.cache_implementation].attn_implementation if self.cache_implementation in REGISTRY else None
+        )
+        return format_spec(self.result_label, self.cache_implementation, self.cache_config, attention)
 
 
 CARD_SETTINGS: tuple[CardSetting, ...] = (

@@ -1,8 +1,9 @@
 """The caches an evaluation compares: ours by registered name, and transformers' own.
 
-A ``CacheSpec`` is a label plus how to build a fresh cache for one model; specs are written on
-the command line as ``LABEL=KIND`` or ``LABEL=KIND:key=value,key=value`` (values parsed as JSON
-when they can be, e.g. ``quanto-int4=quantized:backend=quanto,nbits=4``).
+A ``CacheSpec`` is a label plus how to build a fresh cache for one model, and the attention the model
+runs it under; specs are written on the command line as ``LABEL=KIND`` or ``LABEL=KIND:key=value,key=value``
+(values parsed as JSON when they can be, e.g. ``quanto-int4=quantized:backend=quanto,nbits=4``), optionally
+followed by ``@ATTENTION`` (e.g. ``ring=sliding_ring:window=256@hf_kvcache``).
 """
 
 import copy
@@ -29,11 +30,14 @@ class CacheSpec:
         label: the name in tables and plots.
         kind: one of ``TRANSFORMERS_KINDS`` or a registered ``cache_implementation`` name.
         settings: the cache's ``cache_config``.
+        attn_implementation: the model's attention while it runs this cache; ``None`` for the evaluation's
+            (``--attn-implementation``).
     """
 
     label: str
     kind: str
     settings: dict[str, Any] = field(default_factory=dict)
+    attn_implementation: str | None = None
 
     def __post_init__(self) -> None:
         known = TRANSFORMERS_KINDS + tuple(REGISTRY)
@@ -75,7 +79,8 @@ def sliding_window_config(config: PreTrainedConfig, window: int) -> PreTrainedCo
 
 
 def parse_spec(text: str) -> CacheSpec:
-    """Parses ``LABEL=KIND[:key=value,...]`` (or just ``KIND``, labelled by itself)."""
+    """Parses ``LABEL=KIND[:key=value,...][@ATTENTION]`` (or just ``KIND``, labelled by itself)."""
+    text, _, attention = text.partition("@")
     label, _, rest = text.partition("=") if "=" in text.split(":")[0] else (text.split(":")[0], "", text)
     kind, _, options = rest.partition(":")
     settings = {}
@@ -87,15 +92,18 @@ def parse_spec(text: str) -> CacheSpec:
             settings[key] = json.loads(value)
         except json.JSONDecodeError:
             settings[key] = value
-    return CacheSpec(label, kind, settings)
+    return CacheSpec(label, kind, settings, attention or None)
 
 
 def default_specs() -> list[CacheSpec]:
-    """The baseline, every registered cache (each of its entry's ``eval_presets``), and transformers' int4
-    quantized cache for each installed backend (quanto, hqq)."""
+    """The baseline, every registered cache (each of its entry's ``eval_presets``, under the entry's attention),
+    and transformers' int4 quantized cache for each installed backend (quanto, hqq)."""
     specs = [CacheSpec("dynamic", "dynamic")]
     for entry in REGISTRY.values():
-        specs += [CacheSpec(label, entry.name, dict(settings)) for label, settings in entry.eval_presets.items()]
+        specs += [
+            CacheSpec(label, entry.name, dict(settings), entry.attn_implementation)
+            for label, settings in entry.eval_presets.items()
+        ]
     specs += [
         CacheSpec(f"{backend}-int4", "quantized", {"backend": backend, "nbits": 4})
         for backend in installed_quantized_backends()
@@ -111,3 +119,9 @@ def installed_quantized_backends() -> list[str]:
     if importlib.util.find_spec("hqq"):
         backends.append("hqq")
     return backends
+
+
+def window_of(spec: CacheSpec) -> int | None:
+    """Tokens a query of ``spec``'s cache attends to at most, where the cache imposes a window (``None``: all)."""
+    window = spec.settings.get("window")
+    return window if isinstance(window, int) else None

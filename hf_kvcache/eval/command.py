@@ -97,11 +97,13 @@ def parse_eval_args(argv: list[str] | None = None, description: str | None = Non
     return EvalConfig(**args), output
 
 
-def format_spec(label: str, kind: str, settings: dict[str, Any]) -> str:
-    """The eval script's ``--cache LABEL=KIND:key=value,...`` argument, written the way ``parse_spec`` reads it."""
+def format_spec(label: str, kind: str, settings: dict[str, Any], attn_implementation: str | None = None) -> str:
+    """The eval script's ``--cache LABEL=KIND:key=value,...[@ATTENTION]`` argument, written the way ``parse_spec``
+    reads it."""
     options = ",".join(f"{key}={_spec_value(value)}" for key, value in settings.items())
     spec = f"{kind}:{options}" if options else kind
-    return spec if label == kind and not options else f"{label}={spec}"
+    spec = spec if label == kind and not options else f"{label}={spec}"
+    return f"{spec}@{attn_implementation}" if attn_implementation else spec
 
 
 def _spec_value(value: Any) -> str:
@@ -135,7 +137,10 @@ def reproduce_command(report: EvalReport, output: str) -> str:
     model = "bundled" if report.config["model"] == BUNDLED_MODEL else report.config["model"]
     words = ["python", EVAL_SCRIPT, "--model", model]
     for spec in report.config["specs"]:
-        words += ["--cache", format_spec(spec["label"], spec["kind"], spec["settings"])]
+        words += [
+            "--cache",
+            format_spec(spec["label"], spec["kind"], spec["settings"], spec.get("attn_implementation")),
+        ]
     for flag in EVAL_FLAGS:
         default = getattr(EvalConfig(), flag.field)
         value = report.config.get(flag.field, default)

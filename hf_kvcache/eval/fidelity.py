@@ -5,9 +5,12 @@ The documents are fed through every cache the way generation feeds them: a prefi
 chunks are a faster approximation, since the tokens of one chunk attend to each other in full
 precision). All caches advance together, so the baseline (``DynamicCache``) runs once and each
 position's next-token distribution is compared as soon as it is produced; nothing vocabulary-sized
-is kept beyond one step.
+is kept beyond one step. Each cache runs under its spec's attention (the rings under ``"hf_kvcache"`` by
+default): the caches of one attention go one after the other, so the model switches attention twice a step
+at most.
 """
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -15,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import Cache, PreTrainedModel
 
+from hf_kvcache.attention import model_attention
 from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.eval.caches import CacheSpec
 from hf_kvcache.transformers_internals import cache_layer_state
@@ -28,7 +32,9 @@ class TokenMetrics:
         nll: ``[batch, seq_len - 1]`` negative log-likelihood of the true next token (nats).
         kl: ``[batch, seq_len - 1]`` KL(baseline || cache) of the next-token distributions (nats).
         top1_agree: ``[batch, seq_len - 1]`` whether the cache's argmax equals the baseline's.
-        kv_bytes_per_token: KV memory the cache held at the end, per token per row.
+        kv_bytes_per_token: KV memory the cache held at the end per token it held, per row (a window's tokens
+            for a ring, not every token it saw: ``tokens_held``).
+        kv_bytes_held: KV memory the cache held at the end, per row.
         seconds: wall time spent in this cache's forward passes.
         pool_stats: ``pool.stats()`` at the end, for caches on a pool.
     """
@@ -37,6 +43,7 @@ class TokenMetrics:
     kl: torch.Tensor
     top1_agree: torch.Tensor
     kv_bytes_per_token: float
+    kv_bytes_held: float
     seconds: float
     pool_stats: dict | None = None
 
@@ -66,6 +73,18 @@ def kv_bytes(cache: Cache) -> int:
     if isinstance(cache, PoolCache):
         return cache.memory_stats()["bytes_held"]
     return sum(_tensor_bytes(value) for layer in cache.layers for value in cache_layer_state(layer))
+
+
+def tokens_held(cache: Cache) -> float:
+    """Tokens per row the cache's layers hold at the end, averaged over the layers that hold any: every token seen
+    for a layer without a limit, at most its window (and sinks) for a sliding one (``get_max_length``)."""
+    counts = []
+    for layer in cache.layers:
+        seen = layer.get_seq_length()
+        if seen:
+            limit = layer.get_max_length()
+            counts.append(seen if limit < 0 else min(seen, limit))
+    return sum(counts) / len(counts) if counts else 0.0
 
 
 def _tensor_bytes(value: object) -> int:
@@ -115,17 +134,25 @@ def compare_in_decode_mode(
     results: dict[str, list[tuple[torch.Tensor, ...]]] = {label: [] for label in caches}
     seconds = dict.fromkeys(caches, 0.0)
     bounds = [0, prefill_tokens, *range(prefill_tokens + chunk_size, seq_len - 1, chunk_size), seq_len - 1]
+    ordered = sorted(candidates, key=lambda spec: spec.attn_implementation is not None)  # the model's own first
+    groups = [
+        (name, list(group)) for name, group in itertools.groupby(ordered, key=lambda spec: spec.attn_implementation)
+    ]
     for start, end in tqdm(list(zip(bounds, bounds[1:])), desc="decode-mode eval", disable=not progress):
         chunk, labels = input_ids[:, start:end], input_ids[:, start + 1 : end + 1]
-        base_logits = _forward(model, chunk, caches[baseline.label], seconds, baseline.label)
+        with model_attention(model, baseline.attn_implementation):
+            base_logits = _forward(model, chunk, caches[baseline.label], seconds, baseline.label)
         results[baseline.label].append(fidelity_from_logits(base_logits, base_logits, labels))
-        for spec in candidates:
-            logits = _forward(model, chunk, caches[spec.label], seconds, spec.label)
-            results[spec.label].append(fidelity_from_logits(logits, base_logits, labels))
+        for attention, group in groups:
+            with model_attention(model, attention):
+                for spec in group:
+                    logits = _forward(model, chunk, caches[spec.label], seconds, spec.label)
+                    results[spec.label].append(fidelity_from_logits(logits, base_logits, labels))
     return {
         label: TokenMetrics(
             *(torch.cat(parts, dim=1).cpu() for parts in zip(*results[label])),
-            kv_bytes_per_token=kv_bytes(caches[label]) / (batch * int(caches[label].get_seq_length())),
+            kv_bytes_per_token=kv_bytes(caches[label]) / (batch * tokens_held(caches[label])),
+            kv_bytes_held=kv_bytes(caches[label]) / batch,
             seconds=seconds[label],
             pool_stats=caches[label].pool.stats() if isinstance(caches[label], PoolCache) else None,
         )
@@ -161,9 +188,9 @@ def generation_agreement(
     def greedy(spec: CacheSpec) -> torch.Tensor:
         settings = {"max_new_tokens": max_new_tokens, "min_new_tokens": max_new_tokens, "do_sample": False}
         cache = spec.build(model, max_cache_len=max_len)
-        return model.generate(input_ids, attention_mask=torch.ones_like(input_ids), cache=cache, **settings)[
-            :, prompt_len:
-        ]
+        with model_attention(model, spec.attn_implementation):
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), cache=cache, **settings)
+        return out[:, prompt_len:]
 
     baseline = next((spec for spec in specs if spec.is_baseline), CacheSpec("dynamic", "dynamic"))
     expected = greedy(baseline)

@@ -2,6 +2,7 @@
 
 import datetime
 import json
+import logging
 import math
 import os
 import platform
@@ -15,6 +16,8 @@ import transformers
 from hf_kvcache.eval.caches import CacheSpec
 from hf_kvcache.eval.fidelity import TokenMetrics
 
+logger = logging.getLogger("hf_kvcache.eval")
+
 
 @dataclass
 class CacheResult:
@@ -22,6 +25,11 @@ class CacheResult:
 
     ``perplexity_change`` is absolute, ``perplexity_change_relative`` a fraction of the baseline's;
     ``perplexity_by_bucket[i]`` covers predicted positions ``[bucket_edges[i], bucket_edges[i + 1])``.
+    ``kv_bytes_per_token`` is per token *held* (a ring holds its window, not every token it saw) and
+    ``kv_bytes_held`` per row, both at the end. ``attn_implementation`` is the attention the cache ran under.
+    ``generation_agreement`` counts greedy tokens after a prompt of ``generation_prompt_tokens``;
+    ``generation_beyond_window`` says, for a cache with a window, whether those tokens went past it (``None``:
+    no window).
     """
 
     label: str
@@ -39,10 +47,20 @@ class CacheResult:
     generation_agreement: list[int] = field(default_factory=list)
     retrieval: dict[str, Any] = field(default_factory=dict)
     pool_stats: dict[str, Any] | None = None
+    attn_implementation: str | None = None
+    kv_bytes_held: float | None = None
+    generation_prompt_tokens: int | None = None
+    generation_beyond_window: bool | None = None
 
 
-def summarize(specs: list[CacheSpec], metrics: dict[str, TokenMetrics], num_buckets: int = 8) -> list[CacheResult]:
-    """Aggregates per-position metrics into one ``CacheResult`` per spec (the baseline first)."""
+def summarize(
+    specs: list[CacheSpec], metrics: dict[str, TokenMetrics], num_buckets: int = 8, attn_implementation: str = "sdpa"
+) -> list[CacheResult]:
+    """Aggregates per-position metrics into one ``CacheResult`` per spec (the baseline first).
+
+    Args:
+        attn_implementation: the model's attention, for the specs that name none.
+    """
     baseline = next(iter(metrics))  # compare_in_decode_mode puts the baseline first
     base_ppl = math.exp(metrics[baseline].nll.mean().item())
     kinds = {spec.label: spec for spec in specs}
@@ -67,6 +85,8 @@ def summarize(specs: list[CacheSpec], metrics: dict[str, TokenMetrics], num_buck
                 kv_bytes_per_token=metric.kv_bytes_per_token,
                 eval_tokens_per_s=metric.nll.numel() / metric.seconds if metric.seconds else float("nan"),
                 pool_stats=metric.pool_stats,
+                attn_implementation=spec.attn_implementation or attn_implementation,
+                kv_bytes_held=metric.kv_bytes_held,
             )
         )
     return results
@@ -99,32 +119,49 @@ class EvalReport:
         paths = {"json": directory / "report.json", "markdown": directory / "report.md"}
         paths["json"].write_text(json.dumps(self.to_dict(), indent=2, default=str) + "\n")
         paths["markdown"].write_text(self.markdown() + "\n")
-        paths.update(self.plot(directory))
+        try:
+            paths.update(self.plot(directory))
+        except ModuleNotFoundError as error:  # the plots are an extra: the table and the JSON are the report
+            if error.name is None or error.name.split(".")[0] != "matplotlib":
+                raise
+            logger.warning(
+                "Plots skipped: matplotlib is not installed. Install the plots extra (pip install 'hf_kvcache[plots]', "
+                "or pip install matplotlib) to get quality_vs_memory.png and perplexity_by_position.png."
+            )
         return paths
 
     def markdown(self) -> str:
-        """The results table (one row per cache) in Markdown."""
+        """The results table (one row per cache) in Markdown, with a footnote where a cache's greedy agreement
+        never left its window."""
         has_retrieval = any(result.retrieval for result in self.caches)
-        header = ["cache", "perplexity", "Δ ppl", "Δ ppl %", "KL (nats)", "top-1 agree", "greedy agree (tokens)"]
-        header += ["retrieval acc"] if has_retrieval else []
-        header += ["KV bytes/token", "eval tokens/s"]
+        header = ["cache", "attention", "perplexity", "Δ ppl", "Δ ppl %", "KL (nats)", "top-1 agree"]
+        header += ["greedy agree (tokens)"] + (["retrieval acc"] if has_retrieval else [])
+        header += ["KV MiB held/row", "KV bytes/token held", "eval tokens/s"]
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        within = [r.label for r in self.caches if r.generation_beyond_window is False]
         for r in self.caches:
             greedy = (
                 f"{sum(r.generation_agreement) / len(r.generation_agreement):.1f}" if r.generation_agreement else "–"
             )
             row = [
                 r.label,
+                r.attn_implementation or "–",
                 f"{r.perplexity:.3f}",
                 f"{r.perplexity_change:+.4f}",
                 f"{100 * r.perplexity_change_relative:+.4f}",
                 f"{r.kl_mean:.2e}",
                 f"{100 * r.top1_agreement:.2f}%",
-                greedy,
+                greedy + ("*" if r.label in within else ""),
             ]
             row += [f"{100 * r.retrieval['accuracy']:.0f}%" if r.retrieval else "–"] if has_retrieval else []
-            row += [f"{r.kv_bytes_per_token:,.0f}", f"{r.eval_tokens_per_s:.1f}"]
+            held = "–" if r.kv_bytes_held is None else f"{r.kv_bytes_held / 2**20:.2f}"
+            row += [held, f"{r.kv_bytes_per_token:,.0f}", f"{r.eval_tokens_per_s:.1f}"]
             lines.append("| " + " | ".join(row) + " |")
+        if within:
+            lines.append(
+                f"\n\\* {', '.join(within)}: the greedy tokens never went past the cache's window (prompt and new "
+                "tokens fit in it), so this agreement does not measure what the window drops."
+            )
         return "\n".join(lines)
 
     def plot(self, directory: Path) -> dict[str, Path]:
@@ -138,7 +175,8 @@ class EvalReport:
         figure, axis = plt.subplots(figsize=(6, 4))
         placed: list[tuple[float, float]] = []
         for r in self.caches:
-            point = (r.kv_bytes_per_token, 100 * r.perplexity_change_relative)
+            held = r.kv_bytes_held if r.kv_bytes_held is not None else r.kv_bytes_per_token
+            point = (held / 2**20, 100 * r.perplexity_change_relative)
             axis.scatter(*point)
             # Lossless caches sit on one spot: stack the labels of points that coincide.
             stacked = sum(
@@ -146,7 +184,7 @@ class EvalReport:
             )
             placed.append(point)
             axis.annotate(r.label, point, xytext=(4, 4 + 9 * stacked), textcoords="offset points", fontsize=8)
-        axis.set_xlabel("KV bytes per token")
+        axis.set_xlabel("KV memory held per row at the end (MiB)")
         axis.set_ylabel("perplexity change vs DynamicCache (%)")
         axis.set_title(f"{self.config.get('model', '')}: quality vs memory")
         axis.grid(alpha=0.3)

@@ -36,6 +36,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from hf_kvcache.attention import model_attention
 from hf_kvcache.eval.caches import CacheSpec
 from hf_kvcache.eval.data import load_essays, load_ruler_essays
 from hf_kvcache.eval.qa import QAItem, load_qa, qa_distractor_pool
@@ -440,16 +441,17 @@ def _generate(
     spec: CacheSpec,
     max_new_tokens: int,
 ) -> str:
-    """Greedy answer to ``input_ids`` (``[1, prompt_len]``) through a fresh cache of ``spec``."""
+    """Greedy answer to ``input_ids`` (``[1, prompt_len]``) through a fresh cache of ``spec``, under its attention."""
     prompt_len = input_ids.shape[1]
     cache = spec.build(model, max_cache_len=prompt_len + max_new_tokens)
-    tokens = model.generate(
-        input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        cache=cache,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-    )  # [1, prompt_len + generated]
+    with model_attention(model, spec.attn_implementation):
+        tokens = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            cache=cache,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+        )  # [1, prompt_len + generated]
     return tokenizer.decode(tokens[0, prompt_len:], skip_special_tokens=True)
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_kvcache.eval.caches import CacheSpec, default_specs
+from hf_kvcache.eval.caches import CacheSpec, default_specs, window_of
 from hf_kvcache.eval.data import load_texts, token_windows
 from hf_kvcache.eval.fidelity import compare_in_decode_mode, generation_agreement
 from hf_kvcache.eval.report import EvalReport, environment, summarize
@@ -30,7 +30,9 @@ class EvalConfig:
         num_documents / document_tokens: documents (windows of the token stream) fed as one batch, and their length.
         prefill_tokens: tokens of each document fed in the first forward pass; the rest go in decode mode.
         chunk_size: tokens per forward pass after the prefill (1 = decode mode; more is a faster approximation).
-        generation_tokens: greedy tokens compared after a prompt of ``prefill_tokens`` tokens of each document.
+        generation_tokens: greedy tokens compared after a prompt of each document: its first ``prefill_tokens``
+            tokens, or as many as the largest window of a cache (up to the whole document) so that the greedy tokens
+            go past every window.
         retrieval_tasks / retrieval_lengths / retrieval_depths / retrieval_samples: the long-context grid
             (no tasks: skipped).
     """
@@ -77,10 +79,11 @@ def run_evaluation(config: EvalConfig) -> EvalReport:
     metrics = compare_in_decode_mode(
         model, windows.input_ids, specs, config.prefill_tokens, config.chunk_size, progress=config.progress
     )
-    results = summarize(specs, metrics, config.num_buckets)
-    agreement = generation_agreement(
-        model, windows.input_ids[:, : config.prefill_tokens], specs, config.generation_tokens
-    )
+    results = summarize(specs, metrics, config.num_buckets, config.attn_implementation)
+    # The greedy tokens start past every window, where there is room: otherwise they never leave a ring's window.
+    cache_windows = {spec.label: window_of(spec) for spec in specs}
+    prompt_tokens = min(config.document_tokens, max([config.prefill_tokens, *filter(None, cache_windows.values())]))
+    agreement = generation_agreement(model, windows.input_ids[:, :prompt_tokens], specs, config.generation_tokens)
     retrieval = []
     if config.retrieval_tasks:
         retrieval = run_retrieval(
@@ -97,6 +100,9 @@ def run_evaluation(config: EvalConfig) -> EvalReport:
     table = accuracy_table(retrieval) if retrieval else {}
     for result in results:
         result.generation_agreement = agreement.get(result.label, [])
+        result.generation_prompt_tokens = prompt_tokens
+        window = cache_windows.get(result.label)
+        result.generation_beyond_window = None if window is None else prompt_tokens + config.generation_tokens > window
         result.retrieval = table.get(result.label, {})
 
     settings: dict[str, Any] = dataclasses.asdict(config)
