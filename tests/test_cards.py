@@ -21,6 +21,7 @@ from hf_kvcache.cards import generate_with_cache, publish
 from hf_kvcache.cards.render import render_card
 from hf_kvcache.cards.settings import CARD_SETTINGS, plan_cards
 from hf_kvcache.cards.validate import validate_card
+from hf_kvcache.eval.caches import CacheSpec
 from hf_kvcache.eval.command import reproduce_command
 from hf_kvcache.eval.report import EvalReport
 from hf_kvcache.eval.runner import EvalConfig
@@ -241,8 +242,11 @@ def test_reproduce_command_is_the_reports_configuration(monkeypatch):
     config = dataclasses.asdict(captured[0])
     assert config.pop("model") == "bundled" and report.config["model"] == BUNDLED_MODEL
     for key, value in config.items():
+        expected = report.config.get(key, getattr(EvalConfig(), key))
+        if key == "specs":  # published reports predate a spec's attention: they ran the model's
+            value, expected = ([CacheSpec(**spec) for spec in specs] for specs in (value, expected))
         if key != "progress":  # published reports predate attn_implementation: they ran the default
-            assert value == report.config.get(key, getattr(EvalConfig(), key)), key
+            assert value == expected, key
     assert words[words.index("--output") + 1] == "model_cards/results/smollm2-135m-essays"
     recorded = dataclasses.replace(report, config={**report.config, "command": "python run.py"})
     assert reproduce_command(recorded, output="elsewhere") == "python run.py"  # a recorded command wins
