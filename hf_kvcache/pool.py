@@ -41,6 +41,7 @@ from hf_kvcache.allocator import PageAllocator
 from hf_kvcache.config import DEFAULT_PAGE_SIZE, PageFormat
 from hf_kvcache.errors import PoolExhaustedError
 from hf_kvcache.page_table import PageTable
+from hf_kvcache.placement import normalize_device
 
 logger = logging.getLogger("hf_kvcache")
 
@@ -58,19 +59,6 @@ _NAMED_POOLS: "weakref.WeakValueDictionary[str, KVPool]" = weakref.WeakValueDict
 _DEFAULT_POOLS: dict[tuple[PageFormat, torch.device], "KVPool"] = {}
 _DEFAULT_BUDGETS: dict[torch.device, "MemoryBudget"] = {}
 _REGISTRY_LOCK = threading.Lock()
-
-
-def normalize_device(device: str | torch.device) -> torch.device:
-    """``device`` the way tensors on it report theirs: an accelerator with its index (the current one when none is
-    given: ``"cuda"`` is ``cuda:0`` on the default device), the CPU without one (``"cpu:0"`` is ``cpu``)."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        return torch.device("cpu")
-    if device.index is None:
-        current = getattr(getattr(torch, device.type, None), "current_device", None)
-        if current is not None:
-            return torch.device(device.type, current())
-    return device
 
 
 def memory_limit_bytes() -> int:

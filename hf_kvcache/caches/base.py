@@ -20,7 +20,8 @@ from hf_kvcache.config import CacheOptions, PageFormat, layer_groups
 from hf_kvcache.errors import IncompatibleModelError, PoolExhaustedError
 from hf_kvcache.layers import PagedLayer, PagedRows, RingLayer, RingRows
 from hf_kvcache.layers.ring import ring_num_slots
-from hf_kvcache.pool import KVPool, normalize_device
+from hf_kvcache.placement import normalize_device
+from hf_kvcache.pool import KVPool
 from hf_kvcache.transformers_internals import DummyLayer, attn_implementation, layer_types_and_kwargs
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
