@@ -27,6 +27,9 @@ from transformers import __version__ as transformers_version
 
 from hf_kvcache.attention import ATTENTION_NAME, banded_sdpa_attention
 from hf_kvcache.caches.base import PoolCache
+from hf_kvcache.config import PageFormat
+from hf_kvcache.errors import IncompatibleModelError
+from hf_kvcache.placement import Placement, kv_heads_per_rank
 from hf_kvcache.registry import REGISTRY
 from hf_kvcache.transformers_internals import (
     cache_implementations,
@@ -35,6 +38,7 @@ from hf_kvcache.transformers_internals import (
     sdpa_mask,
     set_cache_implementations,
     set_prepare_cache_method,
+    tensor_parallel_group,
 )
 
 SUPPORTED_TRANSFORMERS = (Version("5.24"), Version("6.0"))
@@ -59,9 +63,36 @@ def check_transformers_version(version: str = transformers_version) -> None:
 def build_cache(name: str, model: Any, cache_config: dict[str, Any] | None) -> Cache:
     """Builds the cache registered as ``name`` for ``model`` from a ``cache_config`` dict.
 
-    The pool is bound to the model's dtype and device right away; unknown keys are rejected.
+    The pool is bound to the model's dtype and device right away, cut for the KV heads this process holds (a
+    tensor-parallel rank's share: ``placement_of``); unknown keys are rejected.
     """
-    return REGISTRY[name].cache_class.from_cache_config(model.config, cache_config, model.dtype, model.device)
+    cache_class = REGISTRY[name].cache_class
+    return cache_class.from_cache_config(model.config, cache_config, model.dtype, model.device, placement_of(model))
+
+
+def placement_of(model: Any) -> Placement:
+    """Where ``model``'s KV lives, as seen from this process: the KV heads this rank holds and its ranks' group.
+
+    Reads what ``from_pretrained(..., tp_plan="auto")`` under ``torchrun`` sets up: ``model.tp_size`` and
+    ``model.tp_plan`` (public properties) for the heads, the device mesh's ``"tp"`` axis for the group.
+
+    Raises:
+        IncompatibleModelError: the KV heads do not split evenly over the ranks, or the ranks' group is unknown.
+    """
+    tp_size = getattr(model, "tp_size", None) or 1
+    if tp_size == 1:
+        return Placement()
+    config = model.config.get_text_config(decoder=True)
+    num_kv_heads = kv_heads_per_rank(
+        PageFormat.from_model_config(config, model.dtype).num_kv_heads, model.tp_plan, tp_size
+    )
+    group = tensor_parallel_group(model)
+    if group is None:
+        raise IncompatibleModelError(
+            f"The model is tensor parallel over {tp_size} ranks, but has no device mesh to tell its ranks' process "
+            "group. Load it with from_pretrained(..., tp_plan='auto') under torchrun."
+        )
+    return Placement(num_kv_heads, group=group)
 
 
 def check_request(

@@ -20,7 +20,7 @@ from hf_kvcache.config import CacheOptions, PageFormat, layer_groups
 from hf_kvcache.errors import IncompatibleModelError, PoolExhaustedError
 from hf_kvcache.layers import PagedLayer, PagedRows, RingLayer, RingRows
 from hf_kvcache.layers.ring import ring_num_slots
-from hf_kvcache.placement import normalize_device
+from hf_kvcache.placement import Placement, agree, normalize_device
 from hf_kvcache.pool import KVPool
 from hf_kvcache.transformers_internals import DummyLayer, attn_implementation, layer_types_and_kwargs
 
@@ -49,11 +49,16 @@ class RowPolicy:
             num_tokens = min(num_tokens, ring_num_slots(self.window, self.sink_tokens, page_size))
         return math.ceil(num_tokens / page_size)
 
-    def make_rows(self, pool: KVPool, reads_slots: Callable[[], bool]) -> PagedRows:
-        """The rows of a layer group on ``pool``; ``reads_slots``: does the model's attention read a ``KeyLayout``."""
+    def make_rows(self, pool: KVPool, reads_slots: Callable[[], bool], group: Any = None) -> PagedRows:
+        """The rows of a layer group on ``pool``.
+
+        Args:
+            reads_slots: does the model's attention read a ``KeyLayout``.
+            group: the process group of a tensor-parallel model's ranks (``Placement.group``).
+        """
         if self.window is None:
-            return PagedRows(pool, self.residual_length)
-        return RingRows(pool, self.window, self.sink_tokens, self.residual_length, reads_slots)
+            return PagedRows(pool, self.residual_length, group)
+        return RingRows(pool, self.window, self.sink_tokens, self.residual_length, reads_slots, group)
 
 
 def reads_key_layouts(config: PreTrainedConfig) -> bool:
@@ -71,12 +76,16 @@ class PoolBinder:
         config: the model's decoder config.
         options: the cache's options.
         policies: the row policy of each layer group (``config.layer_groups``).
+        placement: where the model's KV lives (a tensor-parallel rank's share of the heads).
     """
 
-    def __init__(self, config: PreTrainedConfig, options: CacheOptions, policies: list[RowPolicy]) -> None:
+    def __init__(
+        self, config: PreTrainedConfig, options: CacheOptions, policies: list[RowPolicy], placement: Placement
+    ) -> None:
         self.config = config
         self.options = options
         self.policies = policies
+        self.placement = placement
         self.pools: dict[torch.device, KVPool] = {}
         self.rows: dict[tuple[torch.device, int], PagedRows] = {}
         self.planned_tokens = 0  # see PoolCache.plan
@@ -86,37 +95,49 @@ class PoolBinder:
             raise TypeError(f"cache_config pool must be a KVPool or a pool's name, got {type(self.pool).__name__}.")
 
     def rows_for(self, layer_group_idx: int, key_states: torch.Tensor) -> PagedRows:
-        """The rows of layer group ``layer_group_idx`` on the device of ``key_states`` (made on first use)."""
+        """The rows of layer group ``layer_group_idx`` on the device of ``key_states`` (made on first use).
+
+        Raises:
+            IncompatibleModelError: the states do not have the geometry of the pool (its heads come from the
+                tensor-parallel plan, or the config).
+        """
         device = key_states.device
         rows = self.rows.get((device, layer_group_idx))
         if rows is None:
-            pool = self.bind(device, key_states.dtype, key_states.shape[1], key_states.shape[-1])
+            pool = self.bind(device, key_states.dtype)
+            seen = (key_states.shape[1], key_states.shape[-1])  # [batch, heads, n, head_dim]
+            if seen != (pool.format.num_kv_heads, pool.format.head_dim):
+                source = "the tensor-parallel plan" if self.placement.num_kv_heads is not None else "the config"
+                raise IncompatibleModelError(
+                    f"The model writes {seen[0]} KV heads of size {seen[1]}, but the pool on {device} holds "
+                    f"{pool.format.num_kv_heads} of size {pool.format.head_dim} (from {source}). A tensor-parallel "
+                    "rank holds its share of the heads: let generate build the cache (cache_implementation=...), or "
+                    "build it with placement=hf_kvcache.integration.placement_of(model) and its pool with "
+                    "KVPool.for_model(model, ...). Mixed layer geometries are not supported."
+                )
             reads_slots = functools.partial(reads_key_layouts, self.config)  # not a method: rows must not hold self
             policy = self.policies[layer_group_idx]
-            rows = self.rows[(device, layer_group_idx)] = policy.make_rows(pool, reads_slots)
+            rows = self.rows[(device, layer_group_idx)] = policy.make_rows(pool, reads_slots, self.placement.group)
             if isinstance(rows, RingRows):
                 rows.set_plan(self.planned_tokens, self.pad_lengths)
         return rows
 
-    def bind(
-        self, device: torch.device, dtype: torch.dtype, num_kv_heads: int | None = None, head_dim: int | None = None
-    ) -> KVPool:
+    def page_format(self, dtype: torch.dtype) -> PageFormat:
+        """The format of this cache's pools: the config's, cut for the heads this rank holds."""
+        page_format = self.options.page_format(self.config, dtype)
+        if self.placement.num_kv_heads is None:
+            return page_format
+        return dataclasses.replace(page_format, num_kv_heads=self.placement.num_kv_heads)
+
+    def bind(self, device: torch.device, dtype: torch.dtype) -> KVPool:
         """The pool on ``device``, resolved on first use.
 
         Raises:
-            IncompatibleModelError: the states, or the given pool, do not match the model's geometry.
+            IncompatibleModelError: the given pool does not match the model's geometry.
         """
         pool = self.pools.get(device)
-        if pool is not None:
-            return pool
-        page_format = self.options.page_format(self.config, dtype)
-        seen = (num_kv_heads or page_format.num_kv_heads, head_dim or page_format.head_dim)
-        if seen != (page_format.num_kv_heads, page_format.head_dim):
-            raise IncompatibleModelError(
-                f"The model writes {seen[0]} KV heads of size {seen[1]}, but its config says "
-                f"{page_format.num_kv_heads} of size {page_format.head_dim}; mixed layer geometries are not supported."
-            )
-        pool = self.pools[device] = self._pool_for(page_format, device)
+        if pool is None:
+            pool = self.pools[device] = self._pool_for(self.page_format(dtype), device)
         return pool
 
     def _pool_for(self, page_format: PageFormat, device: torch.device) -> KVPool:
@@ -125,7 +146,7 @@ class PoolBinder:
             return KVPool(page_format, page_format.pages_for_tokens(options.max_tokens) + 1, device)
         pool = self.pool
         if pool is None:
-            return KVPool.default(page_format, device)
+            return KVPool.default(page_format, device, self.placement.group)
         theirs, ours = pool.format, page_format
         mismatches = [
             f"{name} {getattr(theirs, name)} vs {getattr(ours, name)}"
@@ -165,6 +186,8 @@ class PoolCache(Cache):
         config: the model's config (its decoder config is used).
         options: the cache's ``cache_config``, checked.
         dtype / device: bind the pool now rather than at the first write (both or neither).
+        placement: where the model's KV lives (``hf_kvcache.integration.placement_of(model)``, which
+            ``generate(cache_implementation=...)`` reads); ``None``: in this process, with the config's heads.
     """
 
     def __init__(
@@ -173,6 +196,7 @@ class PoolCache(Cache):
         options: CacheOptions,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
+        placement: Placement | None = None,
     ) -> None:
         config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = layer_types_and_kwargs(config)
@@ -196,7 +220,7 @@ class PoolCache(Cache):
             if len(found) > 1:
                 raise IncompatibleModelError(f"Layers {members} share pages but keep different tokens: {found}.")
             policies.append(found.pop())
-        self._binder = PoolBinder(config, options, policies)
+        self._binder = PoolBinder(config, options, policies, placement or Placement())
         layers: list[CacheLayerMixin] = [DummyLayer() for _ in layer_types]
         for layer_group_idx, members in enumerate(groups):
             bind = functools.partial(self._binder.rows_for, layer_group_idx)
@@ -218,11 +242,17 @@ class PoolCache(Cache):
         cache_config: dict[str, Any] | None,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
+        placement: Placement | None = None,
     ) -> Self:
         """Builds the cache from a ``generate`` ``cache_config`` dict, rejecting unknown keys."""
         options = cls.options_class.from_dict(cache_config)
         settings = {field.name: getattr(options, field.name) for field in dataclasses.fields(options)}
-        return cls(config, **settings, dtype=dtype, device=device)
+        return cls(config, **settings, dtype=dtype, device=device, placement=placement)
+
+    @property
+    def placement(self) -> Placement:
+        """Where this cache's model keeps its KV (a tensor-parallel rank's heads, a split model's layer devices)."""
+        return self._binder.placement
 
     def _row_policy(self, layer_type: str, layer_kwargs: dict[str, Any]) -> RowPolicy:
         """Which tokens a layer of ``layer_type`` keeps (``layer_kwargs`` carry its ``sliding_window``)."""
@@ -260,7 +290,8 @@ class PoolCache(Cache):
 
         A check, not a reservation: pages stay free for anyone until the cache writes, so requests
         running at the same time can still exhaust the pool mid-generation. Pages the cache already holds
-        (a cache passed back to ``generate`` to continue) count towards the request.
+        (a cache passed back to ``generate`` to continue) count towards the request. The ranks of a
+        tensor-parallel model refuse together: the fewest pages any rank's pool has available count.
 
         Args:
             num_rows: rows the request runs (batch size x beams or returned sequences).
@@ -275,7 +306,8 @@ class PoolCache(Cache):
         page_size = pool.format.page_size
         worst = self.worst_case_pages(num_rows, num_tokens, page_size)
         held = sum(1 for held_device, _ in self._held_pages() if held_device == device)
-        requested, available = worst - held, pool.num_available_pages
+        requested = worst - held
+        available = agree([pool.num_available_pages], self._binder.placement.group, device)[0]
         if requested > available:
             raise PoolExhaustedError(
                 requested,
