@@ -97,14 +97,12 @@ def kv_heads_per_rank(num_kv_heads: int, tp_plan: Mapping[str, str] | None, tp_s
 
 
 def layer_devices_from_map(
-    device_map: Mapping[str, int | str | torch.device],
-    layer_modules: list[str],
-    run_on: Mapping[str, int | str | torch.device] | None = None,
+    device_map: Mapping[str, int | str | torch.device], layer_modules: list[str]
 ) -> tuple[torch.device, ...]:
     """The device each layer runs on, from a model's ``hf_device_map`` (accelerate's module -> device map).
 
-    A layer runs where the longest map key that is its module or a parent of it runs: where ``run_on`` says for
-    that key, else by accelerate's rule (``accelerate.dispatch_model``): on the key's device, except that keys
+    A layer runs where the longest map key that is its module or a parent of it runs, by accelerate's rule
+    (``accelerate.dispatch_model``, which ``from_pretrained`` calls): on the key's device, except that keys
     mapped to ``"cpu"`` or ``"disk"`` are offloaded: their weights are streamed to the main device (the map's
     first other device, in the order of dispatch_model's set of them) and they run there; on a map with no other
     device they run on the CPU.
@@ -112,23 +110,20 @@ def layer_devices_from_map(
     Args:
         device_map: e.g. ``{"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": "cpu", "lm_head": 0}``.
         layer_modules: the module name of each layer's attention, e.g. ``"model.layers.3.self_attn"``.
-        run_on: where accelerate runs the modules of some keys (their hooks' execution device), which the rule
-            cannot know for a model dispatched with another main device (``dispatch_model(..., main_device=)``).
 
     Raises:
         ValueError: a layer's module is not covered by the map.
     """
     others = set(device_map.values()) - set(OFFLOADED)  # as accelerate.dispatch_model picks its main device
     main_device = list(others)[0] if others else "cpu"
-    run_on = run_on or {}
     devices = []
     for name in layer_modules:
         keys = [key for key in device_map if key == "" or name == key or name.startswith(key + ".")]
         if not keys:
             raise ValueError(f"hf_device_map places no module above {name!r}; its keys are {sorted(device_map)}.")
         key = max(keys, key=len)
-        value = run_on.get(key, device_map[key])
-        devices.append(_as_device(main_device if key not in run_on and value in OFFLOADED else value))
+        value = device_map[key]
+        devices.append(_as_device(main_device if value in OFFLOADED else value))
     return tuple(devices)
 
 

@@ -17,11 +17,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import exact_config, example_config
 from torchrun_worker import RANK1_MEMORY_FRACTION, TP_MODELS, cases, run_case
+from transformers import AutoModelForCausalLM
 
 import hf_kvcache
-from hf_kvcache import PagedCache
+from hf_kvcache import KVPool, PagedCache, PoolExhaustedError
+from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.errors import IncompatibleModelError
+from hf_kvcache.integration import placement_of
 from hf_kvcache.placement import Placement, agree, kv_heads_per_rank, layer_devices_from_map
 from hf_kvcache.pool import DEFAULT_MAX_MEMORY_FRACTION
 from hf_kvcache.registry import REGISTRY
@@ -178,15 +182,6 @@ def test_layer_devices_follow_the_device_map_and_offloaded_layers_run_on_the_mai
         layer_devices_from_map({"model.layers.0": 0}, LAYERS[1:2])
 
 
-def test_layer_devices_follow_where_accelerate_runs_a_key_when_known():
-    """A model dispatched with main_device="cpu": its "cpu" layers really run on the CPU, next to a GPU."""
-    device_map = {"model.layers.0": "cpu", "model.layers.1": "cpu", "model.layers.2": 0, "model.layers.3": 0}
-    run_on = {"model.layers.0": "cpu", "model.layers.1": torch.device("cpu"), "model.layers.2": 0}
-    devices = layer_devices_from_map(device_map, LAYERS, run_on)
-    assert devices[:2] == (torch.device("cpu"),) * 2
-    assert devices[2].index == devices[3].index == 0 and devices[2].type == devices[3].type != "cpu"
-
-
 def test_placement_normalizes_its_devices():
     placement = Placement(layer_devices=("cpu:0", torch.device("cpu"), "meta", "meta"))
     assert placement.layer_devices == (torch.device("cpu"),) * 2 + (torch.device("meta"),) * 2
@@ -199,3 +194,80 @@ def test_placement_normalizes_its_devices():
 
 def test_agree_without_a_group_keeps_the_values():
     assert agree([3, 1], None, torch.device("cpu")) == [3, 1]
+
+
+SPLIT = (torch.device("cpu"),) * 2 + (torch.device("meta"),) * 2
+"""Layers 0-1 on the CPU, 2-3 on the meta device: a second device a CPU-only run has (it holds shapes, no data)."""
+
+
+def split_cache(model, cache_name: str, **cache_config) -> PoolCache:
+    settings = {**example_config(cache_name), "page_size": 4, "max_tokens": 32, **cache_config}
+    return REGISTRY[cache_name].cache_class.from_cache_config(
+        model.config, settings, placement=Placement(layer_devices=SPLIT)
+    )
+
+
+def test_a_split_model_gets_one_pool_per_device_holding_its_layers(tiny_gemma3_model, cache_name):
+    """Gemma 3 (sliding, sliding, sliding, full): the CPU pool holds the 2 sliding layers placed there, the meta
+    pool 1 sliding layer and the full one, a layer group each; statistics come per device."""
+    cache = split_cache(tiny_gemma3_model, cache_name)
+    torch.manual_seed(0)
+    states = [torch.randn(1, 2, 6, 16) for _ in SPLIT]  # [batch, heads, tokens, head_dim]
+    for layer_idx, device in enumerate(SPLIT):
+        keys, _ = cache.update(states[layer_idx].to(device), states[layer_idx].to(device), layer_idx)
+        if device.type == "cpu":  # what the CPU layers get back is what they wrote
+            torch.testing.assert_close(keys, states[layer_idx])
+    pools = cache.pools
+    assert list(pools) == [torch.device("cpu"), torch.device("meta")]
+    cpu, meta = pools[torch.device("cpu")].format, pools[torch.device("meta")].format
+    assert (cpu.num_layers, cpu.num_layer_groups) == (2, 1)
+    assert (meta.num_layers, meta.num_layer_groups) == (1, 2)
+    stats = {str(device): pool.stats() for device, pool in pools.items()}
+    assert stats["cpu"]["pages_used"] == 2  # 6 tokens in pages of 4, one layer group
+    assert stats["meta"]["pages_used"] == 2 * 2  # ... in each of its two layer groups
+    assert stats["cpu"]["page_bytes"] == 2 * stats["meta"]["page_bytes"]  # a page spans 2 layers vs 1
+    assert cache.memory_stats()["pages_held"] == stats["cpu"]["pages_used"] + stats["meta"]["pages_used"]
+
+
+def test_a_split_model_layer_writing_on_another_device_is_named(tiny_gemma3_model):
+    cache = split_cache(tiny_gemma3_model, "paged_pool")
+    with pytest.raises(IncompatibleModelError, match=r"placed on meta .* write their states on cpu"):
+        cache.update(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), 3)
+
+
+def test_a_split_model_admission_check_covers_every_device(tiny_gemma3_model):
+    cache = split_cache(tiny_gemma3_model, "paged_pool", max_tokens=8, admission_check=True)
+    cache.check_admission(1, 8, "cpu", torch.float32)  # 2 pages per layer group fit on both devices
+    assert cache.worst_case_pages(1, 8, 4, "cpu") == 2 and cache.worst_case_pages(1, 8, 4, "meta") == 4
+    with pytest.raises(PoolExhaustedError, match="in 1 layer group\\(s\\) on cpu"):
+        cache.check_admission(2, 8, "cpu", torch.float32)
+    with pytest.raises(IncompatibleModelError, match="placement"):
+        split_cache(
+            tiny_gemma3_model, "paged_pool", max_tokens=None, pool=KVPool.for_model(tiny_gemma3_model, max_tokens=8)
+        ).update(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), 0)
+
+
+def test_offloaded_layers_of_a_real_device_map_write_on_the_main_device(tmp_path, tiny_gemma3_model, cache_name):
+    """A CPU-only split from ``from_pretrained(device_map=...)``: layers mapped to "disk" run on the CPU (the only
+    device), so one CPU pool holds every layer, and tokens equal DynamicCache's."""
+    tiny_gemma3_model.save_pretrained(tmp_path / "model")
+    device_map = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    device_map |= {f"model.layers.{idx}": "disk" if idx % 2 else "cpu" for idx in range(4)}
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "model", device_map=device_map, offload_folder=tmp_path / "offload"
+    )
+    assert len(set(model.hf_device_map.values())) == 2
+    assert placement_of(model).layer_devices == (torch.device("cpu"),) * 4
+    ids = torch.tensor([[5, 9, 17, 33, 4, 8, 21, 70, 11, 3, 99, 42]])
+    reference = model.generate(ids, max_new_tokens=10, do_sample=False)
+    out = model.generate(
+        ids,
+        max_new_tokens=10,
+        do_sample=False,
+        cache_implementation=cache_name,
+        cache_config=exact_config(cache_name, 22),
+        return_dict_in_generate=True,
+    )
+    assert torch.equal(out.sequences, reference)
+    (pool,) = out.past_key_values.pools.values()
+    assert (pool.format.num_layers, pool.format.num_layer_groups) == (1, 4)
