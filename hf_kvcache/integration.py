@@ -27,6 +27,9 @@ from transformers import __version__ as transformers_version
 
 from hf_kvcache.attention import ATTENTION_NAME, banded_sdpa_attention
 from hf_kvcache.caches.base import PoolCache
+from hf_kvcache.config import PageFormat
+from hf_kvcache.errors import IncompatibleModelError
+from hf_kvcache.placement import Placement, kv_heads_per_rank, layer_devices_from_map
 from hf_kvcache.registry import REGISTRY
 from hf_kvcache.transformers_internals import (
     cache_implementations,
@@ -35,6 +38,7 @@ from hf_kvcache.transformers_internals import (
     sdpa_mask,
     set_cache_implementations,
     set_prepare_cache_method,
+    tensor_parallel_group,
 )
 
 SUPPORTED_TRANSFORMERS = (Version("5.24"), Version("6.0"))
@@ -59,9 +63,62 @@ def check_transformers_version(version: str = transformers_version) -> None:
 def build_cache(name: str, model: Any, cache_config: dict[str, Any] | None) -> Cache:
     """Builds the cache registered as ``name`` for ``model`` from a ``cache_config`` dict.
 
-    The pool is bound to the model's dtype and device right away; unknown keys are rejected.
+    The pool is bound to the model's dtype and device right away (each device's, for a split model), cut for the
+    KV heads this process holds (a tensor-parallel rank's share) and the layers on its device (``placement_of``);
+    unknown keys are rejected.
     """
-    return REGISTRY[name].cache_class.from_cache_config(model.config, cache_config, model.dtype, model.device)
+    cache_class = REGISTRY[name].cache_class
+    return cache_class.from_cache_config(model.config, cache_config, model.dtype, model.device, placement_of(model))
+
+
+def placement_of(model: Any) -> Placement:
+    """Where ``model``'s KV lives, as seen from this process: the KV heads this rank holds and its ranks' group (a
+    tensor-parallel model), the device each layer runs on (a model split over devices).
+
+    Reads what transformers sets up: ``model.tp_size`` and ``model.tp_plan`` (public properties; ``from_pretrained(
+    ..., tp_plan="auto")`` under ``torchrun``) for the heads, the device mesh's ``"tp"`` axis for the group, and
+    ``model.hf_device_map`` (``from_pretrained(..., device_map=...)``) where it names more than one device.
+
+    Raises:
+        IncompatibleModelError: the KV heads do not split evenly over the ranks, the ranks' group is unknown, or
+            the layers of a split model cannot be told apart.
+    """
+    config = model.config.get_text_config(decoder=True)
+    num_kv_heads = group = layer_devices = None
+    tp_size = getattr(model, "tp_size", None) or 1
+    if tp_size > 1:
+        heads = PageFormat.from_model_config(config, model.dtype).num_kv_heads
+        num_kv_heads = kv_heads_per_rank(heads, model.tp_plan, tp_size)
+        group = tensor_parallel_group(model)
+        if group is None:
+            raise IncompatibleModelError(
+                f"The model is tensor parallel over {tp_size} ranks, but has no device mesh to tell its ranks' "
+                "process group. Load it with from_pretrained(..., tp_plan='auto') under torchrun."
+            )
+    device_map = getattr(model, "hf_device_map", None) or {}
+    if len(set(device_map.values())) > 1:
+        layer_devices = layer_devices_from_map(device_map, attention_modules(model, config.num_hidden_layers))
+    return Placement(num_kv_heads, layer_devices, group)
+
+
+def attention_modules(model: Any, num_layers: int) -> list[str]:
+    """The name of each layer's attention module: the deepest module carrying that ``layer_idx``.
+
+    Raises:
+        IncompatibleModelError: no module carries the ``layer_idx`` of some layer.
+    """
+    names: dict[int, str] = {}
+    for name, module in model.named_modules():
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and len(name) > len(names.get(idx, "")):
+            names[idx] = name
+    missing = sorted(set(range(num_layers)) - set(names))
+    if missing:
+        raise IncompatibleModelError(
+            f"Cannot tell where layers {missing} of the split model run: no module carries their layer_idx. Serve "
+            "it with transformers' own caches (leave cache_implementation unset)."
+        )
+    return [names[idx] for idx in range(num_layers)]
 
 
 def check_request(

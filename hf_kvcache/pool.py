@@ -40,7 +40,8 @@ import torch
 from hf_kvcache.allocator import PageAllocator
 from hf_kvcache.config import DEFAULT_PAGE_SIZE, PageFormat
 from hf_kvcache.errors import PoolExhaustedError
-from hf_kvcache.page_table import PageTable
+from hf_kvcache.page_table import Allocator, PageTable
+from hf_kvcache.placement import agree, kv_heads_per_rank, normalize_device
 
 logger = logging.getLogger("hf_kvcache")
 
@@ -58,19 +59,6 @@ _NAMED_POOLS: "weakref.WeakValueDictionary[str, KVPool]" = weakref.WeakValueDict
 _DEFAULT_POOLS: dict[tuple[PageFormat, torch.device], "KVPool"] = {}
 _DEFAULT_BUDGETS: dict[torch.device, "MemoryBudget"] = {}
 _REGISTRY_LOCK = threading.Lock()
-
-
-def normalize_device(device: str | torch.device) -> torch.device:
-    """``device`` the way tensors on it report theirs: an accelerator with its index (the current one when none is
-    given: ``"cuda"`` is ``cuda:0`` on the default device), the CPU without one (``"cpu:0"`` is ``cpu``)."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        return torch.device("cpu")
-    if device.index is None:
-        current = getattr(getattr(torch, device.type, None), "current_device", None)
-        if current is not None:
-            return torch.device(device.type, current())
-    return device
 
 
 def memory_limit_bytes() -> int:
@@ -114,6 +102,11 @@ class MemoryBudget:
     def release(self, num_bytes: int) -> None:
         with self._lock:
             self.used_bytes -= num_bytes
+
+    def limit_to(self, total_bytes: int) -> None:
+        """Lowers the cap to ``total_bytes`` (never raises it), but not below the bytes already held."""
+        with self._lock:
+            self.total_bytes = max(self.used_bytes, min(self.total_bytes, total_bytes))
 
 
 class KVPool:
@@ -204,6 +197,9 @@ class KVPool:
     ) -> "KVPool":
         """A fixed-budget pool for ``model``, sized by exactly one of the three budgets.
 
+        On a tensor-parallel model (``from_pretrained(..., tp_plan="auto")`` under ``torchrun``), the pool is this
+        rank's: cut for the KV heads it holds (``model.tp_plan`` and ``model.tp_size``, ``kv_heads_per_rank``).
+
         Args:
             model: a transformers causal LM (its config gives the geometry).
             max_tokens: token slots to hold (summed over all sequences; rounded up to whole pages).
@@ -219,10 +215,11 @@ class KVPool:
             raise ValueError(f"Give exactly one of {list(budgets)} to size the pool; got {given or 'none'}.")
         dtype = dtype or model.dtype
         device = normalize_device(device if device is not None else model.device)
+        page_format = PageFormat.from_model_config(model.config, dtype, page_size)
+        tp_size = getattr(model, "tp_size", None) or 1  # transformers' public properties, set on every model
+        num_kv_heads = kv_heads_per_rank(page_format.num_kv_heads, getattr(model, "tp_plan", None), tp_size)
         page_format = dataclasses.replace(
-            PageFormat.from_model_config(model.config, dtype, page_size),
-            value_bits=value_bits,
-            value_group_size=value_group_size,
+            page_format, num_kv_heads=num_kv_heads, value_bits=value_bits, value_group_size=value_group_size
         )
         if max_tokens is not None:
             if max_tokens < 1:
@@ -251,21 +248,29 @@ class KVPool:
         return pool
 
     @classmethod
-    def default(cls, page_format: PageFormat, device: str | torch.device) -> "KVPool":
+    def default(cls, page_format: PageFormat, device: str | torch.device, group: Any = None) -> "KVPool":
         """The shared growable pool for this format and device, made on first use.
 
         It starts with room for ``DEFAULT_INITIAL_TOKENS`` tokens and doubles when full. The default pools of one
         device share one ``MemoryBudget``: together they hold at most ``DEFAULT_MAX_MEMORY_FRACTION`` of the RAM
         (CPU; the container's limit where lower, ``memory_limit_bytes``) or of the free memory (CUDA).
+
+        Args:
+            group: the process group of a tensor-parallel model's ranks: the budget is then the smallest of theirs
+                (their RAM or free memory differ), so every rank's default pools can hold as many pages. A
+                collective: every rank of the group calls it, at each call.
         """
         device = normalize_device(device)
         with _REGISTRY_LOCK:
+            budget = _DEFAULT_BUDGETS.get(device)
+            if budget is None:
+                memory = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else memory_limit_bytes()
+                budget = _DEFAULT_BUDGETS[device] = MemoryBudget(int(memory * DEFAULT_MAX_MEMORY_FRACTION))
+        if group is not None:  # outside the lock: the other ranks may take a while to get here
+            budget.limit_to(agree([budget.total_bytes], group, device)[0])
+        with _REGISTRY_LOCK:
             pool = _DEFAULT_POOLS.get((page_format, device))
             if pool is None:
-                budget = _DEFAULT_BUDGETS.get(device)
-                if budget is None:
-                    memory = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else memory_limit_bytes()
-                    budget = _DEFAULT_BUDGETS[device] = MemoryBudget(int(memory * DEFAULT_MAX_MEMORY_FRACTION))
                 max_pages = max(2, budget.total_bytes // page_format.page_bytes)
                 # What the other formats' default pools left of the budget, at least the null page and one more.
                 room = max(2, budget.free_bytes // page_format.page_bytes)
@@ -391,9 +396,15 @@ class KVPool:
         with self.lock:
             return self._allocator.num_free + self._growth_room()
 
-    def new_table(self) -> PageTable:
-        """An empty page table drawing from this pool, counted in its statistics."""
-        table = PageTable(self, self.format.page_size)
+    def new_table(self, group: Any = None) -> PageTable:
+        """An empty page table drawing from this pool, counted in its statistics.
+
+        Args:
+            group: the process group of a tensor-parallel model's ranks: the table's allocations are then agreed
+                over it (``AgreedPages``).
+        """
+        allocator: Allocator = self if group is None else AgreedPages(self, group)
+        table = PageTable(allocator, self.format.page_size)
         with self.lock:
             self._tables.add(table)
         return table
@@ -484,3 +495,55 @@ class KVPool:
                 assert self._allocator.refcount(page) == count, f"page {page}: refcount != {count} table references"
             assert self._allocator.num_used == len(references), "pages used that no live table holds (a leak)"
             assert sum(self.chunk_sizes) == self._allocator.num_pages + 1, "chunks and page ids disagree"
+
+
+class AgreedPages:
+    """A pool's pages as the ``Allocator`` of a page table whose allocations the ranks of a process group make together.
+
+    The ranks of a tensor-parallel model each hold a shard of the same rows, so their tables ask for as many pages
+    at the same steps. Each rank takes them from its own pool, then the ranks agree on whether every one of them
+    could (one small collective per allocation, i.e. per new page of a layer group or copy on write, beside the
+    model's two per layer and token): if one could not (its pool at its cap, its device out of memory), every rank
+    gives back what it took and raises ``PoolExhaustedError``, naming the fewest pages any rank had. No rank goes
+    on alone into the model's next collective, where it would wait for the others until the group's timeout.
+
+    Args:
+        pool: this rank's pool.
+        group: the ``torch.distributed`` process group of the ranks.
+    """
+
+    def __init__(self, pool: KVPool, group: Any) -> None:
+        self.pool = pool
+        self.group = group
+
+    def allocate(self, num: int) -> list[int]:
+        if not num:  # every rank asks for as many pages: no need to agree on none
+            return []
+        pool = self.pool
+        available = pool.num_available_pages
+        try:
+            pages = pool.allocate(num)
+        except PoolExhaustedError:
+            pages = None
+        everyone, fewest = agree([int(pages is not None), available], self.group, pool.device)
+        if everyone:
+            return pages
+        if pages is not None:
+            pool.free(pages)
+        raise PoolExhaustedError(
+            num,
+            fewest,
+            pool.capacity_pages,
+            f"Pages hold {pool.format.page_size} tokens; the free pages are the fewest of any tensor-parallel rank, "
+            "and every rank stops here alike. Give the pools more room (cache_config max_tokens), or lower the batch "
+            "size or max_new_tokens.",
+        )
+
+    def share(self, pages: list[int]) -> None:
+        self.pool.share(pages)
+
+    def free(self, pages: list[int]) -> None:
+        self.pool.free(pages)
+
+    def refcount(self, page: int) -> int:
+        return self.pool.refcount(page)

@@ -16,7 +16,9 @@ Reads:
 - ``commit_hash``: ``config._commit_hash``, the hub revision a model was loaded from (gone in transformers 5);
 - ``cache_layer_state``: every attribute of a transformers cache layer (its tensors, private ones included);
 - ``check_python_requirements`` (``transformers.dynamic_module_utils``): the check transformers runs on a
-  ``custom_generate/requirements.txt``.
+  ``custom_generate/requirements.txt``;
+- ``tensor_parallel_group``: the ``"tp"`` axis of ``model._device_mesh``, the process group of a tensor-parallel
+  model's ranks.
 
 Writes (only ``hf_kvcache.integration`` and ``hf_kvcache.models`` call these):
 
@@ -54,6 +56,7 @@ __all__ = [
     "sdpa_mask",
     "set_cache_implementations",
     "set_prepare_cache_method",
+    "tensor_parallel_group",
 ]
 
 
@@ -75,6 +78,16 @@ def commit_hash(config: PreTrainedConfig) -> str | None:
     with the releases we support (``tests/test_transformers_internals.py`` pins it).
     """
     return getattr(config, "_commit_hash", None)
+
+
+def tensor_parallel_group(model: Any) -> Any:
+    """The ``torch.distributed`` process group of the ranks a tensor-parallel model is sharded over: the ``"tp"``
+    axis of the device mesh ``from_pretrained(..., tp_plan=...)`` keeps in ``model._device_mesh``; ``None`` for a
+    model loaded without one."""
+    mesh = getattr(model, "_device_mesh", None)
+    if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
+        return None
+    return mesh["tp"].get_group()
 
 
 def cache_layer_state(layer: Any) -> list[Any]:

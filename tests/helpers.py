@@ -15,6 +15,16 @@ def example_config(name: str) -> dict:
     return dict(REGISTRY[name].example_config)
 
 
+def exact_config(name: str, length: int) -> dict:
+    """A cache_config under which ``name`` keeps every one of ``length`` tokens exactly (so it equals DynamicCache)."""
+    config = example_config(name)
+    if "window" in config:
+        config.update(window=length, sink_tokens=0)
+    if name == "quantized_values":
+        config["residual_length"] = length  # attention gets every value in full precision
+    return config
+
+
 def padded_batch(lengths: list[int], vocab: int = 128, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Random token rows of the given lengths, left-padded with token 0, and their attention mask."""
     return random_padded_batch(lengths, vocab, torch.Generator().manual_seed(seed))

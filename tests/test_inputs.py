@@ -5,22 +5,12 @@ import warnings
 
 import pytest
 import torch
-from helpers import assert_same_generation, example_config, padded_batch, run
+from helpers import assert_same_generation, exact_config, example_config, padded_batch, run
 
 import hf_kvcache  # noqa: F401  (registers the names)
 from hf_kvcache.attention import ATTENTION_NAME, model_attention
 from hf_kvcache.models import tiny_gemma3, tiny_llama, tiny_mistral
 from hf_kvcache.registry import REGISTRY
-
-
-def exact_config(name: str, length: int) -> dict:
-    """A cache_config under which ``name`` keeps every one of ``length`` tokens exactly (so it equals DynamicCache)."""
-    config = example_config(name)
-    if "window" in config:
-        config.update(window=length, sink_tokens=0)
-    if name == "quantized_values":
-        config["residual_length"] = length  # attention gets every value in full precision
-    return config
 
 
 @pytest.mark.parametrize("fill", [float("nan"), float("inf"), float("-inf")])

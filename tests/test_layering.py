@@ -12,6 +12,7 @@ ORDER = [
     "errors",
     "quant",
     "config",
+    "placement",
     "allocator",
     "page_table",
     "pool",

@@ -11,6 +11,7 @@ from helpers import random_ids
 import hf_kvcache  # noqa: F401
 from hf_kvcache import KVPool, PagedCache, PageFormat, PoolExhaustedError
 from hf_kvcache import pool as pool_module
+from hf_kvcache.placement import normalize_device
 
 FORMAT = PageFormat(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32, page_size=16)
 
@@ -217,11 +218,11 @@ def test_model_split_across_devices_gets_one_pool_per_device(tiny_llama_model):
 def test_devices_are_normalized_and_mismatches_named(tiny_llama_model, monkeypatch):
     """A pool or cache made for "cpu:0" or torch.device("cpu") is the model's "cpu" pool; "cuda" means the current
     CUDA device with its index, as the model's tensors report it; a pool on another device is refused by name."""
-    assert pool_module.normalize_device("cpu:0") == torch.device("cpu")
-    assert pool_module.normalize_device(torch.device("cpu")) == torch.device("cpu")
+    assert normalize_device("cpu:0") == torch.device("cpu")
+    assert normalize_device(torch.device("cpu")) == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    assert pool_module.normalize_device("cuda") == torch.device("cuda", 1)
-    assert pool_module.normalize_device(torch.device("cuda", 0)) == torch.device("cuda", 0)
+    assert normalize_device("cuda") == torch.device("cuda", 1)
+    assert normalize_device(torch.device("cuda", 0)) == torch.device("cuda", 0)
     monkeypatch.undo()
     ids = torch.tensor([[1, 2, 3]])
     for device in ("cpu:0", torch.device("cpu:0"), "cpu"):

@@ -18,6 +18,7 @@ from transformers import (
 import hf_kvcache
 from hf_kvcache import transformers_internals as internals
 from hf_kvcache.models import tiny_gemma3, tiny_llama
+from hf_kvcache.placement import kv_heads_per_rank
 
 
 def test_seams_exist_in_this_transformers():
@@ -133,3 +134,29 @@ def test_python_requirements_check_reads_a_named_file(tmp_path):
     assert "requirements_file" in inspect.signature(internals.check_python_requirements).parameters
     (tmp_path / "needs.txt").write_text("torch\n")
     internals.check_python_requirements(tmp_path, requirements_file="needs.txt")
+
+
+def test_a_model_loaded_without_tensor_parallelism_has_no_device_mesh():
+    """``from_pretrained(..., tp_plan=...)`` sets ``model._device_mesh`` (``transformers.distributed.mixin``), whose
+    ``"tp"`` axis is the ranks' group; every model has the attribute, ``None`` until then. ``test_multi_device.py``
+    reads the group of a real tensor-parallel model under torchrun."""
+    model = tiny_llama()
+    assert any("_device_mesh" in vars(cls) for cls in type(model).__mro__)  # a class attribute, not a getattr default
+    assert model._device_mesh is None and model.tp_size is None
+    assert internals.tensor_parallel_group(model) is None
+
+
+def test_kv_heads_per_rank_is_transformers_rule():
+    """``hf_kvcache.placement.kv_heads_per_rank`` mirrors ``get_kv_heads_per_rank`` (which sizes transformers' own
+    StaticCache under tensor parallelism) on the plans of the tiny models, where an even split is possible."""
+    from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
+
+    for model in (tiny_llama(), tiny_gemma3()):
+        plan = model.tp_plan
+        assert any(style == "colwise" for style in plan.values())
+        for num_kv_heads, tp_size in [(4, 1), (4, 2), (4, 4), (8, 2)]:
+            assert kv_heads_per_rank(num_kv_heads, plan, tp_size) == get_kv_heads_per_rank(plan, num_kv_heads, tp_size)
+        assert get_kv_heads_per_rank(plan, 3, 2) is None  # ours raises, naming tp_size
+    for style in ("colwise_gather_output", "rowwise"):
+        plan = {"model.layers.*.self_attn.k_proj": style}
+        assert kv_heads_per_rank(4, plan, 2) == get_kv_heads_per_rank(plan, 4, 2) == 4

@@ -20,7 +20,8 @@ from hf_kvcache.config import CacheOptions, PageFormat, layer_groups
 from hf_kvcache.errors import IncompatibleModelError, PoolExhaustedError
 from hf_kvcache.layers import PagedLayer, PagedRows, RingLayer, RingRows
 from hf_kvcache.layers.ring import ring_num_slots
-from hf_kvcache.pool import KVPool, normalize_device
+from hf_kvcache.placement import Placement, agree, normalize_device
+from hf_kvcache.pool import KVPool
 from hf_kvcache.transformers_internals import DummyLayer, attn_implementation, layer_types_and_kwargs
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -48,11 +49,16 @@ class RowPolicy:
             num_tokens = min(num_tokens, ring_num_slots(self.window, self.sink_tokens, page_size))
         return math.ceil(num_tokens / page_size)
 
-    def make_rows(self, pool: KVPool, reads_slots: Callable[[], bool]) -> PagedRows:
-        """The rows of a layer group on ``pool``; ``reads_slots``: does the model's attention read a ``KeyLayout``."""
+    def make_rows(self, pool: KVPool, reads_slots: Callable[[], bool], group: Any = None) -> PagedRows:
+        """The rows of a layer group on ``pool``.
+
+        Args:
+            reads_slots: does the model's attention read a ``KeyLayout``.
+            group: the process group of a tensor-parallel model's ranks (``Placement.group``).
+        """
         if self.window is None:
-            return PagedRows(pool, self.residual_length)
-        return RingRows(pool, self.window, self.sink_tokens, self.residual_length, reads_slots)
+            return PagedRows(pool, self.residual_length, group)
+        return RingRows(pool, self.window, self.sink_tokens, self.residual_length, reads_slots, group)
 
 
 def reads_key_layouts(config: PreTrainedConfig) -> bool:
@@ -69,13 +75,28 @@ class PoolBinder:
     Args:
         config: the model's decoder config.
         options: the cache's options.
-        policies: the row policy of each layer group (``config.layer_groups``).
+        policies: the row policy of each layer group.
+        placement: where the model's KV lives (a tensor-parallel rank's share of the heads, a split model's layers).
+        layer_groups: the layers of each layer group (``config.layer_groups``, per device for a split model).
+        layer_group_devices: the device each layer group's layers are placed on; ``None``: learnt at the first
+            write, and the pool of every device the cache writes on is cut for all layer groups.
     """
 
-    def __init__(self, config: PreTrainedConfig, options: CacheOptions, policies: list[RowPolicy]) -> None:
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        options: CacheOptions,
+        policies: list[RowPolicy],
+        placement: Placement,
+        layer_groups: list[list[int]],
+        layer_group_devices: list[torch.device | None],
+    ) -> None:
         self.config = config
         self.options = options
         self.policies = policies
+        self.placement = placement
+        self.layer_groups = layer_groups
+        self.layer_group_devices = layer_group_devices
         self.pools: dict[torch.device, KVPool] = {}
         self.rows: dict[tuple[torch.device, int], PagedRows] = {}
         self.planned_tokens = 0  # see PoolCache.plan
@@ -84,38 +105,75 @@ class PoolBinder:
         if self.pool is not None and not isinstance(self.pool, KVPool):
             raise TypeError(f"cache_config pool must be a KVPool or a pool's name, got {type(self.pool).__name__}.")
 
+    def layer_groups_on(self, device: torch.device) -> list[int]:
+        """The layer groups whose pages live on ``device``: those placed there, or all when none is placed."""
+        placed = [idx for idx, at in enumerate(self.layer_group_devices) if at == device]
+        return placed or [idx for idx, at in enumerate(self.layer_group_devices) if at is None]
+
     def rows_for(self, layer_group_idx: int, key_states: torch.Tensor) -> PagedRows:
-        """The rows of layer group ``layer_group_idx`` on the device of ``key_states`` (made on first use)."""
+        """The rows of layer group ``layer_group_idx`` on the device of ``key_states`` (made on first use).
+
+        Raises:
+            IncompatibleModelError: the states come on another device than the layer group was placed on, or do
+                not have the geometry of the pool (its heads come from the tensor-parallel plan, or the config).
+        """
         device = key_states.device
         rows = self.rows.get((device, layer_group_idx))
         if rows is None:
-            pool = self.bind(device, key_states.dtype, key_states.shape[1], key_states.shape[-1])
+            placed = self.layer_group_devices[layer_group_idx]
+            if placed is not None and device != placed:
+                raise IncompatibleModelError(
+                    f"Layers {self.layer_groups[layer_group_idx]} were placed on {placed} (the model's "
+                    f"hf_device_map) but write their states on {device}. Build the cache for the model as it runs: "
+                    "generate(cache_implementation=...) reads the placement when generate starts."
+                )
+            pool = self.bind(device, key_states.dtype)
+            seen = (key_states.shape[1], key_states.shape[-1])  # [batch, heads, n, head_dim]
+            if seen != (pool.format.num_kv_heads, pool.format.head_dim):
+                source = "the tensor-parallel plan" if self.placement.num_kv_heads is not None else "the config"
+                raise IncompatibleModelError(
+                    f"The model writes {seen[0]} KV heads of size {seen[1]}, but the pool on {device} holds "
+                    f"{pool.format.num_kv_heads} of size {pool.format.head_dim} (from {source}). A tensor-parallel "
+                    "rank holds its share of the heads: let generate build the cache (cache_implementation=...), or "
+                    "build it with placement=hf_kvcache.integration.placement_of(model) and its pool with "
+                    "KVPool.for_model(model, ...). Mixed layer geometries are not supported."
+                )
             reads_slots = functools.partial(reads_key_layouts, self.config)  # not a method: rows must not hold self
             policy = self.policies[layer_group_idx]
-            rows = self.rows[(device, layer_group_idx)] = policy.make_rows(pool, reads_slots)
+            rows = self.rows[(device, layer_group_idx)] = policy.make_rows(pool, reads_slots, self.placement.group)
             if isinstance(rows, RingRows):
                 rows.set_plan(self.planned_tokens, self.pad_lengths)
         return rows
 
-    def bind(
-        self, device: torch.device, dtype: torch.dtype, num_kv_heads: int | None = None, head_dim: int | None = None
-    ) -> KVPool:
+    def page_format(self, device: torch.device, dtype: torch.dtype) -> PageFormat:
+        """The format of the pool on ``device``: the config's, cut for the heads this rank holds and the layers
+        placed on ``device``.
+
+        Raises:
+            IncompatibleModelError: no layer is placed on ``device``.
+        """
+        layer_groups = [self.layer_groups[idx] for idx in self.layer_groups_on(device)]
+        if not layer_groups:
+            raise IncompatibleModelError(
+                f"No layer of this cache is placed on {device}; its layers are on {self.placement.devices}."
+            )
+        page_format = self.options.page_format(self.config, dtype)
+        return dataclasses.replace(
+            page_format,
+            num_kv_heads=self.placement.num_kv_heads or page_format.num_kv_heads,
+            num_layers=len(layer_groups[0]),
+            num_layer_groups=len(layer_groups),
+        )
+
+    def bind(self, device: torch.device, dtype: torch.dtype) -> KVPool:
         """The pool on ``device``, resolved on first use.
 
         Raises:
-            IncompatibleModelError: the states, or the given pool, do not match the model's geometry.
+            IncompatibleModelError: the given pool does not match the model's geometry.
         """
         pool = self.pools.get(device)
-        if pool is not None:
-            return pool
-        page_format = self.options.page_format(self.config, dtype)
-        seen = (num_kv_heads or page_format.num_kv_heads, head_dim or page_format.head_dim)
-        if seen != (page_format.num_kv_heads, page_format.head_dim):
-            raise IncompatibleModelError(
-                f"The model writes {seen[0]} KV heads of size {seen[1]}, but its config says "
-                f"{page_format.num_kv_heads} of size {page_format.head_dim}; mixed layer geometries are not supported."
-            )
-        pool = self.pools[device] = self._pool_for(page_format, device)
+        if pool is None:
+            pool = self.pools[device] = self._pool_for(self.page_format(device, dtype), device)
         return pool
 
     def _pool_for(self, page_format: PageFormat, device: torch.device) -> KVPool:
@@ -124,7 +182,7 @@ class PoolBinder:
             return KVPool(page_format, page_format.pages_for_tokens(options.max_tokens) + 1, device)
         pool = self.pool
         if pool is None:
-            return KVPool.default(page_format, device)
+            return KVPool.default(page_format, device, self.placement.group)
         theirs, ours = pool.format, page_format
         mismatches = [
             f"{name} {getattr(theirs, name)} vs {getattr(ours, name)}"
@@ -144,7 +202,8 @@ class PoolBinder:
         if mismatches:
             raise IncompatibleModelError(
                 f"The pool was built for another model or placement ({', '.join(mismatches)}, pool vs model). "
-                "Build it with KVPool.for_model(model, ...) for this model, dtype and device."
+                "Build it with KVPool.for_model(model, ...) for this model, dtype and device; a model split over "
+                "several devices takes one pool per device (cache_config max_tokens, or the default pools)."
             )
         return pool
 
@@ -160,10 +219,17 @@ class PoolCache(Cache):
     layer group has its own page table, and a subclass says which tokens each one keeps
     (``_row_policy``): every token, or a ring of the last ``window``.
 
+    On a model split over devices (``placement.layer_devices``), the layers of each device make their own layer
+    groups, which draw from a pool on that device cut for them only.
+
     Args:
         config: the model's config (its decoder config is used).
         options: the cache's ``cache_config``, checked.
-        dtype / device: bind the pool now rather than at the first write (both or neither).
+        dtype / device: bind the pool now rather than at the first write (both or neither); a split model binds
+            the pool of each of its devices.
+        placement: where the model's KV lives (``hf_kvcache.integration.placement_of(model)``, which
+            ``generate(cache_implementation=...)`` reads); ``None``: in this process, on the device of the first
+            write, with the config's heads.
     """
 
     def __init__(
@@ -172,6 +238,7 @@ class PoolCache(Cache):
         options: CacheOptions,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
+        placement: Placement | None = None,
     ) -> None:
         config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = layer_types_and_kwargs(config)
@@ -189,13 +256,15 @@ class PoolCache(Cache):
                 f"{type(config).__name__}: transformers and hf_kvcache infer different layer types; "
                 "set config.layer_types explicitly."
             )
+        placement = placement or Placement()
+        groups, group_devices = self._place_layer_groups(layer_types, groups, placement)
         policies = []
         for members in groups:
             found = {self._row_policy(layer_types[idx], layer_kwargs[idx]) for idx in members}
             if len(found) > 1:
                 raise IncompatibleModelError(f"Layers {members} share pages but keep different tokens: {found}.")
             policies.append(found.pop())
-        self._binder = PoolBinder(config, options, policies)
+        self._binder = PoolBinder(config, options, policies, placement, groups, group_devices)
         layers: list[CacheLayerMixin] = [DummyLayer() for _ in layer_types]
         for layer_group_idx, members in enumerate(groups):
             bind = functools.partial(self._binder.rows_for, layer_group_idx)
@@ -206,9 +275,29 @@ class PoolCache(Cache):
         if (dtype is None) != (device is None):
             raise ValueError("Give both dtype and device to bind the pool early, or neither.")
         if dtype is not None:
-            self._binder.bind(normalize_device(device), dtype)
+            for placed in placement.devices or [normalize_device(device)]:
+                self._binder.bind(placed, dtype)
 
     options_class = CacheOptions
+
+    @staticmethod
+    def _place_layer_groups(
+        layer_types: list[str], groups: list[list[int]], placement: Placement
+    ) -> tuple[list[list[int]], list[torch.device | None]]:
+        """The layer groups and the device each is placed on: the model's (on no device in particular), or those
+        of the layers of each device of a split model, in the order of the devices."""
+        devices = placement.layer_devices
+        if devices is None:
+            return groups, [None] * len(groups)
+        if len(devices) != len(layer_types):
+            raise ValueError(f"Placement.layer_devices names {len(devices)} devices for {len(layer_types)} layers.")
+        placed_groups: list[list[int]] = []
+        group_devices: list[torch.device | None] = []
+        for device in placement.devices:
+            on_device = layer_groups([kind if at == device else "dummy" for kind, at in zip(layer_types, devices)])
+            placed_groups += on_device
+            group_devices += [device] * len(on_device)
+        return placed_groups, group_devices
 
     @classmethod
     def from_cache_config(
@@ -217,11 +306,17 @@ class PoolCache(Cache):
         cache_config: dict[str, Any] | None,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
+        placement: Placement | None = None,
     ) -> Self:
         """Builds the cache from a ``generate`` ``cache_config`` dict, rejecting unknown keys."""
         options = cls.options_class.from_dict(cache_config)
         settings = {field.name: getattr(options, field.name) for field in dataclasses.fields(options)}
-        return cls(config, **settings, dtype=dtype, device=device)
+        return cls(config, **settings, dtype=dtype, device=device, placement=placement)
+
+    @property
+    def placement(self) -> Placement:
+        """Where this cache's model keeps its KV (a tensor-parallel rank's heads, a split model's layer devices)."""
+        return self._binder.placement
 
     def _row_policy(self, layer_type: str, layer_kwargs: dict[str, Any]) -> RowPolicy:
         """Which tokens a layer of ``layer_type`` keeps (``layer_kwargs`` carry its ``sliding_window``)."""
@@ -245,21 +340,30 @@ class PoolCache(Cache):
             raise ValueError(f"This cache spans {len(pools)} devices; use cache.pools.")
         return pools[0] if pools else self._binder.pool
 
-    def worst_case_pages(self, num_rows: int, num_tokens: int, page_size: int) -> int:
+    def worst_case_pages(
+        self, num_rows: int, num_tokens: int, page_size: int, device: torch.device | None = None
+    ) -> int:
         """Most pages ``num_rows`` rows of ``num_tokens`` tokens each can hold on one pool, no page shared.
 
         Each layer group takes its own pages: every token's for a layer group that keeps them all, at most
         a ring's worth (``ring_num_slots``) for a ring. Rows that share pages (beams, identical prompts)
         only need fewer.
+
+        Args:
+            device: count the layer groups whose pages live on this device only (a split model); ``None``: all.
         """
-        return num_rows * sum(policy.max_pages_per_row(num_tokens, page_size) for policy in self._binder.policies)
+        binder = self._binder
+        groups = range(len(binder.policies)) if device is None else binder.layer_groups_on(normalize_device(device))
+        return num_rows * sum(binder.policies[idx].max_pages_per_row(num_tokens, page_size) for idx in groups)
 
     def check_admission(self, num_rows: int, num_tokens: int, device: torch.device, dtype: torch.dtype) -> None:
         """Refuses, before any compute, a request that could not fit in the pool in the worst case.
 
         A check, not a reservation: pages stay free for anyone until the cache writes, so requests
         running at the same time can still exhaust the pool mid-generation. Pages the cache already holds
-        (a cache passed back to ``generate`` to continue) count towards the request.
+        (a cache passed back to ``generate`` to continue) count towards the request. A split model checks the
+        pool of each of its devices; the ranks of a tensor-parallel model refuse together: the fewest pages any
+        rank's pool has available count.
 
         Args:
             num_rows: rows the request runs (batch size x beams or returned sequences).
@@ -267,24 +371,27 @@ class PoolCache(Cache):
             device / dtype: where the cache's pool lives (it is bound now if it was not).
 
         Raises:
-            PoolExhaustedError: the worst case needs more pages than the pool has free or can still grow into.
+            PoolExhaustedError: the worst case needs more pages than a pool has free or can still grow into.
         """
-        device = normalize_device(device)
-        pool = self._binder.bind(device, dtype)
-        page_size = pool.format.page_size
-        worst = self.worst_case_pages(num_rows, num_tokens, page_size)
-        held = sum(1 for held_device, _ in self._held_pages() if held_device == device)
-        requested, available = worst - held, pool.num_available_pages
-        if requested > available:
-            raise PoolExhaustedError(
-                requested,
-                available,
-                pool.capacity_pages,
-                f"admission_check refused the request before any compute: {num_rows} rows of up to {num_tokens} "
-                f"tokens need up to {worst} pages of {page_size} tokens in {len(self._binder.policies)} layer "
-                "group(s). Lower the batch size, num_beams/num_return_sequences or max_new_tokens, or give the "
-                "pool more room (KVPool.for_model(..., max_tokens=...) or cache_config max_tokens).",
-            )
+        binder = self._binder
+        for placed in binder.placement.devices or [normalize_device(device)]:
+            pool = binder.bind(placed, dtype)
+            page_size = pool.format.page_size
+            worst = self.worst_case_pages(num_rows, num_tokens, page_size, placed)
+            held = sum(1 for held_device, _ in self._held_pages() if held_device == placed)
+            requested = worst - held
+            available = agree([pool.num_available_pages], binder.placement.group, placed)[0]
+            if requested > available:
+                raise PoolExhaustedError(
+                    requested,
+                    available,
+                    pool.capacity_pages,
+                    f"admission_check refused the request before any compute: {num_rows} rows of up to "
+                    f"{num_tokens} tokens need up to {worst} pages of {page_size} tokens in "
+                    f"{len(binder.layer_groups_on(placed))} layer group(s) on {placed}. Lower the batch size, "
+                    "num_beams/num_return_sequences or max_new_tokens, or give the pool more room "
+                    "(KVPool.for_model(..., max_tokens=...) or cache_config max_tokens).",
+                )
 
     def plan(self, num_tokens: int, attention_mask: torch.Tensor | None = None) -> None:
         """Says how long rows will grow and where each starts, before the first write (``generate`` does both).

@@ -8,6 +8,7 @@ from transformers import PreTrainedConfig
 from hf_kvcache.caches.base import PoolCache, RowPolicy
 from hf_kvcache.caches.entry import CacheEntry
 from hf_kvcache.config import DEFAULT_PAGE_SIZE, CacheOptions
+from hf_kvcache.placement import Placement
 from hf_kvcache.pool import KVPool
 
 
@@ -25,6 +26,8 @@ class PagedCache(PoolCache):
         max_tokens: give this cache a fixed-budget pool of its own for this many tokens.
         admission_check: ``generate`` refuses up front a request whose worst case does not fit (``CacheOptions``).
         dtype / device: bind the pool at construction rather than at the first write.
+        placement: where the model's KV lives (a tensor-parallel rank's share of the heads): ``PoolCache``;
+            ``generate(cache_implementation=...)`` reads it from the model.
     """
 
     def __init__(
@@ -36,9 +39,10 @@ class PagedCache(PoolCache):
         admission_check: bool = False,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
+        placement: Placement | None = None,
     ) -> None:
         options = CacheOptions(page_size=page_size, pool=pool, max_tokens=max_tokens, admission_check=admission_check)
-        super().__init__(config, options, dtype, device)
+        super().__init__(config, options, dtype, device, placement)
 
     def _row_policy(self, layer_type: str, layer_kwargs: dict[str, Any]) -> RowPolicy:
         if layer_type == "sliding_attention":

@@ -11,6 +11,7 @@ from hf_kvcache.caches.base import PoolCache, RowPolicy
 from hf_kvcache.caches.entry import CacheEntry
 from hf_kvcache.config import DEFAULT_PAGE_SIZE, CacheOptions, PageFormat
 from hf_kvcache.errors import IncompatibleModelError
+from hf_kvcache.placement import Placement
 from hf_kvcache.pool import KVPool
 
 DEFAULT_GROUP_SIZE = 64
@@ -77,8 +78,8 @@ class QuantizedValueCache(PoolCache):
         bits: 8 or 4 bits per stored value.
         group_size: value channels sharing one scale and zero (asymmetric, per token); default 64.
         residual_length: newest tokens whose values attention gets in full precision.
-        pool / page_size / max_tokens / admission_check / dtype / device: as for ``PagedCache`` (a given pool
-            must be built with ``KVPool.for_model(..., value_bits=bits, value_group_size=group_size)``).
+        pool / page_size / max_tokens / admission_check / dtype / device / placement: as for ``PagedCache`` (a
+            given pool must be built with ``KVPool.for_model(..., value_bits=bits, value_group_size=group_size)``).
     """
 
     options_class = QuantizedValueOptions
@@ -95,6 +96,7 @@ class QuantizedValueCache(PoolCache):
         admission_check: bool = False,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
+        placement: Placement | None = None,
     ) -> None:
         options = QuantizedValueOptions(
             page_size=page_size,
@@ -113,7 +115,7 @@ class QuantizedValueCache(PoolCache):
                 f"{type(text_config).__name__} shares KV between layers (kv_sharing_modes has 'reuse'); "
                 "quantized_values does not support it yet. Use paged_pool or sliding_ring for this model."
             )
-        super().__init__(config, options, dtype, device)
+        super().__init__(config, options, dtype, device, placement)
 
     def _row_policy(self, layer_type: str, layer_kwargs: dict[str, Any]) -> RowPolicy:
         residual_length = self.options.residual_length

@@ -12,6 +12,7 @@ from hf_kvcache.caches.base import PoolCache, RowPolicy
 from hf_kvcache.caches.entry import CacheEntry
 from hf_kvcache.config import DEFAULT_PAGE_SIZE, CacheOptions
 from hf_kvcache.layers import RingLayer
+from hf_kvcache.placement import Placement
 from hf_kvcache.pool import KVPool
 from hf_kvcache.transformers_internals import attn_implementation, layer_types_and_kwargs
 
@@ -57,7 +58,7 @@ class SlidingRingCache(PoolCache):
         config: the model's config.
         window: ring size of full-attention layers (``None``: keep them whole, on a model with sliding layers).
         sink_tokens: first tokens pinned in those rings.
-        pool / page_size / max_tokens / admission_check / dtype / device: as for ``PagedCache``.
+        pool / page_size / max_tokens / admission_check / dtype / device / placement: as for ``PagedCache``.
     """
 
     options_class = RingOptions
@@ -73,6 +74,7 @@ class SlidingRingCache(PoolCache):
         admission_check: bool = False,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
+        placement: Placement | None = None,
     ) -> None:
         text_config = config.get_text_config(decoder=True)
         self._has_sliding_layers = "sliding_attention" in layer_types_and_kwargs(text_config)[0]
@@ -84,7 +86,7 @@ class SlidingRingCache(PoolCache):
             window=window,
             sink_tokens=sink_tokens,
         )
-        super().__init__(config, options, dtype, device)
+        super().__init__(config, options, dtype, device, placement)
         self._warned_unbanded = False
         if sink_tokens and window is None:
             raise ValueError(

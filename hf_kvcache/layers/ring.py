@@ -46,6 +46,7 @@ Attention may also be handed a ``KeyLayout`` with the keys (``layout_of(keys)``)
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -153,6 +154,7 @@ class RingRows(PagedRows):
         residual_length: as for ``PagedRows``.
         reads_slots: whether the model's attention reads a ``KeyLayout`` (``attn_implementation="hf_kvcache"``),
             asked once per step: then keys may come in slot order, as views of the pages.
+        group: as for ``PagedRows``.
     """
 
     def __init__(
@@ -162,8 +164,9 @@ class RingRows(PagedRows):
         sink_tokens: int = 0,
         residual_length: int = 0,
         reads_slots: Callable[[], bool] = lambda: False,
+        group: Any = None,
     ) -> None:
-        super().__init__(pool, residual_length)
+        super().__init__(pool, residual_length, group)
         self._reads_slots = reads_slots
         page_size = pool.format.page_size
         self.window = window

@@ -7,11 +7,13 @@ find the table already grown and reuse the same index tensors.
 """
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from hf_kvcache.kernels import ChunkIndex, read_pages, split_by_chunk
 from hf_kvcache.layers.store import SlotStore
+from hf_kvcache.placement import agree
 from hf_kvcache.pool import KVPool
 
 
@@ -45,12 +47,15 @@ class PagedRows:
     Args:
         pool: where the pages live.
         residual_length: newest tokens whose values attention gets in full precision (quantized pools only).
+        group: the process group of a tensor-parallel model's ranks, whose tables must stay alike: their page
+            allocations and the sharing of identical rows are agreed over it (``hf_kvcache.placement``).
     """
 
-    def __init__(self, pool: KVPool, residual_length: int = 0) -> None:
+    def __init__(self, pool: KVPool, residual_length: int = 0, group: Any = None) -> None:
         self.pool = pool
+        self.group = group
         self.store = SlotStore(pool, residual_length)
-        self.table = pool.new_table()
+        self.table = pool.new_table(group)
         self._version = -1  # table version the cached indices below were built for
         self._ids: torch.Tensor | None = None
         self._read: list[ChunkIndex] | None = None
@@ -107,6 +112,8 @@ class PagedRows:
             if start != self.num_tokens:
                 raise RuntimeError(f"A layer writes from token {start}; the cache holds {self.num_tokens}.")
             identical_rows = find_identical_rows(key_states, value_states) if start == 0 else None
+            if start == 0 and batch > 1 and self.group is not None:
+                identical_rows = self._agreed_identical_rows(identical_rows, batch)
             self._grow(batch, start, num_new, identical_rows)
             self._shared_prefill = (end, identical_rows) if identical_rows else None
         elif self._shared_prefill is not None and self._shared_prefill[0] == end:
@@ -143,18 +150,28 @@ class PagedRows:
             self._version = self.table.version
             self._ids = self._read = self._write = None
 
+    def _agreed_identical_rows(self, identical_rows: list[int] | None, batch: int) -> list[int] | None:
+        """The identical rows every rank found (each sees only its share of the heads); ``None`` where they differ."""
+        firsts = identical_rows or list(range(batch))
+        extremes = agree(firsts + [-first for first in firsts], self.group, self.pool.device)  # [min..., -max...]
+        same = extremes[:batch] == [-first for first in extremes[batch:]]
+        return identical_rows if same else None
+
     def _split_differing_rows(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """In a shared prefill, gives private pages to rows whose states differ from the first row they were
-        identical to in the layers before."""
+        identical to in the layers before (on any rank of a tensor-parallel model)."""
         end, firsts = self._shared_prefill
-        differing = [
-            row
-            for row, first in enumerate(firsts)
-            if first != row
-            and not (
-                torch.equal(key_states[row], key_states[first]) and torch.equal(value_states[row], value_states[first])
+        differs = [
+            int(
+                first != row
+                and not (
+                    torch.equal(key_states[row], key_states[first])
+                    and torch.equal(value_states[row], value_states[first])
+                )
             )
+            for row, first in enumerate(firsts)
         ]
+        differing = [row for row, flag in enumerate(agree(differs, self.group, self.pool.device, "max")) if flag]
         if differing:
             self._apply(lambda: self.table.make_private(differing))
             self._shared_prefill = (end, [row if row in differing else first for row, first in enumerate(firsts)])

@@ -1,0 +1,152 @@
+"""Where a model's KV lives when one device is not enough: tensor-parallel shards and split models.
+
+transformers runs a model over several devices in two ways, and a cache follows each:
+
+- **Tensor parallel** (``from_pretrained(..., tp_plan="auto")`` under ``torchrun``): every rank runs every layer
+  on its share of the heads, so a rank's cache holds ``num_kv_heads`` heads per layer (the config's divided by
+  the TP size) and its pool is cut for that many. The ranks of one request wait for each other in the model's
+  collectives, so they must take the same cache decisions: every page allocation and every sharing of identical
+  rows is agreed over the ranks' process ``group`` (``agree``). A request that does not fit then raises
+  ``PoolExhaustedError`` on every rank at the same step, rather than on one rank while the others wait for it.
+- **Split models** (``device_map`` over several devices, accelerate): each layer runs on one device
+  (``layer_devices``), and each device gets one pool, cut for the layers placed on it only.
+
+Nothing here imports transformers: ``hf_kvcache.integration.placement_of`` reads a model's plan and map.
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hf_kvcache.errors import IncompatibleModelError
+
+KEY_PROJECTIONS = ("k_proj", "qkv_proj", "query_key_value")
+"""Modules whose output holds a layer's keys (plain or fused): a plain ``colwise`` rule on one shards the heads."""
+
+OFFLOADED = ("cpu", "disk")
+"""``device_map`` values whose layers accelerate streams to the main device (when there is one) and runs there."""
+
+
+def normalize_device(device: str | torch.device) -> torch.device:
+    """``device`` the way tensors on it report theirs: an accelerator with its index (the current one when none is
+    given: ``"cuda"`` is ``cuda:0`` on the default device), the CPU without one (``"cpu:0"`` is ``cpu``)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.index is None:
+        current = getattr(getattr(torch, device.type, None), "current_device", None)
+        if current is not None:
+            return torch.device(device.type, current())
+    return device
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How one model's KV is laid out over devices and processes, as seen from this process.
+
+    Attributes:
+        num_kv_heads: KV heads this process's layers hold per layer (tensor parallel: the config's divided by
+            the TP size); ``None`` for the config's.
+        layer_devices: the device each model layer writes its states on (a split model); ``None`` when every
+            layer runs on one device, or where they run is learnt at the first write (one pool per device then,
+            each cut for all layers).
+        group: the ``torch.distributed`` process group whose ranks run each request together (tensor parallel);
+            ``None`` for a model in one process.
+    """
+
+    num_kv_heads: int | None = None
+    layer_devices: tuple[torch.device, ...] | None = None
+    group: Any = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads is not None and self.num_kv_heads < 1:
+            raise ValueError(f"Placement.num_kv_heads must be >= 1, got {self.num_kv_heads}.")
+        if self.layer_devices is not None:
+            object.__setattr__(self, "layer_devices", tuple(map(normalize_device, self.layer_devices)))
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """The distinct devices of ``layer_devices``, in layer order (empty when not given)."""
+        return list(dict.fromkeys(self.layer_devices or ()))
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp_plan: Mapping[str, str] | None, tp_size: int) -> int:
+    """KV heads each rank holds under a tensor-parallel plan.
+
+    The rule of transformers' ``get_kv_heads_per_rank`` (``transformers.distributed.tensor_parallel``, which sizes
+    its ``StaticCache`` the same way; ``tests/test_transformers_internals.py`` pins the two equal): a plain
+    ``colwise`` rule on the key projection leaves each rank an equal share of the heads; any other rule
+    (``colwise_gather_output``, none) leaves every rank all of them.
+
+    Raises:
+        IncompatibleModelError: the heads do not split evenly over ``tp_size`` ranks.
+    """
+    sharded = any(
+        name.rsplit(".", 1)[-1] in KEY_PROJECTIONS and style == "colwise" for name, style in (tp_plan or {}).items()
+    )
+    if tp_size <= 1 or not sharded:
+        return num_kv_heads
+    if num_kv_heads % tp_size:
+        raise IncompatibleModelError(
+            f"The model's {num_kv_heads} KV heads do not split evenly over tp_size={tp_size} ranks; hf_kvcache "
+            f"caches need an even split. Run with a tp_size that divides {num_kv_heads}."
+        )
+    return num_kv_heads // tp_size
+
+
+def layer_devices_from_map(
+    device_map: Mapping[str, int | str | torch.device], layer_modules: list[str]
+) -> tuple[torch.device, ...]:
+    """The device each layer runs on, from a model's ``hf_device_map`` (accelerate's module -> device map).
+
+    A layer runs where the longest map key that is its module or a parent of it runs, by accelerate's rule
+    (``accelerate.dispatch_model``, which ``from_pretrained`` calls): on the key's device, except that keys
+    mapped to ``"cpu"`` or ``"disk"`` are offloaded: their weights are streamed to the main device (the map's
+    first other device, in the order of dispatch_model's set of them) and they run there; on a map with no other
+    device they run on the CPU.
+
+    Args:
+        device_map: e.g. ``{"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": "cpu", "lm_head": 0}``.
+        layer_modules: the module name of each layer's attention, e.g. ``"model.layers.3.self_attn"``.
+
+    Raises:
+        ValueError: a layer's module is not covered by the map.
+    """
+    others = set(device_map.values()) - set(OFFLOADED)  # as accelerate.dispatch_model picks its main device
+    main_device = list(others)[0] if others else "cpu"
+    devices = []
+    for name in layer_modules:
+        keys = [key for key in device_map if key == "" or name == key or name.startswith(key + ".")]
+        if not keys:
+            raise ValueError(f"hf_device_map places no module above {name!r}; its keys are {sorted(device_map)}.")
+        key = max(keys, key=len)
+        value = device_map[key]
+        devices.append(_as_device(main_device if value in OFFLOADED else value))
+    return tuple(devices)
+
+
+def _as_device(value: int | str | torch.device) -> torch.device:
+    """A ``device_map`` value as a device: an int is an index of the machine's accelerator (CUDA if none)."""
+    if isinstance(value, int):
+        accelerator = torch.accelerator.current_accelerator()
+        return torch.device(accelerator.type if accelerator is not None else "cuda", value)
+    return normalize_device(value)
+
+
+def agree(values: list[int], group: Any, device: torch.device, op: str = "min") -> list[int]:
+    """The elementwise ``op`` (``"min"`` or ``"max"``) of ``values`` over the ranks of ``group``.
+
+    A collective: every rank of the group must call it, in the same order relative to the model's own
+    collectives. ``group=None`` returns ``values`` as they are.
+
+    Args:
+        device: where the reduction runs (a pool's device: the CPU for gloo, the GPU for NCCL).
+    """
+    if group is None:
+        return list(values)
+    reduce_op = {"min": torch.distributed.ReduceOp.MIN, "max": torch.distributed.ReduceOp.MAX}[op]
+    tensor = torch.tensor(values, dtype=torch.long, device=device)  # [len(values)]
+    torch.distributed.all_reduce(tensor, op=reduce_op, group=group)
+    return tensor.tolist()
