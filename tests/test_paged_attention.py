@@ -180,3 +180,15 @@ def test_mask_check_accepts_only_leading_padding():
     assert not mask_hides_padding_only(seen[:, None, None, :4], pads, 5)
     assert mask_hides_padding_only(None, torch.zeros(2, dtype=torch.long), 5)
     assert not mask_hides_padding_only(None, pads, 5)
+
+
+def test_gathers_past_the_shape_key_limit(tiny_llama_model, in_place, monkeypatch, caplog):
+    """A shape past ``MAX_SHAPE_KEYS`` is not compiled: that step's attention gathers the same keys instead."""
+    monkeypatch.setattr(flex, "MAX_SHAPE_KEYS", 0)
+    monkeypatch.setattr(flex, "_LOGGED", set())
+    ids, mask = padded_batch([11, 7], seed=9)  # 2 rows: a shape no other test compiles
+    reference = run(tiny_llama_model, ids, mask, max_new_tokens=6)
+    with caplog.at_level(logging.INFO, logger="hf_kvcache"):
+        assert_same_generation(reference, paged(tiny_llama_model, ids, mask, ATTENTION_NAME, max_new_tokens=6))
+    assert in_place["calls"] == 5 * 2  # tried, and gathered
+    assert [record.message for record in caplog.records if "MAX_SHAPE_KEYS" in record.message]

@@ -42,7 +42,7 @@ from transformers import Cache, DynamicCache, PreTrainedConfig, PreTrainedModel,
 
 from hf_kvcache.attention import ATTENTION_NAME
 from hf_kvcache.caches import SlidingRingCache
-from hf_kvcache.config import PageFormat
+from hf_kvcache.config import KV_BLOCK_TOKENS, PageFormat
 from hf_kvcache.eval import CacheSpec, installed_quantized_backends, sliding_window_config
 from hf_kvcache.pool import KVPool
 from hf_kvcache.registry import REGISTRY
@@ -184,12 +184,13 @@ def bench_pools(
 ) -> dict[str, KVPool]:
     """Fixed pools for ``batch`` rows of ``capacity`` tokens, one per cache of ours among ``names``.
 
-    Rows round up to whole pages, so the budget is per row, not the batch's token total. The pools are full by
-    design at the end of every run: no use-alert thresholds. A fixed pool is one chunk (a default pool that has
-    grown gathers from several, which is slower). The rings share one pool: each run gives all its pages back,
-    consecutive for the next.
+    Rows round up to whole extents (``KV_BLOCK_TOKENS``), so the budget is per row, not the batch's token total. No
+    use-alert thresholds. The rings share one pool: each run gives all its pages back, consecutive for the next.
     """
-    max_tokens = batch * math.ceil(capacity / page_size) * page_size
+    # Whole extents per row (128 tokens, PageFormat.extent_pages): rows of paged layers take pages in aligned extents,
+    # and a pool too tight for that hands out single pages, which attention cannot read in place.
+    block = max(page_size, KV_BLOCK_TOKENS)
+    max_tokens = batch * math.ceil(capacity / block) * block
     value_formats = {name: {} for name in names if pool_kind(name) == "fixed" and name in PAGED_VARIANTS}
     for name in names:
         spec = QUANTIZED_CACHES.get(name)
