@@ -1,10 +1,30 @@
-"""Page ids with reference counts: pure ints, no torch.
+"""Page ids with reference counts, placed in aligned extents: pure ints, no torch.
 
 Page 0 is the null page: never handed out, the harmless target of padding writes. A page is
-free (refcount 0, on the free list) or used (refcount >= 1, held by that many page-table
-entries). Sharing a page increments its count; a page returns to the free list when its
-count drops to zero. Not thread-safe on its own: ``KVPool`` serializes calls.
+free (refcount 0) or used (refcount >= 1, held by that many page-table entries). Sharing a page
+increments its count; a page is free again when its count drops to zero. Not thread-safe on its
+own: ``KVPool`` serializes calls.
+
+Placement. Page ids are grouped in aligned *extents* of ``extent_pages`` pages (extent ``e`` holds
+pages ``[e * extent_pages, (e + 1) * extent_pages)``), so that attention can read a row's pages in
+blocks of ``extent_pages * page_size`` tokens (``hf_kvcache.flex``). Two kinds of requests:
+
+- ``extend(anchor, num)``: the next ``num`` pages of one row whose last page is ``anchor``. Each comes
+  right after the previous one while that stays inside its extent and is free, else as the first page
+  of the lowest extent that is wholly free, else (no whole extent left) as a single page. Rows of paged
+  layers grow this way: each holds its pages in runs of whole extents, and a new row never starts in an
+  extent another row has begun, so rows of different requests interleave by whole extents only.
+- ``allocate(num)``: single pages, the highest free ids, handed out in ascending order. Rings and
+  copies take these: on a fresh pool (or one whose pages all came back) ``num`` pages taken at once are
+  consecutive, so a ring's rows, taken together, are one run of pages.
+
+Extents are claimed softly: the free pages after a row's last page stay free (counted free, usable by
+anyone) and are handed to another request only when nothing else is left, so a request fails only when
+the pool has fewer free pages than it needs.
 """
+
+import heapq
+from collections import Counter
 
 from hf_kvcache.errors import PoolExhaustedError
 
@@ -16,15 +36,22 @@ class PageAllocator:
 
     Args:
         num_pages: page ids in the pool, the null page included (>= 2).
+        extent_pages: pages per aligned extent (1: no extents, every page stands alone).
     """
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, extent_pages: int = 1) -> None:
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (one null page plus one usable page), got {num_pages}.")
-        self._refcounts = [0] * num_pages
-        # A stack popped from the end: ids come out in ascending order on a fresh pool.
-        self._free = list(range(num_pages - 1, NULL_PAGE, -1))
+        if extent_pages < 1:
+            raise ValueError(f"extent_pages must be >= 1, got {extent_pages}.")
+        self.extent_pages = extent_pages
+        self._refcounts: list[int] = []
+        self._free_in_extent: list[int] = []  # free pages of each extent
+        self._singles: list[int] = []  # max-heap (negated ids) of free pages; stale entries skipped
+        self._extents: list[int] = []  # min-heap of wholly free extents; stale entries skipped
+        self._num_free = 0  # the null page is neither free nor used
         self.high_water = 0
+        self.add_pages(num_pages)
 
     @property
     def num_pages(self) -> int:
@@ -33,32 +60,59 @@ class PageAllocator:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self.num_free
 
     def add_pages(self, num_new: int) -> range:
         """Extends the id space by ``num_new`` free pages; returns their ids."""
         start = len(self._refcounts)
         self._refcounts.extend([0] * num_new)
-        self._free[:0] = range(start + num_new - 1, start - 1, -1)
+        num_extents = -(-len(self._refcounts) // self.extent_pages)
+        self._free_in_extent.extend([0] * (num_extents - len(self._free_in_extent)))
+        for page in range(max(start, NULL_PAGE + 1), start + num_new):
+            self._free_in_extent[page // self.extent_pages] += 1
+            heapq.heappush(self._singles, -page)
+            self._num_free += 1
+        for extent in range(start // self.extent_pages, num_extents):
+            if self._is_whole(extent):
+                heapq.heappush(self._extents, extent)
         return range(start, start + num_new)
 
     def allocate(self, num: int) -> list[int]:
-        """Takes ``num`` free pages (refcount 1 each), all or nothing.
+        """Takes ``num`` single pages (refcount 1 each), the highest free ids, in ascending order; all or nothing.
 
         Raises:
             PoolExhaustedError: fewer than ``num`` pages are free; nothing changed.
         """
-        if num > len(self._free):
-            raise PoolExhaustedError(num, len(self._free), self.num_pages)
-        pages = [self._free.pop() for _ in range(num)]
-        for page in pages:
-            self._refcounts[page] = 1
-        self.high_water = max(self.high_water, self.num_used)
+        self.ensure_free(num)
+        pages = [self._pop_single() for _ in range(num)]
+        self._note_use()
+        return sorted(pages)
+
+    def extend(self, anchor: int | None, num: int) -> list[int]:
+        """Takes the next ``num`` pages of a row whose last page is ``anchor`` (``None``: a row without pages).
+
+        Each page continues the extent of the one before while the next id there is free, else starts the lowest
+        wholly free extent, else is a single page (see the module docstring); all or nothing.
+
+        Raises:
+            PoolExhaustedError: fewer than ``num`` pages are free; nothing changed.
+        """
+        self.ensure_free(num)
+        pages = []
+        for _ in range(num):
+            anchor = self._next_after(anchor)
+            pages.append(anchor)
+        self._note_use()
         return pages
+
+    def ensure_free(self, num: int) -> None:
+        """Raises ``PoolExhaustedError`` if fewer than ``num`` pages are free (a ``KVPool`` grows instead if it can)."""
+        if num > self.num_free:
+            raise PoolExhaustedError(num, self.num_free, self.num_pages)
 
     def share(self, pages: list[int]) -> None:
         """Adds one reference to each used page."""
@@ -68,29 +122,86 @@ class PageAllocator:
         for page in pages:
             self._refcounts[page] += 1
 
-    def free(self, pages: list[int]) -> None:
-        """Drops one reference from each page; pages left with none go back to the free list.
-
-        Pages freed together are pushed last first, so that the next ``allocate`` hands them out in the
-        order they are given here: a row's consecutive pages come back consecutive.
-        """
-        for page in reversed(pages):
-            if page == NULL_PAGE or self._refcounts[page] == 0:
+    def free(self, pages: list[int]) -> list[int]:
+        """Drops one reference from each page; returns the pages left with none (free again)."""
+        for page, count in Counter(pages).items():
+            if page == NULL_PAGE or not 0 < page < len(self._refcounts) or self._refcounts[page] < count:
                 raise ValueError(f"Cannot free page {page}: it is not allocated.")
+        freed = []
+        for page in pages:
             self._refcounts[page] -= 1
             if self._refcounts[page] == 0:
-                self._free.append(page)
+                freed.append(page)
+                self._num_free += 1
+                heapq.heappush(self._singles, -page)
+                extent = page // self.extent_pages
+                self._free_in_extent[extent] += 1
+                if self._is_whole(extent):
+                    heapq.heappush(self._extents, extent)
+        if len(self._singles) > 2 * len(self._refcounts) + 64:  # drop stale entries now and then
+            self._rebuild_heaps()
+        return freed
 
     def refcount(self, page: int) -> int:
         return self._refcounts[page]
 
+    def is_free(self, page: int) -> bool:
+        return page != NULL_PAGE and self._refcounts[page] == 0
+
+    # ----- internals ---------------------------------------------------------------------------
+
+    def _is_whole(self, extent: int) -> bool:
+        """All pages of a full-size extent without the null page are free."""
+        size = self.extent_pages
+        if extent == NULL_PAGE // size or (extent + 1) * size > len(self._refcounts):
+            return False
+        return self._free_in_extent[extent] == size
+
+    def _take(self, page: int) -> int:
+        self._refcounts[page] = 1
+        self._free_in_extent[page // self.extent_pages] -= 1
+        self._num_free -= 1
+        return page
+
+    def _pop_single(self) -> int:
+        while True:
+            page = -heapq.heappop(self._singles)
+            if page != NULL_PAGE and self._refcounts[page] == 0:
+                return self._take(page)
+
+    def _next_after(self, anchor: int | None) -> int:
+        size = self.extent_pages
+        if anchor is not None:
+            candidate = anchor + 1
+            if candidate % size and candidate < len(self._refcounts) and self._refcounts[candidate] == 0:
+                return self._take(candidate)
+        while self._extents:
+            extent = heapq.heappop(self._extents)
+            if self._is_whole(extent):
+                return self._take(extent * size)
+        return self._pop_single()
+
+    def _note_use(self) -> None:
+        self.high_water = max(self.high_water, self.num_used)
+
+    def _rebuild_heaps(self) -> None:
+        self._singles = [-page for page in range(1, len(self._refcounts)) if self._refcounts[page] == 0]
+        heapq.heapify(self._singles)
+        self._extents = [extent for extent in range(len(self._free_in_extent)) if self._is_whole(extent)]
+        heapq.heapify(self._extents)
+
     def check_integrity(self) -> None:
-        """Raises ``AssertionError`` if the free list and reference counts disagree."""
-        free = set(self._free)
-        assert len(free) == len(self._free), "a page is on the free list twice"
-        assert NULL_PAGE not in free and self._refcounts[NULL_PAGE] == 0, "the null page was handed out"
-        for page in range(1, len(self._refcounts)):
-            count = self._refcounts[page]
-            assert count >= 0, f"page {page} has refcount {count}"
-            assert (count == 0) == (page in free), f"page {page}: refcount {count} but free={page in free}"
+        """Raises ``AssertionError`` if the free counts and reference counts disagree."""
+        assert self._refcounts[NULL_PAGE] == 0, "the null page was handed out"
+        free = [page for page in range(1, len(self._refcounts)) if self._refcounts[page] == 0]
+        assert len(free) == self.num_free, f"{len(free)} pages have refcount 0 but {self.num_free} are counted free"
+        assert all(count >= 0 for count in self._refcounts), "a negative refcount"
+        size = self.extent_pages
+        for extent, count in enumerate(self._free_in_extent):
+            pages = range(max(1, extent * size), min((extent + 1) * size, len(self._refcounts)))
+            expected = sum(1 for page in pages if self._refcounts[page] == 0)
+            assert count == expected, f"extent {extent}: {count} free pages counted, {expected} free"
+        assert set(free) <= {-page for page in self._singles}, "a free page is missing from the single-page heap"
+        whole = {extent for extent in range(len(self._free_in_extent)) if self._is_whole(extent)}
+        assert whole <= set(self._extents), "a wholly free extent is missing from the extent heap"
         assert self.high_water >= self.num_used, "high-water mark below current use"

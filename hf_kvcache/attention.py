@@ -11,7 +11,13 @@ where that is not enough:
   that order, and its band says which slots hold a token the step may see.
 
 This attention ANDs the layout into the model's mask and is ``"sdpa"`` otherwise, with the same
-masks (``sdpa_mask``). Load the model with it, or switch an existing one::
+masks (``sdpa_mask``).
+
+The paged layers (``PagedRows.attend``) hand a decode step's keys over as the pool's storage itself, with a
+``PagedRead``: this attention then runs compiled FlexAttention over the pages where they lie
+(``hf_kvcache.flex``), after checking that the model's mask hides exactly each row's leading padding; anything it
+cannot do in place (a mask with holes, softcapping, attention sinks, training, a shape that does not compile) it
+does on the same keys gathered, the slow twin. Load the model with it, or switch an existing one::
 
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="hf_kvcache")
     model.set_attn_implementation("hf_kvcache")
@@ -26,7 +32,9 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from hf_kvcache import flex
 from hf_kvcache.layers.ring import layout_of
+from hf_kvcache.layers.rows import PagedRead, paged_read_of
 from hf_kvcache.transformers_internals import attn_implementation, sdpa_attention_forward
 
 ATTENTION_NAME = "hf_kvcache"
@@ -65,6 +73,12 @@ def banded_sdpa_attention(
             ``None`` for plain causal attention.
         kwargs: passed on to ``sdpa_attention_forward`` (``scaling``, ``dropout``, ...).
     """
+    read = paged_read_of(key)
+    if read is not None:
+        output = paged_attention(module, query, key, value, read, attention_mask, kwargs)
+        if output is not None:
+            return output, None
+        key, value = read.gather()
     layout = layout_of(key)
     if layout is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -95,3 +109,60 @@ def banded_sdpa_attention(
         query, key, value, attn_mask=attention_mask, scale=kwargs.get("scaling"), enable_gqa=grouped
     )  # [batch, heads, n, head_dim]
     return output.transpose(1, 2).contiguous(), None
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    read: PagedRead,
+    attention_mask: torch.Tensor | None,
+    kwargs: dict,
+) -> torch.Tensor | None:
+    """One decode step's attention over the pool's pages in place; ``None`` where it must gather instead.
+
+    Args:
+        query: ``[batch, heads, 1, head_dim]``.
+        keys / values: one layer's storage ``[1, kv_heads, storage pages * page_size, head_dim]``.
+        attention_mask: the model's ``[batch, 1, 1, num_tokens]`` mask (boolean or additive), or ``None``.
+
+    Returns:
+        ``[batch, 1, heads, head_dim]`` (transformers' attention output layout).
+    """
+    for name in ("softcap", "s_aux", "position_bias", "sinks"):
+        if kwargs.get(name) is not None:
+            flex.log_path(name, f"the model's attention uses {name}, which the in-place kernel does not apply")
+            return None
+    if module.training or query.shape[2] != 1:
+        return None
+    if not mask_hides_padding_only(attention_mask, read.pads, read.num_tokens):
+        flex.log_path("mask", "the model's mask hides more than each row's leading padding")
+        return None
+    if query.dtype != keys.dtype:
+        flex.log_path("dtype", f"the query is {query.dtype} and the pool {keys.dtype} (autocast?)")
+        return None
+    try:
+        output = flex.decode_attention(query, keys, values, read.mask, kwargs.get("scaling"))
+    except flex.FlexUnavailable as error:
+        flex.log_path(f"compile:{error.reason}", error.reason)
+        return None
+    flex.log_path("in_place", f"compiled FlexAttention, KV blocks of {read.mask.block_tokens} tokens")
+    return output.transpose(1, 2).contiguous()
+
+
+def mask_hides_padding_only(attention_mask: torch.Tensor | None, pads: torch.Tensor, num_tokens: int) -> bool:
+    """Whether the model's mask for the step's (last) query hides exactly each row's first ``pads`` tokens.
+
+    Args:
+        attention_mask: ``[batch, 1, q, kv]`` boolean (true: seen) or additive (0: seen), or ``None`` (all seen).
+        pads: ``[batch]`` leading padding tokens of each row.
+    """
+    if attention_mask is None:
+        return not bool(pads.any())
+    if attention_mask.shape[-1] != num_tokens:
+        return False
+    last = attention_mask[:, 0, -1, :]  # [batch or 1, num_tokens]
+    seen = last if last.dtype == torch.bool else last == 0
+    expected = torch.arange(num_tokens, device=seen.device) >= pads.to(seen.device).view(-1, 1)  # [batch, tokens]
+    return bool(torch.equal(seen.expand_as(expected), expected))

@@ -13,9 +13,11 @@ from typing import Protocol
 
 
 class Allocator(Protocol):
+    def ensure_free(self, num: int) -> None: ...
     def allocate(self, num: int) -> list[int]: ...
+    def extend(self, anchor: int | None, num: int) -> list[int]: ...
     def share(self, pages: list[int]) -> None: ...
-    def free(self, pages: list[int]) -> None: ...
+    def free(self, pages: list[int]) -> list[int]: ...
     def refcount(self, page: int) -> int: ...
 
 
@@ -23,15 +25,18 @@ class PageTable:
     """Page ids of ``num_rows`` sequences of equal length.
 
     Args:
-        allocator: where pages come from and go back to (a ``PageAllocator`` or a ``KVPool``).
+        allocator: where pages come from and go back to (a ``PageAllocator`` or a ``KVPool``, under its lock).
         page_size: token slots per page.
+        row_extents: place each row's pages in runs after its last page (see the module docstring).
     """
 
-    def __init__(self, allocator: Allocator, page_size: int) -> None:
+    def __init__(self, allocator: Allocator, page_size: int, row_extents: bool = False) -> None:
         self.allocator = allocator
         self.page_size = page_size
+        self.row_extents = row_extents
         self.rows: list[list[int]] = []
         self.num_tokens = 0
+        self.num_filled: int | None = None  # tokens written per row, where fewer than num_tokens (a ring's plan)
         self.version = 0  # bumped whenever a page id in ``rows`` changes
 
     @property
@@ -76,9 +81,14 @@ class PageTable:
         num_new_pages = math.ceil(end / self.page_size) - len(rows[0])
         copies, fresh = self._copy_on_write(touched, num_new_pages * len(leaders))
         self.rows = rows
-        if fresh or copies:
+        if fresh or copies or num_new_pages:
             self.version += 1
-        new_pages = {row: fresh[i * num_new_pages : (i + 1) * num_new_pages] for i, row in enumerate(leaders)}
+        if self.row_extents:
+            new_pages = {
+                row: self.allocator.extend(rows[row][-1] if rows[row] else None, num_new_pages) for row in leaders
+            }
+        else:
+            new_pages = {row: fresh[i * num_new_pages : (i + 1) * num_new_pages] for i, row in enumerate(leaders)}
         for row in range(num_rows):
             pages = new_pages[firsts[row]]
             if firsts[row] != row:
@@ -103,7 +113,8 @@ class PageTable:
         return copies
 
     def _copy_on_write(self, cells: list[tuple[int, int]], num_extra: int) -> tuple[list[tuple[int, int]], list[int]]:
-        """Replaces each shared page at ``rows[row][index]`` by a fresh copy, and takes ``num_extra`` more pages."""
+        """Replaces each shared page at ``rows[row][index]`` by a fresh copy, and makes sure of ``num_extra`` more
+        pages: taken here (returned) for a table without ``row_extents``, left for ``Allocator.extend`` otherwise."""
         moved: Counter[int] = Counter()
         shared = []
         for row, index in cells:
@@ -113,7 +124,13 @@ class PageTable:
                 shared.append((row, index))
         if not shared and not num_extra:  # the common case of a ring's step: nothing to copy or take
             return [], []
-        fresh = self.allocator.allocate(len(shared) + num_extra)
+        self.allocator.ensure_free(len(shared) + num_extra)  # all or nothing: nothing below can fail
+        if self.row_extents:
+            fresh = []
+            for row, index in shared:
+                fresh += self.allocator.extend(self.rows[row][index - 1] if index else None, 1)
+        else:
+            fresh = self.allocator.allocate(len(shared) + num_extra)
         copies = []
         for (row, index), dst in zip(shared, fresh):
             copies.append((self.rows[row][index], dst))
@@ -152,13 +169,17 @@ class PageTable:
         """Returns every page to the pool; the table is empty afterwards."""
         self.release_rows()
         self.num_tokens = 0
+        self.num_filled = None
 
     def filled_slots(self) -> dict[int, int]:
-        """Filled slots of each distinct page this table holds."""
+        """Filled slots of each distinct page this table holds (0 for a page taken ahead of its tokens)."""
+        num_filled = self.num_tokens if self.num_filled is None else min(self.num_filled, self.num_tokens)
         filled: dict[int, int] = {}
         for row in self.rows:
             for index, page in enumerate(row):
-                filled[page] = min(self.page_size, self.num_tokens - index * self.page_size)
+                filled[page] = max(
+                    filled.get(page, 0), min(self.page_size, max(0, num_filled - index * self.page_size))
+                )
         return filled
 
     def check_integrity(self) -> None:

@@ -1,27 +1,35 @@
 """The KV pool: preallocated page storage for one model geometry on one device.
 
-Layout. Storage is a list of chunks allocated in a few large steps (a fixed-budget pool has
-exactly one). Chunk ``c`` holds the pages with ids ``[start_c, start_c + num_pages_c)``, in every layer
-of one *layer group* (``num_layers`` layers of one attention type; a model has ``num_layer_groups`` of
-them, each with its own page table, so a page id serves one layer group)::
+Layout. One storage tensor per kind, shaped once for the pool's life, holds every page in every layer
+of one *layer group* (``num_layers`` layers of one attention type; a model has ``num_layer_groups`` of them,
+each with its own page table, so a page id serves one layer group)::
 
-    keys[c], values[c]: [num_layers, num_kv_heads, num_pages_c, page_size, head_dim]
+    keys, values: [num_layers, num_kv_heads, num_storage_pages, page_size, head_dim]
 
     quantized values (format.value_bits set) instead, per *scale group* of value_group_size channels:
-    values[c]:       [num_layers, num_kv_heads, num_pages_c, page_size, code_dim]          uint8 codes
-    value_scales[c]: [num_layers, num_kv_heads, num_pages_c, page_size, 2 * num_scale_groups]  scales, zeros
+    values:       [num_layers, num_kv_heads, num_storage_pages, page_size, code_dim]             uint8 codes
+    value_scales: [num_layers, num_kv_heads, num_storage_pages, page_size, 2 * num_scale_groups]  scales, zeros
 
-    page id p       ->  chunk c with start_c <= p < start_c + num_pages_c, local page p - start_c
     slot            =   (layer_in_group, page id, offset < page_size): one token's key/value in one layer
     row r, token t  ->  slot t % page_size of page rows[r][t // page_size] of its layer group's page table
                         (a ring maps token t to a logical slot first: hf_kvcache.layers.ring)
+    extent e        =   pages [e * extent_pages, (e + 1) * extent_pages): what attention reads in place as one
+                        block of extent_pages * page_size tokens (hf_kvcache.allocator, hf_kvcache.flex)
 
-Page 0 (in chunk 0) is the null page. Pages never move once allocated: growing appends a chunk, all or
-nothing (a chunk that cannot be allocated leaves the pool as it was and the request fails alone). A page is
-zeroed when it is handed out, so no slot a request has not written can hold anything but zeros (an earlier
-request's overflowed values, NaN or inf, would poison attention that reads whole pages: 0 x NaN is NaN).
+Page 0 is the null page. A pool *opens* page ids as it needs them: a fixed pool all at once; a growable one
+(the default pools) ``DEFAULT_INITIAL_TOKENS`` worth first, then doubling up to its cap, all or nothing (a
+growth that cannot be had leaves the pool as it was, and the request fails alone). Its storage never changes
+shape where memory is committed lazily (the CPU: the cap is reserved once with ``torch.empty``, and only the
+pages opened are ever touched), so attention compiled for it never recompiles; on other devices (CUDA) the
+storage holds the opened pages only and a growth moves them into a larger one, under the pool's lock
+(``PoolStorage``: readers and writers take a snapshot and use its indices with it).
 
-Bookkeeping is delegated to a ``PageAllocator`` (ids and reference counts) and to the
+Every free page is all zeros (pages are zeroed when opened and when freed), so a slot a request has not
+written reads as zero, and attention that reads whole blocks in place reads nothing but zeros and the pages
+of live rows outside a row's own (an earlier request's overflowed values, NaN or inf, would poison it:
+0 x NaN is NaN).
+
+Bookkeeping is delegated to a ``PageAllocator`` (ids, reference counts, placement in extents) and to the
 ``PageTable`` of each cache's layer group; the pool serializes them with one lock, so threads running
 ``generate`` on different caches can share a pool. It also keeps live statistics and fires
 alerts when the share of used pages crosses a threshold.
@@ -33,6 +41,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,10 +57,13 @@ logger = logging.getLogger("hf_kvcache")
 AlertCallback = Callable[[float, dict[str, Any]], None]
 
 DEFAULT_INITIAL_TOKENS = 4096
-"""A default pool starts with room for this many tokens, then doubles as needed."""
+"""A default pool opens room for this many tokens first, then doubles as needed."""
 DEFAULT_MAX_MEMORY_FRACTION = 0.5
 """The default pools of one device grow, together, up to this fraction of the memory (CPU: the RAM, or the
 container's limit where lower; CUDA: the free memory when the first of them was made)."""
+DEFAULT_MAX_POOL_PAGES = 1 << 16
+"""A default pool holds at most this many pages (a million tokens of pages of 16): attention reads its storage
+in place with tables of one entry per page and row (``hf_kvcache.flex``), which this keeps small."""
 CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 """Where a container's memory limit is read (cgroup v2, then v1)."""
 
@@ -59,6 +71,11 @@ _NAMED_POOLS: "weakref.WeakValueDictionary[str, KVPool]" = weakref.WeakValueDict
 _DEFAULT_POOLS: dict[tuple[PageFormat, torch.device], "KVPool"] = {}
 _DEFAULT_BUDGETS: dict[torch.device, "MemoryBudget"] = {}
 _REGISTRY_LOCK = threading.Lock()
+
+
+def commits_lazily(device: torch.device) -> bool:
+    """Whether memory reserved on ``device`` is only committed where it is touched (the CPU's, through the OS)."""
+    return device.type == "cpu"
 
 
 def memory_limit_bytes() -> int:
@@ -109,15 +126,44 @@ class MemoryBudget:
             self.total_bytes = max(self.used_bytes, min(self.total_bytes, total_bytes))
 
 
+@dataclass(frozen=True)
+class PoolStorage:
+    """The pool's storage tensors at one time (a growth that moves pages makes a new one).
+
+    Indices into the storage depend on its page count, so code that writes or reads takes one snapshot
+    (``KVPool.storage``; writers under ``KVPool.lock``) and uses indices built for it with it: pages written
+    before a growth are in the new storage too, and the old one stays valid for reading them.
+
+    Attributes:
+        keys / values / value_scales: see the module docstring; ``value_scales`` is ``None`` unless values are
+            quantized.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    value_scales: torch.Tensor | None
+
+    @property
+    def num_pages(self) -> int:
+        """Page ids the tensors hold (the null page and pages never opened included)."""
+        return self.keys.shape[2]
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(tensor for tensor in (self.keys, self.values, self.value_scales) if tensor is not None)
+
+
 class KVPool:
     """Pages of KV memory for one model geometry (``PageFormat``) on one device.
 
     Args:
         page_format: geometry and dtype of a page.
-        num_pages: page ids to allocate now, the null page included (>= 2).
+        num_pages: page ids to open now, the null page included (>= 2).
         device: where the storage lives.
         max_pages: let the pool grow, in doublings, up to this many page ids; ``None`` for a fixed pool.
         budget: a memory budget the pool's growth also draws from (the default pools of a device share one).
+        reserve: reserve storage for ``max_pages`` up front, so that it never changes (default: where memory is
+            committed lazily, ``commits_lazily``); otherwise a growth moves the pages to a larger storage.
         name: register the pool under this name so a ``cache_config`` can say ``{"pool": name}``.
         alert_thresholds: fractions of the pool's capacity whose upward crossing logs a warning and
             calls the alert callbacks (once per crossing).
@@ -131,6 +177,7 @@ class KVPool:
         *,
         max_pages: int | None = None,
         budget: "MemoryBudget | None" = None,
+        reserve: bool | None = None,
         name: str | None = None,
         alert_thresholds: tuple[float, ...] = (0.9,),
     ) -> None:
@@ -143,16 +190,13 @@ class KVPool:
         self.format = page_format
         self.device = normalize_device(device)
         self.max_pages = max_pages or num_pages
+        self.reserves = commits_lazily(self.device) if reserve is None else reserve
         self._budget = budget
         self.name = name
         self.lock = threading.RLock()
-        self._allocator = PageAllocator(num_pages)
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        self.value_scales: list[torch.Tensor] = []  # quantized values only
-        self.chunk_starts: list[int] = []
-        self.chunk_sizes: list[int] = []
-        self._add_chunk(0, num_pages)
+        self._allocator = PageAllocator(num_pages, page_format.extent_pages)
+        self.storage = self._reserve_storage(num_pages)
+        self._zero_range(0, self._storage_pages(num_pages))
         self._tables: weakref.WeakSet[PageTable] = weakref.WeakSet()
         self._thresholds = sorted(alert_thresholds)
         self._armed = [True] * len(self._thresholds)
@@ -176,6 +220,67 @@ class KVPool:
     def __deepcopy__(self, memo: dict[int, Any]) -> "KVPool":
         """A pool is a shared resource: ``generate`` deep-copies its config, never the pool in it."""
         return self
+
+    # ----- storage ---------------------------------------------------------------------------
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """``[num_layers, num_kv_heads, num_storage_pages, page_size, head_dim]``, the current storage's keys."""
+        return self.storage.keys
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.storage.values
+
+    @property
+    def value_scales(self) -> torch.Tensor | None:
+        return self.storage.value_scales
+
+    @property
+    def storage_is_fixed(self) -> bool:
+        """Whether the storage never moves: it holds every page id the pool may ever open (views of it stay valid)."""
+        return self.storage.num_pages >= self.max_pages
+
+    def _storage_pages(self, num_pages: int) -> int:
+        """Storage page ids for ``num_pages`` opened ones: whole extents (attention reads whole blocks)."""
+        extent = self.format.extent_pages
+        return -(-num_pages // extent) * extent
+
+    def _new_storage(self, num_pages: int) -> PoolStorage:
+        """Uninitialized storage for ``num_pages`` page ids (committed where touched only, on the CPU)."""
+        fmt = self.format
+        shape = (fmt.num_layers, fmt.num_kv_heads, self._storage_pages(num_pages), fmt.page_size)
+        quant = fmt.value_format
+        # Normal tensors even when made under torch.inference_mode(): the pool outlives that scope and is
+        # written in place by later calls that may run outside it.
+        with torch.inference_mode(False):
+            keys = torch.empty(*shape, fmt.head_dim, dtype=fmt.dtype, device=self.device)  # [L, H, P, ps, D]
+            if quant is None:
+                values = torch.empty(*shape, fmt.head_dim, dtype=fmt.dtype, device=self.device)
+                scales = None
+            else:  # codes [..., code_dim] and (scale, zero) per scale group [..., 2 * num_scale_groups]
+                values = torch.empty(*shape, quant.code_dim, dtype=torch.uint8, device=self.device)
+                scales = torch.empty(*shape, 2 * quant.num_scale_groups, dtype=fmt.dtype, device=self.device)
+        return PoolStorage(keys, values, scales)
+
+    def _reserve_storage(self, num_pages: int) -> PoolStorage:
+        """The storage a new pool starts with: its cap where it reserves (halved until the device grants it)."""
+        if not self.reserves or self.max_pages == num_pages:
+            return self._new_storage(num_pages)
+        while True:
+            try:
+                return self._new_storage(self.max_pages)
+            except (RuntimeError, MemoryError) as error:  # torch's out-of-memory errors are RuntimeErrors
+                if self.max_pages // 2 < num_pages:
+                    raise
+                logger.warning(
+                    "KV pool on %s could not reserve %d pages (%s); trying half.", self.device, self.max_pages, error
+                )
+                self.max_pages //= 2
+
+    def _zero_range(self, start: int, end: int) -> None:
+        for tensor in self.storage.tensors:
+            tensor[:, :, start:end].zero_()
 
     # ----- construction -------------------------------------------------------------------
 
@@ -251,9 +356,12 @@ class KVPool:
     def default(cls, page_format: PageFormat, device: str | torch.device, group: Any = None) -> "KVPool":
         """The shared growable pool for this format and device, made on first use.
 
-        It starts with room for ``DEFAULT_INITIAL_TOKENS`` tokens and doubles when full. The default pools of one
-        device share one ``MemoryBudget``: together they hold at most ``DEFAULT_MAX_MEMORY_FRACTION`` of the RAM
-        (CPU; the container's limit where lower, ``memory_limit_bytes``) or of the free memory (CUDA).
+        It opens room for ``DEFAULT_INITIAL_TOKENS`` tokens first and doubles when full, up to
+        ``DEFAULT_MAX_POOL_PAGES`` pages. The default pools of one device share one ``MemoryBudget``: together they
+        open at most ``DEFAULT_MAX_MEMORY_FRACTION`` of the RAM (CPU; the container's limit where lower,
+        ``memory_limit_bytes``) or of the free memory (CUDA). On the CPU the pool reserves its cap once, without
+        committing it (``commits_lazily``): its storage never changes shape. On CUDA, where reserved memory is
+        committed, it holds what it has opened and a growth moves the pages to a storage twice the size.
 
         Args:
             group: the process group of a tensor-parallel model's ranks: the budget is then the smallest of theirs
@@ -271,7 +379,7 @@ class KVPool:
         with _REGISTRY_LOCK:
             pool = _DEFAULT_POOLS.get((page_format, device))
             if pool is None:
-                max_pages = max(2, budget.total_bytes // page_format.page_bytes)
+                max_pages = max(2, min(DEFAULT_MAX_POOL_PAGES, budget.total_bytes // page_format.page_bytes))
                 # What the other formats' default pools left of the budget, at least the null page and one more.
                 room = max(2, budget.free_bytes // page_format.page_bytes)
                 num_pages = min(max_pages, room, page_format.pages_for_tokens(DEFAULT_INITIAL_TOKENS) + 1)
@@ -280,30 +388,8 @@ class KVPool:
                 _DEFAULT_POOLS[(page_format, device)] = pool
             return pool
 
-    def _add_chunk(self, start: int, num_pages: int) -> None:
-        """Appends the storage of pages ``[start, start + num_pages)``: all of it, or (if allocating fails) none."""
-        fmt = self.format
-        shape = (fmt.num_layers, fmt.num_kv_heads, num_pages, fmt.page_size)
-        quant = fmt.value_format
-        # Normal tensors even when made under torch.inference_mode(): the pool outlives that scope and is
-        # written in place by later calls that may run outside it.
-        with torch.inference_mode(False):
-            keys = torch.zeros(*shape, fmt.head_dim, dtype=fmt.dtype, device=self.device)
-            if quant is None:
-                values = torch.zeros(*shape, fmt.head_dim, dtype=fmt.dtype, device=self.device)
-                scales = None
-            else:  # codes [..., code_dim] and (scale, zero) per scale group [..., 2 * num_scale_groups]
-                values = torch.zeros(*shape, quant.code_dim, dtype=torch.uint8, device=self.device)
-                scales = torch.zeros(*shape, 2 * quant.num_scale_groups, dtype=fmt.dtype, device=self.device)
-        self.keys.append(keys)
-        self.values.append(values)
-        if scales is not None:
-            self.value_scales.append(scales)
-        self.chunk_starts.append(start)
-        self.chunk_sizes.append(num_pages)
-
     def _growth_room(self) -> int:
-        """Page ids the pool can still add: up to ``max_pages``, and within its memory budget if it has one."""
+        """Page ids the pool can still open: up to ``max_pages``, and within its memory budget if it has one."""
         room = self.max_pages - (self._allocator.num_pages + 1)
         if self._budget is not None:
             room = min(room, self._budget.free_bytes // self.format.page_bytes)
@@ -316,9 +402,9 @@ class KVPool:
             return self._allocator.num_pages + self._growth_room()
 
     def _grow(self, num_needed: int) -> bool:
-        """Doubles the pool (as often as needed, within its room); False if it cannot hold ``num_needed`` more.
+        """Doubles the opened page ids (as often as needed, within the room); False if ``num_needed`` more cannot fit.
 
-        All or nothing: if the device cannot allocate the new chunk, the pool stays as it was.
+        All or nothing: if the device cannot allocate a larger storage, the pool stays as it was.
         """
         num_ids = self._allocator.num_pages + 1
         room = self._growth_room()
@@ -330,13 +416,18 @@ class KVPool:
         num_bytes = (target - num_ids) * self.format.page_bytes
         if self._budget is not None and not self._budget.reserve(num_bytes):
             return False  # another default pool of this device took the room meanwhile
-        try:
-            self._add_chunk(num_ids, target - num_ids)
-        except (RuntimeError, MemoryError) as error:  # torch's out-of-memory errors are RuntimeErrors
-            if self._budget is not None:
-                self._budget.release(num_bytes)
-            logger.warning("KV pool on %s could not grow by %d bytes: %s", self.device, num_bytes, error)
-            return False
+        if target > self.storage.num_pages:  # not reserved: move the pages to a larger storage
+            try:
+                larger = self._new_storage(target)
+            except (RuntimeError, MemoryError) as error:  # torch's out-of-memory errors are RuntimeErrors
+                if self._budget is not None:
+                    self._budget.release(num_bytes)
+                logger.warning("KV pool on %s could not grow by %d bytes: %s", self.device, num_bytes, error)
+                return False
+            for old, new in zip(self.storage.tensors, larger.tensors):
+                new[:, :, :num_ids].copy_(old[:, :, :num_ids])
+            self.storage = larger
+        self._zero_range(num_ids, self._storage_pages(target))  # whole extents: attention reads them whole
         self._allocator.add_pages(target - num_ids)
         logger.info(
             "KV pool on %s grew to %d pages (%.1f MiB).", self.device, target, self.stats()["bytes_total"] / 2**20
@@ -345,8 +436,8 @@ class KVPool:
 
     # ----- pages ----------------------------------------------------------------------------
 
-    def allocate(self, num: int) -> list[int]:
-        """Takes ``num`` pages, growing a default pool if needed; all or nothing. The pages come zeroed.
+    def ensure_free(self, num: int) -> None:
+        """Makes sure ``num`` pages are free, growing a default pool if needed.
 
         Raises:
             PoolExhaustedError: the pool (at its cap) cannot hold ``num`` more pages.
@@ -360,35 +451,58 @@ class KVPool:
                     f"Pages hold {self.format.page_size} tokens. Give the pool more room (KVPool.for_model(..., "
                     "max_tokens=...) or cache_config max_tokens), or lower the batch size or max_new_tokens.",
                 )
+
+    def allocate(self, num: int) -> list[int]:
+        """Takes ``num`` single pages (``PageAllocator.allocate``), growing a default pool if needed; all or nothing.
+
+        The pages are all zeros. Raises ``PoolExhaustedError`` as ``ensure_free``.
+        """
+        with self.lock:
+            self.ensure_free(num)
             pages = self._allocator.allocate(num)
             self._check_alerts()
-        self._zero(pages)  # outside the lock: the pages are the caller's alone now
-        return pages
+            return pages
 
-    def _zero(self, pages: list[int]) -> None:
-        """Zeroes every layer's slots of ``pages``."""
-        if not pages:
-            return
-        ids = torch.tensor(pages, dtype=torch.long)
-        for chunk_idx, (start, size) in enumerate(zip(self.chunk_starts, self.chunk_sizes)):
-            local = ids[(ids >= start) & (ids < start + size)] - start
-            if local.numel():
-                local = local.to(self.device)
-                for storage in (self.keys, self.values, self.value_scales):
-                    if storage:
-                        storage[chunk_idx].index_fill_(2, local, 0)
+    def extend(self, anchor: int | None, num: int) -> list[int]:
+        """Takes a row's next ``num`` pages after its page ``anchor`` (``PageAllocator.extend``), growing a default
+        pool if needed; all or nothing. The pages are all zeros. Raises ``PoolExhaustedError`` as ``ensure_free``."""
+        with self.lock:
+            self.ensure_free(num)
+            pages = self._allocator.extend(anchor, num)
+            self._check_alerts()
+            return pages
 
     def share(self, pages: list[int]) -> None:
         with self.lock:
             self._allocator.share(pages)
 
-    def free(self, pages: list[int]) -> None:
+    def free(self, pages: list[int]) -> list[int]:
+        """Drops one reference from each page; the pages left with none are zeroed (free pages are all zeros)."""
         with self.lock:
-            self._allocator.free(pages)
+            freed = self._allocator.free(pages)
+            if freed:
+                index = torch.tensor(freed, dtype=torch.long, device=self.device)
+                for tensor in self.storage.tensors:
+                    tensor.index_fill_(2, index, 0)
             self._check_alerts()
+            return freed
 
     def refcount(self, page: int) -> int:
         return self._allocator.refcount(page)
+
+    def foreign_pages(self, pages: set[int], extents: list[int]) -> list[int]:
+        """Pages of ``extents`` that are neither in ``pages`` nor free (the null page among them): what attention
+        that reads those extents whole reads of other rows than the ones holding ``pages``. Free pages, and those
+        never opened, are all zeros."""
+        size = self.format.extent_pages
+        with self.lock:
+            num_ids = self._allocator.num_pages + 1
+            return [
+                page
+                for extent in extents
+                for page in range(extent * size, min((extent + 1) * size, num_ids))
+                if page not in pages and not self._allocator.is_free(page)
+            ]
 
     @property
     def num_available_pages(self) -> int:
@@ -396,41 +510,42 @@ class KVPool:
         with self.lock:
             return self._allocator.num_free + self._growth_room()
 
-    def new_table(self, group: Any = None) -> PageTable:
+    def new_table(self, row_extents: bool = False, group: Any = None) -> PageTable:
         """An empty page table drawing from this pool, counted in its statistics.
 
         Args:
+            row_extents: ``PageTable``'s ``row_extents``.
             group: the process group of a tensor-parallel model's ranks: the table's allocations are then agreed
                 over it (``AgreedPages``).
         """
         allocator: Allocator = self if group is None else AgreedPages(self, group)
-        table = PageTable(allocator, self.format.page_size)
+        table = PageTable(allocator, self.format.page_size, row_extents)
         with self.lock:
             self._tables.add(table)
         return table
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
         """Copies every layer's slots of page ``src`` into page ``dst`` for each ``(src, dst)``."""
-        for src, dst in pairs:
-            (src_chunk, src_local), (dst_chunk, dst_local) = self.locate(src), self.locate(dst)
-            for storage in (self.keys, self.values, self.value_scales):
-                if not storage:
-                    continue
-                storage[dst_chunk][:, :, dst_local] = storage[src_chunk][:, :, src_local]
-
-    def locate(self, page: int) -> tuple[int, int]:
-        """``(chunk index, page index inside the chunk)`` of a page id."""
-        for chunk_idx, (start, size) in enumerate(zip(self.chunk_starts, self.chunk_sizes)):
-            if start <= page < start + size:
-                return chunk_idx, page - start
-        raise ValueError(f"Page id {page} is outside the pool ({self._allocator.num_pages + 1} ids).")
+        if not pairs:
+            return
+        src = torch.tensor([pair[0] for pair in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([pair[1] for pair in pairs], dtype=torch.long, device=self.device)
+        with self.lock:
+            for tensor in self.storage.tensors:
+                tensor.index_copy_(2, dst, tensor.index_select(2, src))
 
     # ----- statistics -----------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
         """Live statistics as a plain dict.
 
-        ``utilization`` is the bytes of the tokens held divided by the bytes of the pages handed
+        Pages are counted as handed out: ``pages_total`` is the pages the pool has opened (a default pool opens
+        more as it grows, up to ``max_pages``, within its memory budget), ``pages_used`` those held by page tables.
+        ``bytes_total`` is the memory of the opened pages, which is what the pool has committed: opened pages are
+        zeroed, and the rest of a reserved storage (``bytes_reserved``, a CPU default pool's cap) is never
+        touched. ``pages_unfilled`` counts pages held that no token has been written to yet (a ring takes its
+        planned pages at its first write); rows of paged layers place their pages in extents but never hold one
+        ahead. ``utilization`` is the bytes of the tokens held divided by the bytes of the pages handed
         out (1.0 when every used page is full; shared pages count once). ``live_tables`` counts the
         page tables of caches not yet garbage collected (0 again once every cache is gone).
         """
@@ -443,6 +558,8 @@ class KVPool:
             tokens = sum(filled.values())
             return {
                 "pages_total": self._allocator.num_pages,
+                "extent_pages": self.format.extent_pages,
+                "pages_unfilled": sum(1 for count in filled.values() if count == 0),
                 "pages_used": used,
                 "pages_free": self._allocator.num_free,
                 "max_pages": self._allocator.num_pages + self._growth_room(),
@@ -450,6 +567,7 @@ class KVPool:
                 "page_size": self.format.page_size,
                 "page_bytes": page_bytes,
                 "bytes_total": (self._allocator.num_pages + 1) * page_bytes,
+                "bytes_reserved": self.storage.num_pages * page_bytes,
                 "bytes_used": used * page_bytes,
                 "tokens_held": tokens,
                 "live_tables": len(self._tables),
@@ -494,18 +612,19 @@ class KVPool:
             for page, count in references.items():
                 assert self._allocator.refcount(page) == count, f"page {page}: refcount != {count} table references"
             assert self._allocator.num_used == len(references), "pages used that no live table holds (a leak)"
-            assert sum(self.chunk_sizes) == self._allocator.num_pages + 1, "chunks and page ids disagree"
+            assert self.storage.num_pages >= self._allocator.num_pages + 1, "page ids past the storage"
 
 
 class AgreedPages:
     """A pool's pages as the ``Allocator`` of a page table whose allocations the ranks of a process group make together.
 
     The ranks of a tensor-parallel model each hold a shard of the same rows, so their tables ask for as many pages
-    at the same steps. Each rank takes them from its own pool, then the ranks agree on whether every one of them
-    could (one small collective per allocation, i.e. per new page of a layer group or copy on write, beside the
-    model's two per layer and token): if one could not (its pool at its cap, its device out of memory), every rank
-    gives back what it took and raises ``PoolExhaustedError``, naming the fewest pages any rank had. No rank goes
-    on alone into the model's next collective, where it would wait for the others until the group's timeout.
+    at the same steps. A table makes sure of its pages (``ensure_free``) before it takes any, and there the ranks
+    agree on whether every one of them can (one small collective per allocation, i.e. per new page of a layer
+    group or copy on write, beside the model's two per layer and token): if one cannot (its pool at its cap, its
+    device out of memory), every rank raises ``PoolExhaustedError``, naming the fewest pages any rank had, with
+    nothing taken. No rank goes on alone into the model's next collective, where it would wait for the others
+    until the group's timeout.
 
     Args:
         pool: this rank's pool.
@@ -516,20 +635,20 @@ class AgreedPages:
         self.pool = pool
         self.group = group
 
-    def allocate(self, num: int) -> list[int]:
+    def ensure_free(self, num: int) -> None:
+        """Makes sure ``num`` pages are free on every rank (a page table asks before it takes any)."""
         if not num:  # every rank asks for as many pages: no need to agree on none
-            return []
+            return
         pool = self.pool
         available = pool.num_available_pages
         try:
-            pages = pool.allocate(num)
+            pool.ensure_free(num)
+            ready = True
         except PoolExhaustedError:
-            pages = None
-        everyone, fewest = agree([int(pages is not None), available], self.group, pool.device)
+            ready = False
+        everyone, fewest = agree([int(ready), available], self.group, pool.device)
         if everyone:
-            return pages
-        if pages is not None:
-            pool.free(pages)
+            return
         raise PoolExhaustedError(
             num,
             fewest,
@@ -539,11 +658,17 @@ class AgreedPages:
             "size or max_new_tokens.",
         )
 
+    def allocate(self, num: int) -> list[int]:  # after ensure_free: cannot fail
+        return self.pool.allocate(num)
+
+    def extend(self, anchor: int | None, num: int) -> list[int]:  # after ensure_free: cannot fail
+        return self.pool.extend(anchor, num)
+
     def share(self, pages: list[int]) -> None:
         self.pool.share(pages)
 
-    def free(self, pages: list[int]) -> None:
-        self.pool.free(pages)
+    def free(self, pages: list[int]) -> list[int]:
+        return self.pool.free(pages)
 
     def refcount(self, page: int) -> int:
         return self.pool.refcount(page)

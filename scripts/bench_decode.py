@@ -2,13 +2,16 @@
 
 Two suites, each measured against its baselines in the same run:
 
-- ``paged`` (default): ``paged_pool`` next to ``DynamicCache`` and ``StaticCache``; writes ``benchmarks/decode.json``.
+- ``paged`` (default): ``paged_pool`` next to ``DynamicCache`` and ``StaticCache``, at 1,024 and 4,096 tokens:
+  under ``attn_implementation="hf_kvcache"`` (decode reads the pages in place) and ``"sdpa"`` (gathered), each on
+  the default pool and a fixed one, and in place on a fragmented default pool (``hf_kvcache.bench.catalogue``);
+  each row says which path it took and the compile seconds of its first call; writes ``benchmarks/decode.json``.
 - ``sliding``: ``sliding_ring`` next to transformers' sliding-window caches (``dynamic_sliding``,
   ``static_sliding``) at the same ``--window``, with the full ``DynamicCache`` as reference; prompts longer
   than the window; writes ``benchmarks/decode_ring.json``.
-- ``quantized``: ``quantized_values`` (int8, int4 values) next to transformers' ``QuantizedCache`` (quanto
-  and hqq, int4 and int2 keys and values) and ``DynamicCache``, at 4,096 tokens; writes
-  ``benchmarks/decode_quantized.json``.
+- ``quantized``: ``quantized_values`` (int8, int4 values; on a fixed pool and on the default pool, ``-default``)
+  next to transformers' ``QuantizedCache`` (quanto and hqq, int4 and int2 keys and values) and ``DynamicCache``,
+  at 4,096 tokens; writes ``benchmarks/decode_quantized.json``.
 
 Examples (CPU, fp32)::
 
@@ -17,6 +20,11 @@ Examples (CPU, fp32)::
 
 ``--caches``, ``--lengths`` and ``--output`` override a suite's. Writes the record (machine, settings,
 results) to ``--output`` as JSON and prints a Markdown table.
+
+``--profile CACHE`` instead prints where the time of one decode step of ``CACHE`` goes (``torch.profiler``), at
+the first of ``--lengths`` and ``--batches``, e.g. one 4,096 x 8 step in place::
+
+    PYTHONPATH=. python scripts/bench_decode.py --profile paged_pool --lengths 4096 --batches 8
 """
 
 import argparse
@@ -28,6 +36,7 @@ from hf_kvcache.bench.decode import (
     DecodeBenchConfig,
     essay_token_stream,
     markdown_table,
+    profile_decode,
     results_record,
     run_decode_benchmark,
 )
@@ -36,7 +45,7 @@ from hf_kvcache.eval import environment
 from hf_kvcache.models import BUNDLED_MODEL, load_bundled_model
 
 SUITES = {
-    "paged": {"caches": FULL_CACHES, "lengths": (256, 1024, 4096), "output": Path("benchmarks/decode.json")},
+    "paged": {"caches": FULL_CACHES, "lengths": (1024, 4096), "output": Path("benchmarks/decode.json")},
     "quantized": {
         "caches": (BASELINE, *QUANTIZED_CACHES),
         "lengths": (4096,),
@@ -61,6 +70,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--caches", nargs="+", choices=CACHE_NAMES, help="caches to time (default: the suite's)")
     parser.add_argument("--window", type=int, default=defaults.window, help="tokens kept by the sliding caches")
     parser.add_argument("--output", type=Path, help="JSON record path (default: the suite's)")
+    parser.add_argument("--profile", choices=CACHE_NAMES, help="print a profile of one decode step of this cache")
     add_machine_args(parser)
     return parser.parse_args()
 
@@ -81,6 +91,10 @@ def main() -> None:
     device, dtype = machine_settings(args)
     model, tokenizer = load_bundled_model(dtype=dtype, device=device)
     info = environment(device, dtype)
+    if args.profile:
+        length, batch = config.lengths[0], config.batches[0]
+        print(profile_decode(model, essay_token_stream(tokenizer), args.profile, length, batch, config))
+        return
     with OtherCpuUse() as others:
         results = run_decode_benchmark(model, essay_token_stream(tokenizer), config)
     record = results_record(results, config, info)

@@ -9,7 +9,9 @@ from hf_kvcache.allocator import NULL_PAGE, PageAllocator
 from hf_kvcache.errors import PoolExhaustedError
 
 operations = st.lists(
-    st.tuples(st.sampled_from(["allocate", "share", "free", "grow"]), st.integers(0, 6), st.integers(0, 1000)),
+    st.tuples(
+        st.sampled_from(["allocate", "extend", "share", "free", "grow"]), st.integers(0, 6), st.integers(0, 1000)
+    ),
     max_size=60,
 )
 
@@ -17,7 +19,7 @@ operations = st.lists(
 @settings(max_examples=200, deadline=None)
 @given(operations)
 def test_allocator_random_operations_keep_integrity(ops):
-    allocator = PageAllocator(12)
+    allocator = PageAllocator(12, extent_pages=4)
     held: list[int] = []  # one entry per reference we hold
     for op, count, pick in ops:
         if op == "allocate":
@@ -28,6 +30,15 @@ def test_allocator_random_operations_keep_integrity(ops):
                 assert allocator.num_free == free_before
             else:
                 pages = allocator.allocate(count)
+                assert NULL_PAGE not in pages and len(set(pages)) == count
+                held += pages
+        elif op == "extend":
+            anchor = held[pick % len(held)] if held and pick % 2 else None
+            if count > allocator.num_free:
+                with pytest.raises(PoolExhaustedError):
+                    allocator.extend(anchor, count)
+            else:
+                pages = allocator.extend(anchor, count)
                 assert NULL_PAGE not in pages and len(set(pages)) == count
                 held += pages
         elif op == "share" and held:
@@ -55,6 +66,24 @@ def test_allocator_errors_name_the_numbers():
         allocator.allocate(5)
     assert (error.value.requested_pages, error.value.free_pages, error.value.total_pages) == (5, 1, 3)
     with pytest.raises(ValueError, match="not allocated"):
-        allocator.free([3])
+        allocator.free([1])  # single pages come from the top: 2 and 3 are held
     with pytest.raises(ValueError, match="num_pages must be >= 2"):
         PageAllocator(1)
+
+
+def test_rows_take_aligned_extents_and_singles_come_from_the_top():
+    """A row grows inside its extent, then starts the lowest wholly free one; single pages take the highest ids;
+    once no extent is whole, a row takes single pages (it never fails while pages are free)."""
+    allocator = PageAllocator(24, extent_pages=4)  # extents 0 (with the null page), 1..5
+    first = allocator.extend(None, 3)
+    second = allocator.extend(None, 2)
+    assert first == [4, 5, 6] and second == [8, 9]
+    assert allocator.extend(first[-1], 3) == [7, 12, 13]  # the rest of its extent, then the next whole one
+    assert allocator.allocate(2) == [22, 23]
+    assert allocator.extend(second[-1], 2) == [10, 11]
+    allocator.extend(None, 4)  # 16..19
+    assert allocator.extend(None, 3) == [21, 20, 15]  # no whole extent left: the highest single pages
+    allocator.check_integrity()
+    freed = allocator.free([8, 9, 10, 11])
+    assert freed == [8, 9, 10, 11] and allocator.extend(None, 1) == [8]  # a whole extent again
+    allocator.check_integrity()

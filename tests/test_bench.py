@@ -99,6 +99,17 @@ def test_bytes_per_token(results: list[DecodeResult]) -> None:
             assert EXACT_BYTES <= r.kv_bytes_per_token < 2 * EXACT_BYTES
 
 
+def test_rows_say_which_pool_and_path_they_took(results: list[DecodeResult]) -> None:
+    """Short contexts (below ``flex.MIN_IN_PLACE_TOKENS``) gather even under ``hf_kvcache``; nothing compiles."""
+    kinds = {r.cache: (r.pool, r.attention) for r in results}
+    assert kinds["paged_pool"] == ("default", "hf_kvcache") and kinds["paged_pool_sdpa_fixed"] == ("fixed", "sdpa")
+    assert kinds["paged_pool_fragmented"] == ("fragmented", "hf_kvcache")
+    assert kinds["dynamic"] == (None, "sdpa")
+    for r in results:
+        expected = "-" if r.pool is None or r.cache in SLIDING_CACHES else "gathered"
+        assert r.path == expected and r.compile_s == 0
+
+
 def test_full_caches_alone_still_run(tiny_llama_model: PreTrainedModel) -> None:
     stream = torch.arange(8)
     config = DecodeBenchConfig(lengths=(8,), batches=(1,), steps=1, rounds=1, warmup_steps=0)
@@ -111,8 +122,8 @@ def test_full_caches_alone_still_run(tiny_llama_model: PreTrainedModel) -> None:
 def test_markdown_table_and_record(results: list[DecodeResult]) -> None:
     lines = markdown_table(results, busy_cores=float("inf")).splitlines()
     assert len(lines) == 2 + len(results)
-    assert lines[2].startswith("| dynamic | - | 16 | 1 |")
-    assert lines[5].startswith(f"| dynamic_sliding | {WINDOW} | 16 | 1 |")
+    assert lines[2].startswith("| dynamic | - | - (sdpa) | - | 16 | 1 |")
+    assert lines[2 + len(FULL_CACHES)].startswith(f"| dynamic_sliding | - | - (sdpa) | {WINDOW} | 16 | 1 |")
     config = DecodeBenchConfig(lengths=LENGTHS, batches=BATCHES, caches=CACHE_NAMES, window=WINDOW)
     record = json.loads(json.dumps(results_record(results, config, environment(torch.device("cpu"), torch.float32))))
     assert set(record) == {"machine", "config", "results"}

@@ -17,6 +17,7 @@ ORDER = [
     "page_table",
     "pool",
     "kernels",
+    "flex",
     "transformers_internals",
     "layers",
     "attention",

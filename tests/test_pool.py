@@ -31,7 +31,8 @@ def test_page_format_sizes_and_checks():
 def test_for_model_sizes_by_tokens_or_bytes(tiny_llama_model):
     by_tokens = KVPool.for_model(tiny_llama_model, max_tokens=100, page_size=8)
     assert by_tokens.stats()["pages_total"] == 13  # ceil(100 / 8) usable pages
-    assert by_tokens.keys[0].shape == (2, 2, 14, 8, 16)  # [layers, heads, pages incl. null, slots, head_dim]
+    # [layers, heads, pages incl. null rounded up to whole extents of 128 tokens, slots, head_dim]
+    assert by_tokens.keys.shape == (2, 2, 16, 8, 16)
     page_bytes = by_tokens.format.page_bytes
     by_bytes = KVPool.for_model(tiny_llama_model, max_bytes=10 * page_bytes + 5, page_size=8)
     assert by_bytes.stats()["bytes_total"] == 10 * page_bytes
@@ -88,17 +89,26 @@ def test_exhaustion_is_all_or_nothing():
     assert pool.stats()["pages_used"] == 3
 
 
-def test_growable_pool_doubles_up_to_its_cap():
-    pool = KVPool(FORMAT, num_pages=4, max_pages=20)
+@pytest.mark.parametrize("reserve", [True, False], ids=["reserved", "moved"])
+def test_growable_pool_doubles_up_to_its_cap(reserve):
+    """A growable pool opens page ids in doublings up to its cap. Reserved (the CPU's default): one storage for
+    the pool's life, so views of it and compiled attention stay valid. Not reserved (CUDA's default): a growth
+    moves the pages into a larger storage, their contents with them."""
+    pool = KVPool(FORMAT, num_pages=4, max_pages=20, reserve=reserve)
+    storage = pool.storage
+    assert pool.storage_is_fixed == reserve and storage.num_pages == (24 if reserve else 8)
     pages = pool.allocate(3)
+    pool.keys[1, 0, pages[0]] = 7.0
     pages += pool.allocate(5)  # 4 ids -> 8 is not enough -> 16
-    assert pool.chunk_sizes == [4, 12] and pool.stats()["pages_total"] == 15
+    assert pool.stats()["pages_total"] == 15 and (pool.storage is storage) == reserve
+    assert pool.stats()["bytes_total"] == 16 * FORMAT.page_bytes  # committed: the opened pages (null included)
     pages += pool.allocate(9)  # 7 free -> capped at 20 ids
-    assert pool.chunk_sizes == [4, 12, 4]
+    assert pool.stats()["pages_total"] == 19 and pool.storage.num_pages == 24
     with pytest.raises(PoolExhaustedError, match="needs 5 pages but only 2 of 19 are free"):
         pool.allocate(5)
-    assert pool.locate(17) == (2, 1) and pool.locate(3) == (0, 3)
+    assert (pool.keys[1, 0, pages[0]] == 7.0).all() and pool.keys[:, :, 20:].eq(0).all()  # unopened ids: zeros
     pool.free(pages)
+    assert pool.keys.eq(0).all() and pool.values.eq(0).all()  # free pages are zeros
     pool.check_integrity()
 
 
@@ -243,28 +253,29 @@ def test_devices_are_normalized_and_mismatches_named(tiny_llama_model, monkeypat
 
 
 def test_a_failed_growth_leaves_the_pool_as_it_was(monkeypatch):
-    """Growth allocates keys and values (and scales) before it appends any: an allocation failure in between
-    changes nothing, the request fails alone with PoolExhaustedError, and the pool grows later."""
-    pool = KVPool(PageFormat(2, 2, 16, torch.float32, value_bits=4, value_group_size=16), num_pages=4, max_pages=64)
+    """A growth that moves pages allocates keys, values and scales before it switches: an allocation failure in
+    between changes nothing, the request fails alone with PoolExhaustedError, and the pool grows later."""
+    page_format = PageFormat(2, 2, 16, torch.float32, value_bits=4, value_group_size=16)
+    pool = KVPool(page_format, num_pages=4, max_pages=64, reserve=False)
     table = pool.new_table()
     table.grow(1, 3 * 16)  # 3 pages
-    zeros, calls = torch.zeros, {"n": 0}
+    empty, calls, before = torch.empty, {"n": 0}, pool.storage
 
     def failing(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 2:  # the values, after the keys were made
             raise RuntimeError("DefaultCPUAllocator: can't allocate memory (injected)")
-        return zeros(*args, **kwargs)
+        return empty(*args, **kwargs)
 
-    monkeypatch.setattr(torch, "zeros", failing)
+    monkeypatch.setattr(torch, "empty", failing)
     with pytest.raises(PoolExhaustedError, match="needs 5 pages"):
         table.grow(1, 5 * 16)
     monkeypatch.undo()
-    assert len(pool.keys) == len(pool.values) == len(pool.value_scales) == len(pool.chunk_starts) == 1
+    assert pool.storage is before and pool.stats()["pages_total"] == 3
     assert pool.stats()["pages_used"] == 3 and table.num_tokens == 3 * 16
     pool.check_integrity()
     table.grow(1, 5 * 16)
-    assert len(pool.keys) == len(pool.values) == len(pool.value_scales) == len(pool.chunk_starts) == 2
+    assert pool.storage is not before and pool.stats()["pages_total"] == 15  # 4 ids -> 8 is not enough -> 16
     pool.check_integrity()
     table.release()
     pool.check_integrity()

@@ -108,10 +108,10 @@ def test_values_are_quantized_once_and_keys_kept_exact(tiny_llama_model):
     assert torch.equal(out_keys, keys)
     assert torch.equal(out_values, dequantize(*quantize(values, fmt), fmt, values.dtype))
     pool = cache.pool
-    assert pool.values[0].dtype == torch.uint8 and pool.values[0].shape[-1] == 8  # two codes per byte
-    before = pool.values[0].clone(), pool.value_scales[0].clone()
+    assert pool.values.dtype == torch.uint8 and pool.values.shape[-1] == 8  # two codes per byte
+    before = pool.values.clone(), pool.value_scales.clone()
     cache.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), 0)
-    changed = (pool.values[0] != before[0]).any(dim=-1)  # [layers, heads, pages, slots]
+    changed = (pool.values != before[0]).any(dim=-1)  # [layers, heads, pages, slots]
     assert changed.sum() == 2  # one slot per head: the new token; the 40 before it are never re-quantized
 
 

@@ -3,7 +3,11 @@
 Three groups, each measured against its baseline in the same run:
 
 - ``FULL_CACHES`` keep every token: transformers' ``DynamicCache`` (``dynamic``, the baseline every run includes)
-  and ``StaticCache`` (``static``), and our ``paged_pool``.
+  and ``StaticCache`` (``static``), and our ``paged_pool`` in the variants of ``PAGED_VARIANTS``: under
+  ``attn_implementation="hf_kvcache"`` (decode reads the pages in place, compiled FlexAttention) or ``"sdpa"``
+  (gathered), on the default pool (built exactly as ``generate(cache_implementation="paged_pool")`` builds it), on
+  a fixed pool sized for the run, or on the default pool *fragmented* (another live table holds every other
+  extent, so the rows' pages interleave with it).
 - ``SLIDING_CACHES`` keep the last ``window`` tokens of a full-attention model; ``dynamic_sliding`` is their
   baseline:
 
@@ -23,37 +27,71 @@ Three groups, each measured against its baseline in the same run:
 - ``QUANTIZED_CACHES`` are lossy caches of every token: ours (each registered cache's ``bench_presets``) and
   transformers' ``QuantizedCache`` for each installed backend; their tokens are compared with ``dynamic``'s.
 
-Our caches draw from fixed pools made for the run (``bench_pools``): one chunk each, sized for the rows, full by
-design at the end of a run.
+Our caches draw from fixed pools made for the run (``bench_pools``), sized for the rows and full by design at the
+end of a run, unless their name says they run on the default pool.
 """
 
+import contextlib
 import dataclasses
 import math
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from transformers import Cache, DynamicCache, PreTrainedConfig, PreTrainedModel, StaticCache
 
 from hf_kvcache.attention import ATTENTION_NAME
 from hf_kvcache.caches import SlidingRingCache
-from hf_kvcache.config import PageFormat
+from hf_kvcache.config import KV_BLOCK_TOKENS, PageFormat
 from hf_kvcache.eval import CacheSpec, installed_quantized_backends, sliding_window_config
 from hf_kvcache.pool import KVPool
 from hf_kvcache.registry import REGISTRY
 
 BASELINE = "dynamic"
 """The baseline of every run: ratios of every cache and the token checks of full caches."""
-FULL_CACHES = ("dynamic", "static", "paged_pool")
+
+
+@dataclass(frozen=True)
+class PagedVariant:
+    """How a ``paged_pool`` row of the benchmark runs.
+
+    Attributes:
+        attention: the model's ``attn_implementation`` (``"hf_kvcache"``: in place where it applies).
+        pool: ``"default"`` (``KVPool.default``, as ``generate`` builds it), ``"fixed"`` (sized for the run) or
+            ``"fragmented"`` (the default pool, every other extent held by another live table).
+    """
+
+    attention: str
+    pool: str
+
+
+PAGED_VARIANTS = {
+    "paged_pool": PagedVariant(ATTENTION_NAME, "default"),
+    "paged_pool_fixed": PagedVariant(ATTENTION_NAME, "fixed"),
+    "paged_pool_fragmented": PagedVariant(ATTENTION_NAME, "fragmented"),
+    "paged_pool_sdpa": PagedVariant("sdpa", "default"),
+    "paged_pool_sdpa_fixed": PagedVariant("sdpa", "fixed"),
+}
+"""The ``paged_pool`` rows of the ``paged`` suite (all the same cache class, ``PagedCache``)."""
+FULL_CACHES = ("dynamic", "static", *PAGED_VARIANTS)
 """Caches that keep every token; their greedy tokens are checked against ``dynamic``'s."""
 SLIDING_CACHES = ("dynamic_sliding", "static_sliding", "sliding_ring", "sliding_ring_sdpa")
 """Caches that keep the last ``window`` tokens; ``dynamic_sliding`` is their baseline."""
 SLIDING_BASELINE = "dynamic_sliding"
 RING_ATTENTION = {"sliding_ring": ATTENTION_NAME, "sliding_ring_sdpa": "sdpa"}
 """The model's ``attn_implementation`` under each ring (transformers' caches run under the model's own)."""
+DEFAULT_POOL_SUFFIX = "-default"
+"""A quantized cache of ours named with this suffix runs on its default pool (the others on a fixed one)."""
 QUANTIZED_CACHES = {
     spec.label: spec
     for spec in (
         *(
             CacheSpec(label, entry.name, dict(settings))
+            for entry in REGISTRY.values()
+            for label, settings in entry.bench_presets.items()
+        ),
+        *(
+            CacheSpec(label + DEFAULT_POOL_SUFFIX, entry.name, dict(settings))
             for entry in REGISTRY.values()
             for label, settings in entry.bench_presets.items()
         ),
@@ -69,6 +107,35 @@ QUANTIZED_CACHES = {
 Their tokens are compared with ``dynamic``'s; a difference is a loss."""
 CACHE_NAMES = FULL_CACHES + SLIDING_CACHES + tuple(QUANTIZED_CACHES)
 """Caches the decode benchmark knows; ``dynamic`` is the baseline every run includes."""
+CACHE_ATTENTION = {**RING_ATTENTION, **{name: variant.attention for name, variant in PAGED_VARIANTS.items()}}
+"""The model's ``attn_implementation`` under each cache that names one (the others run under the model's own)."""
+
+
+def pool_kind(name: str) -> str | None:
+    """Which pool cache ``name`` of ours draws from (``"default"``, ``"fixed"``, ``"fragmented"``); ``None`` for
+    transformers' caches."""
+    if name in PAGED_VARIANTS:
+        return PAGED_VARIANTS[name].pool
+    if name in RING_ATTENTION:
+        return "fixed"
+    spec = QUANTIZED_CACHES.get(name)
+    if spec is not None and spec.kind in REGISTRY:
+        return "default" if name.endswith(DEFAULT_POOL_SUFFIX) else "fixed"
+    return None
+
+
+@contextlib.contextmanager
+def interleaved_extents(pool: KVPool, num_extents: int) -> Iterator[None]:
+    """Holds every other one of the next ``2 * num_extents`` whole extents of ``pool`` for the block, as another
+    live request would: rows taking pages meanwhile get the ones between, their pages interleaved with its."""
+    table = pool.new_table(row_extents=True)
+    with pool.lock:
+        table.grow(2 * num_extents, pool.format.extent_pages * pool.format.page_size)  # one whole extent per row
+        table.select_rows(list(range(0, 2 * num_extents, 2)))  # gives the odd rows' extents back
+    try:
+        yield
+    finally:
+        table.release()
 
 
 def with_attention(config: PreTrainedConfig, attn_implementation: str) -> PreTrainedConfig:
@@ -117,16 +184,17 @@ def bench_pools(
 ) -> dict[str, KVPool]:
     """Fixed pools for ``batch`` rows of ``capacity`` tokens, one per cache of ours among ``names``.
 
-    Rows round up to whole pages, so the budget is per row, not the batch's token total. The pools are full by
-    design at the end of every run: no use-alert thresholds. A fixed pool is one chunk (a default pool that has
-    grown gathers from several, which is slower). The rings share one pool: each run gives all its pages back,
-    consecutive for the next.
+    Rows round up to whole extents (``KV_BLOCK_TOKENS``), so the budget is per row, not the batch's token total. No
+    use-alert thresholds. The rings share one pool: each run gives all its pages back, consecutive for the next.
     """
-    max_tokens = batch * math.ceil(capacity / page_size) * page_size
-    value_formats = {name: {} for name in ("paged_pool",) if name in names}
+    # Whole extents per row (128 tokens, PageFormat.extent_pages): rows of paged layers take pages in aligned extents,
+    # and a pool too tight for that hands out single pages, which attention cannot read in place.
+    block = max(page_size, KV_BLOCK_TOKENS)
+    max_tokens = batch * math.ceil(capacity / block) * block
+    value_formats = {name: {} for name in names if pool_kind(name) == "fixed" and name in PAGED_VARIANTS}
     for name in names:
         spec = QUANTIZED_CACHES.get(name)
-        if spec is not None and spec.kind in REGISTRY:
+        if spec is not None and pool_kind(name) == "fixed":
             value_formats[name] = REGISTRY[spec.kind].pool_kwargs(model.config, model.dtype, spec.settings)
     pools = {
         name: KVPool.for_model(model, max_tokens=max_tokens, page_size=page_size, alert_thresholds=(), **value_format)
@@ -148,7 +216,7 @@ def build_cache(name: str, model: PreTrainedModel, window: int, capacity: int, p
     """
     if name in SLIDING_CACHES:
         return build_sliding_cache(name, model.config, window, capacity, pool)
-    spec = QUANTIZED_CACHES.get(name) or CacheSpec(name, name)
+    spec = QUANTIZED_CACHES.get(name) or CacheSpec(name, "paged_pool" if name in PAGED_VARIANTS else name)
     if pool is not None:
         spec = dataclasses.replace(spec, settings={**spec.settings, "pool": pool})
     return spec.build(model, capacity)

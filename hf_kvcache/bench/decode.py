@@ -27,8 +27,11 @@ reused without growing RSS. For the same reason timings on CPU depend a little o
 not touched before pays page faults; ``round_median_step_ms`` shows such a round.
 """
 
+import contextlib
+import dataclasses
 import gc
 import logging
+import math
 import statistics
 import time
 import warnings
@@ -39,19 +42,23 @@ from typing import Any
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from hf_kvcache import flex
 from hf_kvcache.attention import model_attention
 from hf_kvcache.bench import measure
 from hf_kvcache.bench.catalogue import (
     BASELINE,
+    CACHE_ATTENTION,
     CACHE_NAMES,
     FULL_CACHES,
-    RING_ATTENTION,
     SLIDING_BASELINE,
     SLIDING_CACHES,
     bench_pools,
     build_cache,
+    interleaved_extents,
+    pool_kind,
 )
 from hf_kvcache.bench.measure import OtherCpuUse, PeakMemory
+from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.eval import kv_bytes, load_essays
 
 logger = logging.getLogger("hf_kvcache.bench")
@@ -135,6 +142,15 @@ class DecodeResult:
         mismatched_tokens: decoded tokens that differ from the reference's, summed over rounds.
         other_processes_cores: mean cores other processes kept busy while this (length, batch) was measured;
             well above 0 on a machine with few cores means the timings are suspect.
+        attention: the model's ``attn_implementation`` during the run.
+        pool: which pool a cache of ours drew from (``default``, ``fixed``, ``fragmented``); ``None`` for
+            transformers' caches.
+        path: how decode attention read a paged cache of ours: ``in place (compiled FlexAttention)`` where every
+            timed step of every round did, ``gathered`` where none did, ``mixed`` otherwise; ``-`` for transformers'
+            caches and rings (``sliding_ring`` reads its slots in place without compiling, ``sliding_ring_sdpa``
+            gathers them).
+        compile_s: seconds the first call of each compiled shape took in these runs (the compile, paid once per
+            process and shape; 0 where nothing was compiled or it was compiled before).
     """
 
     cache: str
@@ -155,6 +171,10 @@ class DecodeResult:
     tokens_match: bool
     mismatched_tokens: int
     other_processes_cores: float
+    attention: str
+    pool: str | None
+    path: str
+    compile_s: float
 
 
 @dataclass
@@ -163,6 +183,9 @@ class _Run:
     tokens: torch.Tensor  # [batch, warmup_steps + steps] on CPU
     kv_bytes_held: int
     peak_bytes: int
+    in_place_calls: int  # compiled in-place attention calls during the timed steps
+    attention_calls: int  # layer attention calls during the timed steps (layers x steps)
+    compile_s: float
 
 
 @dataclass
@@ -267,7 +290,11 @@ def _measure(
         return build_cache(name, model, config.window, capacity, pools.get(name))
 
     def run(name: str, cache: Cache) -> _Run:
-        with model_attention(model, RING_ATTENTION.get(name)):
+        fragment = contextlib.nullcontext()
+        if pool_kind(name) == "fragmented" and isinstance(cache, PoolCache):
+            block = cache.pool.format.extent_pages * cache.pool.format.page_size
+            fragment = interleaved_extents(cache.pool, batch * math.ceil(capacity / block))
+        with model_attention(model, CACHE_ATTENTION.get(name)), fragment:
             return _decode(model, cache, prefill, length, batch, config)
 
     return measure.run_interleaved(config.caches, config.rounds, build, run)
@@ -293,10 +320,12 @@ def _decode(
         logits = model(input_ids=tokens, position_ids=position_ids, cache=cache, use_cache=True).logits
         return logits[:, -1].argmax(-1, keepdim=True)  # [batch, 1]
 
+    compiled_before = sum(flex.compile_seconds().values())
     for position in range(length, length + config.warmup_steps):
         next_tokens = step(next_tokens, position)
         picked.append(next_tokens)
     start = length + config.warmup_steps
+    calls_before = flex.call_count()
     with PeakMemory(device, config.sample_interval_s) as memory:
         for position in range(start, start + config.steps):
             if is_cuda:
@@ -307,7 +336,18 @@ def _decode(
                 torch.cuda.synchronize(device)
             step_s.append(time.perf_counter() - began)
             picked.append(next_tokens)
-    return _Run(step_s, torch.cat(picked, dim=1).cpu(), kv_bytes(cache), memory.peak_bytes)
+    in_place_calls = flex.call_count() - calls_before
+    attention_calls = config.steps * model.config.num_hidden_layers
+    compile_s = sum(flex.compile_seconds().values()) - compiled_before
+    return _Run(
+        step_s,
+        torch.cat(picked, dim=1).cpu(),
+        kv_bytes(cache),
+        memory.peak_bytes,
+        in_place_calls,
+        attention_calls,
+        compile_s,
+    )
 
 
 def _summarize(
@@ -324,6 +364,13 @@ def _summarize(
             int((run.tokens != reference_run.tokens).sum()) for run, reference_run in zip(cache_runs, runs[reference])
         )
         held = cache_runs[-1].kv_bytes_held
+        in_place = sum(run.in_place_calls for run in cache_runs)
+        if in_place == 0:
+            path = "gathered" if pool_kind(name) is not None and name not in SLIDING_CACHES else "-"
+        elif in_place == sum(run.attention_calls for run in cache_runs):
+            path = "in place (compiled FlexAttention)"
+        else:
+            path = "mixed"
         results.append(
             DecodeResult(
                 cache=name,
@@ -346,6 +393,10 @@ def _summarize(
                 tokens_match=mismatched == 0,
                 mismatched_tokens=mismatched,
                 other_processes_cores=round(other_cores, 3),
+                attention=CACHE_ATTENTION.get(name, "sdpa"),
+                pool=pool_kind(name),
+                path=path,
+                compile_s=round(sum(run.compile_s for run in cache_runs), 2),
             )
         )
     return results
@@ -362,19 +413,23 @@ def markdown_table(results: Sequence[DecodeResult], busy_cores: float = 0.25) ->
             and a footnote: their timings are suspect.
     """
     lines = [
-        "| cache | window | length | batch | tokens/s | vs dynamic | vs dynamic_sliding | KV MiB held "
-        "| KV bytes/token | peak MiB | tokens match (vs) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| cache | pool | attention read | window | length | batch | tokens/s | vs dynamic | vs static "
+        "| vs dynamic_sliding | KV MiB held | KV bytes/token | peak MiB | compile s | tokens match (vs) |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
+    static = {(r.length, r.batch): r.tokens_per_s for r in results if r.cache == "static"}
     for r in results:
         match = "yes" if r.tokens_match else f"no ({r.mismatched_tokens} differ)"
         mark = "*" if r.other_processes_cores > busy_cores else ""
         window = "-" if r.window is None else r.window
         vs_sliding = "-" if r.ratio_vs_dynamic_sliding is None else f"{r.ratio_vs_dynamic_sliding:.2f}x"
+        vs_static = static.get((r.length, r.batch))
+        vs_static = "-" if vs_static is None else f"{r.tokens_per_s / vs_static:.2f}x"
         lines.append(
-            f"| {r.cache} | {window} | {r.length} | {r.batch} | {r.tokens_per_s:.1f}{mark} | "
-            f"{r.ratio_vs_dynamic:.2f}x | {vs_sliding} | {r.kv_bytes_held / 2**20:.1f} | "
-            f"{r.kv_bytes_per_token:,.0f} | {r.peak_mib:.1f} | {match} ({r.reference}) |"
+            f"| {r.cache} | {r.pool or '-'} | {r.path} ({r.attention}) | {window} | {r.length} | {r.batch} | "
+            f"{r.tokens_per_s:.1f}{mark} | {r.ratio_vs_dynamic:.2f}x | {vs_static} | {vs_sliding} | "
+            f"{r.kv_bytes_held / 2**20:.1f} | {r.kv_bytes_per_token:,.0f} | {r.peak_mib:.1f} | {r.compile_s:.1f} | "
+            f"{match} ({r.reference}) |"
         )
     if any(r.other_processes_cores > busy_cores for r in results):
         lines.append(f"\n\\* measured while other processes kept more than {busy_cores} cores busy.")
@@ -384,3 +439,30 @@ def markdown_table(results: Sequence[DecodeResult], busy_cores: float = 0.25) ->
 def results_record(results: Sequence[DecodeResult], config: DecodeBenchConfig, info: dict[str, Any]) -> dict[str, Any]:
     """The JSON-ready record of one benchmark invocation: machine, settings and results."""
     return measure.results_record(results, config, info)
+
+
+def profile_decode(
+    model: PreTrainedModel, token_stream: torch.Tensor, name: str, length: int, batch: int, config: DecodeBenchConfig
+) -> str:
+    """Where the time of one decode step of cache ``name`` goes: ``torch.profiler``'s table of one step.
+
+    The cache is brought to ``length`` tokens per row of ``batch`` rows as in ``run_decode_benchmark``, decodes
+    ``config.warmup_steps`` steps (compiling where it compiles), then one step is profiled.
+
+    Returns:
+        The profiler's table, sorted by total CPU time (the top 25 operators).
+    """
+    config = dataclasses.replace(config, lengths=(length,), batches=(batch,), caches=(BASELINE, name), steps=1)
+    rows = token_stream[: batch * length].view(batch, length).to(model.device)  # [batch, length]
+    with torch.inference_mode():
+        prefill = _prefill_rows(model, rows)
+        capacity = length + config.tokens_per_row + 1  # and the profiled step
+        pools = bench_pools(model, config.caches, config.window, batch, capacity, config.page_size)
+        cache = build_cache(name, model, config.window, capacity, pools.get(name))
+        with model_attention(model, CACHE_ATTENTION.get(name)):
+            _decode(model, cache, prefill, length, batch, config)  # loads the rows, warms up (compiles), one step
+            tokens = prefill.next_tokens[:batch].unsqueeze(1)  # [batch, 1]: which tokens does not matter here
+            position_ids = torch.full_like(tokens, length + config.tokens_per_row)  # [batch, 1]
+            with torch.profiler.profile() as profiler:
+                model(input_ids=tokens, position_ids=position_ids, cache=cache, use_cache=True)
+    return profiler.key_averages().table(sort_by="cpu_time_total", row_limit=25)

@@ -49,15 +49,20 @@ class RowPolicy:
             num_tokens = min(num_tokens, ring_num_slots(self.window, self.sink_tokens, page_size))
         return math.ceil(num_tokens / page_size)
 
-    def make_rows(self, pool: KVPool, reads_slots: Callable[[], bool], group: Any = None) -> PagedRows:
+    def make_rows(
+        self, pool: KVPool, reads_slots: Callable[[], bool], query_group: int = 1, group: Any = None
+    ) -> PagedRows:
         """The rows of a layer group on ``pool``.
 
         Args:
-            reads_slots: does the model's attention read a ``KeyLayout``.
+            reads_slots: does the model's attention read a ``KeyLayout`` (and a ``PagedRead``).
+            query_group: query heads per KV head.
             group: the process group of a tensor-parallel model's ranks (``Placement.group``).
         """
         if self.window is None:
-            return PagedRows(pool, self.residual_length, group)
+            return PagedRows(
+                pool, self.residual_length, reads_in_place=reads_slots, query_group=query_group, group=group
+            )
         return RingRows(pool, self.window, self.sink_tokens, self.residual_length, reads_slots, group)
 
 
@@ -140,9 +145,12 @@ class PoolBinder:
                 )
             reads_slots = functools.partial(reads_key_layouts, self.config)  # not a method: rows must not hold self
             policy = self.policies[layer_group_idx]
-            rows = self.rows[(device, layer_group_idx)] = policy.make_rows(pool, reads_slots, self.placement.group)
-            if isinstance(rows, RingRows):
-                rows.set_plan(self.planned_tokens, self.pad_lengths)
+            config = self.config
+            heads = getattr(config, "num_attention_heads", 1)
+            query_group = max(1, heads // (getattr(config, "num_key_value_heads", None) or heads))  # rank-invariant
+            rows = policy.make_rows(pool, reads_slots, query_group, self.placement.group)
+            self.rows[(device, layer_group_idx)] = rows
+            rows.set_plan(self.planned_tokens, self.pad_lengths)
         return rows
 
     def page_format(self, device: torch.device, dtype: torch.dtype) -> PageFormat:
@@ -400,7 +408,7 @@ class PoolCache(Cache):
         than a page at a time, so that each row's pages follow one another on a fresh pool and attention can read
         them in place (``hf_kvcache.attention``); those pages are held, and counted as held, from the first write.
         The attention mask tells each row's leading padding, so that a ring's sinks are the row's first *real*
-        tokens.
+        tokens, and so that paged layers reading in place hide it (``PagedRows.attend``).
 
         Args:
             num_tokens: tokens a row may hold at most (``generate``: prompt + ``max_new_tokens`` - 1).
@@ -413,21 +421,25 @@ class PoolCache(Cache):
             pad_lengths = leading.tolist() if bool(leading.any()) else None
         self._binder.planned_tokens, self._binder.pad_lengths = num_tokens, pad_lengths
         for rows in self._binder.rows.values():
-            if isinstance(rows, RingRows):
-                rows.set_plan(num_tokens, pad_lengths)
+            rows.set_plan(num_tokens, pad_lengths)
 
     def memory_stats(self) -> dict[str, int]:
         """Pages this cache holds (shared pages once), the KV bytes it holds, and the tokens per row.
 
         ``bytes_held`` counts the pages plus ``residual_bytes``, the full-precision values of the newest
-        ``residual_length`` tokens a quantized cache keeps outside the pool.
+        ``residual_length`` tokens a quantized cache keeps outside the pool. ``pages_unfilled``: pages held that no
+        token has been written to yet (a ring's planned pages before its tokens reach them).
         """
         pages = self._held_pages()
+        unfilled = sum(
+            1 for rows in self._binder.rows.values() for count in rows.table.filled_slots().values() if count == 0
+        )
         page_bytes = {device: pool.format.page_bytes for device, pool in self._binder.pools.items()}
         num_rows = max((rows.table.num_rows for rows in self._binder.rows.values()), default=0)
         residual_bytes = sum(rows.store.residual_bytes for rows in self._binder.rows.values())
         return {
             "pages_held": len(pages),
+            "pages_unfilled": unfilled,
             "bytes_held": sum(page_bytes[device] for device, _ in pages) + residual_bytes,
             "residual_bytes": residual_bytes,
             "num_rows": num_rows,

@@ -43,12 +43,13 @@ class PagedLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stores ``[batch, heads, n, head_dim]`` new states; returns all ``[batch, heads, seq_len, head_dim]``."""
+        """Stores ``[batch, heads, n, head_dim]`` new states; returns all ``[batch, heads, seq_len, head_dim]``, or the
+        pool's storage for attention to read in place (``PagedRows.attend``)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.rows.write(self.layer_in_group, self.num_tokens, key_states, value_states)
         self.num_tokens += key_states.shape[-2]
-        return self.rows.read(self.layer_in_group, self.num_tokens)
+        return self.rows.attend(self.layer_in_group, self.num_tokens, key_states.shape[-2])
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.num_tokens + query_length, 0

@@ -36,9 +36,9 @@ Attention may also be handed a ``KeyLayout`` with the keys (``layout_of(keys)``)
   see, itself and the ``window - 1`` before it plus the sinks. On a model's sliding layer the
   model's mask says the same; on a full-attention layer, where the ring imposes the window and the
   model's mask is plainly causal, the band makes prefill see exactly what decoding does;
-- with that attention, and where each row's pages are consecutive in a one-chunk pool with
-  full-precision values (a fresh pool), nothing is gathered at all: attention gets a view of the
-  rows' pages, every slot in slot order, and the layout's band (which slot holds a token the step may
+- with that attention, and where each row's pages are consecutive in a pool whose storage never moves
+  (``KVPool.storage_is_fixed``) with full-precision values (a fresh pool), nothing is gathered at all: attention
+  gets a view of the rows' pages, every slot in slot order, and the layout's band (which slot holds a token the step may
   see) and ``mask_columns`` (where each slot's token sits in the model's time-ordered mask, see
   ``get_mask_sizes``). The update is then only the write: O(1) per token.
 """
@@ -51,10 +51,10 @@ from typing import Any
 import torch
 
 from hf_kvcache.allocator import NULL_PAGE
-from hf_kvcache.kernels import ChunkIndex, read_slots, split_by_chunk
+from hf_kvcache.kernels import read_slots
 from hf_kvcache.layers.paged import PagedLayer
 from hf_kvcache.layers.rows import PagedRows
-from hf_kvcache.pool import KVPool
+from hf_kvcache.pool import KVPool, PoolStorage
 
 LAYOUT_ATTRIBUTE = "hf_kvcache_layout"
 
@@ -117,7 +117,7 @@ class RingStep:
 
     Built by the layer group's first layer of the step and reused by the others. A step either reads the rows'
     pages in place (``write_rows`` set; attention gets every slot in slot order, as ``layout`` says) or gathers
-    the visible tokens in time order (``write_parts`` and ``read`` set). Every new token is written; those a row
+    the visible tokens in time order (``write_index`` and ``read`` set). Every new token is written; those a row
     keeps nowhere (its padding, and in a step longer than the ring the tokens it overwrites itself, between the
     row's sinks and its last ``ring_slots`` tokens) go to the null page.
 
@@ -125,18 +125,20 @@ class RingStep:
         start / num_new: the step's first token and its number of new tokens.
         layout: what attention must know beyond the model's mask; ``None`` for a single new token read in time
             order (it sees every key).
-        write_rows: in place only: ``[batch * heads * num_new]`` rows of the one chunk's flattened layer view the
+        storage_pages: the page count of the storage the indices below are built for (``PoolStorage``).
+        write_rows: in place only: ``[batch * heads * num_new]`` rows of the storage's flattened layer view the
             new states go to, in ``(batch, head, token)`` order.
-        write_parts: gathered only: the new tokens' slots, as ``ChunkIndex`` parts over ``(head, batch, token)``.
-        read: gathered only: the visible tokens' slots, in time order, as ``ChunkIndex`` parts.
+        write_index: gathered only: ``[heads * batch * num_new]`` the new tokens' slot rows (``kernels.slot_rows``).
+        read: gathered only: ``[heads * batch * n]`` the visible tokens' slot rows, in time order.
     """
 
     start: int
     num_new: int
     layout: KeyLayout | None
+    storage_pages: int
     write_rows: torch.Tensor | None = None
-    write_parts: list[ChunkIndex] | None = None
-    read: list[ChunkIndex] | None = None
+    write_index: torch.Tensor | None = None
+    read: torch.Tensor | None = None
 
     @property
     def in_place(self) -> bool:
@@ -166,7 +168,7 @@ class RingRows(PagedRows):
         reads_slots: Callable[[], bool] = lambda: False,
         group: Any = None,
     ) -> None:
-        super().__init__(pool, residual_length, group)
+        super().__init__(pool, residual_length, row_extents=False, group=group)
         self._reads_slots = reads_slots
         page_size = pool.format.page_size
         self.window = window
@@ -174,11 +176,8 @@ class RingRows(PagedRows):
         self.num_slots = ring_num_slots(window, sink_tokens, page_size)  # logical slots per row
         self.ring_slots = self.num_slots - sink_tokens
         self.total = 0  # tokens written per row, evicted ones included
-        self.planned_tokens = 0  # tokens a row is expected to reach (``PoolCache.plan``); see _grow
-        self.pad_lengths: list[int] | None = None  # leading padding of each row (``PoolCache.plan``); None: none
-        self._pads: torch.Tensor | None = None  # ``pad_lengths`` as a [batch] tensor, see _pad_tensor
         self._step: RingStep | None = None  # the current step's, see _step_index
-        self._rows: torch.Tensor | None = None  # see _slot_rows
+        self._rows: tuple[int, torch.Tensor] | None = None  # (storage pages, rows), see _slot_rows
         self._base: int | None = None  # see _first_page
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # see _slot_views
 
@@ -205,25 +204,28 @@ class RingRows(PagedRows):
             ``visible_span``), or every slot of the rows in slot order; the keys may carry a ``KeyLayout``.
         """
         self.begin_step(start, key_states, value_states)
-        num_new = key_states.shape[-2]
-        step = self._step_index(start, num_new, key_states.shape[0])
-        if step.in_place:  # in slot order: the pages themselves
+        num_new, batch = key_states.shape[-2], key_states.shape[0]
+        step = self._step_index(start, num_new, batch, self.pool.storage)
+        if step.in_place:  # in slot order: the pages themselves (a storage that never moves)
             keys, values = self._slot_views(layer_in_group)
             for pages, states in zip(self._flat_views(layer_in_group), (key_states, value_states)):
                 pages.index_copy_(0, step.write_rows, states.detach().reshape(-1, pages.shape[-1]).to(pages.dtype))
         else:
             _, first = visible_span(start, num_new, self.window, self.sink_tokens)
-            end, batch = start + num_new, key_states.shape[0]
+            end = start + num_new
 
-            def gather(chunks: list[torch.Tensor]) -> torch.Tensor:
-                return read_slots(chunks, layer_in_group, step.read, batch)
+            def read(end: int, limit: int, newest: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                storage = self.pool.storage  # a snapshot taken after this row's writes: it holds them
+                rows = self._step_index(start, num_new, batch, storage).read
+                gather = lambda tensor: read_slots(tensor, layer_in_group, rows, batch)  # noqa: E731
+                return self.store.read(layer_in_group, storage, gather, end=end, limit=limit, newest=newest)
 
             if num_new <= self.max_step:  # write first: attention reads the new tokens from their slots
-                self._store(layer_in_group, step, key_states, value_states)
-                keys, values = self.store.read(layer_in_group, gather, end=end, limit=end - first)
+                self._store(layer_in_group, start, num_new, key_states, value_states)
+                keys, values = read(end, end - first)
             else:
-                keys, values = self.store.read(layer_in_group, gather, end=start, limit=start - first, newest=end)
-                self._store(layer_in_group, step, key_states, value_states)  # only its tail stays
+                keys, values = read(start, start - first, newest=end)
+                self._store(layer_in_group, start, num_new, key_states, value_states)  # only its tail stays
                 attended = self.store.as_attended(value_states)
                 keys, values = torch.cat([keys, key_states], dim=-2), torch.cat([values, attended], dim=-2)
         if step.layout is not None:
@@ -247,16 +249,6 @@ class RingRows(PagedRows):
         if num_tokens < self.table.num_tokens:
             self._apply(lambda: self.table.crop(num_tokens))
         self.total = num_tokens
-
-    def set_plan(self, planned_tokens: int, pad_lengths: list[int] | None) -> None:
-        """The tokens a row is expected to reach, and each row's leading padding (``PoolCache.plan``)."""
-        self.planned_tokens, self.pad_lengths, self._pads = planned_tokens, pad_lengths, None
-
-    def select_rows(self, indices: list[int]) -> None:
-        super().select_rows(indices)
-        if self.pad_lengths is not None:
-            self.pad_lengths = [self.pad_lengths[index] for index in indices]
-            self._pads = None
 
     def release(self) -> None:
         super().release()
@@ -282,13 +274,6 @@ class RingRows(PagedRows):
             self._apply(lambda: self.table.make_private(list(range(batch)), pages))
         self.total = end
 
-    def _pad_tensor(self, batch: int) -> torch.Tensor:
-        """``[batch]`` leading padding of each row (zeros where the cache was not told)."""
-        if self._pads is None or self._pads.shape[0] != batch:
-            pads = self.pad_lengths if self.pad_lengths is not None and len(self.pad_lengths) == batch else [0] * batch
-            self._pads = torch.tensor(pads, dtype=torch.long, device=self.pool.device)
-        return self._pads
-
     def _slots(self, tokens: torch.Tensor, lost_before: int | None = None) -> torch.Tensor:
         """``[batch, n]`` logical slot of each row's token ``tokens [batch, n]``; ``-1`` where the row keeps none.
 
@@ -303,9 +288,11 @@ class RingRows(PagedRows):
             dropped |= (local >= sinks) & (tokens < lost_before)
         return slots.masked_fill(dropped, -1)
 
-    def _step_index(self, start: int, num_new: int, batch: int) -> RingStep:
-        """The step's slot indices: built by the layer group's first layer of the step, reused by the rest."""
-        if self._step is None or (self._step.start, self._step.num_new) != (start, num_new):
+    def _step_index(self, start: int, num_new: int, batch: int, storage: PoolStorage) -> RingStep:
+        """The step's slot indices into ``storage``: built by the layer group's first layer of the step, reused by
+        the rest (rebuilt if the storage grew meanwhile)."""
+        key = (start, num_new, storage.num_pages)
+        if self._step is None or (self._step.start, self._step.num_new, self._step.storage_pages) != key:
             device = self.pool.device
             end = start + num_new
             sinks, first = visible_span(start, num_new, self.window, self.sink_tokens)
@@ -314,8 +301,9 @@ class RingRows(PagedRows):
             written = self._slots(new_tokens, lost_before=end - self.ring_slots)
             pads = self._pad_tensor(batch)
             if num_new <= self.max_step and self._reads_slots() and self._first_page() is not None:
-                rows = self._flat_rows(written).transpose(0, 1).reshape(-1)  # (batch, head, token) order
-                self._step = RingStep(start, num_new, self._slot_layout(start, num_new, sinks, first), rows)
+                rows = self._flat_rows(written, storage).transpose(0, 1).reshape(-1)  # (batch, head, token) order
+                layout = self._slot_layout(start, num_new, sinks, first)
+                self._step = RingStep(start, num_new, layout, storage.num_pages, write_rows=rows)
                 return self._step
             last = end if num_new <= self.max_step else start
             window = torch.arange(first, last, device=device).expand(batch, -1)  # [batch, last - first]
@@ -328,8 +316,9 @@ class RingRows(PagedRows):
             if num_new > 1:
                 keys = torch.cat([visible, new_tokens], dim=1) if last == start else visible
                 layout = KeyLayout(band(keys, start, num_new, self.window, self.sink_tokens, pads))
-            read = self._slot_index(self._slots(visible))
-            self._step = RingStep(start, num_new, layout, write_parts=self._slot_index(written), read=read)
+            read = self._flat_rows(self._slots(visible), storage).reshape(-1)
+            write = self._flat_rows(written, storage).reshape(-1)
+            self._step = RingStep(start, num_new, layout, storage.num_pages, write_index=write, read=read)
         return self._step
 
     def _slot_layout(self, start: int, num_new: int, sinks: int, first: int) -> KeyLayout:
@@ -348,22 +337,23 @@ class RingRows(PagedRows):
         return KeyLayout(layout_band, columns)
 
     def _first_page(self) -> int | None:
-        """The rows' first page in a one-chunk pool of full-precision values when every row's pages follow one
-        another (row after row), so that a view of the pool is all of them in order; ``None`` otherwise."""
+        """The rows' first page in a pool of full-precision values whose storage never moves, when every row's
+        pages follow one another (row after row), so that a view of the pool is all of them in order; ``None``
+        otherwise."""
         if self._base is None:
             pool, ids = self.pool, self._page_ids()
             base = int(ids[0, 0])
-            in_place = len(pool.chunk_starts) == 1 and self.store.quant is None
+            in_place = pool.storage_is_fixed and self.store.quant is None
             if in_place and torch.equal(ids.flatten(), torch.arange(base, base + ids.numel(), device=ids.device)):
-                self._base = base - pool.chunk_starts[0]
+                self._base = base
             else:
                 self._base = -1
         return None if self._base < 0 else self._base
 
     def _flat_views(self, layer_in_group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A one-chunk pool's keys and values of one layer as ``[heads * pages * page_size, head_dim]`` rows."""
+        """The pool's keys and values of one layer as ``[heads * pages * page_size, head_dim]`` rows."""
         head_dim = self.pool.format.head_dim
-        keys, values = self.pool.keys[0][layer_in_group], self.pool.values[0][layer_in_group]
+        keys, values = self.pool.keys[layer_in_group], self.pool.values[layer_in_group]
         return keys.view(-1, head_dim), values.view(-1, head_dim)
 
     def _slot_views(self, layer_in_group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -372,56 +362,46 @@ class RingRows(PagedRows):
         if views is None:
             pool, ids, base = self.pool, self._page_ids(), self._first_page()
             batch, num_pages = ids.shape
-            _, heads, _, page_size, head_dim = pool.keys[0].shape
+            _, heads, _, page_size, head_dim = pool.keys.shape
 
-            def view(chunk: torch.Tensor) -> torch.Tensor:
-                pages = chunk[layer_in_group, :, base : base + ids.numel()]  # [heads, rows * pages, page_size, hd]
+            def view(storage: torch.Tensor) -> torch.Tensor:
+                pages = storage[layer_in_group, :, base : base + ids.numel()]  # [heads, rows * pages, page_size, hd]
                 return pages.view(heads, batch, num_pages * page_size, head_dim).permute(1, 0, 2, 3)
 
-            views = self._views[layer_in_group] = (view(pool.keys[0]), view(pool.values[0]))
+            views = self._views[layer_in_group] = (view(pool.keys), view(pool.values))
         return views
 
-    def _slot_index(self, slots: torch.Tensor) -> list[ChunkIndex]:
-        """Where each row's slots ``[batch, n]`` (``-1``: the null page) live, as ``ChunkIndex`` parts over
-        ``(head, batch, n)``."""
-        pool = self.pool
-        if len(pool.chunk_starts) == 1:  # the common case: one lookup in the rows of every slot
-            return [ChunkIndex(0, self._flat_rows(slots).reshape(-1), None)]
-        page_size = pool.format.page_size
-        ids = self._page_ids()
-        ids = torch.cat([ids, torch.full_like(ids[:, :1], NULL_PAGE)], dim=1)  # [batch, pages + 1]
-        null = slots < 0
-        page_ids = ids.gather(1, torch.where(null, ids.shape[1] - 1, slots // page_size))  # [batch, n]
-        offsets = torch.where(null, 0, slots % page_size)  # [batch, n]
-        return split_by_chunk(
-            page_ids, pool.chunk_starts, pool.chunk_sizes, pool.format.num_kv_heads, offsets, page_size
-        )
-
-    def _flat_rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """``[heads, batch, n]``: the row of each row's slot ``[batch, n]`` (``-1``: the null page's first slot) in a
-        one-chunk pool's flattened layer view."""
-        rows = self._slot_rows()  # [heads, batch, slots + 1]
+    def _flat_rows(self, slots: torch.Tensor, storage: PoolStorage) -> torch.Tensor:
+        """``[heads, batch, n]``: the row of each row's slot ``[batch, n]`` (``-1``: the null page's first slot) in
+        ``storage``'s flattened layer view ``[heads * pages * page_size, last_dim]``."""
+        rows = self._slot_rows(storage.num_pages)  # [heads, batch, slots + 1]
         index = slots.masked_fill(slots < 0, rows.shape[-1] - 1)
         return rows.gather(2, index.unsqueeze(0).expand(rows.shape[0], -1, -1))
 
-    def _slot_rows(self) -> torch.Tensor:
-        """``[heads, batch, slots + 1]``: the row of each logical slot in a one-chunk pool's flattened layer view,
-        then the null page's first slot."""
-        if self._rows is None:
+    def _slot_rows(self, num_pages: int) -> torch.Tensor:
+        """``[heads, batch, slots + 1]``: the row of each logical slot in the flattened layer view of a storage of
+        ``num_pages`` pages, then the null page's first slot."""
+        if self._rows is None or self._rows[0] != num_pages:
             pool = self.pool
             page_size = pool.format.page_size
             heads = torch.arange(pool.format.num_kv_heads, device=pool.device).view(-1, 1, 1, 1)
             pages = self._page_ids().unsqueeze(-1)  # [batch, pages, 1]
             offsets = torch.arange(page_size, device=pool.device)  # [page_size]
-            rows = (heads * pool.chunk_sizes[0] + pages) * page_size + offsets  # [heads, batch, pages, page_size]
-            null = (heads.view(-1, 1, 1) * pool.chunk_sizes[0] + NULL_PAGE) * page_size  # [heads, 1, 1]
-            self._rows = torch.cat([rows.flatten(2), null.expand(-1, pages.shape[0], 1)], dim=2)
-        return self._rows
+            rows = (heads * num_pages + pages) * page_size + offsets  # [heads, batch, pages, page_size]
+            null = (heads.view(-1, 1, 1) * num_pages + NULL_PAGE) * page_size  # [heads, 1, 1]
+            self._rows = (num_pages, torch.cat([rows.flatten(2), null.expand(-1, pages.shape[0], 1)], dim=2))
+        return self._rows[1]
 
-    def _store(self, layer_in_group: int, step: RingStep, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Writes the step's states ``[batch, heads, num_new, head_dim]`` into their slots (gathered steps)."""
-        self.store.remember(layer_in_group, step.start, value_states)
-        self.store.write(layer_in_group, step.write_parts, key_states, value_states)
+    def _store(
+        self, layer_in_group: int, start: int, num_new: int, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> None:
+        """Writes the step's states ``[batch, heads, num_new, head_dim]`` into their slots (gathered steps), under
+        the pool's lock so that a growth cannot move the pages meanwhile."""
+        self.store.remember(layer_in_group, start, value_states)
+        with self.pool.lock:
+            storage = self.pool.storage
+            step = self._step_index(start, num_new, key_states.shape[0], storage)
+            self.store.write(layer_in_group, storage, step.write_index, key_states, value_states)
 
     def _apply(self, change) -> None:
         super()._apply(change)

@@ -4,17 +4,54 @@ All layers of a layer group that live on the same device share one ``PagedRows``
 receive a step's new tokens grows the page table (allocating and copying-on-write for every
 layer at once, since a page id addresses the same slots in every layer); the layers after it
 find the table already grown and reuse the same index tensors.
+
+Attention gets a layer's keys and values in one of two ways (``attend``):
+
+- gathered (the slow twin, and the path of prefill, short contexts, ``sdpa``/``eager``): the rows' pages copied
+  out in token order, ``[batch, heads, num_tokens, head_dim]``;
+- in place (a decode step under ``attn_implementation="hf_kvcache"`` where ``batch x tokens`` reaches
+  ``flex.MIN_IN_PLACE_TOKENS``): the layer's whole storage as ``[1, heads, pages * page_size, head_dim]`` views,
+  the keys carrying a ``PagedRead`` with the step's ``PagedBlockMask`` (built once per step by the layer group's
+  first layer, shared by the rest) that ``hf_kvcache.attention`` hands to compiled FlexAttention.
 """
 
+import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hf_kvcache.kernels import ChunkIndex, read_pages, split_by_chunk
+from hf_kvcache import flex
+from hf_kvcache.kernels import page_rows, read_pages, slot_rows
 from hf_kvcache.layers.store import SlotStore
 from hf_kvcache.placement import agree
-from hf_kvcache.pool import KVPool
+from hf_kvcache.pool import KVPool, PoolStorage
+
+PAGED_ATTRIBUTE = "hf_kvcache_paged"
+
+
+@dataclass(frozen=True)
+class PagedRead:
+    """What attention needs to read one layer's keys and values where they lie (handed over on the keys).
+
+    Attributes:
+        mask: the step's mask over the pool's storage (one decode token per row).
+        pads: ``[batch]`` leading padding tokens of each row, which the mask hides.
+        num_tokens: tokens per row, the step's new one included.
+        gather: the same keys and values gathered, ``[batch, heads, num_tokens, head_dim]`` (the slow twin, for a
+            step attention cannot read in place after all).
+    """
+
+    mask: "flex.PagedBlockMask"
+    pads: torch.Tensor
+    num_tokens: int
+    gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+
+
+def paged_read_of(keys: torch.Tensor) -> PagedRead | None:
+    """The ``PagedRead`` a paged layer attached to the keys it returned (``None``: the keys are gathered)."""
+    return getattr(keys, PAGED_ATTRIBUTE, None)
 
 
 def find_identical_rows(key_states: torch.Tensor, value_states: torch.Tensor) -> list[int] | None:
@@ -47,19 +84,44 @@ class PagedRows:
     Args:
         pool: where the pages live.
         residual_length: newest tokens whose values attention gets in full precision (quantized pools only).
+        row_extents: place each row's pages in aligned extents (``PageTable``), so attention can read them in
+            place in blocks of an extent (``hf_kvcache.flex``).
+        reads_in_place: whether the model's attention reads a ``PagedRead`` (``attn_implementation="hf_kvcache"``),
+            asked once per step.
+        query_group: query heads per KV head (the packed query rows of a decode step).
         group: the process group of a tensor-parallel model's ranks, whose tables must stay alike: their page
             allocations and the sharing of identical rows are agreed over it (``hf_kvcache.placement``).
+
+    Index tensors depend on the table and on the storage's page count (``PoolStorage``): they are rebuilt when
+    either changes.
     """
 
-    def __init__(self, pool: KVPool, residual_length: int = 0, group: Any = None) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        residual_length: int = 0,
+        row_extents: bool = True,
+        reads_in_place: Callable[[], bool] = lambda: False,
+        query_group: int = 1,
+        group: Any = None,
+    ) -> None:
         self.pool = pool
         self.group = group
         self.store = SlotStore(pool, residual_length)
-        self.table = pool.new_table(group)
+        self.table = pool.new_table(row_extents, group)
+        self.planned_tokens = 0  # tokens a row is expected to reach (``PoolCache.plan``)
+        self.pad_lengths: list[int] | None = None  # leading padding of each row (``PoolCache.plan``); None: none
+        self._pads: torch.Tensor | None = None  # ``pad_lengths`` as a [batch] tensor, see _pad_tensor
+        self._reads_in_place = reads_in_place
+        self._query_group = query_group
+        self._mask: flex.PagedBlockMask | None = None  # reused from step to step, refilled in place
+        self._mask_fresh = False  # the mask matches the table and the pads (else: update before use)
+        self._mask_usable = False  # the visited extents hold nothing but the rows' pages and zeros
+        self._in_place: tuple[int, int, bool] | None = None  # (num_tokens, num_new, in place) of the current step
         self._version = -1  # table version the cached indices below were built for
         self._ids: torch.Tensor | None = None
-        self._read: list[ChunkIndex] | None = None
-        self._write: tuple[int, int, list[ChunkIndex]] | None = None
+        self._read: tuple[int, torch.Tensor] | None = None  # (storage pages, rows)
+        self._write: tuple[int, int, int, torch.Tensor] | None = None  # (start, num_new, storage pages, rows)
         self._shared_prefill: tuple[int, list[int]] | None = None  # (num_tokens, identical_rows) of a prefill
 
     @property
@@ -74,19 +136,82 @@ class PagedRows:
             key_states / value_states: ``[batch, heads, n, head_dim]``.
         """
         self.begin_step(start, key_states, value_states)
-        self.store.write(layer_in_group, self._write_index(start, key_states.shape[-2]), key_states, value_states)
+        with self.pool.lock:  # the storage cannot move under the write (a growth that reallocates: PoolStorage)
+            storage = self.pool.storage
+            rows = self._write_index(start, key_states.shape[-2], storage)
+            self.store.write(layer_in_group, storage, rows, key_states, value_states)
         self.store.remember(layer_in_group, start, value_states)
 
-    def read(self, layer_in_group: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[batch, heads, num_tokens, head_dim]`` of one layer, for attention."""
-        if self._read is None:
-            self._read = split_by_chunk(
-                self._page_ids(), self.pool.chunk_starts, self.pool.chunk_sizes, self.pool.format.num_kv_heads
+    def attend(self, layer_in_group: int, num_tokens: int, num_new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of one layer for attention: in place where the step allows it, else gathered.
+
+        Returns:
+            ``[1, heads, storage pages * page_size, head_dim]`` views of the storage with a ``PagedRead`` on the keys
+            (in place), or ``[batch, heads, num_tokens, head_dim]`` (gathered).
+        """
+        if not self._step_in_place(num_tokens, num_new):
+            return self.read(layer_in_group, num_tokens)
+        storage, fmt = self.pool.storage, self.pool.format
+        shape = (1, fmt.num_kv_heads, storage.num_pages * fmt.page_size, fmt.head_dim)
+        keys, values = storage.keys[layer_in_group].view(shape), storage.values[layer_in_group].view(shape)
+        gather = functools.partial(self.read, layer_in_group, num_tokens)
+        setattr(keys, PAGED_ATTRIBUTE, PagedRead(self._mask, self._pad_tensor(self.table.num_rows), num_tokens, gather))
+        return keys, values
+
+    def _step_in_place(self, num_tokens: int, num_new: int) -> bool:
+        """Whether this step's attention reads the pages in place (decided by the layer group's first layer)."""
+        if self._in_place is not None and self._in_place[:2] == (num_tokens, num_new):
+            return self._in_place[2]
+        in_place = self._can_read_in_place(num_tokens, num_new)
+        self._in_place = (num_tokens, num_new, in_place)
+        return in_place
+
+    def _can_read_in_place(self, num_tokens: int, num_new: int) -> bool:
+        batch, pool = self.table.num_rows, self.pool
+        if num_new != 1 or not batch or batch * num_tokens < flex.MIN_IN_PLACE_TOKENS:
+            return False  # prefill (compute-bound), or a step whose compiled call would cost more than the copy
+        if not self._reads_in_place():
+            flex.log_path("attention", "the model's attn_implementation is not 'hf_kvcache'")
+            return False
+        if self.store.quant is not None:
+            flex.log_path("quantized", "values stored quantized are gathered and dequantized for attention")
+            return False
+        if not pool.storage_is_fixed:
+            flex.log_path("moves", "the pool's storage moves when it grows (reserve=False: CUDA's default pools)")
+            return False
+        reason = flex.unavailable(pool.device)
+        if reason is not None:
+            flex.log_path("unavailable", reason)
+            return False
+        fmt = pool.format
+        if self._mask is None or self._mask.batch != batch:
+            num_pages = pool.storage.num_pages
+            self._mask = flex.PagedBlockMask(
+                batch, num_pages, fmt.page_size, fmt.extent_pages, self._query_group, pool.device
             )
-        batch, parts = self.table.num_rows, self._read
+            self._mask_fresh = False
+        if self._mask_fresh:
+            self._mask.advance(num_tokens)
+        else:
+            extents = self._mask.update(self._page_ids(), num_tokens, self._pad_tensor(batch))
+            held = {page for row in self.table.rows for page in row}
+            self._mask_usable = not pool.foreign_pages(held, extents)
+            self._mask_fresh = True
+        if not self._mask_usable:
+            flex.log_path("foreign", "a row's extents hold another request's pages (gathered for those steps)")
+        return self._mask_usable
+
+    def read(self, layer_in_group: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[batch, heads, num_tokens, head_dim]`` of one layer, gathered for attention."""
+        storage = self.pool.storage
+        if self._read is None or self._read[0] != storage.num_pages:
+            num_kv_heads = self.pool.format.num_kv_heads
+            self._read = (storage.num_pages, page_rows(self._page_ids(), num_kv_heads, storage.num_pages))
+        batch, rows = self.table.num_rows, self._read[1]
         return self.store.read(
             layer_in_group,
-            lambda chunks: read_pages(chunks, layer_in_group, parts, batch, num_tokens),
+            storage,
+            lambda tensor: read_pages(tensor, layer_in_group, rows, batch, num_tokens),
             num_tokens,
             num_tokens,
         )
@@ -122,10 +247,25 @@ class PagedRows:
     def _grow(self, batch: int, start: int, num_new: int, identical_rows: list[int] | None) -> None:
         self._apply(lambda: self.table.grow(batch, num_new, identical_rows))
 
+    def set_plan(self, planned_tokens: int, pad_lengths: list[int] | None) -> None:
+        """The tokens a row is expected to reach, and each row's leading padding (``PoolCache.plan``)."""
+        self.planned_tokens, self.pad_lengths, self._pads = planned_tokens, pad_lengths, None
+        self._mask_fresh = False
+
+    def _pad_tensor(self, batch: int) -> torch.Tensor:
+        """``[batch]`` leading padding of each row (zeros where the cache was not told)."""
+        if self._pads is None or self._pads.shape[0] != batch:
+            pads = self.pad_lengths if self.pad_lengths is not None and len(self.pad_lengths) == batch else [0] * batch
+            self._pads = torch.tensor(pads, dtype=torch.long, device=self.pool.device)
+        return self._pads
+
     def select_rows(self, indices: list[int]) -> None:
         """Keeps rows ``indices`` in that order, sharing the pages of repeated rows."""
         self._apply(lambda: self.table.select_rows(indices))
         self.store.select_rows(indices)
+        if self.pad_lengths is not None:
+            self.pad_lengths = [self.pad_lengths[index] for index in indices]
+            self._pads = None
 
     def check_crop(self, num_tokens: int) -> None:
         """Paged rows keep every token, so any crop is exact."""
@@ -142,6 +282,7 @@ class PagedRows:
     def _apply(self, change: Callable[[], list[tuple[int, int]] | None]) -> None:
         """Runs a table change under the pool lock, copies the pages it asks for, drops cached indices."""
         self._shared_prefill = None
+        self._mask_fresh, self._in_place = False, None
         with self.pool.lock:
             copies = change()
         if copies:
@@ -183,19 +324,14 @@ class PagedRows:
             self._ids = torch.tensor(rows, dtype=torch.long, device=self.pool.device).view(len(rows), -1)
         return self._ids
 
-    def _write_index(self, start: int, num_new: int) -> list[ChunkIndex]:
-        if self._write is None or self._write[:2] != (start, num_new):
+    def _write_index(self, start: int, num_new: int, storage: PoolStorage) -> torch.Tensor:
+        """``[heads * batch * n]`` slot rows of tokens ``[start, start + n)`` in ``storage`` (``kernels.slot_rows``)."""
+        key = (start, num_new, storage.num_pages)
+        if self._write is None or self._write[:3] != key:
             page_size = self.pool.format.page_size
             positions = torch.arange(start, start + num_new, device=self.pool.device)  # [n]
             page_ids = self._page_ids()[:, positions // page_size]  # [batch, n]
             offsets = (positions % page_size).expand_as(page_ids)  # [batch, n]
-            parts = split_by_chunk(
-                page_ids,
-                self.pool.chunk_starts,
-                self.pool.chunk_sizes,
-                self.pool.format.num_kv_heads,
-                offsets,
-                page_size,
-            )
-            self._write = (start, num_new, parts)
-        return self._write[2]
+            rows = slot_rows(page_ids, offsets, self.pool.format.num_kv_heads, storage.num_pages, page_size)
+            self._write = (*key, rows)
+        return self._write[3]

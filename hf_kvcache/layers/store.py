@@ -14,12 +14,12 @@ from collections.abc import Callable
 
 import torch
 
-from hf_kvcache.kernels import ChunkIndex, write_slots
-from hf_kvcache.pool import KVPool
+from hf_kvcache.kernels import write_slots
+from hf_kvcache.pool import KVPool, PoolStorage
 from hf_kvcache.quant import dequantize, dequantize_into, quantize
 
-Gather = Callable[[list[torch.Tensor]], torch.Tensor]
-"""Reads one layer's slots out of a list of pool chunks as ``[batch, heads, n, last_dim]``."""
+Gather = Callable[[torch.Tensor], torch.Tensor]
+"""Reads one layer's slots out of one storage tensor of the pool as ``[batch, heads, n, last_dim]``."""
 
 
 class ResidualValues:
@@ -91,23 +91,25 @@ class SlotStore:
     def write(
         self,
         layer_in_group: int,
-        parts: list[ChunkIndex],
+        storage: PoolStorage,
+        rows: torch.Tensor,
         key_states: torch.Tensor,
         value_states: torch.Tensor,
     ) -> None:
-        """Stores new states ``[batch, heads, n, head_dim]`` into the slots of ``parts``.
+        """Stores new states ``[batch, heads, n, head_dim]`` into the slots ``rows`` of ``storage``.
 
-        The pool holds inference state: what is stored is detached from any autograd graph.
+        Call it under the pool's lock with the pool's current storage, and ``rows`` built for it
+        (``kernels.slot_rows``): a growth that moves the pages cannot then lose the write. The pool holds
+        inference state: what is stored is detached from any autograd graph.
         """
-        pool = self.pool
         key_states, value_states = key_states.detach(), value_states.detach()
-        write_slots(pool.keys, layer_in_group, parts, key_states)
+        write_slots(storage.keys, layer_in_group, rows, key_states)
         if self.quant is None:
-            write_slots(pool.values, layer_in_group, parts, value_states)
+            write_slots(storage.values, layer_in_group, rows, value_states)
             return
         codes, scale, zero = quantize(value_states, self.quant)
-        write_slots(pool.values, layer_in_group, parts, codes)
-        write_slots(pool.value_scales, layer_in_group, parts, torch.cat([scale, zero], dim=-1))
+        write_slots(storage.values, layer_in_group, rows, codes)
+        write_slots(storage.value_scales, layer_in_group, rows, torch.cat([scale, zero], dim=-1))
 
     @property
     def residual_bytes(self) -> int:
@@ -122,12 +124,19 @@ class SlotStore:
             self.residual.write(layer_in_group, start, value_states.detach())
 
     def read(
-        self, layer_in_group: int, gather: Gather, end: int, limit: int, newest: int | None = None
+        self,
+        layer_in_group: int,
+        storage: PoolStorage,
+        gather: Gather,
+        end: int,
+        limit: int,
+        newest: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the slots ``gather`` reads, for attention.
 
         Args:
-            gather: e.g. ``read_pages`` or ``read_slots`` with everything but the chunks bound.
+            storage: the pool's storage ``gather``'s indices were built for (a snapshot: see ``PoolStorage``).
+            gather: e.g. ``read_pages`` or ``read_slots`` with everything but the storage tensor bound.
             end: the last token read is ``end - 1`` (it comes last).
             limit: how many of the last positions read are consecutive tokens (for the residual window).
             newest: tokens written so far (default ``end``): the residual window ends there.
@@ -135,12 +144,11 @@ class SlotStore:
         Returns:
             keys, values ``[batch, heads, n, head_dim]``; quantized values come dequantized in a reused buffer.
         """
-        pool = self.pool
-        keys = gather(pool.keys)
+        keys = gather(storage.keys)
         if self.quant is None:
-            return keys, gather(pool.values)
-        codes = gather(pool.values)  # [batch, heads, n, code_dim]
-        scales = gather(pool.value_scales)  # [batch, heads, n, 2 * num_scale_groups]
+            return keys, gather(storage.values)
+        codes = gather(storage.values)  # [batch, heads, n, code_dim]
+        scales = gather(storage.value_scales)  # [batch, heads, n, 2 * num_scale_groups]
         num_scale_groups = self.quant.num_scale_groups
         shape = (*codes.shape[:3], self.quant.head_dim)
         values = self._buffer("values", shape, keys.dtype)  # [batch, heads, n, head_dim]

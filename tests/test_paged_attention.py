@@ -1,0 +1,194 @@
+"""In-place paged decode attention (``hf_kvcache.flex``) against its slow twin (gathered pages) and DynamicCache.
+
+Compiling costs 15-100 s per shape key (batch, the pool's storage, dtype) on a 2-core CPU, so these tests share
+few: batches of 3 rows (3 prompts, or 3 beams, or 3 returned sequences of one prompt) on the default pools,
+``torch.no_grad`` like ``generate``. ``MIN_IN_PLACE_TOKENS`` is lowered to 0 so the tiny prompts read in place.
+"""
+
+import copy
+import logging
+import threading
+
+import pytest
+import torch
+from helpers import assert_same_generation, padded_batch, random_ids, run, teacher_forced_logits
+from transformers import DynamicCache
+
+from hf_kvcache import KVPool, PagedCache, flex
+from hf_kvcache.attention import ATTENTION_NAME, mask_hides_padding_only, model_attention
+
+pytestmark = pytest.mark.skipif(flex.unavailable(torch.device("cpu")) is not None, reason="no compiled FlexAttention")
+
+
+@pytest.fixture
+def in_place(monkeypatch):
+    """Every decode step reads in place (no minimum size); counts the compiled in-place attention calls."""
+    monkeypatch.setattr(flex, "MIN_IN_PLACE_TOKENS", 0)
+    counted = {"calls": 0}
+    decode_attention = flex.decode_attention
+
+    def counting(*args, **kwargs):
+        counted["calls"] += 1
+        return decode_attention(*args, **kwargs)
+
+    monkeypatch.setattr(flex, "decode_attention", counting)
+    return counted
+
+
+def paged(model, ids, mask, attention: str, **kwargs):
+    """``generate`` through ``paged_pool`` (the default pool unless ``cache_config`` names one) under ``attention``."""
+    with model_attention(model, attention):
+        return run(model, ids, mask, cache_implementation="paged_pool", **kwargs)
+
+
+@pytest.mark.parametrize("pool_kind", ["default", "fixed"])
+def test_in_place_equals_gathered_and_dynamic_with_padding(tiny_llama_model, in_place, pool_kind):
+    """Left-padded rows, on the default pool (reserved once, lazily committed) and on a fixed one."""
+    ids, mask = padded_batch([23, 16, 17], seed=1)
+    settings = {"max_new_tokens": 20}
+    if pool_kind == "fixed":
+        settings["cache_config"] = {"pool": KVPool.for_model(tiny_llama_model, max_tokens=2048)}
+    reference = run(tiny_llama_model, ids, mask, max_new_tokens=20)
+    fast = paged(tiny_llama_model, ids, mask, ATTENTION_NAME, **settings)
+    assert in_place["calls"] == 19 * 2  # every decode step of both layers
+    gathered = paged(tiny_llama_model, ids, mask, "sdpa", **settings)
+    assert in_place["calls"] == 19 * 2
+    assert_same_generation(reference, fast)
+    assert_same_generation(gathered, fast)
+
+
+def test_beams_and_returned_sequences_share_pages_in_place(tiny_llama_model, in_place):
+    """Three beams, or three sampled sequences of one prompt: rows share pages copy-on-write."""
+    ids = random_ids(1, 37, seed=2)
+    beams = {"num_beams": 3, "num_return_sequences": 3, "max_new_tokens": 12}
+    expected = tiny_llama_model.generate(ids, **beams)
+    with model_attention(tiny_llama_model, ATTENTION_NAME):
+        actual = tiny_llama_model.generate(ids, cache_implementation="paged_pool", **beams)
+    assert torch.equal(expected, actual) and in_place["calls"] > 0
+    calls = in_place["calls"]
+    sampling = {"do_sample": True, "num_return_sequences": 3, "max_new_tokens": 12}
+    torch.manual_seed(5)
+    expected = tiny_llama_model.generate(ids, **sampling)
+    torch.manual_seed(5)
+    with model_attention(tiny_llama_model, ATTENTION_NAME):
+        actual = tiny_llama_model.generate(ids, cache_implementation="paged_pool", **sampling)
+    assert torch.equal(expected, actual) and in_place["calls"] > calls
+
+
+@torch.no_grad()
+def test_crop_then_decode_in_place_matches_dynamic(tiny_llama_model, in_place):
+    """Decode, crop back across a page boundary, decode again (what assisted decoding does)."""
+    ids = random_ids(3, 60, seed=3)
+    caches = {"dynamic": DynamicCache(config=tiny_llama_model.config), "paged": PagedCache(tiny_llama_model.config)}
+    logits = {}
+    with model_attention(tiny_llama_model, ATTENTION_NAME):
+        for name, cache in caches.items():
+            steps = [tiny_llama_model(ids[:, :30], cache=cache).logits]
+            steps += [tiny_llama_model(ids[:, t : t + 1], cache=cache).logits for t in range(30, 40)]
+            cache.crop(-12)  # back to 28 tokens: the third page goes
+            steps += [tiny_llama_model(ids[:, t : t + 1], cache=cache).logits for t in range(28, 45)]
+            logits[name] = torch.cat(steps, dim=1)
+    assert in_place["calls"] == 27 * 2
+    torch.testing.assert_close(logits["paged"], logits["dynamic"], rtol=1e-5, atol=1e-5)
+
+
+def test_threads_sharing_the_default_pool_read_in_place(tiny_llama_model, in_place):
+    """Requests running at once on one pool: their rows' extents interleave in the pool."""
+    batches = [padded_batch([9 + 5 * i, 30, 4 + i], seed=10 + i) for i in range(3)]
+    expected = [run(tiny_llama_model, ids, mask, max_new_tokens=24) for ids, mask in batches]
+    results = {}
+
+    def work(i: int) -> None:
+        ids, mask = batches[i]
+        results[i] = run(tiny_llama_model, ids, mask, max_new_tokens=24, cache_implementation="paged_pool")
+
+    with model_attention(tiny_llama_model, ATTENTION_NAME):
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(batches))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert in_place["calls"] > 0
+    for i in range(len(batches)):
+        assert_same_generation(expected[i], results[i])
+
+
+def test_hybrid_model_reads_full_layers_in_place(tiny_gemma3_model, in_place):
+    """Gemma 3: the full-attention layer reads in place, the sliding layers stay rings."""
+    ids, mask = padded_batch([23, 16, 17], seed=4)
+    reference = run(tiny_gemma3_model, ids, mask, max_new_tokens=20)
+    fast = paged(tiny_gemma3_model, ids, mask, ATTENTION_NAME, max_new_tokens=20)
+    assert in_place["calls"] == 19  # one full-attention layer
+    assert_same_generation(reference, fast)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@torch.no_grad()
+def test_reduced_precision_pools_read_in_place_as_exactly_as_gathered(tiny_llama_model, in_place, dtype):
+    """bf16/fp16 pools, teacher-forced (greedy tokens may part on rounding): in place is as close to fp32 as the
+    gathered path in the same dtype."""
+    model = copy.deepcopy(tiny_llama_model).to(dtype)
+    ids = random_ids(3, 40, seed=6)
+    exact = teacher_forced_logits(tiny_llama_model, ids, DynamicCache(config=tiny_llama_model.config), [28, 1])
+    errors = {}
+    for attention in (ATTENTION_NAME, "sdpa"):
+        with model_attention(model, attention):
+            logits = teacher_forced_logits(model, ids, PagedCache(model.config), [28, 1])
+        errors[attention] = (logits.float() - exact).abs().max().item()
+    assert in_place["calls"] == 12 * 2
+    assert errors[ATTENTION_NAME] <= 2 * errors["sdpa"] + 1e-3, errors
+
+
+def test_smollm2_padded_batch_and_beams_in_place(bundled, in_place):
+    model, tokenizer = bundled
+    prompts = ["The capital of France is", "Write a haiku about the sea. The waves", "def fibonacci(n):"]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    reference = run(model, batch.input_ids, batch.attention_mask, max_new_tokens=12)
+    fast = paged(model, batch.input_ids, batch.attention_mask, ATTENTION_NAME, max_new_tokens=12)
+    assert in_place["calls"] == 11 * model.config.num_hidden_layers
+    assert_same_generation(reference, fast)
+    one = tokenizer(prompts[:1], return_tensors="pt")
+    beams = {"num_beams": 3, "num_return_sequences": 3, "max_new_tokens": 10}
+    expected = model.generate(**one, **beams)
+    with model_attention(model, ATTENTION_NAME):
+        assert torch.equal(expected, model.generate(**one, cache_implementation="paged_pool", **beams))
+
+
+def test_gathers_with_one_log_line_where_it_cannot_compile(tiny_llama_model, in_place, monkeypatch, caplog):
+    """No compiler (or an old torch, no FlexAttention): the gather path, said once on the ``hf_kvcache`` logger."""
+    monkeypatch.setattr(flex, "unavailable", lambda device: "torch.compile needs a C++ compiler on the CPU (test)")
+    monkeypatch.setattr(flex, "_LOGGED", set())
+    ids, mask = padded_batch([23, 16, 17], seed=1)
+    reference = run(tiny_llama_model, ids, mask, max_new_tokens=6)
+    with caplog.at_level(logging.INFO, logger="hf_kvcache"):
+        for _ in range(2):
+            assert_same_generation(reference, paged(tiny_llama_model, ids, mask, ATTENTION_NAME, max_new_tokens=6))
+    assert in_place["calls"] == 0
+    lines = [record.message for record in caplog.records if "C++ compiler" in record.message]
+    assert len(lines) == 1 and "gathers the pages" in lines[0]
+
+
+def test_mask_check_accepts_only_leading_padding():
+    pads = torch.tensor([0, 2])
+    seen = torch.arange(5) >= pads.view(-1, 1)  # [2, 5]
+    assert mask_hides_padding_only(seen[:, None, None, :], pads, 5)
+    additive = torch.zeros(2, 1, 1, 5).masked_fill(~seen[:, None, None, :], -1e9)
+    assert mask_hides_padding_only(additive, pads, 5)
+    holed = seen.clone()
+    holed[0, 3] = False
+    assert not mask_hides_padding_only(holed[:, None, None, :], pads, 5)
+    assert not mask_hides_padding_only(seen[:, None, None, :4], pads, 5)
+    assert mask_hides_padding_only(None, torch.zeros(2, dtype=torch.long), 5)
+    assert not mask_hides_padding_only(None, pads, 5)
+
+
+def test_gathers_past_the_shape_key_limit(tiny_llama_model, in_place, monkeypatch, caplog):
+    """A shape past ``MAX_SHAPE_KEYS`` is not compiled: that step's attention gathers the same keys instead."""
+    monkeypatch.setattr(flex, "MAX_SHAPE_KEYS", 0)
+    monkeypatch.setattr(flex, "_LOGGED", set())
+    ids, mask = padded_batch([11, 7], seed=9)  # 2 rows: a shape no other test compiles
+    reference = run(tiny_llama_model, ids, mask, max_new_tokens=6)
+    with caplog.at_level(logging.INFO, logger="hf_kvcache"):
+        assert_same_generation(reference, paged(tiny_llama_model, ids, mask, ATTENTION_NAME, max_new_tokens=6))
+    assert in_place["calls"] == 5 * 2  # tried, and gathered
+    assert [record.message for record in caplog.records if "MAX_SHAPE_KEYS" in record.message]
