@@ -140,13 +140,18 @@ def test_reduced_precision_pools_read_in_place_as_exactly_as_gathered(tiny_llama
 
 
 def test_smollm2_padded_batch_and_beams_in_place(bundled, in_place):
+    """The real model: greedy tokens equal; logits within 1e-4 absolute. The kernel sums in another order than
+    sdpa over 30 layers: on this model StaticCache's own logits differ from DynamicCache's by up to 2.8e-5 (in place
+    3.1e-5), above the 1e-5 the tiny models hold to."""
     model, tokenizer = bundled
     prompts = ["The capital of France is", "Write a haiku about the sea. The waves", "def fibonacci(n):"]
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     reference = run(model, batch.input_ids, batch.attention_mask, max_new_tokens=12)
     fast = paged(model, batch.input_ids, batch.attention_mask, ATTENTION_NAME, max_new_tokens=12)
     assert in_place["calls"] == 11 * model.config.num_hidden_layers
-    assert_same_generation(reference, fast)
+    assert torch.equal(reference.sequences, fast.sequences)
+    for expected, actual in zip(reference.logits, fast.logits, strict=True):
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-4)
     one = tokenizer(prompts[:1], return_tensors="pt")
     beams = {"num_beams": 3, "num_return_sequences": 3, "max_new_tokens": 10}
     expected = model.generate(**one, **beams)
