@@ -21,10 +21,11 @@ nothing (a chunk that cannot be allocated leaves the pool as it was and the requ
 zeroed when it is handed out, so no slot a request has not written can hold anything but zeros (an earlier
 request's overflowed values, NaN or inf, would poison attention that reads whole pages: 0 x NaN is NaN).
 
-Bookkeeping is delegated to a ``PageAllocator`` (ids and reference counts) and to the
-``PageTable`` of each cache's layer group; the pool serializes them with one lock, so threads running
-``generate`` on different caches can share a pool. It also keeps live statistics and fires
-alerts when the share of used pages crosses a threshold.
+Bookkeeping is delegated to a ``PageAllocator`` (ids and reference counts, and with ``prefix_caching`` the
+prefix index of published pages: ``hf_kvcache.prefix_index``) and to the ``PageTable`` of each cache's layer
+group; the pool serializes them with one lock, so threads running ``generate`` on different caches can share a
+pool (and find each other's published pages). It also keeps live statistics and fires alerts when the share of
+pages held crosses a threshold.
 """
 
 import dataclasses
@@ -41,6 +42,7 @@ from hf_kvcache.allocator import PageAllocator
 from hf_kvcache.config import DEFAULT_PAGE_SIZE, PageFormat
 from hf_kvcache.errors import PoolExhaustedError
 from hf_kvcache.page_table import PageTable
+from hf_kvcache.prefix_index import PageKey
 
 logger = logging.getLogger("hf_kvcache")
 
@@ -128,6 +130,8 @@ class KVPool:
         name: register the pool under this name so a ``cache_config`` can say ``{"pool": name}``.
         alert_thresholds: fractions of the pool's capacity whose upward crossing logs a warning and
             calls the alert callbacks (once per crossing).
+        prefix_caching: keep a prefix index, so that caches on the pool reuse each other's prompt pages across
+            ``generate`` calls (``PoolCache.prefix``); idle published pages stay cached until evicted.
     """
 
     def __init__(
@@ -140,6 +144,7 @@ class KVPool:
         budget: "MemoryBudget | None" = None,
         name: str | None = None,
         alert_thresholds: tuple[float, ...] = (0.9,),
+        prefix_caching: bool = False,
     ) -> None:
         if num_pages < 2:
             raise ValueError(f"num_pages={num_pages} is too small: a pool needs the null page plus at least one page.")
@@ -153,7 +158,7 @@ class KVPool:
         self._budget = budget
         self.name = name
         self.lock = threading.RLock()
-        self._allocator = PageAllocator(num_pages)
+        self._allocator = PageAllocator(num_pages, prefix_caching)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.value_scales: list[torch.Tensor] = []  # quantized values only
@@ -201,6 +206,7 @@ class KVPool:
         alert_thresholds: tuple[float, ...] = (0.9,),
         value_bits: int | None = None,
         value_group_size: int = 64,
+        prefix_caching: bool = False,
     ) -> "KVPool":
         """A fixed-budget pool for ``model``, sized by exactly one of the three budgets.
 
@@ -212,6 +218,7 @@ class KVPool:
             page_size: token slots per page.
             dtype / device: default to the model's.
             value_bits / value_group_size: store values as int8/int4 codes (for ``QuantizedValueCache``).
+            prefix_caching: keep a prefix index: caches on the pool reuse each other's prompt pages.
         """
         budgets = {"max_tokens": max_tokens, "max_bytes": max_bytes, "memory_fraction": memory_fraction}
         given = [key for key, value in budgets.items() if value is not None]
@@ -240,7 +247,9 @@ class KVPool:
                 raise ValueError(
                     f"max_bytes={max_bytes} holds fewer than 2 pages of {page_format.page_bytes} bytes; raise it."
                 )
-        return cls(page_format, num_pages, device, name=name, alert_thresholds=alert_thresholds)
+        return cls(
+            page_format, num_pages, device, name=name, alert_thresholds=alert_thresholds, prefix_caching=prefix_caching
+        )
 
     @classmethod
     def named(cls, name: str) -> "KVPool":
@@ -341,16 +350,18 @@ class KVPool:
     # ----- pages ----------------------------------------------------------------------------
 
     def allocate(self, num: int) -> list[int]:
-        """Takes ``num`` pages, growing a default pool if needed; all or nothing. The pages come zeroed.
+        """Takes ``num`` pages, all or nothing: free pages, then cached pages (least recently used first), then
+        room a default pool grows into. The pages come zeroed.
 
         Raises:
             PoolExhaustedError: the pool (at its cap) cannot hold ``num`` more pages.
         """
         with self.lock:
-            if num > self._allocator.num_free and not self._grow(num):
+            num_cached = self._allocator.num_cached
+            if num > self._allocator.num_available and not self._grow(num - num_cached):
                 raise PoolExhaustedError(
                     num,
-                    self._allocator.num_free,
+                    self._allocator.num_available,
                     self._allocator.num_pages + self._growth_room(),
                     f"Pages hold {self.format.page_size} tokens. Give the pool more room (KVPool.for_model(..., "
                     "max_tokens=...) or cache_config max_tokens), or lower the batch size or max_new_tokens.",
@@ -387,9 +398,41 @@ class KVPool:
 
     @property
     def num_available_pages(self) -> int:
-        """Pages a request could take now: the free ones plus the room a growable pool can still grow into."""
+        """Pages a request could take now: the free and cached ones plus the room a growable pool can grow into."""
         with self.lock:
-            return self._allocator.num_free + self._growth_room()
+            return self._allocator.num_available + self._growth_room()
+
+    # ----- prefix index -----------------------------------------------------------------------
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether the pool keeps a prefix index."""
+        return self._allocator.index is not None
+
+    def enable_prefix_caching(self) -> None:
+        """Starts the pool's prefix index (a no-op if it has one): how ``cache_config={"prefix_caching": True}``
+        turns it on for the default pool."""
+        with self.lock:
+            self._allocator.enable_prefix_caching()
+
+    def publish(self, pages: list[tuple[PageKey, int]]) -> int:
+        """Publishes each ``(key, page)`` (a full page a cache holds); returns how many were new.
+
+        A key already published keeps its page (the first wins): the other page stays its cache's alone.
+        """
+        with self.lock:
+            return sum(self._allocator.publish(key, page) for key, page in pages)
+
+    def lookup(self, key: PageKey) -> int | None:
+        """The page published under ``key``, without taking it. Hold ``lock`` from the lookup until the pages are
+        taken (``share``): a cached page may be evicted in between otherwise."""
+        return self._allocator.lookup(key)
+
+    def record_prefix_lookup(self, num_rows: int, tokens_reused_per_row: int, tokens_per_row: int) -> None:
+        """Counts a lookup of ``num_rows`` prompts of ``tokens_per_row`` tokens, ``tokens_reused_per_row`` of which
+        came from the index (``stats()``)."""
+        with self.lock:
+            self._allocator.index.record_lookup(num_rows, tokens_reused_per_row, tokens_per_row)
 
     def new_table(self) -> PageTable:
         """An empty page table drawing from this pool, counted in its statistics."""
@@ -419,21 +462,29 @@ class KVPool:
     def stats(self) -> dict[str, Any]:
         """Live statistics as a plain dict.
 
-        ``utilization`` is the bytes of the tokens held divided by the bytes of the pages handed
-        out (1.0 when every used page is full; shared pages count once). ``live_tables`` counts the
-        page tables of caches not yet garbage collected (0 again once every cache is gone).
+        ``pages_used`` counts the pages off the free list: those caches hold and ``pages_cached``, published pages
+        only the prefix index holds (evicted when room is needed: a request can take ``pages_free +
+        pages_cached``). ``utilization`` is the bytes of the tokens held divided by the bytes of the pages caches
+        hold (1.0 when every held page is full; shared pages count once). ``live_tables`` counts the page tables of
+        caches not yet garbage collected (0 again once every cache is gone). The prefix index's counts are in rows
+        (one prompt each): ``prefix_lookups`` rows looked up, ``prefix_hits`` rows that reused at least a page,
+        ``prefix_tokens_reused`` prompt tokens not prefilled, ``prefix_hit_rate`` the share of looked-up prompt
+        tokens that were reused.
         """
         with self.lock:
             filled: dict[int, int] = {}
             for table in list(self._tables):
                 filled.update(table.filled_slots())
-            used = self._allocator.num_used
+            used, cached = self._allocator.num_used, self._allocator.num_cached
             page_bytes = self.format.page_bytes
             tokens = sum(filled.values())
+            index = self._allocator.index
+            queried = index.tokens_queried if index is not None else 0
             return {
                 "pages_total": self._allocator.num_pages,
                 "pages_used": used,
                 "pages_free": self._allocator.num_free,
+                "pages_cached": cached,
                 "max_pages": self._allocator.num_pages + self._growth_room(),
                 "high_water_pages": self._allocator.high_water,
                 "page_size": self.format.page_size,
@@ -442,9 +493,14 @@ class KVPool:
                 "bytes_used": used * page_bytes,
                 "tokens_held": tokens,
                 "live_tables": len(self._tables),
-                "utilization": tokens / (used * self.format.page_size) if used else 0.0,
+                "utilization": tokens / ((used - cached) * self.format.page_size) if used > cached else 0.0,
                 "device": str(self.device),
                 "dtype": str(self.format.dtype).removeprefix("torch."),
+                "prefix_caching": index is not None,
+                "prefix_lookups": index.lookups if index is not None else 0,
+                "prefix_hits": index.hits if index is not None else 0,
+                "prefix_tokens_reused": index.tokens_reused if index is not None else 0,
+                "prefix_hit_rate": index.tokens_reused / queried if queried else 0.0,
             }
 
     def add_alert_callback(self, callback: AlertCallback) -> None:
@@ -452,7 +508,8 @@ class KVPool:
         self._callbacks.append(callback)
 
     def _check_alerts(self) -> None:
-        fraction = self._allocator.num_used / (self._allocator.num_pages + self._growth_room())
+        held = self._allocator.num_used - self._allocator.num_cached  # cached pages are as good as free
+        fraction = held / (self._allocator.num_pages + self._growth_room())
         for i, threshold in enumerate(self._thresholds):
             if fraction < threshold:
                 self._armed[i] = True
@@ -471,7 +528,8 @@ class KVPool:
                     callback(threshold, stats)
 
     def check_integrity(self) -> None:
-        """Raises ``AssertionError`` if the allocator or any live page table is inconsistent."""
+        """Raises ``AssertionError`` if the allocator, its prefix index or any live page table is inconsistent: each
+        page's refcount is its page-table references plus one if it is published."""
         with self.lock:
             self._allocator.check_integrity()
             references: dict[int, int] = {}
@@ -480,7 +538,12 @@ class KVPool:
                 for row in table.rows:
                     for page in row:
                         references[page] = references.get(page, 0) + 1
+            index = self._allocator.index
+            published = {page for page in references if index is not None and index.is_published(page)}
             for page, count in references.items():
-                assert self._allocator.refcount(page) == count, f"page {page}: refcount != {count} table references"
-            assert self._allocator.num_used == len(references), "pages used that no live table holds (a leak)"
+                expected = count + (page in published)
+                assert self._allocator.refcount(page) == expected, f"page {page}: refcount != {expected} references"
+            num_published = len(index) if index is not None else 0
+            num_held = len(references) + num_published - len(published)
+            assert self._allocator.num_used == num_held, "pages used that no live table or index holds (a leak)"
             assert sum(self.chunk_sizes) == self._allocator.num_pages + 1, "chunks and page ids disagree"

@@ -12,6 +12,7 @@ ORDER = [
     "errors",
     "quant",
     "config",
+    "prefix_index",
     "allocator",
     "page_table",
     "pool",
@@ -74,7 +75,7 @@ def test_imports_flow_one_way(module):
     assert not ours(names) & higher, f"{module} imports higher modules {ours(names) & higher}"
     if ORDER.index(module) < ORDER.index("transformers_internals"):
         assert not any(name.startswith("transformers") for name in names), f"{module} imports transformers"
-    if module in ("allocator", "page_table", "errors"):
+    if module in ("allocator", "page_table", "errors", "prefix_index"):
         assert not any(name.startswith("torch") for name in names), f"{module} imports torch"
 
 
