@@ -138,7 +138,7 @@ def test_readme_layout_block_is_the_tree():
 
 
 def test_only_integration_and_models_change_transformers():
-    """transformers_internals' writes are called from integration (the two seams, the attention name) and models
+    """transformers_internals' writes are called from integration (the three seams, the attention name) and models
     (the GGUF quantizer of the bundled model) only."""
     writes = {"set_cache_implementations", "set_prepare_cache_method", "remove_attention", "drop_quantizer"}
     callers = {
