@@ -21,12 +21,20 @@ blocks of ``extent_pages * page_size`` tokens (``hf_kvcache.flex``). Two kinds o
 Extents are claimed softly: the free pages after a row's last page stay free (counted free, usable by
 anyone) and are handed to another request only when nothing else is left, so a request fails only when
 the pool has fewer free pages than it needs.
+
+Cached pages. With a prefix index (``hf_kvcache.prefix_index``), a published page holds one more reference, the
+index's. A published page that only the index holds is *cached*: not free (it keeps its contents, so attention
+that reads extents in place treats it as another request's page), but *available*: ``ensure_free`` evicts cached
+pages, least recently used first, back to the free pages (into the extent counts and heaps exactly as a freed
+page) before any page is taken, so a request fails only when free plus cached pages are fewer than it needs.
+``ensure_free`` returns the pages it evicted: a caller that keeps free pages zeroed (``KVPool``) zeroes them.
 """
 
 import heapq
 from collections import Counter
 
 from hf_kvcache.errors import PoolExhaustedError
+from hf_kvcache.prefix_index import PageKey, PrefixIndex
 
 NULL_PAGE = 0
 
@@ -37,9 +45,10 @@ class PageAllocator:
     Args:
         num_pages: page ids in the pool, the null page included (>= 2).
         extent_pages: pages per aligned extent (1: no extents, every page stands alone).
+        prefix_caching: keep a prefix index (``index``) of published pages.
     """
 
-    def __init__(self, num_pages: int, extent_pages: int = 1) -> None:
+    def __init__(self, num_pages: int, extent_pages: int = 1, prefix_caching: bool = False) -> None:
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (one null page plus one usable page), got {num_pages}.")
         if extent_pages < 1:
@@ -51,6 +60,7 @@ class PageAllocator:
         self._extents: list[int] = []  # min-heap of wholly free extents; stale entries skipped
         self._num_free = 0  # the null page is neither free nor used
         self.high_water = 0
+        self.index: PrefixIndex | None = PrefixIndex() if prefix_caching else None
         self.add_pages(num_pages)
 
     @property
@@ -64,7 +74,23 @@ class PageAllocator:
 
     @property
     def num_used(self) -> int:
+        """Pages not free: held by page tables, or cached."""
         return self.num_pages - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Published pages that only the prefix index holds (evicted when ``ensure_free`` needs them)."""
+        return self.index.num_cached if self.index is not None else 0
+
+    @property
+    def num_available(self) -> int:
+        """Pages a request can take: the free ones and the cached ones."""
+        return self._num_free + self.num_cached
+
+    def enable_prefix_caching(self) -> None:
+        """Starts a prefix index (a no-op if there is one)."""
+        if self.index is None:
+            self.index = PrefixIndex()
 
     def add_pages(self, num_new: int) -> range:
         """Extends the id space by ``num_new`` free pages; returns their ids."""
@@ -83,9 +109,10 @@ class PageAllocator:
 
     def allocate(self, num: int) -> list[int]:
         """Takes ``num`` single pages (refcount 1 each), the highest free ids, in ascending order; all or nothing.
+        Cached pages are evicted first where the free ones do not suffice (``ensure_free``).
 
         Raises:
-            PoolExhaustedError: fewer than ``num`` pages are free; nothing changed.
+            PoolExhaustedError: fewer than ``num`` pages are free or cached; nothing changed.
         """
         self.ensure_free(num)
         pages = [self._pop_single() for _ in range(num)]
@@ -96,10 +123,11 @@ class PageAllocator:
         """Takes the next ``num`` pages of a row whose last page is ``anchor`` (``None``: a row without pages).
 
         Each page continues the extent of the one before while the next id there is free, else starts the lowest
-        wholly free extent, else is a single page (see the module docstring); all or nothing.
+        wholly free extent, else is a single page (see the module docstring); all or nothing. Cached pages are
+        evicted first where the free ones do not suffice (``ensure_free``).
 
         Raises:
-            PoolExhaustedError: fewer than ``num`` pages are free; nothing changed.
+            PoolExhaustedError: fewer than ``num`` pages are free or cached; nothing changed.
         """
         self.ensure_free(num)
         pages = []
@@ -109,10 +137,22 @@ class PageAllocator:
         self._note_use()
         return pages
 
-    def ensure_free(self, num: int) -> None:
-        """Raises ``PoolExhaustedError`` if fewer than ``num`` pages are free (a ``KVPool`` grows instead if it can)."""
-        if num > self.num_free:
-            raise PoolExhaustedError(num, self.num_free, self.num_pages)
+    def ensure_free(self, num: int) -> list[int]:
+        """Makes ``num`` pages free, evicting cached pages (least recently used first) if the free ones are fewer.
+
+        Returns:
+            The pages evicted (free now; they still hold their contents).
+
+        Raises:
+            PoolExhaustedError: fewer than ``num`` pages are free or cached (a ``KVPool`` grows instead if it can);
+                nothing changed.
+        """
+        if num > self.num_available:
+            raise PoolExhaustedError(num, self.num_available, self.num_pages)
+        evicted = [self.index.evict_oldest() for _ in range(num - self._num_free)]
+        for page in evicted:
+            self._release(page)
+        return evicted
 
     def share(self, pages: list[int]) -> None:
         """Adds one reference to each used page."""
@@ -121,9 +161,12 @@ class PageAllocator:
                 raise ValueError(f"Cannot share page {page}: it is not allocated.")
         for page in pages:
             self._refcounts[page] += 1
+            if self.index is not None:
+                self.index.mark_held(page)
 
     def free(self, pages: list[int]) -> list[int]:
-        """Drops one reference from each page; returns the pages left with none (free again)."""
+        """Drops one reference from each page; returns the pages left with none (free again). A published page
+        left with the index's reference only becomes cached (the most recently used)."""
         for page, count in Counter(pages).items():
             if page == NULL_PAGE or not 0 < page < len(self._refcounts) or self._refcounts[page] < count:
                 raise ValueError(f"Cannot free page {page}: it is not allocated.")
@@ -132,14 +175,9 @@ class PageAllocator:
             self._refcounts[page] -= 1
             if self._refcounts[page] == 0:
                 freed.append(page)
-                self._num_free += 1
-                heapq.heappush(self._singles, -page)
-                extent = page // self.extent_pages
-                self._free_in_extent[extent] += 1
-                if self._is_whole(extent):
-                    heapq.heappush(self._extents, extent)
-        if len(self._singles) > 2 * len(self._refcounts) + 64:  # drop stale entries now and then
-            self._rebuild_heaps()
+                self._release(page)
+            elif self._refcounts[page] == 1 and self.index is not None and self.index.is_published(page):
+                self.index.mark_cached(page)
         return freed
 
     def refcount(self, page: int) -> int:
@@ -147,6 +185,21 @@ class PageAllocator:
 
     def is_free(self, page: int) -> bool:
         return page != NULL_PAGE and self._refcounts[page] == 0
+
+    def publish(self, key: PageKey, page: int) -> bool:
+        """Publishes a used page under ``key``, adding the index's reference; False (nothing changed) if the key
+        is already published (the first page published under a key wins) or the page already is."""
+        if page == NULL_PAGE or self._refcounts[page] == 0:
+            raise ValueError(f"Cannot publish page {page}: it is not allocated.")
+        if self.index.page(key) is not None or self.index.is_published(page):
+            return False
+        self.index.add(key, page)
+        self._refcounts[page] += 1
+        return True
+
+    def lookup(self, key: PageKey) -> int | None:
+        """The page published under ``key``, without taking it (``share`` takes it)."""
+        return self.index.page(key) if self.index is not None else None
 
     # ----- internals ---------------------------------------------------------------------------
 
@@ -156,6 +209,18 @@ class PageAllocator:
         if extent == NULL_PAGE // size or (extent + 1) * size > len(self._refcounts):
             return False
         return self._free_in_extent[extent] == size
+
+    def _release(self, page: int) -> None:
+        """Puts a page whose last reference went (freed or evicted) back into the free counts and heaps."""
+        self._refcounts[page] = 0
+        self._num_free += 1
+        heapq.heappush(self._singles, -page)
+        extent = page // self.extent_pages
+        self._free_in_extent[extent] += 1
+        if self._is_whole(extent):
+            heapq.heappush(self._extents, extent)
+        if len(self._singles) > 2 * len(self._refcounts) + 64:  # drop stale entries now and then
+            self._rebuild_heaps()
 
     def _take(self, page: int) -> int:
         self._refcounts[page] = 1
@@ -191,7 +256,8 @@ class PageAllocator:
         heapq.heapify(self._extents)
 
     def check_integrity(self) -> None:
-        """Raises ``AssertionError`` if the free counts and reference counts disagree."""
+        """Raises ``AssertionError`` if the free counts, the extents' bookkeeping, the reference counts and the prefix
+        index (its references, its cached pages) disagree."""
         assert self._refcounts[NULL_PAGE] == 0, "the null page was handed out"
         free = [page for page in range(1, len(self._refcounts)) if self._refcounts[page] == 0]
         assert len(free) == self.num_free, f"{len(free)} pages have refcount 0 but {self.num_free} are counted free"
@@ -205,3 +271,6 @@ class PageAllocator:
         whole = {extent for extent in range(len(self._free_in_extent)) if self._is_whole(extent)}
         assert whole <= set(self._extents), "a wholly free extent is missing from the extent heap"
         assert self.high_water >= self.num_used, "high-water mark below current use"
+        if self.index is not None:
+            self.index.check_integrity(self._refcounts)
+            assert self.num_available == self.num_free + self.index.num_cached, "available pages miscounted"

@@ -165,12 +165,17 @@ class CacheOptions:
             (rows x pages for prompt + ``max_new_tokens``) exceeds what the pool has free or can still grow
             into, with a ``PoolExhaustedError``. A check, not a reservation: requests running at the same
             time may still take the pages, and a request that passes can then fail mid-generation.
+        prefix_caching: reuse prompt pages across ``generate`` calls through the pool's prefix index
+            (``hf_kvcache.caches.prefix``). ``True``: the default pool or ``max_tokens`` pool the cache draws from
+            keeps one (a given ``pool`` must have been built with ``prefix_caching=True``); ``None``: only where a
+            given ``pool`` keeps one; ``False``: never.
     """
 
     page_size: int = DEFAULT_PAGE_SIZE
     pool: Any = None
     max_tokens: int | None = None
     admission_check: bool = False
+    prefix_caching: bool | None = None
 
     def __post_init__(self) -> None:
         check_page_size(self.page_size)
@@ -187,6 +192,11 @@ class CacheOptions:
             raise TypeError(
                 f"admission_check must be True or False, got {self.admission_check!r} "
                 f"({type(self.admission_check).__name__})."
+            )
+        if self.prefix_caching is not None and not isinstance(self.prefix_caching, bool):
+            raise TypeError(
+                f"prefix_caching must be True, False or None, got {self.prefix_caching!r} "
+                f"({type(self.prefix_caching).__name__})."
             )
 
     def page_format(self, config: Any, dtype: torch.dtype) -> PageFormat:

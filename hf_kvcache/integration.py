@@ -1,8 +1,8 @@
 """Teaches ``model.generate(cache_implementation=NAME, cache_config={...})`` our cache names.
 
-The only module that changes transformers, through exactly two seams (plus one public registry,
+The only module that changes transformers, through exactly three seams (plus one public registry,
 ``AttentionInterface``/``AttentionMaskInterface``, where ``attn_implementation="hf_kvcache"`` is added: see
-``hf_kvcache.attention``), both reached through ``hf_kvcache.transformers_internals``:
+``hf_kvcache.attention``), all reached through ``hf_kvcache.transformers_internals``:
 
 1. ``transformers.generation.configuration_utils.ALL_CACHE_IMPLEMENTATIONS``, the tuple that
    ``GenerationConfig.validate`` reads: our names are appended, so configs naming them validate,
@@ -10,9 +10,13 @@ The only module that changes transformers, through exactly two seams (plus one p
 2. ``GenerationMixin._prepare_cache_for_generation``: wrapped so that our names build our cache;
    every other name goes to the original method untouched. It runs before any forward pass, so the
    wrapper also checks requests on our caches there (``check_request``: empty prompts, ``admission_check``).
+3. ``GenerationMixin.prepare_inputs_for_generation``: wrapped so that one of our caches that reuses prompts
+   (``PoolCache.prefix``) sees the token ids: before the first forward pass it attaches the prompt's cached prefix
+   and ``generate`` feeds only the rest; before every forward pass it records the ids fed, to publish full pages.
+   Any other cache goes to the original method untouched.
 
 Our names are those of ``hf_kvcache.registry.REGISTRY``. ``register()`` is idempotent and ``unregister()`` puts
-all three back exactly as they were.
+all four back exactly as they were.
 """
 
 import functools
@@ -34,10 +38,12 @@ from hf_kvcache.registry import REGISTRY
 from hf_kvcache.transformers_internals import (
     cache_implementations,
     prepare_cache_method,
+    prepare_inputs_method,
     remove_attention,
     sdpa_mask,
     set_cache_implementations,
     set_prepare_cache_method,
+    set_prepare_inputs_method,
     tensor_parallel_group,
 )
 
@@ -47,6 +53,7 @@ SUPPORTED_TRANSFORMERS = (Version("5.24"), Version("6.0"))
 
 _lock = threading.Lock()
 _original_prepare: Callable[..., Any] | None = None
+_original_inputs: Callable[..., Any] | None = None
 _original_names: tuple[str, ...] | None = None
 
 
@@ -178,36 +185,55 @@ def _prepare_cache_for_generation(
     return None
 
 
+def _prepare_inputs_for_generation(
+    self,
+    input_ids: torch.LongTensor,
+    next_sequence_length: int | None = None,
+    cache: Cache | None = None,
+    **kwargs,
+):
+    if not isinstance(cache, PoolCache):
+        return _original_inputs(self, input_ids, next_sequence_length=next_sequence_length, cache=cache, **kwargs)
+    if kwargs.get("is_first_iteration"):
+        next_sequence_length = cache.begin_generation(self, input_ids, next_sequence_length, kwargs)
+    inputs = _original_inputs(self, input_ids, next_sequence_length=next_sequence_length, cache=cache, **kwargs)
+    cache.record_inputs(inputs.get("input_ids"))
+    return inputs
+
+
 def register() -> None:
     """Makes our names valid ``cache_implementation`` values (idempotent).
 
     Raises:
         ImportError: the installed transformers is outside ``SUPPORTED_TRANSFORMERS``.
     """
-    global _original_prepare, _original_names
+    global _original_prepare, _original_inputs, _original_names
     check_transformers_version()
     with _lock:
         if _original_prepare is not None:
             return
         _original_names = cache_implementations()
         _original_prepare = prepare_cache_method()
+        _original_inputs = prepare_inputs_method()
         new_names = tuple(name for name in REGISTRY if name not in _original_names)
         set_cache_implementations(_original_names + new_names)
         set_prepare_cache_method(functools.wraps(_original_prepare)(_prepare_cache_for_generation))
+        set_prepare_inputs_method(functools.wraps(_original_inputs)(_prepare_inputs_for_generation))
         AttentionInterface.register(ATTENTION_NAME, banded_sdpa_attention)
         AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
 def unregister() -> None:
     """Puts transformers back exactly as before ``register()`` (a no-op if not registered)."""
-    global _original_prepare, _original_names
+    global _original_prepare, _original_inputs, _original_names
     with _lock:
         if _original_prepare is None:
             return
         set_cache_implementations(_original_names)
         set_prepare_cache_method(_original_prepare)
+        set_prepare_inputs_method(_original_inputs)
         remove_attention(ATTENTION_NAME)  # register() has no public undo
-        _original_prepare = _original_names = None
+        _original_prepare = _original_inputs = _original_names = None
 
 
 def is_registered() -> bool:

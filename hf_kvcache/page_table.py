@@ -97,6 +97,22 @@ class PageTable:
         self.num_tokens = end
         return copies
 
+    def attach(self, rows: list[list[int]], num_tokens: int) -> None:
+        """Fills an empty table with pages the caller has already taken a reference to (a reused prefix).
+
+        Args:
+            rows: each row's page ids, ``ceil(num_tokens / page_size)`` of them.
+            num_tokens: tokens each row holds.
+        """
+        if self.rows or self.num_tokens:
+            raise ValueError("Pages can only be attached to an empty table.")
+        num_pages = math.ceil(num_tokens / self.page_size)
+        if any(len(row) != num_pages for row in rows):
+            raise ValueError(f"Each row must bring {num_pages} pages for {num_tokens} tokens.")
+        self.rows = [list(row) for row in rows]
+        self.num_tokens = num_tokens
+        self.version += 1
+
     def make_private(self, rows: list[int], indices: list[int] | None = None) -> list[tuple[int, int]]:
         """Gives ``rows`` their own copy of each page they share (of pages ``indices`` only, if given).
 

@@ -24,15 +24,16 @@ pages opened are ever touched), so attention compiled for it never recompiles; o
 storage holds the opened pages only and a growth moves them into a larger one, under the pool's lock
 (``PoolStorage``: readers and writers take a snapshot and use its indices with it).
 
-Every free page is all zeros (pages are zeroed when opened and when freed), so a slot a request has not
-written reads as zero, and attention that reads whole blocks in place reads nothing but zeros and the pages
-of live rows outside a row's own (an earlier request's overflowed values, NaN or inf, would poison it:
-0 x NaN is NaN).
+Every free page is all zeros (pages are zeroed when opened, when freed, and when a cached page of the prefix
+index is evicted), so a slot a request has not written reads as zero, and attention that reads whole blocks in
+place reads nothing but zeros and the pages of live rows outside a row's own (an earlier request's overflowed
+values, NaN or inf, would poison it: 0 x NaN is NaN). Cached pages keep their contents: they count as other rows'.
 
-Bookkeeping is delegated to a ``PageAllocator`` (ids, reference counts, placement in extents) and to the
-``PageTable`` of each cache's layer group; the pool serializes them with one lock, so threads running
-``generate`` on different caches can share a pool. It also keeps live statistics and fires
-alerts when the share of used pages crosses a threshold.
+Bookkeeping is delegated to a ``PageAllocator`` (ids, reference counts, placement in extents, and with
+``prefix_caching`` the prefix index of published pages: ``hf_kvcache.prefix_index``) and to the ``PageTable`` of
+each cache's layer group; the pool serializes them with one lock, so threads running ``generate`` on different
+caches can share a pool (and find each other's published pages). It also keeps live statistics and fires alerts
+when the share of pages held crosses a threshold.
 """
 
 import dataclasses
@@ -51,6 +52,7 @@ from hf_kvcache.config import DEFAULT_PAGE_SIZE, PageFormat
 from hf_kvcache.errors import PoolExhaustedError
 from hf_kvcache.page_table import Allocator, PageTable
 from hf_kvcache.placement import agree, kv_heads_per_rank, normalize_device
+from hf_kvcache.prefix_index import PageKey
 
 logger = logging.getLogger("hf_kvcache")
 
@@ -167,6 +169,8 @@ class KVPool:
         name: register the pool under this name so a ``cache_config`` can say ``{"pool": name}``.
         alert_thresholds: fractions of the pool's capacity whose upward crossing logs a warning and
             calls the alert callbacks (once per crossing).
+        prefix_caching: keep a prefix index, so that caches on the pool reuse each other's prompt pages across
+            ``generate`` calls (``PoolCache.prefix``); idle published pages stay cached until evicted.
     """
 
     def __init__(
@@ -180,6 +184,7 @@ class KVPool:
         reserve: bool | None = None,
         name: str | None = None,
         alert_thresholds: tuple[float, ...] = (0.9,),
+        prefix_caching: bool = False,
     ) -> None:
         if num_pages < 2:
             raise ValueError(f"num_pages={num_pages} is too small: a pool needs the null page plus at least one page.")
@@ -194,7 +199,7 @@ class KVPool:
         self._budget = budget
         self.name = name
         self.lock = threading.RLock()
-        self._allocator = PageAllocator(num_pages, page_format.extent_pages)
+        self._allocator = PageAllocator(num_pages, page_format.extent_pages, prefix_caching)
         self.storage = self._reserve_storage(num_pages)
         self._zero_range(0, self._storage_pages(num_pages))
         self._tables: weakref.WeakSet[PageTable] = weakref.WeakSet()
@@ -299,6 +304,7 @@ class KVPool:
         alert_thresholds: tuple[float, ...] = (0.9,),
         value_bits: int | None = None,
         value_group_size: int = 64,
+        prefix_caching: bool = False,
     ) -> "KVPool":
         """A fixed-budget pool for ``model``, sized by exactly one of the three budgets.
 
@@ -313,6 +319,7 @@ class KVPool:
             page_size: token slots per page.
             dtype / device: default to the model's.
             value_bits / value_group_size: store values as int8/int4 codes (for ``QuantizedValueCache``).
+            prefix_caching: keep a prefix index: caches on the pool reuse each other's prompt pages.
         """
         budgets = {"max_tokens": max_tokens, "max_bytes": max_bytes, "memory_fraction": memory_fraction}
         given = [key for key, value in budgets.items() if value is not None]
@@ -342,7 +349,9 @@ class KVPool:
                 raise ValueError(
                     f"max_bytes={max_bytes} holds fewer than 2 pages of {page_format.page_bytes} bytes; raise it."
                 )
-        return cls(page_format, num_pages, device, name=name, alert_thresholds=alert_thresholds)
+        return cls(
+            page_format, num_pages, device, name=name, alert_thresholds=alert_thresholds, prefix_caching=prefix_caching
+        )
 
     @classmethod
     def named(cls, name: str) -> "KVPool":
@@ -437,20 +446,23 @@ class KVPool:
     # ----- pages ----------------------------------------------------------------------------
 
     def ensure_free(self, num: int) -> None:
-        """Makes sure ``num`` pages are free, growing a default pool if needed.
+        """Makes sure ``num`` pages are free: the free ones, then cached pages evicted (least recently used first;
+        zeroed, as free pages are), then room a default pool grows into. Nothing is evicted unless ``num`` fit.
 
         Raises:
-            PoolExhaustedError: the pool (at its cap) cannot hold ``num`` more pages.
+            PoolExhaustedError: the pool (at its cap) cannot hold ``num`` more pages, cached ones counted.
         """
         with self.lock:
-            if num > self._allocator.num_free and not self._grow(num):
+            num_cached = self._allocator.num_cached
+            if num > self._allocator.num_available and not self._grow(num - num_cached):
                 raise PoolExhaustedError(
                     num,
-                    self._allocator.num_free,
+                    self._allocator.num_available,
                     self._allocator.num_pages + self._growth_room(),
                     f"Pages hold {self.format.page_size} tokens. Give the pool more room (KVPool.for_model(..., "
                     "max_tokens=...) or cache_config max_tokens), or lower the batch size or max_new_tokens.",
                 )
+            self._zero_pages(self._allocator.ensure_free(num))
 
     def allocate(self, num: int) -> list[int]:
         """Takes ``num`` single pages (``PageAllocator.allocate``), growing a default pool if needed; all or nothing.
@@ -480,12 +492,16 @@ class KVPool:
         """Drops one reference from each page; the pages left with none are zeroed (free pages are all zeros)."""
         with self.lock:
             freed = self._allocator.free(pages)
-            if freed:
-                index = torch.tensor(freed, dtype=torch.long, device=self.device)
-                for tensor in self.storage.tensors:
-                    tensor.index_fill_(2, index, 0)
+            self._zero_pages(freed)
             self._check_alerts()
             return freed
+
+    def _zero_pages(self, pages: list[int]) -> None:
+        """Zeroes every layer's slots of ``pages`` (pages become free: free pages are all zeros)."""
+        if pages:
+            index = torch.tensor(pages, dtype=torch.long, device=self.device)
+            for tensor in self.storage.tensors:
+                tensor.index_fill_(2, index, 0)
 
     def refcount(self, page: int) -> int:
         return self._allocator.refcount(page)
@@ -506,9 +522,41 @@ class KVPool:
 
     @property
     def num_available_pages(self) -> int:
-        """Pages a request could take now: the free ones plus the room a growable pool can still grow into."""
+        """Pages a request could take now: the free and cached ones plus the room a growable pool can grow into."""
         with self.lock:
-            return self._allocator.num_free + self._growth_room()
+            return self._allocator.num_available + self._growth_room()
+
+    # ----- prefix index -----------------------------------------------------------------------
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether the pool keeps a prefix index."""
+        return self._allocator.index is not None
+
+    def enable_prefix_caching(self) -> None:
+        """Starts the pool's prefix index (a no-op if it has one): how ``cache_config={"prefix_caching": True}``
+        turns it on for the default pool."""
+        with self.lock:
+            self._allocator.enable_prefix_caching()
+
+    def publish(self, pages: list[tuple[PageKey, int]]) -> int:
+        """Publishes each ``(key, page)`` (a full page a cache holds); returns how many were new.
+
+        A key already published keeps its page (the first wins): the other page stays its cache's alone.
+        """
+        with self.lock:
+            return sum(self._allocator.publish(key, page) for key, page in pages)
+
+    def lookup(self, key: PageKey) -> int | None:
+        """The page published under ``key``, without taking it. Hold ``lock`` from the lookup until the pages are
+        taken (``share``): a cached page may be evicted in between otherwise."""
+        return self._allocator.lookup(key)
+
+    def record_prefix_lookup(self, num_rows: int, tokens_reused_per_row: int, tokens_per_row: int) -> None:
+        """Counts a lookup of ``num_rows`` prompts of ``tokens_per_row`` tokens, ``tokens_reused_per_row`` of which
+        came from the index (``stats()``)."""
+        with self.lock:
+            self._allocator.index.record_lookup(num_rows, tokens_reused_per_row, tokens_per_row)
 
     def new_table(self, row_extents: bool = False, group: Any = None) -> PageTable:
         """An empty page table drawing from this pool, counted in its statistics.
@@ -540,28 +588,35 @@ class KVPool:
         """Live statistics as a plain dict.
 
         Pages are counted as handed out: ``pages_total`` is the pages the pool has opened (a default pool opens
-        more as it grows, up to ``max_pages``, within its memory budget), ``pages_used`` those held by page tables.
-        ``bytes_total`` is the memory of the opened pages, which is what the pool has committed: opened pages are
-        zeroed, and the rest of a reserved storage (``bytes_reserved``, a CPU default pool's cap) is never
-        touched. ``pages_unfilled`` counts pages held that no token has been written to yet (a ring takes its
-        planned pages at its first write); rows of paged layers place their pages in extents but never hold one
-        ahead. ``utilization`` is the bytes of the tokens held divided by the bytes of the pages handed
-        out (1.0 when every used page is full; shared pages count once). ``live_tables`` counts the
-        page tables of caches not yet garbage collected (0 again once every cache is gone).
+        more as it grows, up to ``max_pages``, within its memory budget), ``pages_used`` those not free: held by
+        page tables, and ``pages_cached``, published pages only the prefix index holds (evicted when room is needed:
+        a request can take ``pages_free + pages_cached``). ``bytes_total`` is the memory of the opened pages, which
+        is what the pool has committed: opened pages are zeroed, and the rest of a reserved storage
+        (``bytes_reserved``, a CPU default pool's cap) is never touched. ``pages_unfilled`` counts pages held that no
+        token has been written to yet (a ring takes its planned pages at its first write); rows of paged layers
+        place their pages in extents but never hold one ahead. ``utilization`` is the bytes of the tokens held
+        divided by the bytes of the pages caches hold (1.0 when every held page is full; shared pages count once).
+        ``live_tables`` counts the page tables of caches not yet garbage collected (0 again once every cache is
+        gone). The prefix index's counts are in rows (one prompt each): ``prefix_lookups`` rows looked up,
+        ``prefix_hits`` rows that reused at least a page, ``prefix_tokens_reused`` prompt tokens not prefilled,
+        ``prefix_hit_rate`` the share of looked-up prompt tokens that were reused.
         """
         with self.lock:
             filled: dict[int, int] = {}
             for table in list(self._tables):
                 filled.update(table.filled_slots())
-            used = self._allocator.num_used
+            used, cached = self._allocator.num_used, self._allocator.num_cached
             page_bytes = self.format.page_bytes
             tokens = sum(filled.values())
+            index = self._allocator.index
+            queried = index.tokens_queried if index is not None else 0
             return {
                 "pages_total": self._allocator.num_pages,
                 "extent_pages": self.format.extent_pages,
                 "pages_unfilled": sum(1 for count in filled.values() if count == 0),
                 "pages_used": used,
                 "pages_free": self._allocator.num_free,
+                "pages_cached": cached,
                 "max_pages": self._allocator.num_pages + self._growth_room(),
                 "high_water_pages": self._allocator.high_water,
                 "page_size": self.format.page_size,
@@ -571,9 +626,14 @@ class KVPool:
                 "bytes_used": used * page_bytes,
                 "tokens_held": tokens,
                 "live_tables": len(self._tables),
-                "utilization": tokens / (used * self.format.page_size) if used else 0.0,
+                "utilization": tokens / ((used - cached) * self.format.page_size) if used > cached else 0.0,
                 "device": str(self.device),
                 "dtype": str(self.format.dtype).removeprefix("torch."),
+                "prefix_caching": index is not None,
+                "prefix_lookups": index.lookups if index is not None else 0,
+                "prefix_hits": index.hits if index is not None else 0,
+                "prefix_tokens_reused": index.tokens_reused if index is not None else 0,
+                "prefix_hit_rate": index.tokens_reused / queried if queried else 0.0,
             }
 
     def add_alert_callback(self, callback: AlertCallback) -> None:
@@ -581,7 +641,8 @@ class KVPool:
         self._callbacks.append(callback)
 
     def _check_alerts(self) -> None:
-        fraction = self._allocator.num_used / (self._allocator.num_pages + self._growth_room())
+        held = self._allocator.num_used - self._allocator.num_cached  # cached pages are as good as free
+        fraction = held / (self._allocator.num_pages + self._growth_room())
         for i, threshold in enumerate(self._thresholds):
             if fraction < threshold:
                 self._armed[i] = True
@@ -600,7 +661,8 @@ class KVPool:
                     callback(threshold, stats)
 
     def check_integrity(self) -> None:
-        """Raises ``AssertionError`` if the allocator or any live page table is inconsistent."""
+        """Raises ``AssertionError`` if the allocator, its prefix index or any live page table is inconsistent: each
+        page's refcount is its page-table references plus one if it is published."""
         with self.lock:
             self._allocator.check_integrity()
             references: dict[int, int] = {}
@@ -609,9 +671,14 @@ class KVPool:
                 for row in table.rows:
                     for page in row:
                         references[page] = references.get(page, 0) + 1
+            index = self._allocator.index
+            published = {page for page in references if index is not None and index.is_published(page)}
             for page, count in references.items():
-                assert self._allocator.refcount(page) == count, f"page {page}: refcount != {count} table references"
-            assert self._allocator.num_used == len(references), "pages used that no live table holds (a leak)"
+                expected = count + (page in published)
+                assert self._allocator.refcount(page) == expected, f"page {page}: refcount != {expected} references"
+            num_published = len(index) if index is not None else 0
+            num_held = len(references) + num_published - len(published)
+            assert self._allocator.num_used == num_held, "pages used that no live table or index holds (a leak)"
             assert self.storage.num_pages >= self._allocator.num_pages + 1, "page ids past the storage"
 
 

@@ -25,6 +25,8 @@ Writes (only ``hf_kvcache.integration`` and ``hf_kvcache.models`` call these):
 - ``cache_implementations`` / ``set_cache_implementations``: ``transformers.generation.configuration_utils.
   ALL_CACHE_IMPLEMENTATIONS``, the tuple ``GenerationConfig.validate`` reads;
 - ``prepare_cache_method`` / ``set_prepare_cache_method``: ``GenerationMixin._prepare_cache_for_generation``;
+- ``prepare_inputs_method`` / ``set_prepare_inputs_method``: ``GenerationMixin.prepare_inputs_for_generation``, which
+  ``generate`` calls before every forward pass with the sequences so far (the one place a cache sees token ids);
 - ``remove_attention``: drops a name from ``AttentionInterface`` and ``AttentionMaskInterface`` (their
   ``_global_mapping``; ``register`` has no public undo);
 - ``drop_quantizer``: ``model.hf_quantizer`` and ``config.quantization_config``, so that a dequantized model
@@ -51,11 +53,13 @@ __all__ = [
     "drop_quantizer",
     "layer_types_and_kwargs",
     "prepare_cache_method",
+    "prepare_inputs_method",
     "remove_attention",
     "sdpa_attention_forward",
     "sdpa_mask",
     "set_cache_implementations",
     "set_prepare_cache_method",
+    "set_prepare_inputs_method",
     "tensor_parallel_group",
 ]
 
@@ -114,6 +118,19 @@ def prepare_cache_method() -> Callable[..., Any]:
 def set_prepare_cache_method(method: Callable[..., Any]) -> None:
     """Replaces ``GenerationMixin._prepare_cache_for_generation`` for every model."""
     GenerationMixin._prepare_cache_for_generation = method
+
+
+def prepare_inputs_method() -> Callable[..., Any]:
+    """``GenerationMixin.prepare_inputs_for_generation``: what each forward pass of ``generate`` is fed, from the
+    sequences so far (``_prefill`` passes the whole prompt with ``is_first_iteration=True`` and, where it slices it
+    itself, ``next_sequence_length``)."""
+    return GenerationMixin.prepare_inputs_for_generation
+
+
+def set_prepare_inputs_method(method: Callable[..., Any]) -> None:
+    """Replaces ``GenerationMixin.prepare_inputs_for_generation`` for every model that does not override it (models
+    that do call it through ``super()``)."""
+    GenerationMixin.prepare_inputs_for_generation = method
 
 
 def remove_attention(name: str) -> None:

@@ -1,4 +1,4 @@
-"""Tests for the benchmarks (hf_kvcache.bench: catalogue, decode, ring_update) on a tiny random Llama: structure
+"""Tests for the benchmarks (hf_kvcache.bench: catalogue, decode, ring_update, prefix) on a tiny random Llama: structure
 and correctness only, never timings."""
 
 import json
@@ -16,6 +16,9 @@ from hf_kvcache.bench.decode import (
     results_record,
     run_decode_benchmark,
 )
+from hf_kvcache.bench.prefix import MODES, PrefixBenchConfig, run_prefix_benchmark
+from hf_kvcache.bench.prefix import markdown_table as prefix_markdown_table
+from hf_kvcache.bench.prefix import results_record as prefix_results_record
 from hf_kvcache.bench.ring_update import RingUpdateBenchConfig, RingUpdateResult, run_ring_update_benchmark
 from hf_kvcache.bench.ring_update import markdown_table as update_markdown_table
 from hf_kvcache.bench.ring_update import results_record as update_results_record
@@ -217,3 +220,39 @@ def test_update_config_rejects_bad_settings(settings: dict, message: str) -> Non
 def test_update_benchmark_needs_two_layers() -> None:
     with pytest.raises(ValueError, match="layers"):
         run_ring_update_benchmark(tiny_llama(num_hidden_layers=1).config, RingUpdateBenchConfig(windows=(4,)))
+
+
+# ----- the prefix benchmark -----------------------------------------------------------------------
+
+
+def test_prefix_benchmark_reuses_and_matches(tiny_llama_model: PreTrainedModel) -> None:
+    config = PrefixBenchConfig(
+        prefix_tokens=32, question_tokens=8, new_tokens=3, num_questions=3, chat_turns=3, page_size=4
+    )
+    stream = torch.randint(1, 128, (config.tokens_needed,), generator=torch.Generator().manual_seed(0))
+    shared, concurrent, chat = run_prefix_benchmark(tiny_llama_model, stream, config)
+    without, with_index = shared
+    assert (without.mode, with_index.mode) == MODES and without.questions_timed == 2
+    assert without.prefill_tokens_per_question == 40 and with_index.prefill_tokens_per_question == 8
+    assert with_index.tokens_match and with_index.max_logit_diff < 1e-4 and with_index.ttft_speedup > 0
+    bound = 32 // 4 + 3 * ((8 + 3) // 4) + 3
+    assert [r.bound_pages for r in concurrent] == [bound, bound]
+    assert concurrent[1].high_water_pages <= bound < concurrent[0].high_water_pages
+    assert [r.turn for r in chat] == [1, 2, 3] and all(r.tokens_match for r in chat)
+    assert chat[0].prefilled_with_index == chat[0].prefilled_without_index == 32
+    assert all(r.prefilled_with_index < r.prefilled_without_index == r.prompt_tokens for r in chat[1:])
+    lines = prefix_markdown_table(shared, concurrent, chat).splitlines()
+    assert len(lines) == 4 + 5 + 6
+    info = environment(torch.device("cpu"), torch.float32)
+    record = json.loads(json.dumps(prefix_results_record(shared, concurrent, chat, config, info)))
+    assert set(record["results"]) == {"shared_prompt", "concurrent", "chat"}
+    assert record["config"]["prefix_tokens"] == 32
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [({"num_questions": 1}, "num_questions"), ({"prefix_tokens": 0}, "prefix_tokens"), ({"cache": "x"}, "Unknown")],
+)
+def test_prefix_config_rejects_bad_settings(settings: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PrefixBenchConfig(**settings)

@@ -1,4 +1,4 @@
-"""Registration: two seams in transformers plus an attention name; additive, idempotent, undoable, version-checked.
+"""Registration: three seams in transformers plus an attention name; additive, idempotent, undoable, version-checked.
 
 The seams themselves are pinned in ``test_transformers_internals.py``."""
 
@@ -11,7 +11,12 @@ from hf_kvcache import KVPool, PagedCache
 from hf_kvcache.attention import ATTENTION_NAME, banded_sdpa_attention
 from hf_kvcache.integration import check_transformers_version
 from hf_kvcache.registry import REGISTRY
-from hf_kvcache.transformers_internals import cache_implementations, prepare_cache_method, sdpa_mask
+from hf_kvcache.transformers_internals import (
+    cache_implementations,
+    prepare_cache_method,
+    prepare_inputs_method,
+    sdpa_mask,
+)
 
 
 def test_register_is_idempotent_and_undoable():
@@ -24,6 +29,8 @@ def test_register_is_idempotent_and_undoable():
     try:
         assert not any(name in cache_implementations() for name in REGISTRY)
         assert prepare_cache_method().__module__ == "transformers.generation.utils"
+        original_inputs = prepare_inputs_method()
+        assert original_inputs.__module__ == "transformers.generation.utils"
         assert ATTENTION_NAME not in AttentionInterface._global_mapping
         assert ATTENTION_NAME not in AttentionMaskInterface._global_mapping
         with pytest.raises(ValueError, match="Invalid `cache_implementation`"):
@@ -32,6 +39,7 @@ def test_register_is_idempotent_and_undoable():
     finally:
         hf_kvcache.register()
     assert names == cache_implementations()
+    assert prepare_inputs_method() is not original_inputs and prepare_inputs_method().__wrapped__ is original_inputs
     assert AttentionInterface._global_mapping[ATTENTION_NAME] is banded_sdpa_attention
     assert AttentionMaskInterface._global_mapping[ATTENTION_NAME] is sdpa_mask
 

@@ -13,6 +13,7 @@ ORDER = [
     "quant",
     "config",
     "placement",
+    "prefix_index",
     "allocator",
     "page_table",
     "pool",
@@ -76,7 +77,7 @@ def test_imports_flow_one_way(module):
     assert not ours(names) & higher, f"{module} imports higher modules {ours(names) & higher}"
     if ORDER.index(module) < ORDER.index("transformers_internals"):
         assert not any(name.startswith("transformers") for name in names), f"{module} imports transformers"
-    if module in ("allocator", "page_table", "errors"):
+    if module in ("allocator", "page_table", "errors", "prefix_index"):
         assert not any(name.startswith("torch") for name in names), f"{module} imports torch"
 
 
@@ -139,7 +140,7 @@ def test_readme_layout_block_is_the_tree():
 
 
 def test_only_integration_and_models_change_transformers():
-    """transformers_internals' writes are called from integration (the two seams, the attention name) and models
+    """transformers_internals' writes are called from integration (the three seams, the attention name) and models
     (the GGUF quantizer of the bundled model) only."""
     writes = {"set_cache_implementations", "set_prepare_cache_method", "remove_attention", "drop_quantizer"}
     callers = {

@@ -22,7 +22,8 @@ from hf_kvcache.placement import kv_heads_per_rank
 
 
 def test_seams_exist_in_this_transformers():
-    """The two seams integration patches: the cache names' tuple and the method that builds the cache."""
+    """The three seams integration patches: the cache names' tuple, the method that builds the cache, and the one that
+    prepares each forward pass's inputs."""
     hf_kvcache.unregister()
     try:
         assert isinstance(internals.cache_implementations(), tuple)
@@ -38,6 +39,16 @@ def test_seams_exist_in_this_transformers():
             "batch_size",
             "max_cache_length",
         ]
+        assert internals.prepare_inputs_method() is GenerationMixin.prepare_inputs_for_generation
+        parameters = inspect.signature(internals.prepare_inputs_method()).parameters
+        # The wrapper takes these by name: the ids so far, the count _prefill slices them to, the cache.
+        assert list(parameters)[:4] == ["self", "input_ids", "next_sequence_length", "cache"]
+        assert any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values())
+        prefill = inspect.getsource(GenerationMixin._prefill)
+        # _prefill passes the whole prompt with is_first_iteration and slices it by next_sequence_length, computed
+        # from the cache's length: what a reused prefix shortens.
+        assert "is_first_iteration=is_first_iteration" in prefill
+        assert "next_sequence_length = input_ids.shape[1] - past_length" in prefill
     finally:
         hf_kvcache.register()
 

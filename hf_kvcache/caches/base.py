@@ -16,6 +16,7 @@ import torch
 from transformers import Cache, CacheLayerMixin, PreTrainedConfig
 
 from hf_kvcache.attention import ATTENTION_NAME
+from hf_kvcache.caches.prefix import PrefixTracker, log_once
 from hf_kvcache.config import CacheOptions, PageFormat, layer_groups
 from hf_kvcache.errors import IncompatibleModelError, PoolExhaustedError
 from hf_kvcache.layers import PagedLayer, PagedRows, RingLayer, RingRows
@@ -106,6 +107,7 @@ class PoolBinder:
         self.rows: dict[tuple[torch.device, int], PagedRows] = {}
         self.planned_tokens = 0  # see PoolCache.plan
         self.pad_lengths: list[int] | None = None  # see PoolCache.plan
+        self.prefix: PrefixTracker | None = None  # made when the pool is bound, if the cache reuses prompts
         self.pool = KVPool.named(options.pool) if isinstance(options.pool, str) else options.pool
         if self.pool is not None and not isinstance(self.pool, KVPool):
             raise TypeError(f"cache_config pool must be a KVPool or a pool's name, got {type(self.pool).__name__}.")
@@ -143,6 +145,14 @@ class PoolBinder:
                     "build it with placement=hf_kvcache.integration.placement_of(model) and its pool with "
                     "KVPool.for_model(model, ...). Mixed layer geometries are not supported."
                 )
+            rows = self.rows_on(layer_group_idx, device, key_states.dtype)
+        return rows
+
+    def rows_on(self, layer_group_idx: int, device: torch.device, dtype: torch.dtype) -> PagedRows:
+        """The rows of layer group ``layer_group_idx`` on ``device`` (made on first use, binding the pool)."""
+        rows = self.rows.get((device, layer_group_idx))
+        if rows is None:
+            pool = self.bind(device, dtype)
             reads_slots = functools.partial(reads_key_layouts, self.config)  # not a method: rows must not hold self
             policy = self.policies[layer_group_idx]
             config = self.config
@@ -180,17 +190,70 @@ class PoolBinder:
             IncompatibleModelError: the given pool does not match the model's geometry.
         """
         pool = self.pools.get(device)
-        if pool is None:
-            pool = self.pools[device] = self._pool_for(self.page_format(device, dtype), device)
+        if pool is not None:
+            return pool
+        pool = self._pool_for(self.page_format(device, dtype), device)
+        if self.pools and self.prefix is not None:
+            log_once("the cache spans several devices; prompts are reused on a cache with one pool.")
+            self.prefix.active = False
+        elif pool.prefix_caching and self._uses_prefix_index():
+            self._check_prefix_placement()
+            self.prefix = PrefixTracker(pool, self.policies)
+        self.pools[device] = pool
         return pool
+
+    def _uses_prefix_index(self) -> bool:
+        """``prefix_caching`` True, or None on a pool given to the cache (another cache may have started the default
+        pool's index: that is not this cache's asking)."""
+        return bool(self.options.prefix_caching) or (self.options.prefix_caching is None and self.pool is not None)
+
+    def _check_prefix_placement(self) -> None:
+        """Refuses prompt reuse where the ranks or devices would have to agree on it.
+
+        Raises:
+            ValueError: the model is tensor parallel (each rank's pool keeps its own index, whose lookups could find
+                prefixes of different lengths on different ranks, which would then feed different tokens into the
+                model's collectives), or split over several devices (one pool per device, each with a part of the
+                layer groups, none of which holds a whole prefix).
+        """
+        if self.placement.group is not None:
+            raise ValueError(
+                "Prefix caching is not supported under tensor parallelism: the ranks' prefix indexes are not agreed, "
+                "so they could reuse prefixes of different lengths. Leave cache_config prefix_caching unset, and "
+                "give the cache a pool without one (KVPool.for_model(..., prefix_caching=False))."
+            )
+        if len({device for device in self.layer_group_devices if device is not None}) > 1:
+            raise ValueError(
+                "Prefix caching is not supported on a model split over several devices (one pool per device, none "
+                "holding a whole prefix). Leave cache_config prefix_caching unset, or load the model on one device."
+            )
+
+    def layer_group_rows(self, device: torch.device, create: bool = False) -> dict[int, PagedRows]:
+        """The rows of each layer group on ``device`` (those made so far, or all of them with ``create``)."""
+        if create:
+            pool = self.pools[device]
+            return {idx: self.rows_on(idx, device, pool.format.dtype) for idx in range(len(self.policies))}
+        return {idx: rows for (rows_device, idx), rows in self.rows.items() if rows_device == device}
 
     def _pool_for(self, page_format: PageFormat, device: torch.device) -> KVPool:
         options = self.options
+        prefix_caching = bool(options.prefix_caching)
+        if prefix_caching:
+            self._check_prefix_placement()
         if options.max_tokens is not None:
-            return KVPool(page_format, page_format.pages_for_tokens(options.max_tokens) + 1, device)
+            num_pages = page_format.pages_for_tokens(options.max_tokens) + 1
+            return KVPool(page_format, num_pages, device, prefix_caching=prefix_caching)
         pool = self.pool
         if pool is None:
-            return KVPool.default(page_format, device, self.placement.group)
+            pool = KVPool.default(page_format, device, self.placement.group)
+            if prefix_caching:
+                pool.enable_prefix_caching()
+            return pool
+        if prefix_caching and not pool.prefix_caching:
+            raise ValueError(
+                "cache_config prefix_caching=True, but the given pool keeps no prefix index: build it with "
+                "KVPool.for_model(model, ..., prefix_caching=True), or leave prefix_caching unset."
+            )
         theirs, ours = pool.format, page_format
         mismatches = [
             f"{name} {getattr(theirs, name)} vs {getattr(ours, name)}"
@@ -216,6 +279,10 @@ class PoolBinder:
         return pool
 
     def release(self) -> None:
+        """Publishes what the prefix index still lacks (if the cache reuses prompts), then returns every page."""
+        if self.prefix is not None:
+            self.prefix.publish(self.layer_group_rows(self.prefix.pool.device))
+            self.prefix.reset()
         for rows in self.rows.values():
             rows.release()
 
@@ -454,19 +521,68 @@ class PoolCache(Cache):
     def _row_layers(self):
         return [layer for layer in self.layers if not isinstance(layer, DummyLayer)]
 
+    # ----- prompt reuse (hf_kvcache.caches.prefix; driven by hf_kvcache.integration) ---------
+
+    @property
+    def prefix(self) -> PrefixTracker | None:
+        """The cache's side of its pool's prefix index; ``None`` unless the cache reuses prompts (its pool keeps a
+        prefix index, and ``CacheOptions.prefix_caching`` says to use it; known once the pool is bound)."""
+        return self._binder.prefix
+
+    def begin_generation(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        next_sequence_length: int | None,
+        inputs: dict[str, Any],
+    ) -> int | None:
+        """Before a ``generate`` call's first forward pass: attaches the longest cached prefix of the prompt.
+
+        Only where ``generate`` slices the prompt itself (``next_sequence_length`` given: a plain prefill, not
+        chunked prefill or assisted decoding) and the cache is empty.
+
+        Args:
+            model: the model generating.
+            input_ids: ``[rows, length]`` the prompt.
+            next_sequence_length: the tokens ``generate`` is about to feed (``None``: it feeds all of ``input_ids``).
+            inputs: the other ``prepare_inputs_for_generation`` arguments (mask, position ids, ...).
+
+        Returns:
+            the tokens to feed: ``next_sequence_length`` less the tokens reused.
+        """
+        self._binder.bind(normalize_device(model.device), model.dtype)
+        tracker = self._binder.prefix
+        if tracker is None or not tracker.begin_call(model, input_ids, inputs):
+            return next_sequence_length
+        if next_sequence_length is None or self.get_seq_length():
+            return next_sequence_length
+        rows_of = self._binder.layer_group_rows(tracker.pool.device, create=True)
+        reused = tracker.reuse(rows_of, input_ids)
+        for layer in self._row_layers():
+            layer.num_tokens = reused
+        return next_sequence_length - reused
+
+    def record_inputs(self, fed_ids: torch.Tensor | None) -> None:
+        """The ids ``[rows, n]`` a forward pass is about to feed (``None``: embeddings), written after the tokens the
+        cache holds; publishes the pages written so far."""
+        tracker = self._binder.prefix
+        if tracker is not None:
+            tracker.record(self.get_seq_length(), fed_ids, self._binder.layer_group_rows(tracker.pool.device))
+
     def _select_rows(self, indices: list[int]) -> None:
         for rows in self._binder.rows.values():
             if rows.table.num_rows:
                 rows.select_rows(indices)
+        if self._binder.prefix is not None:
+            self._binder.prefix.select_rows(indices)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row ``i`` becomes old row ``beam_idx[i]``; pages are shared, not copied."""
         self._select_rows(beam_idx.tolist())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        for rows in self._binder.rows.values():
-            if rows.table.num_rows:
-                rows.select_rows([row for row in range(rows.table.num_rows) for _ in range(repeats)])
+        num_rows = max((rows.table.num_rows for rows in self._binder.rows.values()), default=0)
+        self._select_rows([row for row in range(num_rows) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keeps the rows named by ``indices`` (row numbers, or a boolean mask over the rows)."""
@@ -486,6 +602,8 @@ class PoolCache(Cache):
             rows.check_crop(keep)  # all or nothing: a ring may not hold what the crop needs
         for rows in self._binder.rows.values():
             rows.crop(keep)
+        if self._binder.prefix is not None:
+            self._binder.prefix.crop(keep)
         for layer in self._row_layers():
             layer.num_tokens = keep
 

@@ -25,6 +25,8 @@ class PagedCache(PoolCache):
         page_size: token slots per page of a pool this cache makes (default or ``max_tokens``).
         max_tokens: give this cache a fixed-budget pool of its own for this many tokens.
         admission_check: ``generate`` refuses up front a request whose worst case does not fit (``CacheOptions``).
+        prefix_caching: reuse prompt pages across ``generate`` calls through the pool's prefix index
+            (``CacheOptions``; default: where a given pool keeps one).
         dtype / device: bind the pool at construction rather than at the first write.
         placement: where the model's KV lives (a tensor-parallel rank's share of the heads): ``PoolCache``;
             ``generate(cache_implementation=...)`` reads it from the model.
@@ -37,11 +39,18 @@ class PagedCache(PoolCache):
         page_size: int = DEFAULT_PAGE_SIZE,
         max_tokens: int | None = None,
         admission_check: bool = False,
+        prefix_caching: bool | None = None,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
         placement: Placement | None = None,
     ) -> None:
-        options = CacheOptions(page_size=page_size, pool=pool, max_tokens=max_tokens, admission_check=admission_check)
+        options = CacheOptions(
+            page_size=page_size,
+            pool=pool,
+            max_tokens=max_tokens,
+            admission_check=admission_check,
+            prefix_caching=prefix_caching,
+        )
         super().__init__(config, options, dtype, device, placement)
 
     def _row_policy(self, layer_type: str, layer_kwargs: dict[str, Any]) -> RowPolicy:

@@ -78,8 +78,9 @@ class QuantizedValueCache(PoolCache):
         bits: 8 or 4 bits per stored value.
         group_size: value channels sharing one scale and zero (asymmetric, per token); default 64.
         residual_length: newest tokens whose values attention gets in full precision.
-        pool / page_size / max_tokens / admission_check / dtype / device / placement: as for ``PagedCache`` (a
-            given pool must be built with ``KVPool.for_model(..., value_bits=bits, value_group_size=group_size)``).
+        pool / page_size / max_tokens / admission_check / prefix_caching / dtype / device / placement: as for
+            ``PagedCache`` (a given pool must be built with ``KVPool.for_model(..., value_bits=bits,
+            value_group_size=group_size)``).
     """
 
     options_class = QuantizedValueOptions
@@ -94,6 +95,7 @@ class QuantizedValueCache(PoolCache):
         page_size: int = DEFAULT_PAGE_SIZE,
         max_tokens: int | None = None,
         admission_check: bool = False,
+        prefix_caching: bool | None = None,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
         placement: Placement | None = None,
@@ -103,6 +105,7 @@ class QuantizedValueCache(PoolCache):
             pool=pool,
             max_tokens=max_tokens,
             admission_check=admission_check,
+            prefix_caching=prefix_caching,
             bits=bits,
             group_size=group_size,
             residual_length=residual_length,

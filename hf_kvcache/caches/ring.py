@@ -58,7 +58,8 @@ class SlidingRingCache(PoolCache):
         config: the model's config.
         window: ring size of full-attention layers (``None``: keep them whole, on a model with sliding layers).
         sink_tokens: first tokens pinned in those rings.
-        pool / page_size / max_tokens / admission_check / dtype / device / placement: as for ``PagedCache``.
+        pool / page_size / max_tokens / admission_check / prefix_caching / dtype / device / placement: as for
+            ``PagedCache``.
     """
 
     options_class = RingOptions
@@ -72,6 +73,7 @@ class SlidingRingCache(PoolCache):
         page_size: int = DEFAULT_PAGE_SIZE,
         max_tokens: int | None = None,
         admission_check: bool = False,
+        prefix_caching: bool | None = None,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
         placement: Placement | None = None,
@@ -83,6 +85,7 @@ class SlidingRingCache(PoolCache):
             pool=pool,
             max_tokens=max_tokens,
             admission_check=admission_check,
+            prefix_caching=prefix_caching,
             window=window,
             sink_tokens=sink_tokens,
         )

@@ -230,6 +230,7 @@ class RingRows(PagedRows):
                 keys, values = torch.cat([keys, key_states], dim=-2), torch.cat([values, attended], dim=-2)
         if step.layout is not None:
             setattr(keys, LAYOUT_ATTRIBUTE, step.layout)
+        self.end_step(layer_in_group, start + num_new)
         return keys, values
 
     def check_crop(self, num_tokens: int) -> None:
@@ -249,10 +250,42 @@ class RingRows(PagedRows):
         if num_tokens < self.table.num_tokens:
             self._apply(lambda: self.table.crop(num_tokens))
         self.total = num_tokens
+        self.written = min(self.written, num_tokens)
 
     def release(self) -> None:
         super().release()
         self.total = 0
+
+    def prefix_layout(self, num_pages: int) -> list[int | None]:
+        """Token page of each ring page after ``num_pages`` full token pages: the sink pages, then the last
+        ``ring_pages - 1`` token pages (all the window can see) where the ring puts them; the ring page the next
+        token goes to holds none the row needs. Needs ``sink_tokens`` to be whole pages (see ``PrefixTracker``)."""
+        sink_pages, ring_pages = self._pages()
+        layout: list[int | None] = [None] * min(num_pages, sink_pages + ring_pages)
+        for token_page in range(num_pages):
+            if token_page < sink_pages or token_page > num_pages - ring_pages:
+                layout[self._ring_page(token_page)] = token_page
+        return layout
+
+    def token_page_position(self, token_page: int) -> int | None:
+        """Where a full token page lies in a row's ring, or ``None`` once the ring has moved past it."""
+        sink_pages, _ = self._pages()
+        if token_page >= sink_pages and token_page * self.pool.format.page_size + self.ring_slots < self.total:
+            return None
+        return self._ring_page(token_page)
+
+    def attach(self, pages: list[list[int]], num_tokens: int) -> None:
+        super().attach(pages, min(num_tokens, self.num_slots))
+        self.total = self.written = num_tokens
+
+    def _pages(self) -> tuple[int, int]:
+        """``(sink pages, ring pages)`` of a row whose sinks are whole pages."""
+        page_size = self.pool.format.page_size
+        return self.sink_tokens // page_size, self.ring_slots // page_size
+
+    def _ring_page(self, token_page: int) -> int:
+        sink_pages, ring_pages = self._pages()
+        return token_page if token_page < sink_pages else sink_pages + (token_page - sink_pages) % ring_pages
 
     def _grow(self, batch: int, start: int, num_new: int, identical_rows: list[int] | None) -> None:
         """Takes pages for slots the ring fills for the first time; copies shared pages it overwrites.

@@ -109,6 +109,8 @@ class PagedRows:
         self.group = group
         self.store = SlotStore(pool, residual_length)
         self.table = pool.new_table(row_extents, group)
+        self.written = 0  # tokens every layer of the layer group has written (see write)
+        self._last_layer = pool.format.num_layers - 1
         self.planned_tokens = 0  # tokens a row is expected to reach (``PoolCache.plan``)
         self.pad_lengths: list[int] | None = None  # leading padding of each row (``PoolCache.plan``); None: none
         self._pads: torch.Tensor | None = None  # ``pad_lengths`` as a [batch] tensor, see _pad_tensor
@@ -141,6 +143,13 @@ class PagedRows:
             rows = self._write_index(start, key_states.shape[-2], storage)
             self.store.write(layer_in_group, storage, rows, key_states, value_states)
         self.store.remember(layer_in_group, start, value_states)
+        self.end_step(layer_in_group, start + key_states.shape[-2])
+
+    def end_step(self, layer_in_group: int, end: int) -> None:
+        """A layer has written the step's tokens up to ``end``: once the layer group's last layer has, every
+        layer holds them (``written``, what may be published to a prefix index)."""
+        if layer_in_group == self._last_layer:
+            self.written = end
 
     def attend(self, layer_in_group: int, num_tokens: int, num_new: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of one layer for attention: in place where the step allows it, else gathered.
@@ -273,11 +282,32 @@ class PagedRows:
     def crop(self, num_tokens: int) -> None:
         self._apply(lambda: self.table.crop(num_tokens))
         self.store.crop(num_tokens)
+        self.written = min(self.written, num_tokens)
 
     def release(self) -> None:
         """Returns all pages to the pool."""
         self._apply(self.table.release)
         self.store.release()
+        self.written = 0
+
+    # ----- reused prefixes (hf_kvcache.caches.prefix) -------------------------------------------
+
+    def prefix_layout(self, num_pages: int) -> list[int | None]:
+        """Which token page each page of a row holds right after its first ``num_pages`` full token pages were
+        written (``None``: a page that holds none the row still needs). Paged rows: all of them, in order."""
+        return list(range(num_pages))
+
+    def token_page_position(self, token_page: int) -> int | None:
+        """Where in a row's pages a full token page written earlier lies (``None``: no longer held)."""
+        return token_page
+
+    def attach(self, pages: list[list[int]], num_tokens: int) -> None:
+        """Starts the empty rows from a reused prefix: ``pages`` (laid out as ``prefix_layout`` says, already taken
+        from the pool) hold each row's first ``num_tokens`` tokens, in every layer of the layer group."""
+        self._apply(lambda: self.table.attach(pages, num_tokens))
+        self.written = num_tokens
+        if self.store.residual is not None:  # the prefix's values are codes only
+            self.store.residual.first = num_tokens
 
     def _apply(self, change: Callable[[], list[tuple[int, int]] | None]) -> None:
         """Runs a table change under the pool lock, copies the pages it asks for, drops cached indices."""

@@ -1,0 +1,370 @@
+"""Benchmark of prompt reuse across ``generate`` calls (the pool's prefix index), with and without the index, in
+one run (``scripts/bench_prefix.py``).
+
+The path a user gets: ``model.generate(cache_implementation=CACHE, cache_config={"pool": pool})`` with ``pool =
+KVPool.for_model(model, max_tokens=..., prefix_caching=on)``, a fresh pool per mode and part. Three parts:
+
+- **shared prompt**: a ``prefix_tokens`` document followed by ``num_questions`` distinct ``question_tokens``
+  questions, ``new_tokens`` greedy tokens each, one call after another. The first question of each mode is a
+  warm-up (with the index it publishes the document); the others are timed, modes interleaved question by
+  question: time to first token (the prefill and the first pick, read from a streamer) and the call's total time,
+  medians. Each question's greedy tokens are compared across modes, and so are its logits (largest difference).
+- **concurrent**: the document is generated on once (``max_new_tokens=1``), then ``num_questions`` threads each
+  answer one question at once on the pool: its high-water pages, against the issue's bound
+  ``prefix + num_questions * (question + answer) + num_questions`` pages (one partial page each).
+- **chat**: ``chat_turns`` turns, the first prompt the document, each next prompt the previous prompt, its answer
+  and a new ``chat_message_tokens`` message: tokens prefilled per turn (the prompt less the tokens reused).
+
+Timings come from one process on one device; they are medians over questions, not over repeated runs of one.
+"""
+
+import dataclasses
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from hf_kvcache.bench import measure
+from hf_kvcache.pool import KVPool
+from hf_kvcache.registry import REGISTRY
+
+MODES = ("without_index", "with_index")
+
+
+@dataclass(frozen=True)
+class PrefixBenchConfig:
+    """What the prefix benchmark measures.
+
+    Attributes:
+        prefix_tokens: tokens of the shared document.
+        question_tokens: tokens of each question (and of each chat message).
+        new_tokens: greedy tokens generated per question (and per chat turn).
+        num_questions: questions asked one after another, and threads answering at once.
+        chat_turns: turns of the chat.
+        cache: the ``cache_implementation`` (its registry entry's example config).
+        page_size: token slots per page.
+    """
+
+    prefix_tokens: int = 2048
+    question_tokens: int = 64
+    new_tokens: int = 32
+    num_questions: int = 8
+    chat_turns: int = 6
+    cache: str = "paged_pool"
+    page_size: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("prefix_tokens", "question_tokens", "new_tokens", "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        for name in ("num_questions", "chat_turns"):
+            if getattr(self, name) < 2:
+                raise ValueError(
+                    f"{name} must be >= 2 (one warm-up or first turn, then one measured), got {getattr(self, name)}."
+                )
+        if self.cache not in REGISTRY:
+            raise ValueError(f"Unknown cache {self.cache!r}; choose from {sorted(REGISTRY)}.")
+
+    @property
+    def tokens_needed(self) -> int:
+        """Tokens of the stream the benchmark reads: the document, the questions, the chat messages."""
+        return self.prefix_tokens + (self.num_questions + self.chat_turns) * self.question_tokens
+
+    @property
+    def max_pool_tokens(self) -> int:
+        """Tokens each pool holds: every concurrent request in full, twice over (room for cached pages)."""
+        per_request = self.prefix_tokens + self.question_tokens + self.new_tokens + self.page_size
+        longest_chat = self.prefix_tokens + self.chat_turns * (self.question_tokens + self.new_tokens)
+        return 2 * max(self.num_questions * per_request, longest_chat + self.page_size)
+
+
+@dataclass
+class SharedPromptResult:
+    """One mode of the shared-prompt part (medians over the timed questions)."""
+
+    mode: str
+    questions_timed: int
+    median_ttft_ms: float
+    median_total_ms: float
+    prefill_tokens_per_question: float
+    ttft_speedup: float | None = None  # without / with, on the with-index row
+    total_speedup: float | None = None
+    tokens_match: bool | None = None  # with-index row: every question's tokens equal the other mode's
+    max_logit_diff: float | None = None  # with-index row: largest |difference| of any generated step's logits
+
+
+@dataclass
+class ConcurrentResult:
+    """One mode of the concurrent part."""
+
+    mode: str
+    threads: int
+    high_water_pages: int
+    bound_pages: int  # the issue's bound: prefix + threads * (question + answer) + threads, in pages
+    wall_s: float
+
+
+@dataclass
+class ChatTurnResult:
+    """One chat turn in both modes."""
+
+    turn: int
+    prompt_tokens: int
+    prefilled_without_index: int
+    prefilled_with_index: int
+    reused_share: float  # of the prompt, with the index
+    tokens_match: bool
+
+
+class _FirstToken:
+    """A ``generate`` streamer (``put``/``end``, as transformers' ``TextStreamer``) that notes when the first new token
+    is handed over: its second ``put`` (the first is the prompt)."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.first_token_at: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def run_prefix_benchmark(
+    model: PreTrainedModel, token_stream: torch.Tensor, config: PrefixBenchConfig
+) -> tuple[list[SharedPromptResult], list[ConcurrentResult], list[ChatTurnResult]]:
+    """Runs the three parts (module docstring) on ``model``.
+
+    Args:
+        token_stream: ``[num_tokens]`` ids, at least ``config.tokens_needed``: the document first, then the
+            questions, then the chat messages.
+    """
+    if token_stream.ndim != 1 or token_stream.numel() < config.tokens_needed:
+        raise ValueError(
+            f"token_stream must be 1-D with at least {config.tokens_needed} tokens, got shape "
+            f"{tuple(token_stream.shape)}; lower prefix_tokens, question_tokens or num_questions."
+        )
+    stream = token_stream.to(model.device)
+    document = stream[: config.prefix_tokens]
+    offset, size = config.prefix_tokens, config.question_tokens
+    questions = [stream[offset + i * size : offset + (i + 1) * size] for i in range(config.num_questions)]
+    offset += config.num_questions * size
+    messages = [stream[offset + i * size : offset + (i + 1) * size] for i in range(config.chat_turns)]
+    prompts = [torch.cat([document, question])[None] for question in questions]  # each [1, prefix + question]
+    return (
+        _shared_prompt(model, prompts, config),
+        _concurrent(model, document[None], prompts, config),
+        _chat(model, document[None], messages, config),
+    )
+
+
+def _pool(model: PreTrainedModel, config: PrefixBenchConfig, mode: str) -> KVPool:
+    kwargs = REGISTRY[config.cache].pool_kwargs(model.config, model.dtype)
+    return KVPool.for_model(
+        model,
+        max_tokens=config.max_pool_tokens,
+        page_size=config.page_size,
+        prefix_caching=mode == "with_index",
+        **kwargs,
+    )
+
+
+def _generate(model: PreTrainedModel, ids: torch.Tensor, pool: KVPool, config: PrefixBenchConfig, **kwargs: Any):
+    cache_config = {**REGISTRY[config.cache].example_config, "pool": pool}
+    return model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        cache_implementation=config.cache,
+        cache_config=cache_config,
+        do_sample=False,
+        **{"max_new_tokens": config.new_tokens, **kwargs},
+    )
+
+
+def _shared_prompt(
+    model: PreTrainedModel, prompts: list[torch.Tensor], config: PrefixBenchConfig
+) -> list[SharedPromptResult]:
+    pools = {mode: _pool(model, config, mode) for mode in MODES}
+    ttft: dict[str, list[float]] = {mode: [] for mode in MODES}
+    total: dict[str, list[float]] = {mode: [] for mode in MODES}
+    outputs: dict[str, list[Any]] = {mode: [] for mode in MODES}
+    reused_before = 0
+    for index, ids in enumerate(prompts):
+        if index == 1:  # the warm-up's lookup is not counted
+            reused_before = pools["with_index"].stats()["prefix_tokens_reused"]
+        for mode in MODES:
+            streamer = _FirstToken()
+            start = time.perf_counter()
+            out = _generate(
+                model,
+                ids,
+                pools[mode],
+                config,
+                streamer=streamer,
+                return_dict_in_generate=True,
+                output_logits=True,
+            )
+            end = time.perf_counter()
+            if index:  # question 0 warms up (and publishes the document with the index)
+                ttft[mode].append(streamer.first_token_at - start)
+                total[mode].append(end - start)
+                outputs[mode].append((out.sequences.cpu(), [step.cpu() for step in out.logits]))
+            del out
+    timed = len(prompts) - 1
+    prompt_tokens = prompts[0].shape[1]
+    reused = (pools["with_index"].stats()["prefix_tokens_reused"] - reused_before) / timed
+    results = []
+    for mode in MODES:
+        results.append(
+            SharedPromptResult(
+                mode=mode,
+                questions_timed=timed,
+                median_ttft_ms=statistics.median(ttft[mode]) * 1e3,
+                median_total_ms=statistics.median(total[mode]) * 1e3,
+                prefill_tokens_per_question=prompt_tokens - (reused if mode == "with_index" else 0),
+            )
+        )
+    with_index = results[1]
+    with_index.ttft_speedup = results[0].median_ttft_ms / with_index.median_ttft_ms
+    with_index.total_speedup = results[0].median_total_ms / with_index.median_total_ms
+    pairs = list(zip(outputs["without_index"], outputs["with_index"], strict=True))
+    with_index.tokens_match = all(torch.equal(a[0], b[0]) for a, b in pairs)
+    with_index.max_logit_diff = max(
+        (x - y).abs().max().item() for a, b in pairs for x, y in zip(a[1], b[1], strict=False)
+    )
+    return results
+
+
+def _concurrent(
+    model: PreTrainedModel, document: torch.Tensor, prompts: list[torch.Tensor], config: PrefixBenchConfig
+) -> list[ConcurrentResult]:
+    page_size = config.page_size
+    bound = (
+        config.prefix_tokens // page_size
+        + len(prompts) * ((config.question_tokens + config.new_tokens) // page_size)
+        + len(prompts)
+    )
+    results = []
+    for mode in MODES:
+        pool = _pool(model, config, mode)
+        _generate(model, document, pool, config, max_new_tokens=1)  # with the index: publishes the document
+        start = time.perf_counter()
+        _answer_at_once(model, prompts, pool, config)
+        pool.check_integrity()
+        results.append(
+            ConcurrentResult(
+                mode=mode,
+                threads=len(prompts),
+                high_water_pages=pool.stats()["high_water_pages"],
+                bound_pages=bound,
+                wall_s=time.perf_counter() - start,
+            )
+        )
+    return results
+
+
+def _answer_at_once(
+    model: PreTrainedModel, prompts: list[torch.Tensor], pool: KVPool, config: PrefixBenchConfig
+) -> None:
+    """One thread per prompt, all starting together on ``pool``; re-raises the first thread's error."""
+    barrier, errors = threading.Barrier(len(prompts)), []
+
+    def answer(ids: torch.Tensor) -> None:
+        try:
+            barrier.wait()
+            _generate(model, ids, pool, config)
+        except Exception as error:  # noqa: BLE001  (re-raised below, in the calling thread)
+            errors.append(error)
+
+    threads = [threading.Thread(target=answer, args=(ids,)) for ids in prompts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+def _chat(
+    model: PreTrainedModel, document: torch.Tensor, messages: list[torch.Tensor], config: PrefixBenchConfig
+) -> list[ChatTurnResult]:
+    pools = {mode: _pool(model, config, mode) for mode in MODES}
+    prompt, history = document, None  # history: the last turn's prompt and answer
+    results = []
+    for turn, message in enumerate(messages, start=1):
+        if history is not None:
+            prompt = torch.cat([history, message[None]], dim=1)
+        answers, prefilled = {}, {}
+        for mode in MODES:
+            before = pools[mode].stats()["prefix_tokens_reused"]
+            answers[mode] = _generate(model, prompt, pools[mode], config)
+            prefilled[mode] = prompt.shape[1] - (pools[mode].stats()["prefix_tokens_reused"] - before)
+        history = answers["without_index"]
+        results.append(
+            ChatTurnResult(
+                turn=turn,
+                prompt_tokens=prompt.shape[1],
+                prefilled_without_index=prefilled["without_index"],
+                prefilled_with_index=prefilled["with_index"],
+                reused_share=1 - prefilled["with_index"] / prompt.shape[1],
+                tokens_match=torch.equal(answers["without_index"], answers["with_index"]),
+            )
+        )
+    return results
+
+
+def markdown_table(
+    shared: Sequence[SharedPromptResult], concurrent: Sequence[ConcurrentResult], chat: Sequence[ChatTurnResult]
+) -> str:
+    """The three parts as Markdown tables."""
+    lines = [
+        "| shared prompt | TTFT ms | total ms | prefilled/question | TTFT speedup | total speedup | tokens match "
+        "| max logit diff |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+    ]
+    for r in shared:
+        speedups = ("-", "-") if r.ttft_speedup is None else (f"{r.ttft_speedup:.1f}x", f"{r.total_speedup:.1f}x")
+        match = "-" if r.tokens_match is None else ("yes" if r.tokens_match else "no")
+        diff = "-" if r.max_logit_diff is None else f"{r.max_logit_diff:.1e}"
+        lines.append(
+            f"| {r.mode} | {r.median_ttft_ms:.1f} | {r.median_total_ms:.1f} | {r.prefill_tokens_per_question:.0f} "
+            f"| {speedups[0]} | {speedups[1]} | {match} | {diff} |"
+        )
+    lines += ["", "| concurrent | threads | high-water pages | bound | wall s |", "| --- | ---: | ---: | ---: | ---: |"]
+    for r in concurrent:
+        lines.append(f"| {r.mode} | {r.threads} | {r.high_water_pages} | {r.bound_pages} | {r.wall_s:.1f} |")
+    lines += [
+        "",
+        "| chat turn | prompt tokens | prefilled without | prefilled with | reused | tokens match |",
+        "| ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in chat:
+        lines.append(
+            f"| {r.turn} | {r.prompt_tokens} | {r.prefilled_without_index} | {r.prefilled_with_index} "
+            f"| {r.reused_share:.0%} | {'yes' if r.tokens_match else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
+def results_record(
+    shared: Sequence[SharedPromptResult],
+    concurrent: Sequence[ConcurrentResult],
+    chat: Sequence[ChatTurnResult],
+    config: PrefixBenchConfig,
+    info: dict[str, Any],
+) -> dict[str, Any]:
+    """The JSON-ready record of one invocation: machine, settings, then each part's results."""
+    record = measure.results_record([], config, info)
+    record["results"] = {
+        part: [dataclasses.asdict(result) for result in results]
+        for part, results in (("shared_prompt", shared), ("concurrent", concurrent), ("chat", chat))
+    }
+    return record

@@ -1,0 +1,352 @@
+"""Prompt reuse across ``generate`` calls: a cache's side of its pool's prefix index (``hf_kvcache.prefix_index``).
+
+``generate`` never shows a cache its token ids; ``hf_kvcache.integration`` hands them over from
+``prepare_inputs_for_generation``: the whole prompt before the first forward pass, then the ids each forward pass
+feeds. A ``PrefixTracker`` keeps them (``[rows, tokens]``, CPU) with each row's chain keys, and
+
+- **looks up** a prompt before the first forward pass (``reuse``): the longest prefix of whole pages, at most
+  ``prompt - 1`` tokens (the last one must be fed for its logits), that every row of the batch finds in the index
+  for every layer group; its pages are attached to the cache's empty page tables (shared, copy-on-write as any
+  shared page), and ``generate`` then feeds only the rest;
+- **publishes** each full page once every layer of its layer group has written it (at each forward pass, and the
+  rest when the cache is released), so that concurrent requests find each other's pages while they run.
+
+What a page holds must not depend on how the tokens before it were split into forward passes, so a tracker only
+publishes pages a plain prefill would compute alike (up to float rounding) and refuses what it cannot make exact:
+
+- rows with padding or custom position ids, and calls with inputs other than token ids (embeddings, images) take
+  no part; a batch with such a row reuses nothing (its other rows still publish);
+- layer groups that are rings (sliding layers of hybrid models, ``sliding_ring``'s windows) keep their state
+  exact: a ring's page holds one whole token page when ``sink_tokens`` is a multiple of ``page_size`` (the model's
+  sliding layers have no sinks), so a ring is rebuilt from its sink pages and the last ``ring_pages - 1`` token
+  pages (all its window sees) of the prefix, published while the ring held them. A ring with other sinks is
+  refused, and so is a window the ring imposes on full-attention layers under an attention other than
+  ``hf_kvcache`` (there a prompt past the window attends in full, so its pages depend on the split);
+- quantized values with a full-precision residual window of ``R`` tokens: a plain prefill reads every token
+  older than its last ``R`` as codes, so only tokens before ``prefill end - R`` of the call that wrote them are
+  published (never generated ones, which read the residual window when they were computed), and a prompt reuses
+  at most ``prompt - R`` tokens, so that its last ``R`` are computed afresh. Reuse is then exact as well. A ring
+  layer group with quantized values (the sliding layers of a hybrid model) is refused: its window is read from the
+  residual window, which the index does not keep.
+
+The index is keyed on the model (its ``name_or_path`` and a sample of its weights), the cache's attention
+semantics (each layer group's window, sinks and whether the model's mask applies it) and the page size: pools
+shared by several models, or by caches of other windows, never mix their pages.
+"""
+
+import logging
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hf_kvcache.attention import ATTENTION_NAME
+from hf_kvcache.errors import PoolExhaustedError
+from hf_kvcache.layers import PagedRows, RingRows
+from hf_kvcache.pool import KVPool
+from hf_kvcache.prefix_index import PageKey, chain_keys, root_key
+from hf_kvcache.transformers_internals import attn_implementation
+
+if TYPE_CHECKING:  # base imports this module
+    from hf_kvcache.caches.base import RowPolicy
+
+logger = logging.getLogger("hf_kvcache")
+
+TOKEN_INPUTS = ("attention_mask", "position_ids")
+"""Tensor inputs a call may bring besides its token ids and still take part (any other, e.g. ``pixel_values``,
+conditions the keys and values on something the token ids do not say)."""
+FINGERPRINT_VALUES = 16
+"""Values sampled from each weight tensor for a model's fingerprint."""
+
+_fingerprints: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, bytes]]" = weakref.WeakKeyDictionary()
+_logged: set[str] = set()
+
+
+def model_fingerprint(model: torch.nn.Module) -> bytes:
+    """Identifies a model's weights: its ``name_or_path``, class, and ``FINGERPRINT_VALUES`` evenly spaced values of
+    every weight tensor. Kept per model until a weight is replaced or written in place (e.g. ``load_state_dict``,
+    an optimizer step: they bump the tensors' version counters)."""
+    parameters = list(model.parameters())
+    try:
+        state = tuple((parameter.data_ptr(), parameter._version) for parameter in parameters)
+    except RuntimeError:  # inference tensors keep no version counter: sample every time
+        state = None
+    known = _fingerprints.get(model)
+    if known is not None and state is not None and known[0] == state:
+        return known[1]
+    with torch.no_grad():
+        sample = torch.cat(
+            [
+                parameter.detach().reshape(-1)[:: max(1, parameter.numel() // FINGERPRINT_VALUES)][:FINGERPRINT_VALUES]
+                for parameter in parameters
+            ]
+        )  # [num_tensors * FINGERPRINT_VALUES] at most
+    config = getattr(model, "config", None)
+    fingerprint = root_key(
+        getattr(config, "name_or_path", ""), type(model).__name__, sample.float().cpu().numpy().tobytes()
+    )
+    _fingerprints[model] = (state, fingerprint)
+    return fingerprint
+
+
+def log_once(reason: str) -> None:
+    """Logs why prompts are not reused, once per reason and process."""
+    if reason not in _logged:
+        _logged.add(reason)
+        logger.warning("Prefix caching is off for this call: %s", reason)
+
+
+class PrefixTracker:
+    """The token ids a cache's rows hold, their chain keys, and what the cache has published, on one pool.
+
+    Args:
+        pool: the cache's pool, with a prefix index.
+        policies: the row policy of each layer group (``PoolCache``).
+    """
+
+    def __init__(self, pool: KVPool, policies: "list[RowPolicy]") -> None:
+        self.pool = pool
+        self.page_size = pool.format.page_size
+        self.policies = policies
+        self.residual_length = max(policy.residual_length for policy in policies)
+        self.active = True  # False once a call could not say which tokens the rows hold: nothing more is published
+        self.root: bytes | None = None
+        self.num_recorded = 0  # tokens of every row recorded in _tokens, from the first on
+        self.limit: int | None = None  # tokens a plain prefill computes alike (quantized residual windows)
+        self._tokens: torch.Tensor | None = None  # [rows, capacity] int64 on the CPU
+        self._clean: list[bool] = []  # rows without padding, at the positions of their tokens
+        self._chains: list[list[bytes]] = []  # each row's chain keys, token page by token page
+        self._published: dict[int, int] = {}  # layer group -> token pages published (or past publishing)
+
+    # ----- a generate call --------------------------------------------------------------------
+
+    def begin_call(self, model: torch.nn.Module, input_ids: torch.Tensor, inputs: dict[str, Any]) -> bool:
+        """Checks a call's first inputs; False (and nothing published from now on) if it cannot take part.
+
+        Args:
+            input_ids: ``[rows, length]`` every token of the call's sequences so far (the prompt).
+            inputs: the other ``prepare_inputs_for_generation`` arguments.
+        """
+        reason = self._refusal(model, inputs)
+        root = root_key(model_fingerprint(model), self.page_size, *self._signature())
+        if reason is None and self.root is not None and root != self.root:
+            reason = "the cache continues with another model."
+        if reason is not None:
+            log_once(reason)
+            self.active = False
+        if not self.active:
+            return False
+        self.root = root
+        if self._tokens is None:
+            self._clean = self._clean_rows(input_ids, inputs)
+        return True
+
+    def reuse(self, rows_of: "dict[int, PagedRows]", input_ids: torch.Tensor) -> int:
+        """Attaches the longest prefix of whole pages every row finds for every layer group; returns its tokens.
+
+        Args:
+            rows_of: the empty rows of each layer group on the pool.
+            input_ids: ``[rows, length]`` the prompt.
+        """
+        num_rows, length = input_ids.shape
+        self._record(0, input_ids)
+        limit = length - 1 if not self.residual_length else min(length - 1, length - self.residual_length)
+        num_pages = max(0, limit) // self.page_size
+        if not all(self._clean) or not num_pages:
+            self.pool.record_prefix_lookup(num_rows, 0, length)
+            return 0
+        self._extend_chains(num_pages)
+        with self.pool.lock:  # found pages are taken before anything can evict them
+            num_pages = self._longest(rows_of, num_pages)
+            if num_pages and not self._attach(rows_of, num_pages):
+                num_pages = 0
+        reused = num_pages * self.page_size
+        self.pool.record_prefix_lookup(num_rows, reused, length)
+        self._published = dict.fromkeys(rows_of, num_pages)
+        return reused
+
+    def record(self, start: int, fed_ids: torch.Tensor | None, rows_of: "dict[int, PagedRows]") -> None:
+        """Records the ids a forward pass is about to write at ``start`` and publishes the pages written so far.
+
+        Args:
+            fed_ids: ``[rows, n]`` the ids fed; ``None`` (embeddings fed instead) stops the tracking.
+        """
+        if not self.active:
+            return
+        if fed_ids is None or start > self.num_recorded:  # tokens the tracker never saw: nothing more is known
+            self.active = False
+            return
+        self._record(start, fed_ids)
+        if self.residual_length and self.limit is None:  # the first forward pass fixes what is computed as codes
+            self.limit = max(0, self.num_recorded - self.residual_length)
+        self.publish(rows_of)
+
+    def publish(self, rows_of: "dict[int, PagedRows]") -> None:
+        """Publishes every full page each clean row holds that every layer has written and that is not yet."""
+        if not self.active or self.root is None:
+            return
+        page_size = self.page_size
+        pages: list[tuple[PageKey, int]] = []
+        for group, rows in rows_of.items():
+            end = min(rows.written, self.num_recorded, self.limit if self.limit is not None else rows.written)
+            first, last = self._published.get(group, 0), end // page_size
+            if last <= first or rows.table.num_rows != len(self._clean):
+                continue
+            self._extend_chains(last)
+            for token_page in range(first, last):
+                position = rows.token_page_position(token_page)
+                if position is None:
+                    continue
+                for row, clean in enumerate(self._clean):
+                    if clean:
+                        pages.append(((self._chains[row][token_page], group), rows.table.rows[row][position]))
+            self._published[group] = last
+        if pages:
+            self.pool.publish(pages)
+
+    # ----- row changes ------------------------------------------------------------------------
+
+    def select_rows(self, indices: list[int]) -> None:
+        """Keeps rows ``indices`` in that order (beam reorders, repeats)."""
+        if self._tokens is None or any(not 0 <= index < len(self._clean) for index in indices):
+            return
+        self._tokens = self._tokens[torch.tensor(indices)]
+        self._clean = [self._clean[index] for index in indices]
+        self._chains = [list(self._chains[index]) for index in indices]
+
+    def crop(self, num_tokens: int) -> None:
+        self.num_recorded = min(self.num_recorded, num_tokens)
+        pages = num_tokens // self.page_size
+        self._chains = [chain[:pages] for chain in self._chains]
+        self._published = {group: min(count, pages) for group, count in self._published.items()}
+
+    def reset(self) -> None:
+        """Forgets the tokens (the cache was emptied)."""
+        self.active, self.root, self.num_recorded, self.limit = True, None, 0, None
+        self._tokens, self._clean, self._chains, self._published = None, [], [], {}
+
+    # ----- internals ------------------------------------------------------------------------
+
+    def _signature(self) -> list[tuple[int | None, int, bool]]:
+        """What each layer group's attention sees: pages of caches that differ here never mix."""
+        return [(policy.window, policy.sink_tokens, policy.is_sliding) for policy in self.policies]
+
+    def _refusal(self, model: torch.nn.Module, inputs: dict[str, Any]) -> str | None:
+        """Why this call cannot take part (``None``: it can)."""
+        if inputs.get("inputs_embeds") is not None:
+            return "the prompt comes as inputs_embeds, not token ids."
+        others = sorted(
+            key for key, value in inputs.items() if isinstance(value, torch.Tensor) and key not in TOKEN_INPUTS
+        )
+        if others:
+            return f"the call brings inputs {others} besides token ids, which the prefix index cannot key on."
+        for policy in self.policies:
+            if policy.window is None:
+                continue
+            if policy.residual_length:
+                return (
+                    f"values are quantized with a full-precision residual window of {policy.residual_length} tokens "
+                    f"and a ring keeps only the last {policy.window}: a plain prefill reads the ring's values from the "
+                    "residual window, which the index does not keep, so a reused ring would not be exact."
+                )
+            if policy.sink_tokens % self.page_size:
+                return (
+                    f"sink_tokens={policy.sink_tokens} is not a multiple of page_size={self.page_size}, so a ring's "
+                    "pages do not each hold one token page; choose sink_tokens as whole pages."
+                )
+            attention = attn_implementation(model.config)
+            if not policy.is_sliding and attention != ATTENTION_NAME:
+                return (
+                    f"the ring imposes window={policy.window} under {attention!r} attention, where a prompt past the "
+                    f'window attends in full; load the model with attn_implementation="{ATTENTION_NAME}" to reuse '
+                    "prompts."
+                )
+        return None
+
+    def _clean_rows(self, input_ids: torch.Tensor, inputs: dict[str, Any]) -> list[bool]:
+        """Rows without padding whose positions are their token indices."""
+        num_rows, length = input_ids.shape
+        clean = torch.ones(num_rows, dtype=torch.bool)
+        mask = inputs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.ndim == 2:
+            clean &= mask.bool().all(dim=-1).cpu()
+        positions = inputs.get("position_ids")  # [rows, length] as generate makes them
+        if isinstance(positions, torch.Tensor):
+            if positions.shape != (num_rows, length):  # another layout (e.g. 3D rope): nothing to compare with
+                return [False] * num_rows
+            clean &= (positions == torch.arange(length, device=positions.device)).all(dim=-1).cpu()
+        return clean.tolist()
+
+    def _record(self, start: int, ids: torch.Tensor) -> None:
+        """Writes ``ids [rows, n]`` at tokens ``[start, start + n)`` of every row (the rows' tokens end there)."""
+        num_rows, num_new = ids.shape
+        end = start + num_new
+        tokens = self._tokens
+        if tokens is None or tokens.shape[0] != num_rows or tokens.shape[1] < end:
+            capacity = max(end, 2 * tokens.shape[1] if tokens is not None else 0)
+            grown = torch.zeros(num_rows, capacity, dtype=torch.long)
+            if tokens is not None and tokens.shape[0] == num_rows:
+                grown[:, : self.num_recorded] = tokens[:, : self.num_recorded]
+            self._tokens = tokens = grown  # [rows, capacity]
+        tokens[:, start:end] = ids.detach().to("cpu", torch.long)
+        self.num_recorded = end
+        pages = start // self.page_size  # chain keys past the first page written now may change
+        if any(len(chain) > pages for chain in self._chains):
+            self._chains = [chain[:pages] for chain in self._chains]
+            self._published = {group: min(count, pages) for group, count in self._published.items()}
+
+    def _extend_chains(self, num_pages: int) -> None:
+        """Computes each row's chain keys up to token page ``num_pages`` (recorded tokens only)."""
+        num_pages = min(num_pages, self.num_recorded // self.page_size)
+        if len(self._chains) != len(self._clean):
+            self._chains = [[] for _ in self._clean]
+        page_size = self.page_size
+        for row, chain in enumerate(self._chains):
+            if len(chain) < num_pages:
+                ids = self._tokens[row, len(chain) * page_size : num_pages * page_size].tolist()
+                chain += chain_keys(chain[-1] if chain else self.root, ids, page_size)
+
+    def _longest(self, rows_of: "dict[int, PagedRows]", num_pages: int) -> int:
+        """The most token pages (at most ``num_pages``) whose pages every row finds for every layer group."""
+        pool, chains = self.pool, self._chains
+        for group, rows in rows_of.items():  # a layer group keeping every token needs every page: a run from 0
+            if not isinstance(rows, RingRows):
+                num_pages = min(
+                    num_pages,
+                    *(
+                        next((d for d in range(num_pages) if pool.lookup((chain[d], group)) is None), num_pages)
+                        for chain in chains
+                    ),
+                )
+        rings = {group: rows for group, rows in rows_of.items() if isinstance(rows, RingRows)}
+        while num_pages and not all(
+            pool.lookup((chain[d], group)) is not None
+            for group, rows in rings.items()
+            for d in rows.prefix_layout(num_pages)
+            if d is not None
+            for chain in chains
+        ):
+            num_pages -= 1
+        return num_pages
+
+    def _attach(self, rows_of: "dict[int, PagedRows]", num_pages: int) -> bool:
+        """Takes the prefix's pages (and fresh ones where a ring needs no token page) and attaches them; False
+        (nothing taken) if the fresh pages do not fit."""
+        pool = self.pool
+        layouts = {group: rows.prefix_layout(num_pages) for group, rows in rows_of.items()}
+        pages = {
+            group: [[None if d is None else pool.lookup((chain[d], group)) for d in layout] for chain in self._chains]
+            for group, layout in layouts.items()
+        }
+        found = [page for table in pages.values() for row in table for page in row if page is not None]
+        pool.share(found)
+        num_fresh = sum(row.count(None) for table in pages.values() for row in table)
+        try:
+            fresh = iter(pool.allocate(num_fresh))
+        except PoolExhaustedError:
+            pool.free(found)
+            return False
+        for group, table in pages.items():
+            filled = [[next(fresh) if page is None else page for page in row] for row in table]
+            rows_of[group].attach(filled, num_pages * self.page_size)
+        return True

@@ -1,0 +1,123 @@
+"""The prefix index: full pages of earlier prompts found again by their tokens (pure ints, no torch).
+
+A page is published under a *page key*: the *chain key* of the token page it holds and the layer group it
+belongs to. Token page ``d`` of a sequence is tokens ``[d * page_size, (d + 1) * page_size)``, and its chain key
+hashes the chain key of token page ``d - 1`` (the *root* for ``d = 0``) with the page's token ids::
+
+    chain[-1] = root                              (the model, the cache's attention semantics, the page size)
+    chain[d]  = blake2b(chain[d - 1] || token ids of token page d)          16 bytes
+    page key  = (chain[d], layer group index)
+
+so a page is only ever found for the same tokens at the same absolute positions after the same tokens. The
+pool is cut into one page format, so the format is the pool's.
+
+The index holds one reference to each page it publishes (counted in the allocator's reference counts, so a
+page a cache holds and the index holds has refcount 2 and the page table copies it before writing). A
+published page whose only reference is the index's is *cached*: the index keeps cached pages in least
+recently used order, and the allocator evicts them (oldest first) only when it needs pages. ``PageAllocator``
+drives the transitions; this module only keeps the maps and the order.
+"""
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+
+KEY_BYTES = 16
+PageKey = tuple[bytes, int]
+"""``(chain key of a token page, layer group index)``."""
+
+
+def root_key(*parts: bytes | str | int) -> bytes:
+    """The chain key before a sequence's first page, from whatever makes pages of equal tokens differ."""
+    digest = hashlib.blake2b(digest_size=KEY_BYTES)
+    for part in parts:
+        data = part if isinstance(part, bytes) else repr(part).encode()
+        digest.update(len(data).to_bytes(8, "little") + data)
+    return digest.digest()
+
+
+def chain_keys(parent: bytes, token_ids: Sequence[int], page_size: int) -> list[bytes]:
+    """Chain keys of the full token pages of ``token_ids``, the first page's parent being ``parent``.
+
+    Args:
+        parent: the chain key before ``token_ids[0]`` (``root_key(...)`` at the start of a sequence).
+        token_ids: tokens from a page boundary on; a trailing partial page gets no key.
+        page_size: tokens per page.
+    """
+    keys = []
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        page = array("q", token_ids[start : start + page_size]).tobytes()
+        parent = hashlib.blake2b(parent + page, digest_size=KEY_BYTES).digest()
+        keys.append(parent)
+    return keys
+
+
+class PrefixIndex:
+    """Page key -> page id for published pages, and the cached ones in least recently used order.
+
+    Counts lookups in rows: ``lookups`` rows asked, ``hits`` rows got at least one page, ``tokens_reused`` tokens
+    they did not prefill, ``tokens_queried`` prompt tokens they asked about.
+    """
+
+    def __init__(self) -> None:
+        self._page_of: dict[PageKey, int] = {}
+        self._key_of: dict[int, PageKey] = {}
+        self._cached: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self.lookups = self.hits = self.tokens_reused = self.tokens_queried = 0
+
+    def __len__(self) -> int:
+        return len(self._page_of)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def page(self, key: PageKey) -> int | None:
+        """The page published under ``key``, if any."""
+        return self._page_of.get(key)
+
+    def is_published(self, page: int) -> bool:
+        return page in self._key_of
+
+    def is_cached(self, page: int) -> bool:
+        return page in self._cached
+
+    def add(self, key: PageKey, page: int) -> None:
+        """Publishes ``page`` under ``key`` (both new to the index); the caller adds the index's reference."""
+        if key in self._page_of or page in self._key_of:
+            raise ValueError(f"Page {page} or its key is already published.")
+        self._page_of[key] = page
+        self._key_of[page] = key
+
+    def mark_cached(self, page: int) -> None:
+        """``page`` is now held by the index alone: the most recently used cached page."""
+        self._cached[page] = None
+
+    def mark_held(self, page: int) -> None:
+        """A cache holds ``page`` again: it leaves the cached pages."""
+        self._cached.pop(page, None)
+
+    def evict_oldest(self) -> int:
+        """Unpublishes the least recently used cached page and returns it (the caller drops the index's reference)."""
+        page, _ = self._cached.popitem(last=False)
+        del self._page_of[self._key_of.pop(page)]
+        return page
+
+    def record_lookup(self, num_rows: int, tokens_reused_per_row: int, tokens_per_row: int) -> None:
+        self.lookups += num_rows
+        self.hits += num_rows if tokens_reused_per_row else 0
+        self.tokens_reused += num_rows * tokens_reused_per_row
+        self.tokens_queried += num_rows * tokens_per_row
+
+    def check_integrity(self, refcounts: Sequence[int]) -> None:
+        """Raises ``AssertionError`` if the maps disagree, or with ``refcounts`` (which include the index's own
+        references): a published page is held at least once, cached exactly when the index alone holds it."""
+        assert len(self._page_of) == len(self._key_of), "page keys and published pages differ in number"
+        for key, page in self._page_of.items():
+            assert self._key_of.get(page) == key, f"page {page} is published under two keys"
+            assert refcounts[page] >= 1, f"published page {page} has refcount {refcounts[page]}"
+            assert (refcounts[page] == 1) == (page in self._cached), (
+                f"page {page}: refcount {refcounts[page]} but cached={page in self._cached}"
+            )
+        assert all(page in self._key_of for page in self._cached), "a cached page is not published"

@@ -1,0 +1,137 @@
+"""The prefix index's bookkeeping: chain keys, publishing, cached pages and their eviction order, with
+``check_integrity()`` after every step (reuse through ``generate``: ``test_prefix_caching.py``)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_kvcache import KVPool
+from hf_kvcache.allocator import PageAllocator
+from hf_kvcache.config import PageFormat
+from hf_kvcache.errors import PoolExhaustedError
+from hf_kvcache.prefix_index import KEY_BYTES, chain_keys, root_key
+
+
+def test_chain_keys_depend_on_every_earlier_token_and_the_position():
+    root = root_key("model", 4)
+    keys = chain_keys(root, list(range(10)), 4)
+    assert len(keys) == 2 and all(len(key) == KEY_BYTES for key in keys)  # the partial page gets no key
+    assert chain_keys(root, list(range(8)), 4) == keys  # deterministic, trailing tokens ignored
+    assert chain_keys(keys[0], list(range(4, 8)), 4) == keys[1:]  # continuing a chain from its last key
+    changed = chain_keys(root, [9, 1, 2, 3, 4, 5, 6, 7], 4)
+    assert changed[0] != keys[0] and changed[1] != keys[1]  # a page's key depends on every earlier token
+    shifted = chain_keys(root, [4, 5, 6, 7], 4)
+    assert shifted[0] != keys[1]  # the same tokens at another position: another key
+    assert chain_keys(root_key("other model", 4), list(range(8)), 4)[0] != keys[0]
+    assert root_key("a", "bc") != root_key("ab", "c")  # parts are length-prefixed
+
+
+def test_published_pages_are_cached_when_idle_and_evicted_oldest_first():
+    allocator = PageAllocator(6, prefix_caching=True)
+    pages = allocator.allocate(3)
+    for number, page in enumerate(pages):
+        assert allocator.publish((bytes([number]), 0), page)
+    assert [allocator.refcount(page) for page in pages] == [2, 2, 2] and allocator.num_cached == 0
+    allocator.check_integrity()
+    allocator.free([pages[1]])
+    allocator.free([pages[0]])
+    allocator.free([pages[2]])
+    assert allocator.num_cached == 3 and allocator.num_free == 2 and allocator.num_available == 5
+    allocator.check_integrity()
+    allocator.share([pages[1]])  # a lookup hit revives a cached page
+    assert allocator.num_cached == 2 and allocator.refcount(pages[1]) == 2
+    allocator.free([pages[1]])  # idle again: now the most recently used
+    allocator.check_integrity()
+    taken = allocator.allocate(4)  # 2 free pages, then the 2 least recently used cached ones
+    assert set(taken) >= {pages[0], pages[2]} and allocator.lookup((b"\x00", 0)) is None
+    assert allocator.lookup((b"\x01", 0)) == pages[1] and allocator.num_cached == 1
+    allocator.check_integrity()
+    with pytest.raises(PoolExhaustedError):
+        allocator.allocate(2)  # one cached page left: not enough, nothing evicted
+    assert allocator.lookup((b"\x01", 0)) == pages[1]
+    assert allocator.allocate(1) == [pages[1]] and allocator.num_cached == 0
+    allocator.check_integrity()
+
+
+def test_the_first_page_published_under_a_key_wins():
+    allocator = PageAllocator(4, prefix_caching=True)
+    first, second = allocator.allocate(2)
+    assert allocator.publish((b"k", 0), first)
+    assert not allocator.publish((b"k", 0), second)  # the other copy stays private
+    assert not allocator.publish((b"j", 0), first)  # a page is published once
+    assert allocator.refcount(first) == 2 and allocator.refcount(second) == 1
+    allocator.free([second])
+    assert allocator.num_free == 2  # the private copy went back to the free list
+    with pytest.raises(ValueError, match="not allocated"):
+        allocator.publish((b"x", 0), second)
+    allocator.check_integrity()
+
+
+operations = st.lists(
+    st.tuples(
+        st.sampled_from(["allocate", "share", "free", "publish", "revive"]), st.integers(0, 5), st.integers(0, 1000)
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(operations)
+def test_random_operations_with_an_index_keep_integrity(ops):
+    allocator = PageAllocator(10, prefix_caching=True)
+    held: list[int] = []  # one entry per reference we hold
+    for op, count, pick in ops:
+        if op == "allocate":
+            if count > allocator.num_available:
+                with pytest.raises(PoolExhaustedError):
+                    allocator.allocate(count)
+            else:
+                pages = allocator.allocate(count)
+                assert not set(pages) & set(held), "a page someone holds was handed out again"
+                held += pages
+        elif op == "share" and held:
+            page = held[pick % len(held)]
+            allocator.share([page])
+            held.append(page)
+        elif op == "free" and held:
+            allocator.free([held.pop(pick % len(held))])
+        elif op == "publish" and held:
+            allocator.publish((bytes([pick % 7]), count % 2), held[pick % len(held)])
+        elif op == "revive":
+            page = allocator.lookup((bytes([pick % 7]), count % 2))
+            if page is not None:
+                allocator.share([page])
+                held.append(page)
+        allocator.check_integrity()
+        assert allocator.num_available == allocator.num_free + allocator.num_cached
+
+
+def test_pool_counts_cached_pages_as_available_and_in_stats():
+    page_format = PageFormat(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, page_size=2)
+    pool = KVPool(page_format, 5, prefix_caching=True)
+    pages = pool.allocate(4)
+    assert pool.publish([((b"a", 0), pages[0]), ((b"b", 0), pages[1]), ((b"a", 0), pages[2])]) == 2
+    pool.free(pages)
+    stats = pool.stats()
+    assert (stats["pages_cached"], stats["pages_free"], stats["pages_used"]) == (2, 2, 2)
+    assert pool.num_available_pages == 4
+    pool.check_integrity()
+    taken = pool.allocate(4)  # evicts both cached pages: no PoolExhaustedError
+    assert pool.stats()["pages_cached"] == 0 and pool.lookup((b"a", 0)) is None
+    pool.free(taken)
+    pool.check_integrity()
+    pool.record_prefix_lookup(2, 4, 10)
+    pool.record_prefix_lookup(1, 0, 10)
+    stats = pool.stats()
+    assert (stats["prefix_lookups"], stats["prefix_hits"], stats["prefix_tokens_reused"]) == (3, 2, 8)
+    assert stats["prefix_hit_rate"] == pytest.approx(8 / 30)
+
+
+def test_pools_without_an_index_report_none():
+    page_format = PageFormat(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, page_size=2)
+    pool = KVPool(page_format, 3)
+    stats = pool.stats()
+    assert not pool.prefix_caching and stats["prefix_caching"] is False and stats["pages_cached"] == 0
+    pool.enable_prefix_caching()
+    assert pool.prefix_caching
