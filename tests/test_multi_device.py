@@ -271,3 +271,20 @@ def test_offloaded_layers_of_a_real_device_map_write_on_the_main_device(tmp_path
     assert torch.equal(out.sequences, reference)
     (pool,) = out.past_key_values.pools.values()
     assert (pool.format.num_layers, pool.format.num_layer_groups) == (1, 4)
+
+
+def test_prefix_caching_is_refused_under_tensor_parallelism_and_on_split_models(tiny_llama_model, tiny_gemma3_model):
+    """Each rank's (device's) pool would keep its own prefix index, whose lookups the ranks do not agree on: a clear
+    error rather than ranks feeding prompts of different lengths into the model's collectives."""
+    with pytest.raises(ValueError, match="not supported under tensor parallelism"):
+        PagedCache(
+            tiny_llama_model.config,
+            dtype=torch.float32,
+            device="cpu",
+            max_tokens=16,
+            prefix_caching=True,
+            placement=Placement(1, group="a group"),
+        )
+    cache = split_cache(tiny_gemma3_model, "paged_pool", prefix_caching=True)
+    with pytest.raises(ValueError, match="split over several devices"):
+        cache.update(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), 0)

@@ -6,6 +6,7 @@ few: batches of 3 rows (3 prompts, or 3 beams, or 3 returned sequences of one pr
 """
 
 import copy
+import gc
 import logging
 import threading
 
@@ -197,3 +198,46 @@ def test_gathers_past_the_shape_key_limit(tiny_llama_model, in_place, monkeypatc
         assert_same_generation(reference, paged(tiny_llama_model, ids, mask, ATTENTION_NAME, max_new_tokens=6))
     assert in_place["calls"] == 5 * 2  # tried, and gathered
     assert [record.message for record in caplog.records if "MAX_SHAPE_KEYS" in record.message]
+
+
+def test_reused_prefix_reads_in_place_as_without_reuse(tiny_llama_model, in_place):
+    """A second turn on a prefix-caching pool: the rows start from pages an earlier call published (shared, in
+    another request's extents); decode gathers while those extents hold another live cache's pages and reads in
+    place once they hold nothing foreign, with the tokens and logits of a call without reuse (within 1e-4)."""
+    indexed = KVPool.for_model(tiny_llama_model, max_tokens=2048, prefix_caching=True)
+    plain = KVPool.for_model(tiny_llama_model, max_tokens=2048)
+
+    def paged_on(pool: KVPool, ids: torch.Tensor, max_new_tokens: int = 8):
+        return run(
+            tiny_llama_model,
+            ids,
+            None,
+            max_new_tokens=max_new_tokens,
+            cache_implementation="paged_pool",
+            cache_config={"pool": pool},
+        )
+
+    with model_attention(tiny_llama_model, ATTENTION_NAME):
+        turn = paged_on(indexed, random_ids(3, 40, seed=21), max_new_tokens=6)  # its cache stays alive in `turn`
+        second = torch.cat([turn.sequences, random_ids(3, 7, seed=22)], dim=1)  # [3, 53]
+        reference = paged_on(plain, second)
+        calls = in_place["calls"]
+        live = paged_on(indexed, second)
+        assert indexed.stats()["prefix_tokens_reused"] == 3 * 32  # turn 1's two full pages (45 tokens fed)
+        assert in_place["calls"] == calls  # turn 1's cache holds the page after the prefix's: gathered
+        indexed.check_integrity()
+        del turn  # the caches' pages go to the index (full ones) or back to the free pages, zeroed
+        live = (live.sequences, live.logits)  # without the output's cache
+        gc.collect()
+        calls = in_place["calls"]
+        reused = paged_on(indexed, second)
+    assert indexed.stats()["prefix_tokens_reused"] == 3 * 32 + 3 * 48  # now all but the prompt's last page
+    assert in_place["calls"] > calls
+    for sequences, logits in (live, (reused.sequences, reused.logits)):
+        assert torch.equal(sequences, reference.sequences)
+        for step, (expected, actual) in enumerate(zip(reference.logits, logits, strict=True)):
+            torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4, msg=f"logits differ at step {step}")
+    del reused
+    gc.collect()
+    indexed.check_integrity()
+    assert indexed.stats()["pages_used"] == indexed.stats()["pages_cached"]

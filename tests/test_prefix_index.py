@@ -1,6 +1,8 @@
 """The prefix index's bookkeeping: chain keys, publishing, cached pages and their eviction order, with
 ``check_integrity()`` after every step (reuse through ``generate``: ``test_prefix_caching.py``)."""
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -70,25 +72,33 @@ def test_the_first_page_published_under_a_key_wins():
 
 operations = st.lists(
     st.tuples(
-        st.sampled_from(["allocate", "share", "free", "publish", "revive"]), st.integers(0, 5), st.integers(0, 1000)
+        st.sampled_from(["allocate", "extend", "share", "free", "publish", "revive"]),
+        st.integers(0, 5),
+        st.integers(0, 1000),
     ),
     max_size=80,
 )
 
 
 @settings(max_examples=200, deadline=None)
-@given(operations)
-def test_random_operations_with_an_index_keep_integrity(ops):
-    allocator = PageAllocator(10, prefix_caching=True)
+@given(operations, st.sampled_from([1, 4]))
+def test_random_operations_with_an_index_keep_integrity(ops, extent_pages):
+    """Single pages and rows' extents (``extend``) alike: cached pages are evicted back into the free pages' extent
+    counts and heaps, a request fails only when free plus cached pages are too few, and nothing changes then."""
+    allocator = PageAllocator(10, extent_pages, prefix_caching=True)
     held: list[int] = []  # one entry per reference we hold
     for op, count, pick in ops:
-        if op == "allocate":
+        if op in ("allocate", "extend"):
+            anchor = held[-1] if held else None
+            take = allocator.allocate if op == "allocate" else functools.partial(allocator.extend, anchor)
             if count > allocator.num_available:
+                before = (allocator.num_free, allocator.num_cached)
                 with pytest.raises(PoolExhaustedError):
-                    allocator.allocate(count)
+                    take(count)
+                assert (allocator.num_free, allocator.num_cached) == before
             else:
-                pages = allocator.allocate(count)
-                assert not set(pages) & set(held), "a page someone holds was handed out again"
+                pages = take(count)
+                assert len(set(pages)) == count and not set(pages) & set(held), "a page was handed out twice"
                 held += pages
         elif op == "share" and held:
             page = held[pick % len(held)]
@@ -105,6 +115,46 @@ def test_random_operations_with_an_index_keep_integrity(ops):
                 held.append(page)
         allocator.check_integrity()
         assert allocator.num_available == allocator.num_free + allocator.num_cached
+
+
+def test_ensure_free_evicts_cached_pages_into_whole_extents():
+    """Under extents: ``ensure_free`` evicts the least recently used cached pages (returning them) before any page
+    is taken, they re-enter the free extents, and a row's ``extend`` after it cannot fail."""
+    allocator = PageAllocator(9, 4, prefix_caching=True)  # extents {0: null, 1, 2, 3}, {4, 5, 6, 7}, {8}
+    row = allocator.extend(None, 4)
+    assert row == [4, 5, 6, 7]
+    for number, page in enumerate(row):
+        allocator.publish((bytes([number]), 0), page)
+    allocator.free(row)  # all four cached, oldest first: 4, 5, 6, 7
+    assert (allocator.num_free, allocator.num_cached, allocator.num_available) == (4, 4, 8)
+    allocator.check_integrity()
+    assert allocator.ensure_free(4) == []  # enough free pages: nothing evicted
+    with pytest.raises(PoolExhaustedError):
+        allocator.ensure_free(9)
+    assert allocator.num_cached == 4  # a failed request evicts nothing
+    assert allocator.ensure_free(8) == [4, 5, 6, 7]
+    allocator.check_integrity()  # the evicted pages are in the extent counts and heaps
+    assert allocator.extend(None, 4) == [4, 5, 6, 7]  # a whole extent again
+    assert allocator.lookup((b"\x00", 0)) is None and allocator.num_cached == 0
+    assert sorted(allocator.extend(None, 4)) == [1, 2, 3, 8]  # no whole extent left: single pages
+    allocator.check_integrity()
+
+
+def test_pool_zeroes_evicted_pages_before_handing_them_out():
+    """Free pages are all zeros (in-place attention reads whole extents): an evicted cached page is zeroed."""
+    page_format = PageFormat(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, page_size=2)
+    pool = KVPool(page_format, 3, prefix_caching=True)
+    pages = pool.allocate(2)
+    pool.keys[:, :, pages] = float("nan")
+    pool.values[:, :, pages] = 1.0
+    pool.publish([((b"a", 0), pages[0])])
+    pool.free(pages)  # pages[1] is free (zeroed), pages[0] cached (kept)
+    assert pool.keys[:, :, pages[0]].isnan().all() and pool.keys[:, :, pages[1]].eq(0).all()
+    taken = pool.allocate(2)  # evicts pages[0]
+    assert sorted(taken) == sorted(pages) and pool.stats()["pages_cached"] == 0
+    assert pool.keys[:, :, taken].eq(0).all() and pool.values[:, :, taken].eq(0).all()
+    pool.free(taken)
+    pool.check_integrity()
 
 
 def test_pool_counts_cached_pages_as_available_and_in_stats():
