@@ -693,6 +693,10 @@ class AgreedPages:
     nothing taken. No rank goes on alone into the model's next collective, where it would wait for the others
     until the group's timeout.
 
+    The prefix index's operations (``publish``, ``lookup``, and the ``share``/``allocate`` of a reused prefix) are
+    not agreed: a rank's index could find a prefix of another length than the others', so prompt reuse is refused
+    under tensor parallelism (``ValueError`` when a cache binds a prefix-caching pool with a process group).
+
     Args:
         pool: this rank's pool.
         group: the ``torch.distributed`` process group of the ranks.
