@@ -272,7 +272,9 @@ def test_alerts_fire_once_per_upward_crossing_across_generate_cycles(tiny_llama_
         assert pool.stats()["pages_used"] == 0 and pool.stats()["high_water_pages"] == 8
     assert fired == [(0.5, 6)] * 3
     generate_on(tiny_llama_model, "paged_pool", pool, ids, mask, max_new_tokens=20, min_new_tokens=20)  # 100%
-    assert fired == [(0.5, 6)] * 4 + [(0.9, 10)]
+    # Rows take their pages one row after another (extents), so the 90% alert fires at 9 or 10 pages used.
+    assert fired[:4] == [(0.5, 6)] * 4 and len(fired) == 5
+    assert fired[4][0] == 0.9 and fired[4][1] in (9, 10)
     assert_pools_empty(pool)
 
 
