@@ -11,9 +11,10 @@ blocks of ``extent_pages * page_size`` tokens (``hf_kvcache.flex``). Two kinds o
 
 - ``extend(anchor, num)``: the next ``num`` pages of one row whose last page is ``anchor``. Each comes
   right after the previous one while that stays inside its extent and is free, else as the first page
-  of the lowest extent that is wholly free, else (no whole extent left) as a single page. Rows of paged
-  layers grow this way: each holds its pages in runs of whole extents, and a new row never starts in an
-  extent another row has begun, so rows of different requests interleave by whole extents only.
+  of the lowest extent that is wholly free, else (no whole extent left: a growable ``KVPool`` grows first where
+  it can, see ``extents_needed``) as a single page. Rows of paged layers grow this way: each holds its pages in
+  runs of whole extents, and a new row never starts in an extent another row has begun, so rows of different
+  requests interleave by whole extents only.
 - ``allocate(num)``: single pages, the highest free ids, handed out in ascending order. Rings and
   copies take these: on a fresh pool (or one whose pages all came back) ``num`` pages taken at once are
   consecutive, so a ring's rows, taken together, are one run of pages.
@@ -58,6 +59,7 @@ class PageAllocator:
         self._free_in_extent: list[int] = []  # free pages of each extent
         self._singles: list[int] = []  # max-heap (negated ids) of free pages; stale entries skipped
         self._extents: list[int] = []  # min-heap of wholly free extents; stale entries skipped
+        self._num_whole = 0  # wholly free extents
         self._num_free = 0  # the null page is neither free nor used
         self.high_water = 0
         self.index: PrefixIndex | None = PrefixIndex() if prefix_caching else None
@@ -105,6 +107,7 @@ class PageAllocator:
         for extent in range(start // self.extent_pages, num_extents):
             if self._is_whole(extent):
                 heapq.heappush(self._extents, extent)
+        self._num_whole = sum(1 for extent in range(num_extents) if self._is_whole(extent))
         return range(start, start + num_new)
 
     def allocate(self, num: int) -> list[int]:
@@ -136,6 +139,21 @@ class PageAllocator:
             pages.append(anchor)
         self._note_use()
         return pages
+
+    @property
+    def num_whole_extents(self) -> int:
+        """Extents all of whose pages are free (where ``extend`` starts a row's next run of pages)."""
+        return self._num_whole
+
+    def extents_needed(self, anchor: int | None, num: int) -> int:
+        """Wholly free extents ``extend(anchor, num)`` would start (its pages past the free ones right after
+        ``anchor`` in its extent): with fewer, it takes single pages in extents other rows have begun."""
+        size, run = self.extent_pages, 0
+        if anchor is not None:
+            page = anchor + 1
+            while run < num and page % size and page < len(self._refcounts) and self._refcounts[page] == 0:
+                run, page = run + 1, page + 1
+        return -(-(num - run) // size)
 
     def ensure_free(self, num: int) -> list[int]:
         """Makes ``num`` pages free, evicting cached pages (least recently used first) if the free ones are fewer.
@@ -219,10 +237,13 @@ class PageAllocator:
         self._free_in_extent[extent] += 1
         if self._is_whole(extent):
             heapq.heappush(self._extents, extent)
+            self._num_whole += 1
         if len(self._singles) > 2 * len(self._refcounts) + 64:  # drop stale entries now and then
             self._rebuild_heaps()
 
     def _take(self, page: int) -> int:
+        if self._is_whole(page // self.extent_pages):
+            self._num_whole -= 1
         self._refcounts[page] = 1
         self._free_in_extent[page // self.extent_pages] -= 1
         self._num_free -= 1
@@ -270,6 +291,7 @@ class PageAllocator:
         assert set(free) <= {-page for page in self._singles}, "a free page is missing from the single-page heap"
         whole = {extent for extent in range(len(self._free_in_extent)) if self._is_whole(extent)}
         assert whole <= set(self._extents), "a wholly free extent is missing from the extent heap"
+        assert len(whole) == self.num_whole_extents, f"{len(whole)} wholly free extents, {self._num_whole} counted"
         assert self.high_water >= self.num_used, "high-water mark below current use"
         if self.index is not None:
             self.index.check_integrity(self._refcounts)

@@ -477,10 +477,17 @@ class KVPool:
 
     def extend(self, anchor: int | None, num: int) -> list[int]:
         """Takes a row's next ``num`` pages after its page ``anchor`` (``PageAllocator.extend``), growing a default
-        pool if needed; all or nothing. The pages are all zeros. Raises ``PoolExhaustedError`` as ``ensure_free``."""
+        pool if needed; all or nothing. The pages are all zeros. Raises ``PoolExhaustedError`` as ``ensure_free``.
+
+        A growable pool also grows (if it can) where the free pages lie in too few whole extents: the row then keeps
+        its pages in extents of its own, which attention reads in place (``foreign_pages``)."""
         with self.lock:
             self.ensure_free(num)
-            pages = self._allocator.extend(anchor, num)
+            allocator = self._allocator
+            short = allocator.extents_needed(anchor, num) - allocator.num_whole_extents
+            if short > 0:  # one extent more than short: the pages opened need not start on an extent boundary
+                self._grow(allocator.num_free + (short + 1) * self.format.extent_pages)
+            pages = allocator.extend(anchor, num)
             self._check_alerts()
             return pages
 

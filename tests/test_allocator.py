@@ -75,13 +75,16 @@ def test_rows_take_aligned_extents_and_singles_come_from_the_top():
     """A row grows inside its extent, then starts the lowest wholly free one; single pages take the highest ids;
     once no extent is whole, a row takes single pages (it never fails while pages are free)."""
     allocator = PageAllocator(24, extent_pages=4)  # extents 0 (with the null page), 1..5
+    assert allocator.num_whole_extents == 5 and allocator.extents_needed(None, 5) == 2
     first = allocator.extend(None, 3)
     second = allocator.extend(None, 2)
     assert first == [4, 5, 6] and second == [8, 9]
+    assert allocator.num_whole_extents == 3 and allocator.extents_needed(first[-1], 3) == 1
     assert allocator.extend(first[-1], 3) == [7, 12, 13]  # the rest of its extent, then the next whole one
     assert allocator.allocate(2) == [22, 23]
     assert allocator.extend(second[-1], 2) == [10, 11]
     allocator.extend(None, 4)  # 16..19
+    assert allocator.num_whole_extents == 0 and allocator.extents_needed(None, 3) == 1
     assert allocator.extend(None, 3) == [21, 20, 15]  # no whole extent left: the highest single pages
     allocator.check_integrity()
     freed = allocator.free([8, 9, 10, 11])

@@ -16,6 +16,7 @@ from helpers import assert_same_generation, padded_batch, random_ids, run, teach
 from transformers import DynamicCache
 
 from hf_kvcache import KVPool, PagedCache, flex
+from hf_kvcache import pool as pool_module
 from hf_kvcache.attention import ATTENTION_NAME, mask_hides_padding_only, model_attention
 
 pytestmark = pytest.mark.skipif(flex.unavailable(torch.device("cpu")) is not None, reason="no compiled FlexAttention")
@@ -112,6 +113,19 @@ def test_threads_sharing_the_default_pool_read_in_place(tiny_llama_model, in_pla
     assert in_place["calls"] > 0
     for i in range(len(batches)):
         assert_same_generation(expected[i], results[i])
+
+
+def test_a_fresh_default_pool_grows_to_keep_rows_in_place(tiny_llama_model, in_place, monkeypatch):
+    """The default pool opens 4,096 tokens (256 pages) and doubles. Three rows of 2,700 tokens (169 pages, 22
+    extents of 8 each) make it double once, to 63 whole extents beside the null page's: too few, so it grows again
+    rather than give the last row single pages in the null page's extent, which attention cannot read in place."""
+    monkeypatch.setattr(pool_module, "_DEFAULT_POOLS", {})
+    monkeypatch.setattr(pool_module, "_DEFAULT_BUDGETS", {})
+    ids = random_ids(3, 2700, seed=12)
+    mask = torch.ones_like(ids)
+    reference = run(tiny_llama_model, ids, mask, max_new_tokens=4)
+    assert_same_generation(reference, paged(tiny_llama_model, ids, mask, ATTENTION_NAME, max_new_tokens=4))
+    assert in_place["calls"] == 3 * 2
 
 
 def test_hybrid_model_reads_full_layers_in_place(tiny_gemma3_model, in_place):

@@ -2,6 +2,7 @@
 
 import copy
 import gc
+import math
 import threading
 
 import pytest
@@ -110,6 +111,23 @@ def test_growable_pool_doubles_up_to_its_cap(reserve):
     pool.free(pages)
     assert pool.keys.eq(0).all() and pool.values.eq(0).all()  # free pages are zeros
     pool.check_integrity()
+
+
+def test_growable_pool_keeps_rows_in_extents_of_their_own():
+    """Rows that outgrow a growable pool's whole extents make it grow rather than take single pages in extents
+    other rows began (or the null page's): attention reads a row's extents in place only when they hold nothing
+    else. 8 rows of 64 pages (1,024 tokens) on a pool opened at 257 ids, then one token more (each row's 65th
+    page starts a new extent)."""
+    pool = KVPool(FORMAT, num_pages=257, max_pages=4096)
+    table = pool.new_table(row_extents=True)
+    for num_new in [64 * 16, 1]:
+        table.grow(8, num_new)
+        held = {page for row in table.rows for page in row}
+        extents = {page // pool.format.extent_pages for page in held}
+        assert pool.foreign_pages(held, sorted(extents)) == []
+        assert len(extents) == 8 * math.ceil(len(table.rows[0]) / pool.format.extent_pages)
+    pool.check_integrity()
+    table.release()
 
 
 def test_named_default_and_copied_pools(tiny_llama_model):
