@@ -128,6 +128,23 @@ def test_a_fresh_default_pool_grows_to_keep_rows_in_place(tiny_llama_model, in_p
     assert in_place["calls"] == 3 * 2
 
 
+@pytest.mark.parametrize(
+    "cache_config",
+    [{"bits": 4, "group_size": 8, "residual_length": 5}, {"bits": 8, "residual_length": 0}, {"bits": 4}],
+    ids=["int4-residual-5", "int8-no-residual", "int4-default-residual"],
+)
+def test_quantized_values_read_keys_in_place(tiny_llama_model, in_place, cache_config):
+    """quantized_values: keys read in place, the visited pages' values dequantized into the storage's layout, the
+    residual window's tokens written over them in full precision; the same numbers as gathering them."""
+    ids, mask = padded_batch([23, 16, 17], seed=1)
+    settings = {"max_new_tokens": 20, "cache_implementation": "quantized_values", "cache_config": cache_config}
+    with model_attention(tiny_llama_model, ATTENTION_NAME):
+        fast = run(tiny_llama_model, ids, mask, **settings)
+    assert in_place["calls"] == 19 * 2
+    gathered = run(tiny_llama_model, ids, mask, **settings)
+    assert_same_generation(gathered, fast)
+
+
 def test_hybrid_model_reads_full_layers_in_place(tiny_gemma3_model, in_place):
     """Gemma 3: the full-attention layer reads in place, the sliding layers stay rings."""
     ids, mask = padded_batch([23, 16, 17], seed=4)

@@ -24,8 +24,9 @@ Three groups, each measured against its baseline in the same run:
   - ``sliding_ring_sdpa``: the same cache with the model on ``"sdpa"``; writes the new token once, then gathers
     the visible tokens in time order for attention (O(window)).
 
-- ``QUANTIZED_CACHES`` are lossy caches of every token: ours (each registered cache's ``bench_presets``) and
-  transformers' ``QuantizedCache`` for each installed backend; their tokens are compared with ``dynamic``'s.
+- ``QUANTIZED_CACHES`` are lossy caches of every token: ours (each registered cache's ``bench_presets``, under
+  ``attn_implementation="hf_kvcache"``: keys read in place) and transformers' ``QuantizedCache`` for each
+  installed backend; their tokens are compared with ``dynamic``'s.
 
 Our caches draw from fixed pools made for the run (``bench_pools``), sized for the rows and full by design at the
 end of a run, unless their name says they run on the default pool.
@@ -107,8 +108,13 @@ QUANTIZED_CACHES = {
 Their tokens are compared with ``dynamic``'s; a difference is a loss."""
 CACHE_NAMES = FULL_CACHES + SLIDING_CACHES + tuple(QUANTIZED_CACHES)
 """Caches the decode benchmark knows; ``dynamic`` is the baseline every run includes."""
-CACHE_ATTENTION = {**RING_ATTENTION, **{name: variant.attention for name, variant in PAGED_VARIANTS.items()}}
-"""The model's ``attn_implementation`` under each cache that names one (the others run under the model's own)."""
+CACHE_ATTENTION = {
+    **RING_ATTENTION,
+    **{name: variant.attention for name, variant in PAGED_VARIANTS.items()},
+    **{name: ATTENTION_NAME for name, spec in QUANTIZED_CACHES.items() if spec.kind in REGISTRY},
+}
+"""The model's ``attn_implementation`` under each cache that names one (the others run under the model's own):
+ours under ``"hf_kvcache"`` (in place where it applies), except the ``paged_pool`` variants that time ``"sdpa"``."""
 
 
 def pool_kind(name: str) -> str | None:

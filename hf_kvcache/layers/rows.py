@@ -12,7 +12,9 @@ Attention gets a layer's keys and values in one of two ways (``attend``):
 - in place (a decode step under ``attn_implementation="hf_kvcache"`` where ``batch x tokens`` reaches
   ``flex.MIN_IN_PLACE_TOKENS``): the layer's whole storage as ``[1, heads, pages * page_size, head_dim]`` views,
   the keys carrying a ``PagedRead`` with the step's ``PagedBlockMask`` (built once per step by the layer group's
-  first layer, shared by the rest) that ``hf_kvcache.attention`` hands to compiled FlexAttention.
+  first layer, shared by the rest) that ``hf_kvcache.attention`` hands to compiled FlexAttention. Quantized values
+  cannot be read as they lie: the pages the mask visits are dequantized into a buffer of the storage's layout
+  (``SlotStore.values_in_place``), while the keys are read in place.
 """
 
 import functools
@@ -120,6 +122,8 @@ class PagedRows:
         self._mask_fresh = False  # the mask matches the table and the pads (else: update before use)
         self._mask_usable = False  # the visited extents hold nothing but the rows' pages and zeros
         self._in_place: tuple[int, int, bool] | None = None  # (num_tokens, num_new, in place) of the current step
+        self._extents: torch.Tensor | None = None  # [visited] extents the mask visits (quantized values: dequantized)
+        self._residual: tuple[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] | None = None  # see below
         self._version = -1  # table version the cached indices below were built for
         self._ids: torch.Tensor | None = None
         self._read: tuple[int, torch.Tensor] | None = None  # (storage pages, rows)
@@ -162,7 +166,12 @@ class PagedRows:
             return self.read(layer_in_group, num_tokens)
         storage, fmt = self.pool.storage, self.pool.format
         shape = (1, fmt.num_kv_heads, storage.num_pages * fmt.page_size, fmt.head_dim)
-        keys, values = storage.keys[layer_in_group].view(shape), storage.values[layer_in_group].view(shape)
+        keys = storage.keys[layer_in_group].view(shape)
+        if self.store.quant is None:
+            values = storage.values[layer_in_group].view(shape)
+        else:
+            residual_slots = self._residual_slots(num_tokens)
+            values = self.store.values_in_place(layer_in_group, storage, self._extents, residual_slots)
         gather = functools.partial(self.read, layer_in_group, num_tokens)
         setattr(keys, PAGED_ATTRIBUTE, PagedRead(self._mask, self._pad_tensor(self.table.num_rows), num_tokens, gather))
         return keys, values
@@ -181,9 +190,6 @@ class PagedRows:
             return False  # prefill (compute-bound), or a step whose compiled call would cost more than the copy
         if not self._reads_in_place():
             flex.log_path("attention", "the model's attn_implementation is not 'hf_kvcache'")
-            return False
-        if self.store.quant is not None:
-            flex.log_path("quantized", "values stored quantized are gathered and dequantized for attention")
             return False
         if not pool.storage_is_fixed:
             flex.log_path("moves", "the pool's storage moves when it grows (reserve=False: CUDA's default pools)")
@@ -205,6 +211,7 @@ class PagedRows:
             extents = self._mask.update(self._page_ids(), num_tokens, self._pad_tensor(batch))
             held = {page for row in self.table.rows for page in row}
             self._mask_usable = not pool.foreign_pages(held, extents)
+            self._extents = torch.tensor(extents, dtype=torch.long, device=pool.device)
             self._mask_fresh = True
         if not self._mask_usable:
             flex.log_path("foreign", "a row's extents hold another request's pages (gathered for those steps)")
@@ -319,7 +326,7 @@ class PagedRows:
             self.pool.copy_pages(copies)
         if self.table.version != self._version:
             self._version = self.table.version
-            self._ids = self._read = self._write = None
+            self._ids = self._read = self._write = self._residual = None
 
     def _agreed_identical_rows(self, identical_rows: list[int] | None, batch: int) -> list[int] | None:
         """The identical rows every rank found (each sees only its share of the heads); ``None`` where they differ."""
@@ -353,6 +360,26 @@ class PagedRows:
             rows = self.table.rows
             self._ids = torch.tensor(rows, dtype=torch.long, device=self.pool.device).view(len(rows), -1)
         return self._ids
+
+    def _residual_slots(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The residual window's tokens of a step read in place (quantized values): their positions ``[n]`` and
+        their ``[heads * batch * n]`` slot rows in the storage (``kernels.slot_rows``); ``None``: no window."""
+        residual = self.store.residual
+        if residual is None:
+            return None
+        start = max(residual.first, num_tokens - residual.length)
+        if start >= num_tokens:
+            return None
+        storage_pages = self.pool.storage.num_pages
+        key = (start, num_tokens, storage_pages)
+        if self._residual is None or self._residual[0] != key:
+            page_size = self.pool.format.page_size
+            positions = torch.arange(start, num_tokens, device=self.pool.device)  # [n]
+            page_ids = self._page_ids()[:, positions // page_size]  # [batch, n]
+            offsets = (positions % page_size).expand_as(page_ids)  # [batch, n]
+            rows = slot_rows(page_ids, offsets, self.pool.format.num_kv_heads, storage_pages, page_size)
+            self._residual = (key, (positions, rows))
+        return self._residual[1]
 
     def _write_index(self, start: int, num_new: int, storage: PoolStorage) -> torch.Tensor:
         """``[heads * batch * n]`` slot rows of tokens ``[start, start + n)`` in ``storage`` (``kernels.slot_rows``)."""

@@ -5,8 +5,9 @@ whose format sets ``value_bits``, each new token's values are quantized once, wh
 stored (``hf_kvcache.quant``: per-token scales, so the codes do not depend on any other token and
 never change afterwards); keys stay in the model's dtype. Attention gets the values dequantized
 into a buffer the rows reuse from step to step and layer to layer, never a new full-precision copy
-of the history. The newest ``residual_length`` tokens are served in full precision from
-``ResidualValues`` instead of their codes.
+of the history: gathered in token order (``read``), or, where attention reads the keys in place, laid
+out as the storage's slots, the visited pages only (``values_in_place``). The newest ``residual_length``
+tokens are served in full precision from ``ResidualValues`` instead of their codes.
 """
 
 import math
@@ -157,6 +158,48 @@ class SlotStore:
         if self.residual is not None:
             self.residual.overlay(layer_in_group, values, end, limit, end if newest is None else newest)
         return keys, values
+
+    def values_in_place(
+        self,
+        layer_in_group: int,
+        storage: PoolStorage,
+        extents: torch.Tensor,
+        residual_slots: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """One layer's quantized values laid out as the storage's slots, for attention that reads the keys in place.
+
+        Only the pages of ``extents`` (what the step's mask visits) are dequantized, into a buffer of the storage's
+        shape that the layers of the layer group reuse (pages outside them are never read); the residual window's
+        tokens are then written over their slots in full precision.
+
+        Args:
+            extents: ``[visited]`` extent ids.
+            residual_slots: the residual window's positions ``[n]`` and slot rows ``[heads * batch * n]``
+                (``kernels.slot_rows``), or ``None``.
+
+        Returns:
+            ``[1, heads, storage pages * page_size, head_dim]``.
+        """
+        fmt, quant = self.pool.format, self.quant
+        heads, slots_per_extent = fmt.num_kv_heads, fmt.extent_pages * fmt.page_size
+        slots = self._buffer("in_place", (heads, storage.num_pages * fmt.page_size, quant.head_dim), storage.keys.dtype)
+        by_extent = slots.view(heads, -1, slots_per_extent, quant.head_dim)  # [heads, extents, slots, head_dim]
+
+        def visited(tensor: torch.Tensor) -> torch.Tensor:  # [heads, visited, slots, last_dim]
+            return tensor[layer_in_group].view(heads, -1, slots_per_extent, tensor.shape[-1]).index_select(1, extents)
+
+        codes, scales = visited(storage.values), visited(storage.value_scales)
+        shape = (heads, extents.numel(), slots_per_extent, quant.head_dim)
+        values = self._buffer("values", shape, slots.dtype)  # [heads, visited, slots, head_dim]
+        work = None if slots.dtype == torch.float32 else self._buffer("work", shape, torch.float32)
+        num_scale_groups = quant.num_scale_groups
+        dequantize_into(values, codes, scales[..., :num_scale_groups], scales[..., num_scale_groups:], quant, work)
+        by_extent.index_copy_(1, extents, values)
+        if residual_slots is not None and layer_in_group in self.residual.buffers:
+            positions, rows = residual_slots
+            newest = self.residual.buffers[layer_in_group].index_select(2, positions % self.residual.length)
+            write_slots(slots.unsqueeze(0), 0, rows, newest)  # [batch, heads, n, head_dim] over their slots
+        return slots.unsqueeze(0)
 
     def as_attended(self, value_states: torch.Tensor) -> torch.Tensor:
         """New values ``[batch, heads, n, head_dim]`` as attention sees them once stored (quantized but the newest)."""
