@@ -123,7 +123,8 @@ class PagedRows:
         self._mask_usable = False  # the visited extents hold nothing but the rows' pages and zeros
         self._in_place: tuple[int, int, bool] | None = None  # (num_tokens, num_new, in place) of the current step
         self._extents: torch.Tensor | None = None  # [visited] extents the mask visits (quantized values: dequantized)
-        self._residual: tuple[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] | None = None  # see below
+        # (start, num_tokens, storage pages) -> (positions, slot rows) of a step's residual window (_residual_slots)
+        self._residual: tuple[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
         self._version = -1  # table version the cached indices below were built for
         self._ids: torch.Tensor | None = None
         self._read: tuple[int, torch.Tensor] | None = None  # (storage pages, rows)
