@@ -191,6 +191,17 @@ def _integer_zero_scale(
     return scale, zero.to(torch.int8)
 
 
+def join_scales(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """``[..., 2 * num_scale_groups]``: the scales, then the (float) zeros, as a pool stores them side by side.
+
+    Not ``torch.cat``, which CPU autocast refuses for float16 tensors.
+    """
+    joined = scale.new_empty(*scale.shape[:-1], 2 * scale.shape[-1])
+    joined[..., : scale.shape[-1]] = scale
+    joined[..., scale.shape[-1] :] = zero
+    return joined
+
+
 def dequantize(
     codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype
 ) -> torch.Tensor:

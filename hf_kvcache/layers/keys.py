@@ -22,7 +22,7 @@ import torch
 from hf_kvcache.allocator import NULL_PAGE
 from hf_kvcache.config import PageFormat
 from hf_kvcache.pool import PoolStorage
-from hf_kvcache.quant import dequantize, dequantize_into, quantize
+from hf_kvcache.quant import dequantize, dequantize_into, join_scales, quantize
 
 Buffer = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
 """A reused buffer by name, shape and dtype (``SlotStore._buffer``)."""
@@ -56,6 +56,10 @@ class KeyPages:
         local = (num_tokens - shifts).clamp(min=0)
         return local // self.page_size, local % self.page_size
 
+    def _pages_before(self, num_tokens: int, shifts: list[int]) -> list[int]:
+        """``_filled``'s token pages, on the host (no data-dependent read of a device's tensor)."""
+        return [max(num_tokens - shift, 0) // self.page_size for shift in shifts]
+
     @staticmethod
     def _position(token_pages: torch.Tensor, ring_pages: int | None) -> torch.Tensor:
         """Where token pages ``[batch, m]`` lie in their rows' pages."""
@@ -70,7 +74,7 @@ class KeyPages:
         start: int,
         key_states: torch.Tensor,
         page_ids: torch.Tensor,
-        shifts: torch.Tensor,
+        shifts: list[int],
         ring_pages: int | None = None,
     ) -> None:
         """Takes tokens ``[start, start + n)`` of every row; encodes and stores the pages they fill.
@@ -80,15 +84,18 @@ class KeyPages:
         Args:
             key_states: ``[batch, heads, n, head_dim]``.
             page_ids: ``[batch, num_pages]`` the rows' pages (their page table).
-            shifts: ``[batch]`` the token each row counts from (``0``, or a ring row's leading padding).
+            shifts: the token each row counts from (``0``, or a ring row's leading padding).
             ring_pages: the ring's pages per row (``None``: paged rows keep every page).
         """
         key_states = key_states.detach()
         batch, page_size, device = key_states.shape[0], self.page_size, key_states.device
+        firsts, ends = self._pages_before(start, shifts), self._pages_before(start + key_states.shape[2], shifts)
+        froms = firsts if ring_pages is None else [max(first, end - ring_pages) for first, end in zip(firsts, ends)]
+        most = max([end - done_from for done_from, end in zip(froms, ends)] + [0])  # pages a row fills in the step
+        shifts = torch.tensor(shifts, device=device)
         take, first_page, end_page = self._joined(layer_in_group, start, key_states, shifts)
         done_from = first_page if ring_pages is None else torch.maximum(first_page, end_page - ring_pages)
         num_done = (end_page - done_from).clamp(min=0)  # [batch] pages filled in this step (a ring: the last ones)
-        most = int(num_done.max()) if batch else 0
         if most:
             steps = torch.arange(most, device=device)
             token_pages = done_from.unsqueeze(1) + steps  # [batch, most]
@@ -102,16 +109,18 @@ class KeyPages:
         self.partial[layer_in_group] = partial.masked_fill(~keep.view(batch, 1, page_size, 1), 0)
         self.written[layer_in_group] = start + key_states.shape[2]
 
-    def attended(self, layer_in_group: int, start: int, key_states: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
+    def attended(self, layer_in_group: int, start: int, key_states: torch.Tensor, shifts: list[int]) -> torch.Tensor:
         """A step's new keys ``[batch, heads, n, head_dim]`` as attention reads them once stored (for a step that
         attends to its own keys before storing them: a ring's longer than the ring): in the pages it fills, through
         their encoding (the reference ``dequantize``); the rest exact. Call it before ``write``."""
         key_states = key_states.detach()
         batch, heads, num_new, head_dim = key_states.shape
-        take, first_page, end_page = self._joined(layer_in_group, start, key_states, shifts)
-        most = int((end_page - first_page).clamp(min=0).max()) if batch else 0
+        firsts, ends = self._pages_before(start, shifts), self._pages_before(start + num_new, shifts)
+        most = max([end - first for first, end in zip(firsts, ends)] + [0])
         if not most:
             return key_states
+        shifts = torch.tensor(shifts, device=key_states.device)
+        take, first_page, end_page = self._joined(layer_in_group, start, key_states, shifts)
         pages = take(self._page_tokens(first_page.unsqueeze(1) + torch.arange(most, device=key_states.device)))
         if self.format.keys_per_channel:
             channels = pages.transpose(-1, -2)
@@ -170,7 +179,7 @@ class KeyPages:
             parts = ((storage.keys, codes), (storage.key_scales, scale), (storage.key_zeros, zero))
         else:
             codes, scale, zero = quantize(pages, quant)
-            parts = ((storage.keys, codes), (storage.key_scales, torch.cat([scale, zero], dim=-1)))
+            parts = ((storage.keys, codes), (storage.key_scales, join_scales(scale, zero)))
         for tensor, part in parts:
             layer = tensor[layer_in_group]
             flat = layer.view(heads * num_pages, -1)  # [heads * pages, a page's numbers]
@@ -214,7 +223,7 @@ class KeyPages:
         layer_in_group: int,
         storage: PoolStorage,
         page_ids: torch.Tensor,
-        shifts: torch.Tensor,
+        shifts: list[int],
         dtype: torch.dtype,
         ring_pages: int | None = None,
     ) -> torch.Tensor:
@@ -226,6 +235,7 @@ class KeyPages:
         keys = self.decode(layer_in_group, storage, page_ids, dtype)  # [heads, batch, m * page_size, head_dim]
         partial = self.partial.get(layer_in_group)
         if partial is not None and partial.shape[0] == page_ids.shape[0]:
+            shifts = torch.tensor(shifts, device=keys.device)
             page, held = self._filled(self.written.get(layer_in_group, 0), shifts)
             slots = self._position(page, ring_pages) * self.page_size  # [batch]
             offsets = torch.arange(self.page_size, device=keys.device)
@@ -247,16 +257,17 @@ class KeyPages:
         num_tokens: int,
         storage: PoolStorage,
         page_ids: torch.Tensor,
-        shifts: torch.Tensor,
+        shifts: list[int],
         ring_pages: int | None = None,
     ) -> None:
         """Keeps tokens ``[0, num_tokens)``: a row whose page still filling moves back to an encoded page takes that
         page's decoded keys as its page still filling (call it after the page table's crop)."""
         for layer_in_group, partial in self.partial.items():
-            before, _ = self._filled(self.written.get(layer_in_group, 0), shifts)
-            after, _ = self._filled(num_tokens, shifts)
-            moved = (after != before).view(-1, 1, 1, 1)  # [batch, 1, 1, 1]
-            if bool(moved.any()) and page_ids.numel():
+            written = self.written.get(layer_in_group, 0)
+            if self._pages_before(written, shifts) != self._pages_before(num_tokens, shifts) and page_ids.numel():
+                before, _ = self._filled(written, torch.tensor(shifts, device=partial.device))
+                after, _ = self._filled(num_tokens, torch.tensor(shifts, device=partial.device))
+                moved = (after != before).view(-1, 1, 1, 1)  # [batch, 1, 1, 1]
                 position = self._position(after, ring_pages).clamp(max=page_ids.shape[1] - 1)
                 pages = page_ids.gather(1, position.unsqueeze(1))  # [batch, 1]
                 decoded = self.decode(layer_in_group, storage, pages, partial.dtype).transpose(0, 1)

@@ -457,9 +457,10 @@ class RingRows(PagedRows):
             self.store.write(layer_in_group, storage, step.write_index, key_states, value_states)
             self._write_keys(layer_in_group, storage, start, key_states)
 
-    def key_shifts(self, batch: int) -> torch.Tensor:
+    def key_shifts(self, batch: int) -> list[int]:
         """A ring row counts its pages from its first real token (its leading padding is kept nowhere)."""
-        return self._pad_tensor(batch)
+        pads = self.pad_lengths
+        return list(pads) if pads is not None and len(pads) == batch else [0] * batch
 
     def _apply(self, change) -> None:
         super()._apply(change)

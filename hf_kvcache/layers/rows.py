@@ -147,9 +147,9 @@ class PagedRows:
         self.store.remember(layer_in_group, start, value_states)
         self.end_step(layer_in_group, start + key_states.shape[-2])
 
-    def key_shifts(self, batch: int) -> torch.Tensor:
-        """``[batch]`` the token each row counts its pages from (``KeyPages``): paged rows store padding too, from 0."""
-        return torch.zeros(batch, dtype=torch.long, device=self.pool.device)
+    def key_shifts(self, batch: int) -> list[int]:
+        """The token each row counts its pages from (``KeyPages``): paged rows store padding too, from 0."""
+        return [0] * batch
 
     def _write_keys(self, layer_in_group: int, storage: PoolStorage, start: int, key_states: torch.Tensor) -> None:
         """Encoded keys: the step's keys to the rows' pages still filling; pages that fill, encoded (under the lock)."""

@@ -18,7 +18,7 @@ import torch
 from hf_kvcache.kernels import write_slots
 from hf_kvcache.layers.keys import KeyPages
 from hf_kvcache.pool import KVPool, PoolStorage
-from hf_kvcache.quant import dequantize, dequantize_into, quantize
+from hf_kvcache.quant import dequantize, dequantize_into, join_scales, quantize
 
 Gather = Callable[[torch.Tensor], torch.Tensor]
 """Reads one layer's slots out of one storage tensor of the pool as ``[batch, heads, n, last_dim]``."""
@@ -114,7 +114,7 @@ class SlotStore:
             return
         codes, scale, zero = quantize(value_states, self.quant)
         write_slots(storage.values, layer_in_group, rows, codes)
-        write_slots(storage.value_scales, layer_in_group, rows, torch.cat([scale, zero], dim=-1))
+        write_slots(storage.value_scales, layer_in_group, rows, join_scales(scale, zero))
 
     @property
     def residual_bytes(self) -> int:
