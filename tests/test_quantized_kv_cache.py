@@ -189,3 +189,30 @@ def test_bad_settings_name_the_key(tiny_llama_model):
         QuantizedKVCache(tiny_llama_model.config, page_size=5, group_size=16)
     with pytest.raises(ValueError, match=r"Unknown cache_config keys \['bits'\]"):
         QuantizedKVCache.options_class.from_dict({"bits": 4})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("key_bits", [8, 4])
+def test_decoded_keys_equal_the_reference_bitwise(tiny_llama_model, key_bits, dtype):
+    """The fast path (``dequantize_into`` over the gathered pages, channel-major pages into a transposed view)
+    against the reference ``dequantize`` of the same stored codes."""
+    cache = QuantizedKVCache(
+        tiny_llama_model.config, key_bits=key_bits, group_size=8, page_size=4, max_tokens=64, dtype=dtype, device="cpu"
+    )
+    states = (torch.randn(2, 2, 13, 16) * torch.linspace(0.1, 20, 16)).to(dtype)  # channels of many magnitudes
+    cache.update(states, states, 0)
+    rows = cache.layers[0].rows
+    storage, fmt, ids = cache.pool.storage, cache.pool.format, rows._page_ids()[:, :3]  # the 3 full pages
+    fast = rows.store.keys.decode(0, storage, ids, dtype).permute(1, 0, 2, 3)  # [batch, heads, 12, head_dim]
+    layer = (storage.keys[0], storage.key_scales[0])
+    codes, scales = (tensor[:, ids].transpose(0, 1) for tensor in layer)  # [batch, heads, 3, ...]
+    quant = fmt.key_format
+    if key_bits == 4:
+        channels = codes.reshape(2, 2, 3, 16, 2)  # a page's bytes: [head_dim, page_size // 2]
+        zeros = storage.key_zeros[0][:, ids].transpose(0, 1).unsqueeze(-1)
+        reference = dequantize(channels, scales.unsqueeze(-1), zeros, quant, dtype).transpose(-1, -2)
+    else:
+        groups = quant.num_scale_groups
+        reference = dequantize(codes, scales[..., :groups], scales[..., groups:], quant, dtype)
+    assert torch.equal(fast, reference.flatten(2, 3))
+    assert storage.key_scales.dtype == (torch.float16 if dtype == torch.float32 else dtype)  # 2-byte scales

@@ -196,7 +196,7 @@ class KeyPages:
         fmt, quant = self.format, self.quant
         heads, num_pages, page_size, head_dim = fmt.num_kv_heads, storage.num_pages, self.page_size, fmt.head_dim
         batch, m = page_ids.shape
-        rows = (torch.arange(heads, device=page_ids.device).view(-1, 1) * num_pages + page_ids.view(1, -1)).view(-1)
+        rows = (torch.arange(heads, device=page_ids.device).view(-1, 1) * num_pages + page_ids.reshape(1, -1)).view(-1)
 
         def gather(tensor: torch.Tensor) -> torch.Tensor:  # [heads * batch * m, a page's numbers]
             return tensor[layer_in_group].view(heads * num_pages, -1).index_select(0, rows)
