@@ -226,11 +226,7 @@ class RingRows(PagedRows):
                 storage = self.pool.storage  # a snapshot taken after this row's writes: it holds them
                 step = self._step_index(start, num_new, batch, storage)
                 gather = lambda tensor: read_slots(tensor, layer_in_group, step.read, batch)  # noqa: E731
-                keys = None
-                if self.store.keys is not None:  # every slot decoded, then the visible ones in time order
-                    slots = self._read_keys(layer_in_group, storage)
-                    index = step.read_slots.clamp(min=0).view(batch, 1, -1, 1)
-                    keys = slots.gather(2, index.expand(-1, slots.shape[1], -1, slots.shape[-1]))
+                keys = self._read_keys(layer_in_group, storage, step.read_slots) if self.store.keys else None
                 return self.store.read(layer_in_group, storage, gather, end=end, limit=limit, newest=newest, keys=keys)
 
             if num_new <= self.max_step:  # write first: attention reads the new tokens from their slots
@@ -238,9 +234,7 @@ class RingRows(PagedRows):
                 keys, values = read(end, end - first)
             else:
                 keys, values = read(start, start - first, newest=end)
-                new_keys = key_states
-                if self.store.keys is not None:
-                    new_keys = self.store.keys.attended(layer_in_group, start, key_states, self.key_shifts(batch))
+                new_keys = self._attended_keys(layer_in_group, start, key_states)
                 self._store(layer_in_group, start, num_new, key_states, value_states)  # only its tail stays
                 attended = self.store.as_attended(value_states)
                 keys, values = torch.cat([keys, new_keys], dim=-2), torch.cat([values, attended], dim=-2)

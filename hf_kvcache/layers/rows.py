@@ -157,11 +157,22 @@ class PagedRows:
             shifts = self.key_shifts(key_states.shape[0])
             self.store.keys.write(layer_in_group, storage, start, key_states, self._page_ids(), shifts, self.ring_pages)
 
-    def _read_keys(self, layer_in_group: int, storage: PoolStorage) -> torch.Tensor:
-        """Encoded keys: every slot of the rows' pages decoded, ``[batch, heads, pages * page_size, head_dim]``."""
+    def _read_keys(self, layer_in_group: int, storage: PoolStorage, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Encoded keys: every slot of the rows' pages decoded, ``[batch, heads, pages * page_size, head_dim]``, or
+        with ``slots [batch, n]`` (a ring's logical slots; ``-1``: none) those, ``[batch, heads, n, head_dim]``."""
         ids = self._page_ids()
         shifts = self.key_shifts(ids.shape[0])
-        return self.store.keys.read(layer_in_group, storage, ids, shifts, self.pool.format.dtype, self.ring_pages)
+        keys = self.store.keys.read(layer_in_group, storage, ids, shifts, self.pool.format.dtype, self.ring_pages)
+        if slots is None:
+            return keys
+        index = slots.clamp(min=0).view(slots.shape[0], 1, -1, 1)
+        return keys.gather(2, index.expand(-1, keys.shape[1], -1, keys.shape[-1]))
+
+    def _attended_keys(self, layer_in_group: int, start: int, key_states: torch.Tensor) -> torch.Tensor:
+        """A step's new keys as attention reads them once stored (``KeyPages.attended``; as given, unless encoded)."""
+        if self.store.keys is None:
+            return key_states
+        return self.store.keys.attended(layer_in_group, start, key_states, self.key_shifts(key_states.shape[0]))
 
     def end_step(self, layer_in_group: int, end: int) -> None:
         """A layer has written the step's tokens up to ``end``: once the layer group's last layer has, every
