@@ -15,7 +15,7 @@ each with its own page table, so a page id serves one layer group)::
     key_scales:   [num_layers, num_kv_heads, num_storage_pages, page_size, 2 * num_scale_groups]  scales, zeros
     keys encoded per channel over a page (format.key_bits=4):
     keys:         [num_layers, num_kv_heads, num_storage_pages, page_size, head_dim // 2]  a page's bytes hold its
-                                                 codes channel by channel: [head_dim, page_size // 2], int4 pairs
+                  codes as [page_size // 2, head_dim]: byte (i, c) holds tokens 2i (low nibble) and 2i + 1 of channel c
     key_scales:   [num_layers, num_kv_heads, num_storage_pages, head_dim]   a scale per channel and page
     key_zeros:    [num_layers, num_kv_heads, num_storage_pages, head_dim]   int8: the channel's minimum in scale steps
 
@@ -278,7 +278,7 @@ class KVPool:
         with torch.inference_mode(False):
             if key_quant is None:
                 keys = torch.empty(*shape, fmt.head_dim, dtype=fmt.dtype, device=self.device)  # [L, H, P, ps, D]
-            elif fmt.keys_per_channel:  # a page's codes [D, ps // 2] in its [ps, D // 2] slots; per page [L, H, P, D]
+            elif fmt.keys_per_channel:  # a page's codes [ps // 2, D] in its [ps, D // 2] slots; per page [L, H, P, D]
                 keys = torch.empty(*shape, fmt.head_dim // 2, dtype=torch.uint8, device=self.device)
                 key_scales = torch.empty(*shape[:3], fmt.head_dim, dtype=scale_dtype, device=self.device)
                 key_zeros = torch.empty(*shape[:3], fmt.head_dim, dtype=torch.int8, device=self.device)

@@ -191,6 +191,52 @@ def _integer_zero_scale(
     return scale, zero.to(torch.int8)
 
 
+def dequantize_channels_into(
+    out: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    fmt: QuantFormat,
+    work: torch.Tensor | None = None,
+) -> None:
+    """``dequantize_into`` for vectors that run down ``out``'s columns (a channel's tokens of a key page), one scale
+    group per column, with codes stored row-major: bitwise equal to ``dequantize(codes.mT, scale.mT, zero.mT, fmt,
+    out.dtype).mT`` where ``codes.mT`` are the column's own codes (``mT``: the last two dims swapped).
+
+    Row-major codes decode with whole-row passes: at 4 bits, byte ``(i, c)`` holds rows ``2i`` (low nibble) and
+    ``2i + 1`` (high) of column ``c``, which go straight into rows ``2i`` and ``2i + 1`` of ``out``.
+
+    Args:
+        out: ``[..., head_dim, columns]`` floating, written in place (``fmt.head_dim`` rows: a page's tokens).
+        codes: ``[..., code_dim, columns]`` uint8. scale, zero: ``[..., 1, columns]`` (``fmt.num_scale_groups == 1``).
+        work: a float32 buffer of ``out``'s shape, reused when ``out`` is not float32 (made if ``None``).
+    """
+    if fmt.num_scale_groups != 1 or out.shape[-2] != fmt.head_dim or codes.shape[-2] != fmt.code_dim:
+        raise ValueError(
+            f"dequantize_channels_into needs one scale group per column, out [..., {fmt.head_dim}, columns] and "
+            f"codes [..., {fmt.code_dim}, columns]; got group_size={fmt.group_size}, out {tuple(out.shape)}, codes "
+            f"{tuple(codes.shape)}."
+        )
+    if out.dtype != torch.float32:
+        work = torch.empty(out.shape, dtype=torch.float32, device=out.device) if work is None else work
+    else:
+        work = out
+    if fmt.bits == 8:
+        work.copy_(codes)
+    else:
+        pairs = work.unflatten(-2, (fmt.code_dim, 2))  # view [..., code_dim, 2, columns]
+        pairs[..., 0, :].copy_(codes & 0xF)
+        pairs[..., 1, :].copy_(codes >> 4)
+    if fmt.integer_zero:
+        work.add_(zero)
+        work.mul_(scale)
+    else:
+        work.mul_(scale)
+        work.add_(zero)
+    if work is not out:
+        out.copy_(work)
+
+
 def join_scales(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """``[..., 2 * num_scale_groups]``: the scales, then the (float) zeros, as a pool stores them side by side.
 

@@ -7,7 +7,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_kvcache.quant import QuantFormat, dequantize, dequantize_into, pack_int4, quantize, unpack_int4
+from hf_kvcache.quant import (
+    QuantFormat,
+    dequantize,
+    dequantize_channels_into,
+    dequantize_into,
+    pack_int4,
+    quantize,
+    unpack_int4,
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 FAST = settings(max_examples=150, deadline=None)
@@ -189,6 +197,20 @@ def test_dequantize_into_equals_dequantize_bitwise(case, margin, out_dtype):
     dequantize_into(out, codes, scale, zero, fmt)
     assert torch.equal(out, dequantize(codes, scale, zero, fmt, out_dtype))
     assert buffer[..., :margin].isnan().all() and buffer[..., margin + fmt.head_dim :].isnan().all()
+
+
+@FAST
+@given(cases(), st.sampled_from(DTYPES + [None]))
+def test_dequantize_channels_into_equals_dequantize_bitwise(case, out_dtype):
+    """Columns (a channel's tokens of a key page) with row-major codes against the reference on each column."""
+    fmt, x = case
+    fmt = QuantFormat(fmt.bits, fmt.head_dim, fmt.head_dim, fmt.scale_dtype, fmt.integer_zero)  # a group per column
+    x = x if x.dim() > 1 else x.unsqueeze(0)  # [..., columns, head_dim]: one vector per column
+    out_dtype = out_dtype or x.dtype
+    codes, scale, zero = quantize(x, fmt)
+    out = torch.full((*x.shape[:-2], fmt.head_dim, x.shape[-2]), torch.nan, dtype=out_dtype)
+    dequantize_channels_into(out, codes.mT.contiguous(), scale.mT, zero.mT, fmt)
+    assert torch.equal(out, dequantize(codes, scale, zero, fmt, out_dtype).mT)
 
 
 @FAST

@@ -208,7 +208,7 @@ def test_decoded_keys_equal_the_reference_bitwise(tiny_llama_model, key_bits, dt
     codes, scales = (tensor[:, ids].transpose(0, 1) for tensor in layer)  # [batch, heads, 3, ...]
     quant = fmt.key_format
     if key_bits == 4:
-        channels = codes.reshape(2, 2, 3, 16, 2)  # a page's bytes: [head_dim, page_size // 2]
+        channels = codes.reshape(2, 2, 3, 2, 16).transpose(-1, -2)  # a page's bytes: [page_size // 2, head_dim]
         zeros = storage.key_zeros[0][:, ids].transpose(0, 1).unsqueeze(-1)
         reference = dequantize(channels, scales.unsqueeze(-1), zeros, quant, dtype).transpose(-1, -2)
     else:

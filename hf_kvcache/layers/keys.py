@@ -22,7 +22,7 @@ import torch
 from hf_kvcache.allocator import NULL_PAGE
 from hf_kvcache.config import PageFormat
 from hf_kvcache.pool import PoolStorage
-from hf_kvcache.quant import dequantize, dequantize_into, join_scales, quantize
+from hf_kvcache.quant import dequantize, dequantize_channels_into, dequantize_into, join_scales, quantize
 
 Buffer = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
 """A reused buffer by name, shape and dtype (``SlotStore._buffer``)."""
@@ -175,8 +175,9 @@ class KeyPages:
         heads, num_pages = fmt.num_kv_heads, storage.num_pages
         rows = (torch.arange(heads, device=targets.device).view(-1, 1, 1) * num_pages + targets).reshape(-1)
         if fmt.keys_per_channel:  # each channel's page_size tokens: [batch, heads, m, head_dim, page_size]
-            codes, scale, zero = quantize(pages.transpose(-1, -2), quant)
-            parts = ((storage.keys, codes), (storage.key_scales, scale), (storage.key_zeros, zero))
+            codes, scale, zero = quantize(pages.transpose(-1, -2), quant)  # codes [..., head_dim, page_size // 2]
+            # Stored row-major, [page_size // 2, head_dim], so that they decode a token row at a time.
+            parts = ((storage.keys, codes.transpose(-1, -2)), (storage.key_scales, scale), (storage.key_zeros, zero))
         else:
             codes, scale, zero = quantize(pages, quant)
             parts = ((storage.keys, codes), (storage.key_scales, join_scales(scale, zero)))
@@ -203,18 +204,16 @@ class KeyPages:
 
         shape = (heads, batch * m, page_size, head_dim)
         out = self._buffer("keys", shape, dtype)  # [heads, batch * m, page_size, head_dim]
-        if fmt.keys_per_channel:
-            codes = gather(storage.keys).view(heads, batch * m, head_dim, page_size // 2)
-            scale = gather(storage.key_scales).view(heads, batch * m, head_dim, 1)
-            zero = gather(storage.key_zeros).view(heads, batch * m, head_dim, 1)
-            channels = out.transpose(-1, -2)  # view [heads, batch * m, head_dim, page_size]
-            work = None if dtype == torch.float32 else self._buffer("key_work", channels.shape, torch.float32)
-            dequantize_into(channels, codes, scale, zero, quant, work)
+        work = None if dtype == torch.float32 else self._buffer("key_work", shape, torch.float32)
+        if fmt.keys_per_channel:  # codes row-major [page_size // 2, head_dim]; a scale and zero per channel
+            codes = gather(storage.keys).view(heads, batch * m, page_size // 2, head_dim)
+            scale = gather(storage.key_scales).view(heads, batch * m, 1, head_dim)
+            zero = gather(storage.key_zeros).view(heads, batch * m, 1, head_dim)
+            dequantize_channels_into(out, codes, scale, zero, quant, work)
         else:
             codes = gather(storage.keys).view(heads, batch * m, page_size, quant.code_dim)
             scales = gather(storage.key_scales).view(heads, batch * m, page_size, -1)
             groups = quant.num_scale_groups
-            work = None if dtype == torch.float32 else self._buffer("key_work", shape, torch.float32)
             dequantize_into(out, codes, scales[..., :groups], scales[..., groups:], quant, work)
         return out.view(heads, batch, m * page_size, head_dim)
 
