@@ -145,6 +145,20 @@ def test_crop_into_an_encoded_page_continues_from_its_decoded_keys(tiny_llama_mo
     torch.testing.assert_close(again[:, :, :20], full[:, :, :20], rtol=0, atol=0)
 
 
+def test_a_ring_crop_into_an_encoded_page_continues_from_its_decoded_keys(tiny_mistral_model):
+    """A ring of window 8 in pages of 4 (3 pages): cropping 3 tokens moves the page still filling back into the ring
+    page encoded last; the window's tokens read as before."""
+    cache = QuantizedKVCache(tiny_mistral_model.config, key_bits=4, group_size=16, residual_length=0, page_size=4)
+    keys = torch.randn(1, 2, 40, 16)
+    cache.update(keys[:, :, :39], keys[:, :, :39], 0)
+    before, _ = cache.update(keys[:, :, 39:40], keys[:, :, 39:40], 0)  # tokens 32..39 visible, all encoded
+    before = before.clone()
+    cache.crop(-3)
+    after, _ = cache.update(keys[:, :, 37:38], keys[:, :, 37:38], 0)  # tokens 30..37: 36 decoded, 37 exact
+    torch.testing.assert_close(after[:, :, 2:7], before[:, :, :5], rtol=0, atol=0)
+    torch.testing.assert_close(after[:, :, 7], keys[:, :, 37], rtol=0, atol=0)
+
+
 def test_pool_exhaustion_fails_alone_and_returns_the_pages(tiny_llama_model, make_pool):
     pool = make_pool(tiny_llama_model, "quantized_kv", max_tokens=64, page_size=8)
     ids, mask = padded_batch([20, 17], seed=3)
