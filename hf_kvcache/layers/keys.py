@@ -51,9 +51,9 @@ class KeyPages:
 
     # ----- where tokens lie ---------------------------------------------------------------------
 
-    def _filled(self, num_tokens: int, shifts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _filled(self, num_tokens: int, row_shifts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(token page, tokens held)`` of each row's page still filling after ``num_tokens`` tokens, ``[batch]``."""
-        local = (num_tokens - shifts).clamp(min=0)
+        local = (num_tokens - row_shifts).clamp(min=0)
         return local // self.page_size, local % self.page_size
 
     def _pages_before(self, num_tokens: int, shifts: list[int]) -> list[int]:
@@ -92,8 +92,8 @@ class KeyPages:
         firsts, ends = self._pages_before(start, shifts), self._pages_before(start + key_states.shape[2], shifts)
         froms = firsts if ring_pages is None else [max(first, end - ring_pages) for first, end in zip(firsts, ends)]
         most = max([end - done_from for done_from, end in zip(froms, ends)] + [0])  # pages a row fills in the step
-        shifts = torch.tensor(shifts, device=device)
-        take, first_page, end_page = self._joined(layer_in_group, start, key_states, shifts)
+        row_shifts = torch.tensor(shifts, device=device)  # [batch]
+        take, first_page, end_page = self._joined(layer_in_group, start, key_states, row_shifts)
         done_from = first_page if ring_pages is None else torch.maximum(first_page, end_page - ring_pages)
         num_done = (end_page - done_from).clamp(min=0)  # [batch] pages filled in this step (a ring: the last ones)
         if most:
@@ -103,7 +103,7 @@ class KeyPages:
             targets = page_ids.gather(1, self._position(token_pages, ring_pages).clamp(max=page_ids.shape[1] - 1))
             targets = targets.masked_fill(steps >= num_done.unsqueeze(1), NULL_PAGE)  # [batch, most]
             self._store(layer_in_group, storage, pages, targets)
-        _, end_held = self._filled(start + key_states.shape[2], shifts)
+        _, end_held = self._filled(start + key_states.shape[2], row_shifts)
         partial = take(self._page_tokens(end_page.unsqueeze(1))).squeeze(2)  # [batch, heads, page_size, head_dim]
         keep = torch.arange(page_size, device=device) < end_held.unsqueeze(1)  # [batch, page_size]
         self.partial[layer_in_group] = partial.masked_fill(~keep.view(batch, 1, page_size, 1), 0)
@@ -119,8 +119,8 @@ class KeyPages:
         most = max([end - first for first, end in zip(firsts, ends)] + [0])
         if not most:
             return key_states
-        shifts = torch.tensor(shifts, device=key_states.device)
-        take, first_page, end_page = self._joined(layer_in_group, start, key_states, shifts)
+        row_shifts = torch.tensor(shifts, device=key_states.device)  # [batch]
+        take, first_page, end_page = self._joined(layer_in_group, start, key_states, row_shifts)
         pages = take(self._page_tokens(first_page.unsqueeze(1) + torch.arange(most, device=key_states.device)))
         if self.format.keys_per_channel:
             channels = pages.transpose(-1, -2)
@@ -128,7 +128,7 @@ class KeyPages:
         else:
             pages = dequantize(*quantize(pages, self.quant), self.quant, pages.dtype)
         encoded = pages.flatten(2, 3)  # [batch, heads, most * page_size, head_dim] from token first_page * page_size
-        tokens = (start - shifts).unsqueeze(1) + torch.arange(num_new, device=key_states.device)  # [batch, n]
+        tokens = (start - row_shifts).unsqueeze(1) + torch.arange(num_new, device=key_states.device)  # [batch, n]
         index = tokens - (first_page * self.page_size).unsqueeze(1)
         inside = (tokens >= 0) & (tokens < (end_page * self.page_size).unsqueeze(1))
         index = index.clamp(0, encoded.shape[2] - 1).view(batch, 1, num_new, 1).expand(-1, heads, -1, head_dim)
@@ -139,7 +139,7 @@ class KeyPages:
         return token_pages.unsqueeze(-1) * self.page_size + torch.arange(self.page_size, device=token_pages.device)
 
     def _joined(
-        self, layer_in_group: int, start: int, key_states: torch.Tensor, shifts: torch.Tensor
+        self, layer_in_group: int, start: int, key_states: torch.Tensor, row_shifts: torch.Tensor
     ) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, torch.Tensor]:
         """The keys of a step's tokens and of the page still filling before it, by row-counted token.
 
@@ -153,15 +153,15 @@ class KeyPages:
         partial = self.partial.get(layer_in_group)
         if partial is None or partial.shape[0] != batch or start == 0:
             partial = key_states.new_zeros(batch, heads, page_size, head_dim)
-        first_page, _ = self._filled(start, shifts)  # [batch]
-        end_page, _ = self._filled(start + num_new, shifts)
+        first_page, _ = self._filled(start, row_shifts)  # [batch]
+        end_page, _ = self._filled(start + num_new, row_shifts)
         # Token u of a row: in the page still filling (at u - its first token) or among the new ones (past it).
         joined = torch.cat([partial, key_states.to(partial.dtype)], dim=2)  # [batch, heads, page_size + n, head_dim]
-        local_start = (start - shifts).clamp(min=0).view(batch, 1)
+        local_start = (start - row_shifts).clamp(min=0).view(batch, 1)
 
         def take(tokens: torch.Tensor) -> torch.Tensor:
             flat = tokens.view(batch, -1)
-            new = page_size + flat - (start - shifts).view(batch, 1)
+            new = page_size + flat - (start - row_shifts).view(batch, 1)
             old = flat - (first_page * page_size).view(batch, 1)
             index = torch.where(flat >= local_start, new, old).clamp(0, page_size + num_new - 1)
             keys = joined.gather(2, index.view(batch, 1, -1, 1).expand(-1, heads, -1, head_dim))
@@ -234,8 +234,8 @@ class KeyPages:
         keys = self.decode(layer_in_group, storage, page_ids, dtype)  # [heads, batch, m * page_size, head_dim]
         partial = self.partial.get(layer_in_group)
         if partial is not None and partial.shape[0] == page_ids.shape[0]:
-            shifts = torch.tensor(shifts, device=keys.device)
-            page, held = self._filled(self.written.get(layer_in_group, 0), shifts)
+            row_shifts = torch.tensor(shifts, device=keys.device)  # [batch]
+            page, held = self._filled(self.written.get(layer_in_group, 0), row_shifts)
             slots = self._position(page, ring_pages) * self.page_size  # [batch]
             offsets = torch.arange(self.page_size, device=keys.device)
             index = (slots.unsqueeze(1) + offsets).clamp(max=keys.shape[2] - 1)  # [batch, page_size]
@@ -264,8 +264,9 @@ class KeyPages:
         for layer_in_group, partial in self.partial.items():
             written = self.written.get(layer_in_group, 0)
             if self._pages_before(written, shifts) != self._pages_before(num_tokens, shifts) and page_ids.numel():
-                before, _ = self._filled(written, torch.tensor(shifts, device=partial.device))
-                after, _ = self._filled(num_tokens, torch.tensor(shifts, device=partial.device))
+                row_shifts = torch.tensor(shifts, device=partial.device)  # [batch]
+                before, _ = self._filled(written, row_shifts)
+                after, _ = self._filled(num_tokens, row_shifts)
                 moved = (after != before).view(-1, 1, 1, 1)  # [batch, 1, 1, 1]
                 position = self._position(after, ring_pages).clamp(max=page_ids.shape[1] - 1)
                 pages = page_ids.gather(1, position.unsqueeze(1))  # [batch, 1]
