@@ -3,7 +3,7 @@
 ``import hf_kvcache`` registers our cache names with ``generate`` (see ``integration``).
 """
 
-from hf_kvcache.caches import PagedCache, QuantizedValueCache, SlidingRingCache
+from hf_kvcache.caches import PagedCache, QuantizedKVCache, QuantizedValueCache, SlidingRingCache
 from hf_kvcache.config import PageFormat
 from hf_kvcache.errors import IncompatibleModelError, PoolExhaustedError
 from hf_kvcache.integration import is_registered, register, unregister
@@ -15,6 +15,7 @@ __all__ = [
     "PageFormat",
     "PagedCache",
     "PoolExhaustedError",
+    "QuantizedKVCache",
     "QuantizedValueCache",
     "SlidingRingCache",
     "is_registered",

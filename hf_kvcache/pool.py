@@ -10,6 +10,18 @@ each with its own page table, so a page id serves one layer group)::
     values:       [num_layers, num_kv_heads, num_storage_pages, page_size, code_dim]             uint8 codes
     value_scales: [num_layers, num_kv_heads, num_storage_pages, page_size, 2 * num_scale_groups]  scales, zeros
 
+    keys encoded per token (format.key_bits=8), per scale group of key_group_size channels:
+    keys:         [num_layers, num_kv_heads, num_storage_pages, page_size, head_dim]             uint8 codes
+    key_scales:   [num_layers, num_kv_heads, num_storage_pages, page_size, 2 * num_scale_groups]  scales, zeros
+    keys encoded per channel over a page (format.key_bits=4):
+    keys:         [num_layers, num_kv_heads, num_storage_pages, page_size, head_dim // 2]  a page's bytes hold its
+                  codes as [page_size // 2, head_dim]: byte (i, c) holds tokens 2i (low nibble) and 2i + 1 of channel c
+    key_scales:   [num_layers, num_kv_heads, num_storage_pages, head_dim]   a scale per channel and page
+    key_zeros:    [num_layers, num_kv_heads, num_storage_pages, head_dim]   int8: the channel's minimum in scale steps
+
+    Scales and float zeros are in format.scale_dtype (default: the dtype). Encoded keys are written a page at a
+    time, when the page's last slot is (hf_kvcache.layers.keys); until then a cache holds them in full precision.
+
     slot            =   (layer_in_group, page id, offset < page_size): one token's key/value in one layer
     row r, token t  ->  slot t % page_size of page rows[r][t // page_size] of its layer group's page table
                         (a ring maps token t to a logical slot first: hf_kvcache.layers.ring)
@@ -137,13 +149,15 @@ class PoolStorage:
     before a growth are in the new storage too, and the old one stays valid for reading them.
 
     Attributes:
-        keys / values / value_scales: see the module docstring; ``value_scales`` is ``None`` unless values are
-            quantized.
+        keys / values / value_scales / key_scales / key_zeros: see the module docstring; ``value_scales`` is ``None``
+            unless values are quantized, ``key_scales`` unless keys are, ``key_zeros`` unless per channel.
     """
 
     keys: torch.Tensor
     values: torch.Tensor
     value_scales: torch.Tensor | None
+    key_scales: torch.Tensor | None = None
+    key_zeros: torch.Tensor | None = None
 
     @property
     def num_pages(self) -> int:
@@ -152,7 +166,8 @@ class PoolStorage:
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return tuple(tensor for tensor in (self.keys, self.values, self.value_scales) if tensor is not None)
+        tensors = (self.keys, self.values, self.value_scales, self.key_scales, self.key_zeros)
+        return tuple(tensor for tensor in tensors if tensor is not None)
 
 
 class KVPool:
@@ -255,18 +270,28 @@ class KVPool:
         """Uninitialized storage for ``num_pages`` page ids (committed where touched only, on the CPU)."""
         fmt = self.format
         shape = (fmt.num_layers, fmt.num_kv_heads, self._storage_pages(num_pages), fmt.page_size)
-        quant = fmt.value_format
+        quant, key_quant = fmt.value_format, fmt.key_format
+        scale_dtype = fmt.scale_dtype or fmt.dtype
+        key_scales = key_zeros = None
         # Normal tensors even when made under torch.inference_mode(): the pool outlives that scope and is
         # written in place by later calls that may run outside it.
         with torch.inference_mode(False):
-            keys = torch.empty(*shape, fmt.head_dim, dtype=fmt.dtype, device=self.device)  # [L, H, P, ps, D]
+            if key_quant is None:
+                keys = torch.empty(*shape, fmt.head_dim, dtype=fmt.dtype, device=self.device)  # [L, H, P, ps, D]
+            elif fmt.keys_per_channel:  # a page's codes [ps // 2, D] in its [ps, D // 2] slots; per page [L, H, P, D]
+                keys = torch.empty(*shape, fmt.head_dim // 2, dtype=torch.uint8, device=self.device)
+                key_scales = torch.empty(*shape[:3], fmt.head_dim, dtype=scale_dtype, device=self.device)
+                key_zeros = torch.empty(*shape[:3], fmt.head_dim, dtype=torch.int8, device=self.device)
+            else:  # per token, as values: [L, H, P, ps, D] codes and [L, H, P, ps, 2 * num_scale_groups]
+                keys = torch.empty(*shape, key_quant.code_dim, dtype=torch.uint8, device=self.device)
+                key_scales = torch.empty(*shape, 2 * key_quant.num_scale_groups, dtype=scale_dtype, device=self.device)
             if quant is None:
                 values = torch.empty(*shape, fmt.head_dim, dtype=fmt.dtype, device=self.device)
                 scales = None
             else:  # codes [..., code_dim] and (scale, zero) per scale group [..., 2 * num_scale_groups]
                 values = torch.empty(*shape, quant.code_dim, dtype=torch.uint8, device=self.device)
-                scales = torch.empty(*shape, 2 * quant.num_scale_groups, dtype=fmt.dtype, device=self.device)
-        return PoolStorage(keys, values, scales)
+                scales = torch.empty(*shape, 2 * quant.num_scale_groups, dtype=scale_dtype, device=self.device)
+        return PoolStorage(keys, values, scales, key_scales, key_zeros)
 
     def _reserve_storage(self, num_pages: int) -> PoolStorage:
         """The storage a new pool starts with: its cap where it reserves (halved until the device grants it)."""
@@ -304,6 +329,9 @@ class KVPool:
         alert_thresholds: tuple[float, ...] = (0.9,),
         value_bits: int | None = None,
         value_group_size: int = 64,
+        key_bits: int | None = None,
+        key_group_size: int = 64,
+        scale_dtype: torch.dtype | None = None,
         prefix_caching: bool = False,
     ) -> "KVPool":
         """A fixed-budget pool for ``model``, sized by exactly one of the three budgets.
@@ -319,6 +347,8 @@ class KVPool:
             page_size: token slots per page.
             dtype / device: default to the model's.
             value_bits / value_group_size: store values as int8/int4 codes (for ``QuantizedValueCache``).
+            key_bits / key_group_size / scale_dtype: store keys as codes too, and scales in ``scale_dtype`` (for
+                ``QuantizedKVCache``; ``PageFormat``).
             prefix_caching: keep a prefix index: caches on the pool reuse each other's prompt pages.
         """
         budgets = {"max_tokens": max_tokens, "max_bytes": max_bytes, "memory_fraction": memory_fraction}
@@ -331,7 +361,13 @@ class KVPool:
         tp_size = getattr(model, "tp_size", None) or 1  # transformers' public properties, set on every model
         num_kv_heads = kv_heads_per_rank(page_format.num_kv_heads, getattr(model, "tp_plan", None), tp_size)
         page_format = dataclasses.replace(
-            page_format, num_kv_heads=num_kv_heads, value_bits=value_bits, value_group_size=value_group_size
+            page_format,
+            num_kv_heads=num_kv_heads,
+            value_bits=value_bits,
+            value_group_size=value_group_size,
+            key_bits=key_bits,
+            key_group_size=key_group_size,
+            scale_dtype=scale_dtype,
         )
         if max_tokens is not None:
             if max_tokens < 1:

@@ -1,39 +1,59 @@
-"""Value quantization for a value-quantized KV cache (pure torch): the reference and an in-place fast path.
+"""KV quantization (pure torch): the reference and an in-place fast path.
 
-Each token's ``head_dim`` value channels are cut into ``num_scale_groups`` *scale groups* of ``group_size``
-consecutive channels. A scale group is stored asymmetrically as unsigned codes plus one ``scale`` and one ``zero``
-(the group's minimum) in the values' dtype::
+A quantized vector's ``head_dim`` channels (a token's value or key channels; for keys encoded per channel, one
+channel's ``page_size`` tokens) are cut into ``num_scale_groups`` *scale groups* of ``group_size`` consecutive
+channels. A scale group is stored asymmetrically as unsigned codes plus one ``scale`` and one ``zero``::
 
-    value ~= zero + code * scale,    code in [0, max_code]  (255 for int8, 15 for int4)
+    float zero (default):  x ~= zero + code * scale,     zero: the group's minimum, rounded down, in scale_dtype
+    integer zero:          x ~= (code + zero) * scale,   zero: an int8, the minimum in steps of the scale, rounded down
+    code in [0, max_code]  (255 for int8, 15 for int4)
 
-int8 stores one code per byte; int4 packs two channels per byte, the even channel in the low nibble and
-the odd channel in the high nibble. For finite inputs with ``|x| <= finfo(dtype).max / 2`` every stored
-group satisfies ``|x - (zero + code * scale)| <= scale / 2`` up to float32 rounding: codes are computed
-against the stored (cast) scale and zero, and the scale is rounded up where the cast rounded it down, so
-``max_code * scale`` covers the group's range and no code is clamped. A constant group stores scale 0 and
-reconstructs exactly.
+Scales (and float zeros) are stored in ``scale_dtype``, by default the input's dtype; a smaller one (float16 scales
+for a float32 model) halves their bytes, and an integer zero takes one byte. int8 stores one code per byte; int4
+packs two channels per byte, the even channel in the low nibble and the odd channel in the high nibble.
+
+For finite inputs with ``|x| <= finfo(d).max / 2`` for both the input's and the scale's dtype ``d``, every stored
+group satisfies ``|x - stored| <= scale / 2`` up to float32 rounding: codes are computed against the stored
+(cast) scale and zero, the zero is rounded down and the scale up where a cast rounded them the other way, so the
+codes' range covers the group's and no code is clamped. An integer zero takes the tightest scale ``range /
+max_code`` where some int8 zero then covers the group, else a scale of at least ``range / (max_code - 1)`` and
+``|minimum| / 127`` (which always does). A constant group whose value the zero holds (any value of the scale dtype;
+for an integer zero, 0) stores scale 0 and reconstructs exactly; other constants are within half a scale.
 """
 
 from dataclasses import dataclass
 
 import torch
 
+INT_ZERO_RANGE = (-128, 127)
+"""The integer zeros an int8 holds."""
+
 
 @dataclass(frozen=True)
 class QuantFormat:
-    """How one head's values are quantized.
+    """How one head's vectors (values, or keys) are quantized.
 
     Attributes:
         bits: bits per code, 8 or 4.
         group_size: consecutive channels sharing one scale and zero (a scale group); divides ``head_dim``.
-        head_dim: channels per head; even for 4 bits (two codes per byte).
+        head_dim: channels per quantized vector; even for 4 bits (two codes per byte).
+        scale_dtype: dtype the scales (and float zeros) are stored in; ``None``: the input's dtype.
+        integer_zero: store each zero as an int8 number of scale steps instead of a ``scale_dtype`` value.
     """
 
     bits: int
     group_size: int
     head_dim: int
+    scale_dtype: torch.dtype | None = None
+    integer_zero: bool = False
 
     def __post_init__(self) -> None:
+        if self.scale_dtype is not None and not (
+            isinstance(self.scale_dtype, torch.dtype) and self.scale_dtype.is_floating_point
+        ):
+            raise TypeError(
+                f"QuantFormat.scale_dtype must be a floating torch.dtype or None, got {self.scale_dtype!r}."
+            )
         for name in ("bits", "group_size", "head_dim"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -68,6 +88,14 @@ class QuantFormat:
         """Largest code: ``2 ** bits - 1``."""
         return (1 << self.bits) - 1
 
+    def stored_scale_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype scales of ``dtype`` inputs are stored in."""
+        return self.scale_dtype or dtype
+
+    def zero_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype zeros of ``dtype`` inputs are stored in."""
+        return torch.int8 if self.integer_zero else self.stored_scale_dtype(dtype)
+
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """Packs 4-bit codes two per byte: channel ``2i`` in the low nibble, ``2i + 1`` in the high nibble.
@@ -89,38 +117,142 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantizes values group by group (computed in float32).
+    """Quantizes vectors group by group (computed in float32).
 
     Args:
-        x: ``[..., head_dim]`` floating values, finite, ``|x| <= finfo(x.dtype).max / 2``.
+        x: ``[..., head_dim]`` floating values, finite, ``|x| <= finfo(d).max / 2`` for ``x.dtype`` and the scale dtype.
         fmt: the quantization format.
 
     Returns:
-        ``(codes, scale, zero)``: codes ``[..., code_dim]`` uint8; scale and zero ``[..., num_scale_groups]`` in
-        ``x.dtype``. ``scale >= 0``, and ``scale == 0`` exactly for constant groups.
+        ``(codes, scale, zero)``: codes ``[..., code_dim]`` uint8; scale ``[..., num_scale_groups]`` in
+        ``fmt.stored_scale_dtype(x.dtype)``, zero of that shape in ``fmt.zero_dtype(x.dtype)``. ``scale >= 0``, and
+        ``scale == 0`` for the constant groups that reconstruct exactly (see the module docstring).
     """
     if not x.is_floating_point() or x.shape[-1] != fmt.head_dim:
         raise ValueError(f"quantize needs floating x of shape [..., {fmt.head_dim}], got {x.dtype} {tuple(x.shape)}.")
+    dtype = fmt.stored_scale_dtype(x.dtype)
     groups = x.float().unflatten(-1, (fmt.num_scale_groups, fmt.group_size))  # [..., num_scale_groups, group_size]
     low, high = groups.aminmax(dim=-1)  # [..., num_scale_groups]
-    span = high - low  # [..., num_scale_groups]
-    scale = (span / fmt.max_code).to(x.dtype)
-    # Where the cast rounded the scale down, max_code * scale would fall short of the span and the group's
-    # maximum would be clamped (error up to a whole scale); one step up restores the bound. The product is
-    # exact in float32 for bfloat16/float16 scales.
-    scale = torch.where(scale.float() * fmt.max_code < span, scale.nextafter(torch.full_like(scale, torch.inf)), scale)
-    zero = low.to(x.dtype)  # exact: the minimum is one of x's values
+    if fmt.integer_zero:
+        scale, zero = _integer_zero_scale(low, high, fmt.max_code, dtype)
+        base = zero.float() * scale.float()  # exact for 2-byte scales: 8 bits times 11
+    else:
+        zero = _round_down(low, dtype)  # exact where dtype is x's: the minimum is one of x's values
+        base = zero.float()
+        scale = _covering_scale(high - base, fmt.max_code, dtype)
     stored_scale = scale.float().unsqueeze(-1)  # [..., num_scale_groups, 1]
     # A constant group has scale 0 and numerators 0: divide by 1 there to get code 0.
-    steps = (groups - low.unsqueeze(-1)) / torch.where(stored_scale > 0, stored_scale, 1)
+    steps = (groups - base.unsqueeze(-1)) / torch.where(stored_scale > 0, stored_scale, 1)
     codes = steps.round_().clamp_(0, fmt.max_code).to(torch.uint8).flatten(-2)  # [..., head_dim]
     return (codes if fmt.bits == 8 else pack_int4(codes)), scale, zero
+
+
+def _round_down(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` (float32) cast to ``dtype``, one step down where the cast rounded it up."""
+    cast = x.to(dtype)
+    return torch.where(cast.float() > x, cast.nextafter(torch.full_like(cast, -torch.inf)), cast)
+
+
+def _covering_scale(span: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    """The ``dtype`` scale nearest ``span / steps`` from above, so that ``steps * scale >= span`` (float32 ``span >=
+    0``; the product is exact in float32 for bfloat16/float16 scales). Finite: at most ``finfo(dtype).max``."""
+    scale = (span / steps).to(dtype)
+    # Where the cast rounded the scale down, steps * scale would fall short of the span and the group's maximum
+    # would be clamped (error up to a whole scale); one step up restores the bound.
+    scale = torch.where(scale.float() * steps < span, scale.nextafter(torch.full_like(scale, torch.inf)), scale)
+    return scale.clamp(max=torch.finfo(dtype).max)
+
+
+def _integer_zero_scale(
+    low: torch.Tensor, high: torch.Tensor, max_code: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale (``dtype``) and int8 zero per group such that ``zero * scale <= low`` and ``(zero + max_code) * scale >=
+    high``: the tightest scale where an int8 zero then exists, else one that always has one."""
+    lowest, highest = INT_ZERO_RANGE
+
+    def zero_for(scale: torch.Tensor) -> torch.Tensor:  # the largest zero with zero * scale <= low (float32)
+        stored = scale.float()
+        zero = torch.floor(low / torch.where(stored > 0, stored, 1))
+        return torch.where(zero * stored > low, zero - 1, zero)
+
+    span = high - low
+    tight = _covering_scale(span, max_code, dtype)
+    tight_zero = zero_for(tight)
+    fits = (
+        (tight_zero >= lowest)
+        & (tight_zero <= highest)
+        & (tight_zero * tight.float() <= low)
+        & ((tight_zero + max_code) * tight.float() >= high)
+    )
+    # s >= span / (max_code - 1) leaves room for the zero's rounding down; s >= |low| / 127 keeps it in an int8.
+    wide = torch.maximum(_covering_scale(span, max_code - 1, dtype), _covering_scale(low.abs(), highest, dtype))
+    scale = torch.where(fits, tight, wide)
+    zero = torch.where(fits, tight_zero, zero_for(wide)).clamp_(lowest, highest)
+    return scale, zero.to(torch.int8)
+
+
+def dequantize_channels_into(
+    out: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    fmt: QuantFormat,
+    work: torch.Tensor | None = None,
+) -> None:
+    """``dequantize_into`` for vectors that run down ``out``'s columns (a channel's tokens of a key page), one scale
+    group per column, with codes stored row-major: bitwise equal to ``dequantize(codes.mT, scale.mT, zero.mT, fmt,
+    out.dtype).mT`` where ``codes.mT`` are the column's own codes (``mT``: the last two dims swapped).
+
+    Row-major codes decode with whole-row passes: at 4 bits, byte ``(i, c)`` holds rows ``2i`` (low nibble) and
+    ``2i + 1`` (high) of column ``c``, which go straight into rows ``2i`` and ``2i + 1`` of ``out``.
+
+    Args:
+        out: ``[..., head_dim, columns]`` floating, written in place (``fmt.head_dim`` rows: a page's tokens).
+        codes: ``[..., code_dim, columns]`` uint8. scale, zero: ``[..., 1, columns]`` (``fmt.num_scale_groups == 1``).
+        work: a float32 buffer of ``out``'s shape, reused when ``out`` is not float32 (made if ``None``).
+    """
+    if fmt.num_scale_groups != 1 or out.shape[-2] != fmt.head_dim or codes.shape[-2] != fmt.code_dim:
+        raise ValueError(
+            f"dequantize_channels_into needs one scale group per column, out [..., {fmt.head_dim}, columns] and "
+            f"codes [..., {fmt.code_dim}, columns]; got group_size={fmt.group_size}, out {tuple(out.shape)}, codes "
+            f"{tuple(codes.shape)}."
+        )
+    if out.dtype != torch.float32:
+        work = torch.empty(out.shape, dtype=torch.float32, device=out.device) if work is None else work
+    else:
+        work = out
+    if fmt.bits == 8:
+        work.copy_(codes)
+    else:
+        pairs = work.unflatten(-2, (fmt.code_dim, 2))  # view [..., code_dim, 2, columns]
+        pairs[..., 0, :].copy_(codes & 0xF)
+        pairs[..., 1, :].copy_(codes >> 4)
+    if fmt.integer_zero:
+        work.add_(zero)
+        work.mul_(scale)
+    else:
+        work.mul_(scale)
+        work.add_(zero)
+    if work is not out:
+        out.copy_(work)
+
+
+def join_scales(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """``[..., 2 * num_scale_groups]``: the scales, then the (float) zeros, as a pool stores them side by side.
+
+    Not ``torch.cat``, which CPU autocast refuses for float16 tensors.
+    """
+    joined = scale.new_empty(*scale.shape[:-1], 2 * scale.shape[-1])
+    joined[..., : scale.shape[-1]] = scale
+    joined[..., scale.shape[-1] :] = zero
+    return joined
 
 
 def dequantize(
     codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The reference: ``code * scale + zero`` per group in float32 (a product, then a sum), rounded once to ``dtype``.
+    """The reference: ``code * scale + zero`` per group in float32 (a product, then a sum), or ``(code + zero) *
+    scale`` for integer zeros (an exact sum, then a product), rounded once to ``dtype``.
 
     ``dequantize_into`` does the same operations in the same order, so the two agree bitwise.
 
@@ -134,8 +266,11 @@ def dequantize(
     groups = unpacked.float().unflatten(
         -1, (fmt.num_scale_groups, fmt.group_size)
     )  # [..., num_scale_groups, group_size]
-    values = groups * scale.float().unsqueeze(-1)
-    values = values + zero.float().unsqueeze(-1)
+    if fmt.integer_zero:
+        values = (groups + zero.float().unsqueeze(-1)) * scale.float().unsqueeze(-1)
+    else:
+        values = groups * scale.float().unsqueeze(-1)
+        values = values + zero.float().unsqueeze(-1)
     return values.flatten(-2).to(dtype)
 
 
@@ -175,7 +310,11 @@ def dequantize_into(
         pairs[..., 0].copy_(codes & 0xF)
         pairs[..., 1].copy_(codes >> 4)
     groups = work.unflatten(-1, (fmt.num_scale_groups, fmt.group_size))  # view [..., num_scale_groups, group_size]
-    groups.mul_(scale.unsqueeze(-1))
-    groups.add_(zero.unsqueeze(-1))
+    if fmt.integer_zero:
+        groups.add_(zero.unsqueeze(-1))
+        groups.mul_(scale.unsqueeze(-1))
+    else:
+        groups.mul_(scale.unsqueeze(-1))
+        groups.add_(zero.unsqueeze(-1))
     if work is not out:
         out.copy_(work)

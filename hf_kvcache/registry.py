@@ -6,8 +6,10 @@ Adding a cache is one module under ``hf_kvcache/caches/`` (the class and its ``E
 its entry.
 """
 
-from hf_kvcache.caches import paged, quantized, ring
+from hf_kvcache.caches import paged, quantized, quantized_kv, ring
 from hf_kvcache.caches.entry import CacheEntry
 
-REGISTRY: dict[str, CacheEntry] = {entry.name: entry for entry in (paged.ENTRY, ring.ENTRY, quantized.ENTRY)}
+REGISTRY: dict[str, CacheEntry] = {
+    entry.name: entry for entry in (paged.ENTRY, ring.ENTRY, quantized.ENTRY, quantized_kv.ENTRY)
+}
 """Our ``cache_implementation`` names and their entries, in registration order."""

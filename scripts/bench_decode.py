@@ -9,9 +9,10 @@ Two suites, each measured against its baselines in the same run:
 - ``sliding``: ``sliding_ring`` next to transformers' sliding-window caches (``dynamic_sliding``,
   ``static_sliding``) at the same ``--window``, with the full ``DynamicCache`` as reference; prompts longer
   than the window; writes ``benchmarks/decode_ring.json``.
-- ``quantized``: ``quantized_values`` (int8, int4 values; on a fixed pool and on the default pool, ``-default``)
-  next to transformers' ``QuantizedCache`` (quanto and hqq, int4 and int2 keys and values) and ``DynamicCache``,
-  at 4,096 tokens; writes ``benchmarks/decode_quantized.json``.
+- ``quantized``: ``quantized_values`` (int8, int4 values) and ``quantized_kv`` (int8 or int4 keys, int4 values),
+  each on a fixed pool and on the default pool (``-default``), next to transformers' ``QuantizedCache`` (quanto
+  and hqq, int4 and int2 keys and values) and ``DynamicCache``, at 4,096 tokens; writes
+  ``benchmarks/decode_quantized.json``.
 
 Examples (CPU, fp32)::
 

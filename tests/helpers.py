@@ -20,8 +20,10 @@ def exact_config(name: str, length: int) -> dict:
     config = example_config(name)
     if "window" in config:
         config.update(window=length, sink_tokens=0)
-    if name == "quantized_values":
+    if name in ("quantized_values", "quantized_kv"):
         config["residual_length"] = length  # attention gets every value in full precision
+    if name == "quantized_kv":  # keys are encoded when their page fills: one page larger than the rows never does
+        config["page_size"] = length + 2 - length % 2
     return config
 
 

@@ -216,7 +216,9 @@ def test_a_split_model_gets_one_pool_per_device_holding_its_layers(tiny_gemma3_m
     for layer_idx, device in enumerate(SPLIT):
         keys, _ = cache.update(states[layer_idx].to(device), states[layer_idx].to(device), layer_idx)
         if device.type == "cpu":  # what the CPU layers get back is what they wrote
-            torch.testing.assert_close(keys, states[layer_idx])
+            encoded = 4 if cache_name == "quantized_kv" else 0  # keys of the full page (4 tokens) through int4
+            torch.testing.assert_close(keys[:, :, :encoded], states[layer_idx][:, :, :encoded], rtol=0, atol=0.3)
+            torch.testing.assert_close(keys[:, :, encoded:], states[layer_idx][:, :, encoded:])
     pools = cache.pools
     assert list(pools) == [torch.device("cpu"), torch.device("meta")]
     cpu, meta = pools[torch.device("cpu")].format, pools[torch.device("meta")].format

@@ -21,6 +21,8 @@ PAGE_SIZE = 4
 CONFIGS = {
     "paged_pool": {},
     "quantized_values": {"bits": 4, "group_size": 16, "residual_length": 8},
+    # keys are encoded a page at a time: the reference's own pool takes the pages of the prefix pool (PAGE_SIZE)
+    "quantized_kv": {"key_bits": 4, "value_bits": 4, "group_size": 16, "residual_length": 8, "page_size": PAGE_SIZE},
     "sliding_ring": {"window": 16, "sink_tokens": 4},
 }
 
@@ -75,7 +77,7 @@ def test_a_second_turn_reuses_the_first_and_generates_the_same(banded, model_key
     first = random_ids(2, 45, seed=1)
     answer = greedy(model, first, name, {**config, "pool": pool}).sequences
     pool.check_integrity()
-    hybrid_quantized = name == "quantized_values" and model_key != "llama"
+    hybrid_quantized = name in ("quantized_values", "quantized_kv") and model_key != "llama"
     # the released cache left its pages to the index (unless refused: the rings read the residual window, which the
     # index does not keep)
     assert (pool.stats()["pages_cached"] > 0) != hybrid_quantized
@@ -87,7 +89,7 @@ def test_a_second_turn_reuses_the_first_and_generates_the_same(banded, model_key
     stats = pool.stats()
     if hybrid_quantized:
         expected = 0
-    elif name == "quantized_values":  # turn 1 published up to its prefill's end less the residual window
+    elif name in ("quantized_values", "quantized_kv"):  # turn 1 published up to its prefill's end less the residual
         expected = (45 - config["residual_length"]) // PAGE_SIZE * PAGE_SIZE
     else:  # turn 1's prompt and the generated tokens fed back: 45 + 5, whole pages
         expected = (45 + 5) // PAGE_SIZE * PAGE_SIZE

@@ -7,7 +7,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_kvcache.quant import QuantFormat, dequantize, dequantize_into, pack_int4, quantize, unpack_int4
+from hf_kvcache.quant import (
+    QuantFormat,
+    dequantize,
+    dequantize_channels_into,
+    dequantize_into,
+    pack_int4,
+    quantize,
+    unpack_int4,
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 FAST = settings(max_examples=150, deadline=None)
@@ -15,10 +23,12 @@ FAST = settings(max_examples=150, deadline=None)
 
 @st.composite
 def formats(draw) -> QuantFormat:
+    """Formats of every kind: scales in the input's dtype or a 2-byte one, float or integer zeros."""
     bits = draw(st.sampled_from([8, 4]))
     head_dim = draw(st.integers(1, 64)) * (2 if bits == 4 else 1)
     group_size = draw(st.sampled_from([d for d in range(1, head_dim + 1) if head_dim % d == 0]))
-    return QuantFormat(bits, group_size, head_dim)
+    scale_dtype = draw(st.sampled_from([None, None, torch.float16, torch.bfloat16]))
+    return QuantFormat(bits, group_size, head_dim, scale_dtype, draw(st.booleans()))
 
 
 @st.composite
@@ -26,6 +36,8 @@ def values(draw, fmt: QuantFormat) -> torch.Tensor:
     """``[..., head_dim]`` values of any magnitude the format accepts: normal, subnormal, offset, constant groups."""
     dtype = draw(st.sampled_from(DTYPES))
     info = torch.finfo(dtype)
+    if fmt.scale_dtype is not None and torch.finfo(fmt.scale_dtype).max < info.max:
+        info = torch.finfo(fmt.scale_dtype)  # the scales' range bounds the inputs' (float32 inputs, float16 scales)
     shape = (*draw(st.lists(st.integers(1, 3), max_size=3)), fmt.head_dim)
     generator = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
     exponent = draw(st.integers(round(math.log2(info.smallest_normal)) - 8, round(math.log2(info.max)) - 5))
@@ -39,7 +51,7 @@ def values(draw, fmt: QuantFormat) -> torch.Tensor:
     limit = info.max / 2
     for _ in range(draw(st.integers(0, 3))):  # a few hand-picked values anywhere
         index = draw(st.integers(0, x.numel() - 1))
-        x.view(-1)[index] = draw(st.floats(-limit, limit, width=16 if dtype == torch.float16 else 32))
+        x.view(-1)[index] = draw(st.floats(-limit, limit, width=16 if dtype == torch.float16 or info.max < 1e5 else 32))
     return x.clamp(-limit, limit).to(dtype)
 
 
@@ -65,23 +77,35 @@ def test_stored_values_are_within_half_a_scale(case):
     codes, scale, zero = quantize(x, fmt)
     assert codes.dtype == torch.uint8 and codes.shape == (*x.shape[:-1], fmt.code_dim)
     assert scale.shape == zero.shape == (*x.shape[:-1], fmt.num_scale_groups)
-    assert scale.dtype == zero.dtype == x.dtype
+    assert scale.dtype == (fmt.scale_dtype or x.dtype) and zero.dtype == fmt.zero_dtype(x.dtype)
     q = grouped(unpacked(codes, fmt), fmt)
     s, z = scale.double().unsqueeze(-1), zero.double().unsqueeze(-1)
-    assert (s >= 0).all()
+    assert (s >= 0).all() and s.isfinite().all()
+    if fmt.integer_zero:
+        z = z * s  # the stored minimum: zero steps of the scale
     # Exact arithmetic on the stored scale and zero (float64 holds code * scale exactly). The code is
     # round((x - zero) / scale) with the subtraction and the division each rounded in float32 (relative
     # error 2**-24 each), so the quotient, at most max_code * (1 + 2**-23), is off by <= max_code * 2**-23
     # before rounding to an integer; 2**-22 leaves a factor of 2 for the float64 evaluation here.
+    # An integer zero's stored minimum z is |z| <= 128 steps, and float32 rounds it too where scales are float32.
     error = (grouped(x, fmt) - (z + q * s)).abs()
-    assert (error <= s * (0.5 + fmt.max_code * 2**-22)).all()
+    assert (error <= s * (0.5 + (fmt.max_code + 128 * fmt.integer_zero) * 2**-22)).all()
     # Codes use the range: the group minimum gets code 0 and the maximum a code near max_code. A normal scale
     # is within one dtype step of range / max_code (rounded to nearest, maybe one step up), i.e. at most
     # (1 + 2 * eps) times it, so the maximum's code is >= round(max_code / (1 + 2 * eps)).
-    assert (q.amin(dim=-1) == 0).all()
-    eps = torch.finfo(x.dtype).eps
-    normal = scale >= torch.finfo(x.dtype).smallest_normal
-    assert (q.amax(dim=-1)[normal] >= math.floor(fmt.max_code * (1 - 2 * eps) + 0.5)).all()
+    info = torch.finfo(scale.dtype)
+    normal = scale >= info.smallest_normal
+    if not fmt.integer_zero:
+        exact_zero = zero.double() == grouped(x, fmt).amin(dim=-1)  # else rounded down to the scale dtype
+        assert (q.amin(dim=-1)[exact_zero] == 0).all()
+        normal &= exact_zero
+        assert (q.amax(dim=-1)[normal] >= math.floor(fmt.max_code * (1 - 2 * info.eps) + 0.5)).all()
+        return
+    # An integer zero: the scale is the tight one, or within a step of the wide one (range / (max_code - 1) or
+    # |minimum| / 127, whichever is larger), so a group never spends much of its range.
+    low, high = grouped(x, fmt).amin(dim=-1), grouped(x, fmt).amax(dim=-1)
+    wide = torch.maximum((high - low) / (fmt.max_code - 1), low.abs() / 127)
+    assert (scale.double()[normal] <= (wide * (1 + 2 * info.eps))[normal]).all()
 
 
 @FAST
@@ -91,6 +115,8 @@ def test_dequantized_values_are_within_half_a_scale(case):
     codes, scale, zero = quantize(x, fmt)
     y = grouped(dequantize(codes, scale, zero, fmt, x.dtype), fmt)
     q, s = grouped(unpacked(codes, fmt), fmt), scale.double().unsqueeze(-1)
+    if fmt.integer_zero:
+        q = q + zero.double().unsqueeze(-1)  # (code + zero) * scale: the sum is exact
     info = torch.finfo(x.dtype)
     # Beyond the bound on the stored values (previous test), dequantize computes w = zero + q * scale in
     # float32 (the product and the sum rounded, relative 2**-24 each; doubled here to 2**-23 so that |y|
@@ -109,12 +135,44 @@ def test_dequantized_values_are_within_half_a_scale(case):
 @FAST
 @given(cases())
 def test_constant_groups_reconstruct_exactly(case):
+    """Those whose value the zero holds: with an integer zero, 0; else any value the scale dtype holds (others are
+    within half a scale: the bound above)."""
     fmt, x = case
     codes, scale, zero = quantize(x, fmt)
-    constant = grouped(x, fmt).amin(dim=-1) == grouped(x, fmt).amax(dim=-1)
+    low = grouped(x, fmt).amin(dim=-1)
+    constant = low == grouped(x, fmt).amax(dim=-1)
+    constant &= (low == 0) if fmt.integer_zero else (low.to(scale.dtype).double() == low)
     assert (scale[constant] == 0).all()
     y = dequantize(codes, scale, zero, fmt, x.dtype)
     assert torch.equal(grouped(y, fmt)[constant], grouped(x, fmt)[constant])
+
+
+def test_float16_scales_for_float32_values_keep_the_bound_near_the_limit():
+    """Scales that a float16 cast would round down or to infinity: rounded up, capped at float16's largest."""
+    fmt = QuantFormat(4, 4, 8, scale_dtype=torch.float16)
+    x = torch.tensor([[-32000.0, 0.0, 1.0, 32000.0, 1e-9, 3e-9, 2e-9, 1.5e-9]])
+    codes, scale, zero = quantize(x, fmt)
+    y = dequantize(codes, scale, zero, fmt, torch.float32)
+    assert scale.dtype == zero.dtype == torch.float16 and scale.isfinite().all()
+    assert ((x - y).abs().unflatten(-1, (2, 4)) <= scale.float().unsqueeze(-1) / 2 * (1 + 1e-6)).all()
+
+
+@pytest.mark.parametrize(
+    "low,high", [(100.0, 100.5), (-100.5, -100.0), (-1.0, 1.0), (0.25, 3.0), (-3.0, -0.25), (1e-3, 2e-3)]
+)
+def test_integer_zero_covers_ranges_far_from_zero(low, high):
+    """An offset channel (a range far from 0 next to its width) takes a scale wide enough for an int8 zero to reach
+    it; a range near 0 gives up at most one of the 15 steps: the zero must sit on the grid."""
+    fmt = QuantFormat(4, 16, 16, scale_dtype=torch.float16, integer_zero=True)
+    x = torch.linspace(low, high, 16).view(1, 16)
+    codes, scale, zero = quantize(x, fmt)
+    y = dequantize(codes, scale, zero, fmt, torch.float32)
+    assert zero.dtype == torch.int8
+    assert ((x - y).abs() <= scale.float() / 2 * (1 + 1e-6)).all()
+    near = (high - low) / 14
+    assert scale.float().item() <= max(near, abs(low) / 127) * (1 + 2**-10)
+    if abs(low) <= 100 * near:
+        assert scale.float().item() <= near * (1 + 2**-10)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -139,6 +197,20 @@ def test_dequantize_into_equals_dequantize_bitwise(case, margin, out_dtype):
     dequantize_into(out, codes, scale, zero, fmt)
     assert torch.equal(out, dequantize(codes, scale, zero, fmt, out_dtype))
     assert buffer[..., :margin].isnan().all() and buffer[..., margin + fmt.head_dim :].isnan().all()
+
+
+@FAST
+@given(cases(), st.sampled_from(DTYPES + [None]))
+def test_dequantize_channels_into_equals_dequantize_bitwise(case, out_dtype):
+    """Columns (a channel's tokens of a key page) with row-major codes against the reference on each column."""
+    fmt, x = case
+    fmt = QuantFormat(fmt.bits, fmt.head_dim, fmt.head_dim, fmt.scale_dtype, fmt.integer_zero)  # a group per column
+    x = x if x.dim() > 1 else x.unsqueeze(0)  # [..., columns, head_dim]: one vector per column
+    out_dtype = out_dtype or x.dtype
+    codes, scale, zero = quantize(x, fmt)
+    out = torch.full((*x.shape[:-2], fmt.head_dim, x.shape[-2]), torch.nan, dtype=out_dtype)
+    dequantize_channels_into(out, codes.mT.contiguous(), scale.mT, zero.mT, fmt)
+    assert torch.equal(out, dequantize(codes, scale, zero, fmt, out_dtype).mT)
 
 
 @FAST
@@ -182,6 +254,11 @@ def test_format_sizes():
 def test_format_rejects_bad_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         QuantFormat(**kwargs)
+
+
+def test_format_rejects_a_scale_dtype_that_is_not_a_float_dtype():
+    with pytest.raises(TypeError, match=r"scale_dtype must be a floating torch.dtype or None, got 'float16'"):
+        QuantFormat(8, 32, 128, scale_dtype="float16")
 
 
 @pytest.mark.parametrize("kwargs", [{"bits": 8.0}, {"bits": True}, {"group_size": "32"}])

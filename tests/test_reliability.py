@@ -243,9 +243,14 @@ def test_admission_counts_a_ring_up_to_its_size_and_a_growable_pool_up_to_its_ca
 # Pages per row of 17 + 15 - 1 = 31 tokens in pages of 4: 8 kept in full; 6 in a ring of window 16 + 2 sinks
 # (ring_num_slots: 24 slots); 3 in a ring of the models' window 8 (12 slots). Gemma 3 is 3 sliding groups + 1 full.
 WORST_CASE_PAGES_PER_ROW = {
-    "tiny_llama_model": {"paged_pool": 8, "sliding_ring": 6, "quantized_values": 8},
-    "tiny_mistral_model": {"paged_pool": 3, "sliding_ring": 3, "quantized_values": 3},
-    "tiny_gemma3_model": {"paged_pool": 3 * 3 + 8, "sliding_ring": 3 * 3 + 6, "quantized_values": 3 * 3 + 8},
+    "tiny_llama_model": {"paged_pool": 8, "sliding_ring": 6, "quantized_values": 8, "quantized_kv": 8},
+    "tiny_mistral_model": {"paged_pool": 3, "sliding_ring": 3, "quantized_values": 3, "quantized_kv": 3},
+    "tiny_gemma3_model": {
+        "paged_pool": 3 * 3 + 8,
+        "sliding_ring": 3 * 3 + 6,
+        "quantized_values": 3 * 3 + 8,
+        "quantized_kv": 3 * 3 + 8,
+    },
 }
 
 

@@ -64,6 +64,12 @@ OWN_KEY_ERRORS = {
         ({"residual_length": 2.0}, TypeError, r"residual_length must be an int, got 2.0 \(float\)"),
         ({"group_size": 32}, ValueError, r"group_size=32 does not divide the model's head_dim=16; choose one of"),
     ],
+    "quantized_kv": [
+        ({"key_bits": 2}, ValueError, r"key_bits=2 is not supported: choose key_bits=8 or key_bits=4"),
+        ({"value_bits": "4"}, TypeError, r"value_bits must be an int, got '4' \(str\)"),
+        ({"page_size": 7}, ValueError, r"page_size=7 is odd: key_bits=4 packs two tokens per byte"),
+        ({"group_size": 32}, ValueError, r"group_size=32 does not divide the model's head_dim=16; choose one of"),
+    ],
 }
 CASES = [(name, *case) for name in sorted(REGISTRY) for case in SHARED_KEY_ERRORS + OWN_KEY_ERRORS.get(name, [])]
 
@@ -108,6 +114,9 @@ AS_GIVEN_ERRORS = {
         ({"group_size": 0}, ValueError, "group_size=0 is out of range"),
         ({"residual_length": -1}, ValueError, "residual_length=-1 is out of range"),
         ({"bit": 4}, ValueError, r"Unknown cache_config keys \['bit'\].*'bits', 'group_size', 'residual_length'"),
+    ],
+    "quantized_kv": [
+        ({"bits": 4}, ValueError, r"Unknown cache_config keys \['bits'\].*'key_bits', 'value_bits', 'group_size'"),
     ],
 }
 """Each cache's own bad ``cache_config``s, given as they are (not over its example config: a ring without a window)."""

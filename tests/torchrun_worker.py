@@ -50,7 +50,7 @@ def cases() -> dict[str, tuple[str | None, dict[str, Any] | None]]:
     example config (``name/example``, which drops or rounds tokens: its tokens equal the unsharded model's)."""
     found: dict[str, tuple[str | None, dict[str, Any] | None]] = {"dynamic": (None, None)}
     for name in REGISTRY:
-        exact = {**exact_config(name, len(PROMPTS[0]) + MAX_NEW_TOKENS), "page_size": PAGE_SIZE}
+        exact = {"page_size": PAGE_SIZE, **exact_config(name, len(PROMPTS[0]) + MAX_NEW_TOKENS)}  # its own, if any
         example = {**example_config(name), "page_size": PAGE_SIZE}
         found[f"{name}/exact"] = (name, exact)
         if example != exact:

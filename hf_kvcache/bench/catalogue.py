@@ -103,7 +103,7 @@ QUANTIZED_CACHES = {
         ),
     )
 }
-"""Lossy caches of every token: ours (each registered cache's ``bench_presets``: values only) and transformers'
+"""Lossy caches of every token: ours (each registered cache's ``bench_presets``) and transformers'
 ``QuantizedCache`` (keys and values) for each installed backend (the optional extras ``.[quanto]``, ``.[hqq]``).
 Their tokens are compared with ``dynamic``'s; a difference is a loss."""
 CACHE_NAMES = FULL_CACHES + SLIDING_CACHES + tuple(QUANTIZED_CACHES)

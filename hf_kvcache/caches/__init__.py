@@ -3,6 +3,7 @@
 
 from hf_kvcache.caches.paged import PagedCache
 from hf_kvcache.caches.quantized import QuantizedValueCache
+from hf_kvcache.caches.quantized_kv import QuantizedKVCache
 from hf_kvcache.caches.ring import SlidingRingCache
 
-__all__ = ["PagedCache", "QuantizedValueCache", "SlidingRingCache"]
+__all__ = ["PagedCache", "QuantizedKVCache", "QuantizedValueCache", "SlidingRingCache"]

@@ -265,6 +265,9 @@ class PoolBinder:
                 "dtype",
                 "value_bits",
                 "value_group_size",
+                "key_bits",
+                "key_group_size",
+                "scale_dtype",
             )
             if getattr(theirs, name) != getattr(ours, name)
         ]

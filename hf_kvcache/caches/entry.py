@@ -13,6 +13,9 @@ import torch
 
 from hf_kvcache.config import PageFormat
 
+POOL_FORMAT_KEYS = ("value_bits", "value_group_size", "key_bits", "key_group_size", "scale_dtype")
+"""The ``PageFormat`` fields a cache's settings choose, beyond the model's geometry (``KVPool.for_model`` keywords)."""
+
 if TYPE_CHECKING:  # the cache classes import this module
     from hf_kvcache.caches.base import PoolCache
 
@@ -60,6 +63,7 @@ class CacheEntry:
         self, model_config: Any, dtype: torch.dtype, cache_config: Mapping[str, Any] | None = None
     ) -> dict[str, Any]:
         """The ``KVPool.for_model`` keywords of a pool this cache can draw from with ``cache_config`` (default:
-        ``example_config``): its value format, e.g. ``{"value_bits": 4, "value_group_size": 16}``."""
+        ``example_config``): its encodings, e.g. ``{"value_bits": 4, "value_group_size": 16, "key_bits": None,
+        ...}``."""
         page_format = self.page_format(model_config, dtype, cache_config)
-        return {"value_bits": page_format.value_bits, "value_group_size": page_format.value_group_size}
+        return {name: getattr(page_format, name) for name in POOL_FORMAT_KEYS}

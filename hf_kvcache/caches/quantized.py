@@ -39,31 +39,49 @@ class QuantizedValueOptions(CacheOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("bits", "group_size", "residual_length"):
-            value = getattr(self, name)
-            if name == "group_size" and value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}).")
-        if self.bits not in (8, 4):
-            raise ValueError(f"bits={self.bits} is not supported: choose bits=8 or bits=4.")
-        if self.group_size is not None and self.group_size < 1:
-            raise ValueError(f"group_size={self.group_size} is out of range: choose a divisor of the head_dim.")
-        if self.residual_length < 0:
-            raise ValueError(f"residual_length={self.residual_length} is out of range: choose residual_length >= 0.")
+        check_quant_options(self, ("bits",))
 
     def page_format(self, config: Any, dtype: torch.dtype) -> PageFormat:
         base = super().page_format(config, dtype)
-        group_size = self.group_size or (
-            DEFAULT_GROUP_SIZE if base.head_dim % DEFAULT_GROUP_SIZE == 0 else base.head_dim
-        )
-        if base.head_dim % group_size:
-            divisors = [size for size in range(1, base.head_dim + 1) if base.head_dim % size == 0]
-            raise ValueError(
-                f"group_size={self.group_size} does not divide the model's head_dim={base.head_dim}; "
-                f"choose one of {divisors}."
-            )
+        group_size = group_size_for(self.group_size, base.head_dim)
         return dataclasses.replace(base, value_bits=self.bits, value_group_size=group_size)
+
+
+def check_quant_options(options: CacheOptions, bit_names: tuple[str, ...]) -> None:
+    """Checks a quantized cache's ``cache_config``: its bits (8 or 4), ``group_size`` and ``residual_length``.
+
+    Raises:
+        TypeError / ValueError: naming the key and the value.
+    """
+    for name in (*bit_names, "group_size", "residual_length"):
+        value = getattr(options, name)
+        if name == "group_size" and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}).")
+    for name in bit_names:
+        bits = getattr(options, name)
+        if bits not in (8, 4):
+            raise ValueError(f"{name}={bits} is not supported: choose {name}=8 or {name}=4.")
+    if options.group_size is not None and options.group_size < 1:
+        raise ValueError(f"group_size={options.group_size} is out of range: choose a divisor of the head_dim.")
+    if options.residual_length < 0:
+        raise ValueError(f"residual_length={options.residual_length} is out of range: choose residual_length >= 0.")
+
+
+def group_size_for(group_size: int | None, head_dim: int) -> int:
+    """The scale group size of a ``cache_config``'s ``group_size`` on a model's head_dim (default: 64, or the head).
+
+    Raises:
+        ValueError: ``group_size`` does not divide the head_dim (naming the ones that do).
+    """
+    group_size = group_size or (DEFAULT_GROUP_SIZE if head_dim % DEFAULT_GROUP_SIZE == 0 else head_dim)
+    if head_dim % group_size:
+        divisors = [size for size in range(1, head_dim + 1) if head_dim % size == 0]
+        raise ValueError(
+            f"group_size={group_size} does not divide the model's head_dim={head_dim}; choose one of {divisors}."
+        )
+    return group_size
 
 
 class QuantizedValueCache(PoolCache):

@@ -94,6 +94,18 @@ CARD_SETTINGS: tuple[CardSetting, ...] = (
             "dequantized into a reused buffer (the newest `residual_length` tokens in full precision)."
         ),
     ),
+    CardSetting(
+        model=SMOLLM2_135M,
+        cache_implementation="quantized_kv",
+        result_label="kv-k4v4",
+        cache_config={"key_bits": 4, "value_bits": 4},
+        description=(
+            "Stores keys and values as 4-bit integers. Keys are encoded per channel over each page of 16 tokens, "
+            "once, when the page fills (the page still filling stays in full precision), with a 2-byte scale and "
+            "an int8 zero per channel and page; values per token and group of `group_size` channels, the newest "
+            "`residual_length` tokens in full precision. Attention gets both decoded into reused buffers."
+        ),
+    ),
 )
 """Every card we publish; a card is rendered only when its cache is registered and its label is in the report."""
 

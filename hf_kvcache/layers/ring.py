@@ -130,6 +130,7 @@ class RingStep:
             new states go to, in ``(batch, head, token)`` order.
         write_index: gathered only: ``[heads * batch * num_new]`` the new tokens' slot rows (``kernels.slot_rows``).
         read: gathered only: ``[heads * batch * n]`` the visible tokens' slot rows, in time order.
+        read_slots: gathered only: ``[batch, n]`` their logical slots (``-1``: none), for keys decoded a page at a time.
     """
 
     start: int
@@ -139,6 +140,7 @@ class RingStep:
     write_rows: torch.Tensor | None = None
     write_index: torch.Tensor | None = None
     read: torch.Tensor | None = None
+    read_slots: torch.Tensor | None = None
 
     @property
     def in_place(self) -> bool:
@@ -171,10 +173,16 @@ class RingRows(PagedRows):
         super().__init__(pool, residual_length, row_extents=False, group=group)
         self._reads_slots = reads_slots
         page_size = pool.format.page_size
+        if self.store.keys is not None and sink_tokens:
+            raise ValueError(
+                f"sink_tokens={sink_tokens}: a ring with encoded keys keeps no sinks (its pages must each hold "
+                "consecutive tokens); use a pool without key_bits, or sink_tokens=0."
+            )
         self.window = window
         self.sink_tokens = sink_tokens
         self.num_slots = ring_num_slots(window, sink_tokens, page_size)  # logical slots per row
         self.ring_slots = self.num_slots - sink_tokens
+        self.ring_pages = self.num_slots // page_size
         self.total = 0  # tokens written per row, evicted ones included
         self._step: RingStep | None = None  # the current step's, see _step_index
         self._rows: tuple[int, torch.Tensor] | None = None  # (storage pages, rows), see _slot_rows
@@ -216,18 +224,20 @@ class RingRows(PagedRows):
 
             def read(end: int, limit: int, newest: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
                 storage = self.pool.storage  # a snapshot taken after this row's writes: it holds them
-                rows = self._step_index(start, num_new, batch, storage).read
-                gather = lambda tensor: read_slots(tensor, layer_in_group, rows, batch)  # noqa: E731
-                return self.store.read(layer_in_group, storage, gather, end=end, limit=limit, newest=newest)
+                step = self._step_index(start, num_new, batch, storage)
+                gather = lambda tensor: read_slots(tensor, layer_in_group, step.read, batch)  # noqa: E731
+                keys = self._read_keys(layer_in_group, storage, step.read_slots) if self.store.keys else None
+                return self.store.read(layer_in_group, storage, gather, end=end, limit=limit, newest=newest, keys=keys)
 
             if num_new <= self.max_step:  # write first: attention reads the new tokens from their slots
                 self._store(layer_in_group, start, num_new, key_states, value_states)
                 keys, values = read(end, end - first)
             else:
                 keys, values = read(start, start - first, newest=end)
+                new_keys = self._attended_keys(layer_in_group, start, key_states)
                 self._store(layer_in_group, start, num_new, key_states, value_states)  # only its tail stays
                 attended = self.store.as_attended(value_states)
-                keys, values = torch.cat([keys, key_states], dim=-2), torch.cat([values, attended], dim=-2)
+                keys, values = torch.cat([keys, new_keys], dim=-2), torch.cat([values, attended], dim=-2)
         if step.layout is not None:
             setattr(keys, LAYOUT_ATTRIBUTE, step.layout)
         self.end_step(layer_in_group, start + num_new)
@@ -249,6 +259,7 @@ class RingRows(PagedRows):
         self.check_crop(num_tokens)
         if num_tokens < self.table.num_tokens:
             self._apply(lambda: self.table.crop(num_tokens))
+        self._crop_keys(num_tokens)
         self.total = num_tokens
         self.written = min(self.written, num_tokens)
 
@@ -349,9 +360,12 @@ class RingRows(PagedRows):
             if num_new > 1:
                 keys = torch.cat([visible, new_tokens], dim=1) if last == start else visible
                 layout = KeyLayout(band(keys, start, num_new, self.window, self.sink_tokens, pads))
-            read = self._flat_rows(self._slots(visible), storage).reshape(-1)
+            visible_slots = self._slots(visible)
+            read = self._flat_rows(visible_slots, storage).reshape(-1)
             write = self._flat_rows(written, storage).reshape(-1)
-            self._step = RingStep(start, num_new, layout, storage.num_pages, write_index=write, read=read)
+            self._step = RingStep(
+                start, num_new, layout, storage.num_pages, write_index=write, read=read, read_slots=visible_slots
+            )
         return self._step
 
     def _slot_layout(self, start: int, num_new: int, sinks: int, first: int) -> KeyLayout:
@@ -376,7 +390,7 @@ class RingRows(PagedRows):
         if self._base is None:
             pool, ids = self.pool, self._page_ids()
             base = int(ids[0, 0])
-            in_place = pool.storage_is_fixed and self.store.quant is None
+            in_place = pool.storage_is_fixed and not pool.format.encodes
             if in_place and torch.equal(ids.flatten(), torch.arange(base, base + ids.numel(), device=ids.device)):
                 self._base = base
             else:
@@ -435,6 +449,12 @@ class RingRows(PagedRows):
             storage = self.pool.storage
             step = self._step_index(start, num_new, key_states.shape[0], storage)
             self.store.write(layer_in_group, storage, step.write_index, key_states, value_states)
+            self._write_keys(layer_in_group, storage, start, key_states)
+
+    def key_shifts(self, batch: int) -> list[int]:
+        """A ring row counts its pages from its first real token (its leading padding is kept nowhere)."""
+        pads = self.pad_lengths
+        return list(pads) if pads is not None and len(pads) == batch else [0] * batch
 
     def _apply(self, change) -> None:
         super()._apply(change)

@@ -130,6 +130,7 @@ class PagedRows:
         self._read: tuple[int, torch.Tensor] | None = None  # (storage pages, rows)
         self._write: tuple[int, int, int, torch.Tensor] | None = None  # (start, num_new, storage pages, rows)
         self._shared_prefill: tuple[int, list[int]] | None = None  # (num_tokens, identical_rows) of a prefill
+        self.ring_pages: int | None = None  # pages of a row's ring (RingRows); None: the rows keep every page
 
     @property
     def num_tokens(self) -> int:
@@ -147,8 +148,36 @@ class PagedRows:
             storage = self.pool.storage
             rows = self._write_index(start, key_states.shape[-2], storage)
             self.store.write(layer_in_group, storage, rows, key_states, value_states)
+            self._write_keys(layer_in_group, storage, start, key_states)
         self.store.remember(layer_in_group, start, value_states)
         self.end_step(layer_in_group, start + key_states.shape[-2])
+
+    def key_shifts(self, batch: int) -> list[int]:
+        """The token each row counts its pages from (``KeyPages``): paged rows store padding too, from 0."""
+        return [0] * batch
+
+    def _write_keys(self, layer_in_group: int, storage: PoolStorage, start: int, key_states: torch.Tensor) -> None:
+        """Encoded keys: the step's keys to the rows' pages still filling; pages that fill, encoded (under the lock)."""
+        if self.store.keys is not None:
+            shifts = self.key_shifts(key_states.shape[0])
+            self.store.keys.write(layer_in_group, storage, start, key_states, self._page_ids(), shifts, self.ring_pages)
+
+    def _read_keys(self, layer_in_group: int, storage: PoolStorage, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Encoded keys: every slot of the rows' pages decoded, ``[batch, heads, pages * page_size, head_dim]``, or
+        with ``slots [batch, n]`` (a ring's logical slots; ``-1``: none) those, ``[batch, heads, n, head_dim]``."""
+        ids = self._page_ids()
+        shifts = self.key_shifts(ids.shape[0])
+        keys = self.store.keys.read(layer_in_group, storage, ids, shifts, self.pool.format.dtype, self.ring_pages)
+        if slots is None:
+            return keys
+        index = slots.clamp(min=0).view(slots.shape[0], 1, -1, 1)
+        return keys.gather(2, index.expand(-1, keys.shape[1], -1, keys.shape[-1]))
+
+    def _attended_keys(self, layer_in_group: int, start: int, key_states: torch.Tensor) -> torch.Tensor:
+        """A step's new keys as attention reads them once stored (``KeyPages.attended``; as given, unless encoded)."""
+        if self.store.keys is None:
+            return key_states
+        return self.store.keys.attended(layer_in_group, start, key_states, self.key_shifts(key_states.shape[0]))
 
     def end_step(self, layer_in_group: int, end: int) -> None:
         """A layer has written the step's tokens up to ``end``: once the layer group's last layer has, every
@@ -192,6 +221,9 @@ class PagedRows:
         if not self._reads_in_place():
             flex.log_path("attention", "the model's attn_implementation is not 'hf_kvcache'")
             return False
+        if self.store.keys is not None:
+            flex.log_path("encoded keys", "keys stored as int8/int4 codes are gathered and decoded for attention")
+            return False
         if not pool.storage_is_fixed:
             flex.log_path("moves", "the pool's storage moves when it grows (reserve=False: CUDA's default pools)")
             return False
@@ -225,12 +257,16 @@ class PagedRows:
             num_kv_heads = self.pool.format.num_kv_heads
             self._read = (storage.num_pages, page_rows(self._page_ids(), num_kv_heads, storage.num_pages))
         batch, rows = self.table.num_rows, self._read[1]
+        keys = None
+        if self.store.keys is not None:
+            keys = self._read_keys(layer_in_group, storage)[:, :, :num_tokens]
         return self.store.read(
             layer_in_group,
             storage,
             lambda tensor: read_pages(tensor, layer_in_group, rows, batch, num_tokens),
             num_tokens,
             num_tokens,
+            keys=keys,
         )
 
     def begin_step(self, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -290,7 +326,16 @@ class PagedRows:
     def crop(self, num_tokens: int) -> None:
         self._apply(lambda: self.table.crop(num_tokens))
         self.store.crop(num_tokens)
+        self._crop_keys(num_tokens)
         self.written = min(self.written, num_tokens)
+
+    def _crop_keys(self, num_tokens: int) -> None:
+        """Encoded keys: a row's page still filling moves back to the page the crop ends in (after the table's)."""
+        if self.store.keys is not None and self.table.num_rows:
+            with self.pool.lock:
+                ids = self._page_ids()
+                shifts = self.key_shifts(ids.shape[0])
+                self.store.keys.crop(num_tokens, self.pool.storage, ids, shifts, self.ring_pages)
 
     def release(self) -> None:
         """Returns all pages to the pool."""
@@ -316,6 +361,8 @@ class PagedRows:
         self.written = num_tokens
         if self.store.residual is not None:  # the prefix's values are codes only
             self.store.residual.first = num_tokens
+        if self.store.keys is not None:  # whole pages, encoded
+            self.store.keys.attach()
 
     def _apply(self, change: Callable[[], list[tuple[int, int]] | None]) -> None:
         """Runs a table change under the pool lock, copies the pages it asks for, drops cached indices."""

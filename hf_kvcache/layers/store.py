@@ -1,4 +1,4 @@
-"""Moving a layer's keys and values between attention and the pool, values quantized where the pool says so.
+"""Moving a layer's keys and values between attention and the pool, quantized where the pool says so.
 
 With a full-precision pool, keys and values are stored and gathered as they are. With a pool
 whose format sets ``value_bits``, each new token's values are quantized once, when they are
@@ -7,7 +7,9 @@ never change afterwards); keys stay in the model's dtype. Attention gets the val
 into a buffer the rows reuse from step to step and layer to layer, never a new full-precision copy
 of the history: gathered in token order (``read``), or, where attention reads the keys in place, laid
 out as the storage's slots, the visited pages only (``values_in_place``). The newest ``residual_length``
-tokens are served in full precision from ``ResidualValues`` instead of their codes.
+tokens are served in full precision from ``ResidualValues`` instead of their codes. With a format that sets
+``key_bits``, keys are stored as codes a page at a time (``hf_kvcache.layers.keys``): the rows write and read them
+through ``SlotStore.keys``.
 """
 
 import math
@@ -16,8 +18,9 @@ from collections.abc import Callable
 import torch
 
 from hf_kvcache.kernels import write_slots
+from hf_kvcache.layers.keys import KeyPages
 from hf_kvcache.pool import KVPool, PoolStorage
-from hf_kvcache.quant import dequantize, dequantize_into, quantize
+from hf_kvcache.quant import dequantize, dequantize_into, join_scales, quantize
 
 Gather = Callable[[torch.Tensor], torch.Tensor]
 """Reads one layer's slots out of one storage tensor of the pool as ``[batch, heads, n, last_dim]``."""
@@ -88,6 +91,7 @@ class SlotStore:
         self.quant = pool.format.value_format
         self.residual = ResidualValues(residual_length) if self.quant is not None and residual_length else None
         self._buffers: dict[str, torch.Tensor] = {}  # flat, reused for dequantized values (and float32 work)
+        self.keys = KeyPages(pool.format, self._buffer) if pool.format.key_format is not None else None
 
     def write(
         self,
@@ -101,23 +105,26 @@ class SlotStore:
 
         Call it under the pool's lock with the pool's current storage, and ``rows`` built for it
         (``kernels.slot_rows``): a growth that moves the pages cannot then lose the write. The pool holds
-        inference state: what is stored is detached from any autograd graph.
+        inference state: what is stored is detached from any autograd graph. Encoded keys are not written here
+        (``KeyPages.write``, a page at a time).
         """
         key_states, value_states = key_states.detach(), value_states.detach()
-        write_slots(storage.keys, layer_in_group, rows, key_states)
+        if self.keys is None:
+            write_slots(storage.keys, layer_in_group, rows, key_states)
         if self.quant is None:
             write_slots(storage.values, layer_in_group, rows, value_states)
             return
         codes, scale, zero = quantize(value_states, self.quant)
         write_slots(storage.values, layer_in_group, rows, codes)
-        write_slots(storage.value_scales, layer_in_group, rows, torch.cat([scale, zero], dim=-1))
+        write_slots(storage.value_scales, layer_in_group, rows, join_scales(scale, zero))
 
     @property
     def residual_bytes(self) -> int:
-        """Bytes of the full-precision residual values held outside the pool."""
+        """Bytes held outside the pool: the full-precision residual values and the keys of pages still filling."""
+        total = self.keys.partial_bytes if self.keys is not None else 0
         if self.residual is None:
-            return 0
-        return sum(buffer.numel() * buffer.element_size() for buffer in self.residual.buffers.values())
+            return total
+        return total + sum(buffer.numel() * buffer.element_size() for buffer in self.residual.buffers.values())
 
     def remember(self, layer_in_group: int, start: int, value_states: torch.Tensor) -> None:
         """Keeps the full-precision values of tokens ``[start, start + n)`` for the residual window."""
@@ -132,6 +139,7 @@ class SlotStore:
         end: int,
         limit: int,
         newest: int | None = None,
+        keys: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the slots ``gather`` reads, for attention.
 
@@ -141,11 +149,12 @@ class SlotStore:
             end: the last token read is ``end - 1`` (it comes last).
             limit: how many of the last positions read are consecutive tokens (for the residual window).
             newest: tokens written so far (default ``end``): the residual window ends there.
+            keys: the keys, read already (encoded keys: ``KeyPages.read``); default: gathered.
 
         Returns:
             keys, values ``[batch, heads, n, head_dim]``; quantized values come dequantized in a reused buffer.
         """
-        keys = gather(storage.keys)
+        keys = gather(storage.keys) if keys is None else keys
         if self.quant is None:
             return keys, gather(storage.values)
         codes = gather(storage.values)  # [batch, heads, n, code_dim]
@@ -224,6 +233,8 @@ class SlotStore:
     def select_rows(self, indices: list[int]) -> None:
         if self.residual is not None:
             self.residual.select_rows(indices)
+        if self.keys is not None:
+            self.keys.select_rows(indices)
 
     def crop(self, num_tokens: int) -> None:
         if self.residual is not None:
@@ -232,4 +243,6 @@ class SlotStore:
     def release(self) -> None:
         if self.residual is not None:
             self.residual.release()
+        if self.keys is not None:
+            self.keys.release()
         self._buffers.clear()

@@ -1,0 +1,283 @@
+"""Keys stored as codes a page at a time (a pool whose format sets ``key_bits``): encoded once, when a page fills.
+
+A row's tokens fill its pages in order. The page still filling is held here in full precision (``partial``, one
+page per row and layer, counted in ``memory_stats()``) and its slots in the pool stay unwritten; when its last slot
+is written the whole page is encoded (``hf_kvcache.quant``: per token at 8 bits, per channel over the page's tokens
+at 4) and its codes written to the pool, once: they never change while the page stays full. Attention gets every
+page decoded into a buffer reused from layer to layer, with the page still filling put over its slots.
+
+Rows count tokens from their ``shift`` (a ring's rows: from their first real token, so that a ring page, which
+holds ``page_size`` consecutive tokens of its row, fills in order; paged rows: from 0). Token ``u`` of a row (so
+counted) lies in its *token page* ``u // page_size``, at position ``u // page_size`` of the row's pages, or for a
+ring of ``ring_pages`` pages, ``(u // page_size) % ring_pages``.
+
+A ``crop`` into a page already encoded takes its codes back as the page still filling (decoded: the kept tokens
+lose what their encoding lost); when it fills again it is encoded again. Nothing else re-encodes a page.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from hf_kvcache.allocator import NULL_PAGE
+from hf_kvcache.config import PageFormat
+from hf_kvcache.pool import PoolStorage
+from hf_kvcache.quant import dequantize, dequantize_channels_into, dequantize_into, join_scales, quantize
+
+Buffer = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
+"""A reused buffer by name, shape and dtype (``SlotStore._buffer``)."""
+
+
+class KeyPages:
+    """One layer group's keys as codes in the pool, and each row's page still filling in full precision.
+
+    Args:
+        page_format: the pool's format (``key_bits`` set).
+        buffer: where decoded keys go (reused; a view of it is valid until the next layer's read).
+    """
+
+    def __init__(self, page_format: PageFormat, buffer: Buffer) -> None:
+        self.format = page_format
+        self.quant = page_format.key_format
+        self.page_size = page_format.page_size
+        self._buffer = buffer
+        self.partial: dict[int, torch.Tensor] = {}  # layer_in_group -> [batch, heads, page_size, head_dim]
+        self.written: dict[int, int] = {}  # layer_in_group -> tokens written (padding included)
+
+    @property
+    def partial_bytes(self) -> int:
+        """Bytes of the full-precision pages still filling, held outside the pool."""
+        return sum(buffer.numel() * buffer.element_size() for buffer in self.partial.values())
+
+    # ----- where tokens lie ---------------------------------------------------------------------
+
+    def _filled(self, num_tokens: int, row_shifts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(token page, tokens held)`` of each row's page still filling after ``num_tokens`` tokens, ``[batch]``."""
+        local = (num_tokens - row_shifts).clamp(min=0)
+        return local // self.page_size, local % self.page_size
+
+    def _pages_before(self, num_tokens: int, shifts: list[int]) -> list[int]:
+        """``_filled``'s token pages, on the host (no data-dependent read of a device's tensor)."""
+        return [max(num_tokens - shift, 0) // self.page_size for shift in shifts]
+
+    @staticmethod
+    def _position(token_pages: torch.Tensor, ring_pages: int | None) -> torch.Tensor:
+        """Where token pages ``[batch, m]`` lie in their rows' pages."""
+        return token_pages if ring_pages is None else token_pages % ring_pages
+
+    # ----- writing ------------------------------------------------------------------------------
+
+    def write(
+        self,
+        layer_in_group: int,
+        storage: PoolStorage,
+        start: int,
+        key_states: torch.Tensor,
+        page_ids: torch.Tensor,
+        shifts: list[int],
+        ring_pages: int | None = None,
+    ) -> None:
+        """Takes tokens ``[start, start + n)`` of every row; encodes and stores the pages they fill.
+
+        Call it under the pool's lock, with its current storage.
+
+        Args:
+            key_states: ``[batch, heads, n, head_dim]``.
+            page_ids: ``[batch, num_pages]`` the rows' pages (their page table).
+            shifts: the token each row counts from (``0``, or a ring row's leading padding).
+            ring_pages: the ring's pages per row (``None``: paged rows keep every page).
+        """
+        key_states = key_states.detach()
+        batch, page_size, device = key_states.shape[0], self.page_size, key_states.device
+        firsts, ends = self._pages_before(start, shifts), self._pages_before(start + key_states.shape[2], shifts)
+        froms = firsts if ring_pages is None else [max(first, end - ring_pages) for first, end in zip(firsts, ends)]
+        most = max([end - done_from for done_from, end in zip(froms, ends)] + [0])  # pages a row fills in the step
+        row_shifts = torch.tensor(shifts, device=device)  # [batch]
+        take, first_page, end_page = self._joined(layer_in_group, start, key_states, row_shifts)
+        done_from = first_page if ring_pages is None else torch.maximum(first_page, end_page - ring_pages)
+        num_done = (end_page - done_from).clamp(min=0)  # [batch] pages filled in this step (a ring: the last ones)
+        if most:
+            steps = torch.arange(most, device=device)
+            token_pages = done_from.unsqueeze(1) + steps  # [batch, most]
+            pages = take(self._page_tokens(token_pages))  # [batch, heads, most, page_size, head_dim]
+            targets = page_ids.gather(1, self._position(token_pages, ring_pages).clamp(max=page_ids.shape[1] - 1))
+            targets = targets.masked_fill(steps >= num_done.unsqueeze(1), NULL_PAGE)  # [batch, most]
+            self._store(layer_in_group, storage, pages, targets)
+        _, end_held = self._filled(start + key_states.shape[2], row_shifts)
+        partial = take(self._page_tokens(end_page.unsqueeze(1))).squeeze(2)  # [batch, heads, page_size, head_dim]
+        keep = torch.arange(page_size, device=device) < end_held.unsqueeze(1)  # [batch, page_size]
+        self.partial[layer_in_group] = partial.masked_fill(~keep.view(batch, 1, page_size, 1), 0)
+        self.written[layer_in_group] = start + key_states.shape[2]
+
+    def attended(self, layer_in_group: int, start: int, key_states: torch.Tensor, shifts: list[int]) -> torch.Tensor:
+        """A step's new keys ``[batch, heads, n, head_dim]`` as attention reads them once stored (for a step that
+        attends to its own keys before storing them: a ring's longer than the ring): in the pages it fills, through
+        their encoding (the reference ``dequantize``); the rest exact. Call it before ``write``."""
+        key_states = key_states.detach()
+        batch, heads, num_new, head_dim = key_states.shape
+        firsts, ends = self._pages_before(start, shifts), self._pages_before(start + num_new, shifts)
+        most = max([end - first for first, end in zip(firsts, ends)] + [0])
+        if not most:
+            return key_states
+        row_shifts = torch.tensor(shifts, device=key_states.device)  # [batch]
+        take, first_page, end_page = self._joined(layer_in_group, start, key_states, row_shifts)
+        pages = take(self._page_tokens(first_page.unsqueeze(1) + torch.arange(most, device=key_states.device)))
+        if self.format.keys_per_channel:
+            channels = pages.transpose(-1, -2)
+            pages = dequantize(*quantize(channels, self.quant), self.quant, pages.dtype).transpose(-1, -2)
+        else:
+            pages = dequantize(*quantize(pages, self.quant), self.quant, pages.dtype)
+        encoded = pages.flatten(2, 3)  # [batch, heads, most * page_size, head_dim] from token first_page * page_size
+        tokens = (start - row_shifts).unsqueeze(1) + torch.arange(num_new, device=key_states.device)  # [batch, n]
+        index = tokens - (first_page * self.page_size).unsqueeze(1)
+        inside = (tokens >= 0) & (tokens < (end_page * self.page_size).unsqueeze(1))
+        index = index.clamp(0, encoded.shape[2] - 1).view(batch, 1, num_new, 1).expand(-1, heads, -1, head_dim)
+        return torch.where(inside.view(batch, 1, num_new, 1), encoded.gather(2, index), key_states)
+
+    def _page_tokens(self, token_pages: torch.Tensor) -> torch.Tensor:
+        """``[batch, m, page_size]`` the tokens of token pages ``[batch, m]``."""
+        return token_pages.unsqueeze(-1) * self.page_size + torch.arange(self.page_size, device=token_pages.device)
+
+    def _joined(
+        self, layer_in_group: int, start: int, key_states: torch.Tensor, row_shifts: torch.Tensor
+    ) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, torch.Tensor]:
+        """The keys of a step's tokens and of the page still filling before it, by row-counted token.
+
+        Returns:
+            ``(take, first_page, end_page)``: ``take`` maps tokens ``[batch, *shape]`` (row counted, from the page
+            still filling before the step to the step's last) to keys ``[batch, heads, *shape, head_dim]``;
+            ``[batch]`` the page still filling before and after the step.
+        """
+        batch, heads, num_new, head_dim = key_states.shape
+        page_size = self.page_size
+        partial = self.partial.get(layer_in_group)
+        if partial is None or partial.shape[0] != batch or start == 0:
+            partial = key_states.new_zeros(batch, heads, page_size, head_dim)
+        first_page, _ = self._filled(start, row_shifts)  # [batch]
+        end_page, _ = self._filled(start + num_new, row_shifts)
+        # Token u of a row: in the page still filling (at u - its first token) or among the new ones (past it).
+        joined = torch.cat([partial, key_states.to(partial.dtype)], dim=2)  # [batch, heads, page_size + n, head_dim]
+        local_start = (start - row_shifts).clamp(min=0).view(batch, 1)
+
+        def take(tokens: torch.Tensor) -> torch.Tensor:
+            flat = tokens.view(batch, -1)
+            new = page_size + flat - (start - row_shifts).view(batch, 1)
+            old = flat - (first_page * page_size).view(batch, 1)
+            index = torch.where(flat >= local_start, new, old).clamp(0, page_size + num_new - 1)
+            keys = joined.gather(2, index.view(batch, 1, -1, 1).expand(-1, heads, -1, head_dim))
+            return keys.view(batch, heads, *tokens.shape[1:], head_dim)
+
+        return take, first_page, end_page
+
+    def _store(self, layer_in_group: int, storage: PoolStorage, pages: torch.Tensor, targets: torch.Tensor) -> None:
+        """Encodes full pages ``[batch, heads, m, page_size, head_dim]`` into pool pages ``targets [batch, m]``."""
+        fmt, quant = self.format, self.quant
+        heads, num_pages = fmt.num_kv_heads, storage.num_pages
+        rows = (torch.arange(heads, device=targets.device).view(-1, 1, 1) * num_pages + targets).reshape(-1)
+        if fmt.keys_per_channel:  # each channel's page_size tokens: [batch, heads, m, head_dim, page_size]
+            codes, scale, zero = quantize(pages.transpose(-1, -2), quant)  # codes [..., head_dim, page_size // 2]
+            # Stored row-major, [page_size // 2, head_dim], so that they decode a token row at a time.
+            parts = ((storage.keys, codes.transpose(-1, -2)), (storage.key_scales, scale), (storage.key_zeros, zero))
+        else:
+            codes, scale, zero = quantize(pages, quant)
+            parts = ((storage.keys, codes), (storage.key_scales, join_scales(scale, zero)))
+        for tensor, part in parts:
+            layer = tensor[layer_in_group]
+            flat = layer.view(heads * num_pages, -1)  # [heads * pages, a page's numbers]
+            source = part.transpose(0, 1).reshape(-1, flat.shape[1])  # (head, row, page) order, as rows
+            flat.index_copy_(0, rows, source.to(tensor.dtype))
+
+    # ----- reading ------------------------------------------------------------------------------
+
+    def decode(
+        self, layer_in_group: int, storage: PoolStorage, page_ids: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The keys of pages ``page_ids [batch, m]`` as ``[heads, batch, m * page_size, head_dim]`` in ``dtype``,
+        decoded into a reused buffer (slots of a page still filling read as whatever its codes were)."""
+        fmt, quant = self.format, self.quant
+        heads, num_pages, page_size, head_dim = fmt.num_kv_heads, storage.num_pages, self.page_size, fmt.head_dim
+        batch, m = page_ids.shape
+        rows = (torch.arange(heads, device=page_ids.device).view(-1, 1) * num_pages + page_ids.reshape(1, -1)).view(-1)
+
+        def gather(tensor: torch.Tensor) -> torch.Tensor:  # [heads * batch * m, a page's numbers]
+            return tensor[layer_in_group].view(heads * num_pages, -1).index_select(0, rows)
+
+        shape = (heads, batch * m, page_size, head_dim)
+        out = self._buffer("keys", shape, dtype)  # [heads, batch * m, page_size, head_dim]
+        work = None if dtype == torch.float32 else self._buffer("key_work", shape, torch.float32)
+        if fmt.keys_per_channel:  # codes row-major [page_size // 2, head_dim]; a scale and zero per channel
+            codes = gather(storage.keys).view(heads, batch * m, page_size // 2, head_dim)
+            scale = gather(storage.key_scales).view(heads, batch * m, 1, head_dim)
+            zero = gather(storage.key_zeros).view(heads, batch * m, 1, head_dim)
+            dequantize_channels_into(out, codes, scale, zero, quant, work)
+        else:
+            codes = gather(storage.keys).view(heads, batch * m, page_size, quant.code_dim)
+            scales = gather(storage.key_scales).view(heads, batch * m, page_size, -1)
+            groups = quant.num_scale_groups
+            dequantize_into(out, codes, scales[..., :groups], scales[..., groups:], quant, work)
+        return out.view(heads, batch, m * page_size, head_dim)
+
+    def read(
+        self,
+        layer_in_group: int,
+        storage: PoolStorage,
+        page_ids: torch.Tensor,
+        shifts: list[int],
+        dtype: torch.dtype,
+        ring_pages: int | None = None,
+    ) -> torch.Tensor:
+        """Every slot of the rows' pages ``page_ids [batch, m]``, decoded, with the pages still filling over theirs.
+
+        Returns:
+            ``[batch, heads, m * page_size, head_dim]`` (a permuted view of a reused buffer), in page order.
+        """
+        keys = self.decode(layer_in_group, storage, page_ids, dtype)  # [heads, batch, m * page_size, head_dim]
+        partial = self.partial.get(layer_in_group)
+        if partial is not None and partial.shape[0] == page_ids.shape[0]:
+            row_shifts = torch.tensor(shifts, device=keys.device)  # [batch]
+            page, held = self._filled(self.written.get(layer_in_group, 0), row_shifts)
+            slots = self._position(page, ring_pages) * self.page_size  # [batch]
+            offsets = torch.arange(self.page_size, device=keys.device)
+            index = (slots.unsqueeze(1) + offsets).clamp(max=keys.shape[2] - 1)  # [batch, page_size]
+            index = index.view(1, -1, self.page_size, 1).expand(keys.shape[0], -1, -1, keys.shape[-1])
+            keep = (offsets < held.unsqueeze(1)).view(1, -1, self.page_size, 1)
+            current = keys.gather(2, index)
+            keys.scatter_(2, index, torch.where(keep, partial.transpose(0, 1).to(dtype), current))
+        return keys.permute(1, 0, 2, 3)
+
+    # ----- row changes --------------------------------------------------------------------------
+
+    def select_rows(self, indices: list[int]) -> None:
+        for layer_in_group, partial in self.partial.items():
+            self.partial[layer_in_group] = partial[torch.tensor(indices, device=partial.device)]
+
+    def crop(
+        self,
+        num_tokens: int,
+        storage: PoolStorage,
+        page_ids: torch.Tensor,
+        shifts: list[int],
+        ring_pages: int | None = None,
+    ) -> None:
+        """Keeps tokens ``[0, num_tokens)``: a row whose page still filling moves back to an encoded page takes that
+        page's decoded keys as its page still filling (call it after the page table's crop)."""
+        for layer_in_group, partial in self.partial.items():
+            written = self.written.get(layer_in_group, 0)
+            if self._pages_before(written, shifts) != self._pages_before(num_tokens, shifts) and page_ids.numel():
+                row_shifts = torch.tensor(shifts, device=partial.device)  # [batch]
+                before, _ = self._filled(written, row_shifts)
+                after, _ = self._filled(num_tokens, row_shifts)
+                moved = (after != before).view(-1, 1, 1, 1)  # [batch, 1, 1, 1]
+                position = self._position(after, ring_pages).clamp(max=page_ids.shape[1] - 1)
+                pages = page_ids.gather(1, position.unsqueeze(1))  # [batch, 1]
+                decoded = self.decode(layer_in_group, storage, pages, partial.dtype).transpose(0, 1)
+                self.partial[layer_in_group] = torch.where(moved, decoded, partial)
+            self.written[layer_in_group] = min(self.written.get(layer_in_group, 0), num_tokens)
+
+    def attach(self) -> None:
+        """Rows start from a reused prefix: whole pages, already encoded (none is still filling)."""
+        self.release()
+
+    def release(self) -> None:
+        self.partial.clear()
+        self.written.clear()
