@@ -193,10 +193,11 @@ def bench_pools(
     Rows round up to whole extents (``KV_BLOCK_TOKENS``), so the budget is per row, not the batch's token total. No
     use-alert thresholds. The rings share one pool: each run gives all its pages back, consecutive for the next.
     """
-    # Whole extents per row (128 tokens, PageFormat.extent_pages): rows of paged layers take pages in aligned extents,
-    # and a pool too tight for that hands out single pages, which attention cannot read in place.
+    # Whole extents per row (128 tokens, PageFormat.extent_pages), and one more for the null page's extent (page 0 is
+    # never handed out, so that extent is never whole): rows of paged layers take pages in aligned extents, and a pool
+    # too tight for that hands out single pages, which attention cannot read in place.
     block = max(page_size, KV_BLOCK_TOKENS)
-    max_tokens = batch * math.ceil(capacity / block) * block
+    max_tokens = (batch * math.ceil(capacity / block) + 1) * block
     value_formats = {name: {} for name in names if pool_kind(name) == "fixed" and name in PAGED_VARIANTS}
     for name in names:
         spec = QUANTIZED_CACHES.get(name)
