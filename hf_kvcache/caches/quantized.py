@@ -84,6 +84,26 @@ def group_size_for(group_size: int | None, head_dim: int) -> int:
     return group_size
 
 
+def refuse_kv_reuse(config: PreTrainedConfig, cache_name: str) -> None:
+    """Raises ``IncompatibleModelError`` for a model whose layers reuse an earlier layer's keys and values: a reusing
+    layer reads what that layer's update returned, which a quantized cache keeps in buffers the next layer
+    overwrites."""
+    text_config = config.get_text_config(decoder=True)
+    if "reuse" in (getattr(text_config, "kv_sharing_modes", None) or ()):
+        raise IncompatibleModelError(
+            f"{type(text_config).__name__} shares KV between layers (kv_sharing_modes has 'reuse'); "
+            f"{cache_name} does not support it yet. Use paged_pool or sliding_ring for this model."
+        )
+
+
+def residual_row_policy(layer_type: str, layer_kwargs: dict[str, Any], residual_length: int) -> RowPolicy:
+    """A quantized cache's rows: sliding layers as rings of their window, the others paged; both with the residual
+    window of ``residual_length`` tokens."""
+    if layer_type == "sliding_attention":
+        return RowPolicy(window=layer_kwargs["sliding_window"], is_sliding=True, residual_length=residual_length)
+    return RowPolicy(residual_length=residual_length)
+
+
 class QuantizedValueCache(PoolCache):
     """Keys in full precision, values as int8 or int4 codes with per-token scales, on the shared pool.
 
@@ -128,21 +148,11 @@ class QuantizedValueCache(PoolCache):
             group_size=group_size,
             residual_length=residual_length,
         )
-        text_config = config.get_text_config(decoder=True)
-        if "reuse" in (getattr(text_config, "kv_sharing_modes", None) or ()):
-            # A reusing layer reads the values an earlier layer's update returned, which here live in a buffer
-            # the next layer overwrites.
-            raise IncompatibleModelError(
-                f"{type(text_config).__name__} shares KV between layers (kv_sharing_modes has 'reuse'); "
-                "quantized_values does not support it yet. Use paged_pool or sliding_ring for this model."
-            )
+        refuse_kv_reuse(config, "quantized_values")
         super().__init__(config, options, dtype, device, placement)
 
     def _row_policy(self, layer_type: str, layer_kwargs: dict[str, Any]) -> RowPolicy:
-        residual_length = self.options.residual_length
-        if layer_type == "sliding_attention":
-            return RowPolicy(window=layer_kwargs["sliding_window"], is_sliding=True, residual_length=residual_length)
-        return RowPolicy(residual_length=residual_length)
+        return residual_row_policy(layer_type, layer_kwargs, self.options.residual_length)
 
 
 ENTRY = CacheEntry(

@@ -15,9 +15,14 @@ from transformers import PreTrainedConfig
 
 from hf_kvcache.caches.base import PoolCache, RowPolicy
 from hf_kvcache.caches.entry import CacheEntry
-from hf_kvcache.caches.quantized import DEFAULT_RESIDUAL_LENGTH, check_quant_options, group_size_for
+from hf_kvcache.caches.quantized import (
+    DEFAULT_RESIDUAL_LENGTH,
+    check_quant_options,
+    group_size_for,
+    refuse_kv_reuse,
+    residual_row_policy,
+)
 from hf_kvcache.config import DEFAULT_PAGE_SIZE, CacheOptions, PageFormat
-from hf_kvcache.errors import IncompatibleModelError
 from hf_kvcache.placement import Placement
 from hf_kvcache.pool import KVPool
 
@@ -115,21 +120,11 @@ class QuantizedKVCache(PoolCache):
             key_bits=key_bits,
             value_bits=value_bits,
         )
-        text_config = config.get_text_config(decoder=True)
-        if "reuse" in (getattr(text_config, "kv_sharing_modes", None) or ()):
-            # A reusing layer reads the keys and values an earlier layer's update returned, which here live in
-            # buffers the next layer overwrites.
-            raise IncompatibleModelError(
-                f"{type(text_config).__name__} shares KV between layers (kv_sharing_modes has 'reuse'); "
-                "quantized_kv does not support it yet. Use paged_pool or sliding_ring for this model."
-            )
+        refuse_kv_reuse(config, "quantized_kv")
         super().__init__(config, options, dtype, device, placement)
 
     def _row_policy(self, layer_type: str, layer_kwargs: dict[str, Any]) -> RowPolicy:
-        residual_length = self.options.residual_length
-        if layer_type == "sliding_attention":
-            return RowPolicy(window=layer_kwargs["sliding_window"], is_sliding=True, residual_length=residual_length)
-        return RowPolicy(residual_length=residual_length)
+        return residual_row_policy(layer_type, layer_kwargs, self.options.residual_length)
 
 
 ENTRY = CacheEntry(
