@@ -191,6 +191,13 @@ def _integer_zero_scale(
     return scale, zero.to(torch.int8)
 
 
+def _float32_work(out: torch.Tensor, work: torch.Tensor | None) -> torch.Tensor:
+    """Where dequantizing into ``out`` computes: ``out`` itself when it is float32, else ``work`` (made if ``None``)."""
+    if out.dtype == torch.float32:
+        return out
+    return torch.empty(out.shape, dtype=torch.float32, device=out.device) if work is None else work
+
+
 def dequantize_channels_into(
     out: torch.Tensor,
     codes: torch.Tensor,
@@ -217,10 +224,7 @@ def dequantize_channels_into(
             f"codes [..., {fmt.code_dim}, columns]; got group_size={fmt.group_size}, out {tuple(out.shape)}, codes "
             f"{tuple(codes.shape)}."
         )
-    if out.dtype != torch.float32:
-        work = torch.empty(out.shape, dtype=torch.float32, device=out.device) if work is None else work
-    else:
-        work = out
+    work = _float32_work(out, work)
     if fmt.bits == 8:
         work.copy_(codes)
     else:
@@ -299,10 +303,7 @@ def dequantize_into(
             f"dequantize_into needs out [..., {fmt.head_dim}] and codes [..., {fmt.code_dim}], "
             f"got {tuple(out.shape)} and {tuple(codes.shape)}."
         )
-    if out.dtype != torch.float32:
-        work = torch.empty(out.shape, dtype=torch.float32, device=out.device) if work is None else work
-    else:
-        work = out
+    work = _float32_work(out, work)
     if fmt.bits == 8:
         work.copy_(codes)
     else:  # the nibbles straight into the even and odd channels: half the passes of unpack_int4 then copy
