@@ -27,6 +27,7 @@ does on the same keys gathered, the slow twin. Load the model with it, or switch
 """
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -38,6 +39,9 @@ from hf_kvcache.layers.rows import PagedRead, paged_read_of
 from hf_kvcache.transformers_internals import attn_implementation, sdpa_attention_forward
 
 ATTENTION_NAME = "hf_kvcache"
+
+_CHECKED: "weakref.WeakKeyDictionary[flex.PagedBlockMask, tuple]" = weakref.WeakKeyDictionary()
+"""Per step mask: the last (model mask, pads, tokens) checked and the verdict; every layer of a step shares them."""
 
 
 @contextlib.contextmanager
@@ -136,7 +140,7 @@ def paged_attention(
             return None
     if module.training or query.shape[2] != 1:
         return None
-    if not mask_hides_padding_only(attention_mask, read.pads, read.num_tokens):
+    if not _hides_padding_only(read, attention_mask):
         flex.log_path("mask", "the model's mask hides more than each row's leading padding")
         return None
     if query.dtype != keys.dtype:
@@ -149,6 +153,16 @@ def paged_attention(
         return None
     flex.log_path("in_place", f"compiled FlexAttention, KV blocks of {read.mask.block_tokens} tokens")
     return output.transpose(1, 2).contiguous()
+
+
+def _hides_padding_only(read: PagedRead, attention_mask: torch.Tensor | None) -> bool:
+    """``mask_hides_padding_only`` for the read, checked once per step: the layers after the first find the verdict."""
+    last = _CHECKED.get(read.mask)
+    if last is not None and last[0] is attention_mask and last[1] is read.pads and last[2] == read.num_tokens:
+        return last[3]
+    verdict = mask_hides_padding_only(attention_mask, read.pads, read.num_tokens)
+    _CHECKED[read.mask] = (attention_mask, read.pads, read.num_tokens, verdict)
+    return verdict
 
 
 def mask_hides_padding_only(attention_mask: torch.Tensor | None, pads: torch.Tensor, num_tokens: int) -> bool:

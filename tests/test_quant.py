@@ -1,6 +1,8 @@
 """Value quantization: the error bound, the code range, int4 packing, and the fast path against the reference."""
 
 import math
+import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -186,15 +188,22 @@ def test_constant_tensor_is_exact(dtype, fill):
 
 
 @FAST
-@given(cases(), st.integers(0, 3), st.sampled_from(DTYPES + [None]))
-def test_dequantize_into_equals_dequantize_bitwise(case, margin, out_dtype):
-    """In a view of a larger buffer (a slot range of a page, say), leaving the rest of the buffer alone."""
+@given(cases(), st.integers(0, 3), st.sampled_from(DTYPES + [None]), st.sampled_from(["little", "big"]), st.booleans())
+def test_dequantize_into_equals_dequantize_bitwise(case, margin, out_dtype, byteorder, strided_codes):
+    """In a view of a larger buffer (a slot range of a page, say), leaving the rest of the buffer alone; int4 codes
+    unpacked both ways (the int16 spread of a little-endian machine, the strided nibble copies of a big-endian one),
+    from contiguous codes or a strided view of them."""
     fmt, x = case
     out_dtype = out_dtype or x.dtype
     codes, scale, zero = quantize(x, fmt)
+    if strided_codes:  # the same codes, every other byte of a wider tensor
+        wide = torch.zeros((*codes.shape[:-1], 2 * codes.shape[-1]), dtype=codes.dtype)
+        wide[..., ::2] = codes
+        codes = wide[..., ::2]
     buffer = torch.full((*x.shape[:-1], fmt.head_dim + 2 * margin), torch.nan, dtype=out_dtype)
     out = buffer[..., margin : margin + fmt.head_dim]
-    dequantize_into(out, codes, scale, zero, fmt)
+    with mock.patch.object(sys, "byteorder", byteorder):
+        dequantize_into(out, codes, scale, zero, fmt)
     assert torch.equal(out, dequantize(codes, scale, zero, fmt, out_dtype))
     assert buffer[..., :margin].isnan().all() and buffer[..., margin + fmt.head_dim :].isnan().all()
 

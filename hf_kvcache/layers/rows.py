@@ -26,7 +26,7 @@ import torch
 
 from hf_kvcache import flex
 from hf_kvcache.kernels import page_rows, read_pages, slot_rows
-from hf_kvcache.layers.store import SlotStore
+from hf_kvcache.layers.store import SlotStore, extent_runs
 from hf_kvcache.placement import agree
 from hf_kvcache.pool import KVPool, PoolStorage
 
@@ -122,7 +122,8 @@ class PagedRows:
         self._mask_fresh = False  # the mask matches the table and the pads (else: update before use)
         self._mask_usable = False  # the visited extents hold nothing but the rows' pages and zeros
         self._in_place: tuple[int, int, bool] | None = None  # (num_tokens, num_new, in place) of the current step
-        self._extents: torch.Tensor | None = None  # [visited] extents the mask visits (quantized values: dequantized)
+        # The extents the mask visits, [visited] and as runs (quantized values: what is dequantized).
+        self._extents: tuple[torch.Tensor, list[tuple[int, int]]] | None = None
         # (start, num_tokens, storage pages) -> (positions, slot rows) of a step's residual window (_residual_slots)
         self._residual: tuple[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
         self._version = -1  # table version the cached indices below were built for
@@ -201,7 +202,8 @@ class PagedRows:
             values = storage.values[layer_in_group].view(shape)
         else:
             residual_slots = self._residual_slots(num_tokens)
-            values = self.store.values_in_place(layer_in_group, storage, self._extents, residual_slots)
+            extents, runs = self._extents
+            values = self.store.values_in_place(layer_in_group, storage, extents, runs, residual_slots)
         gather = functools.partial(self.read, layer_in_group, num_tokens)
         setattr(keys, PAGED_ATTRIBUTE, PagedRead(self._mask, self._pad_tensor(self.table.num_rows), num_tokens, gather))
         return keys, values
@@ -244,7 +246,7 @@ class PagedRows:
             extents = self._mask.update(self._page_ids(), num_tokens, self._pad_tensor(batch))
             held = {page for row in self.table.rows for page in row}
             self._mask_usable = not pool.foreign_pages(held, extents)
-            self._extents = torch.tensor(extents, dtype=torch.long, device=pool.device)
+            self._extents = (torch.tensor(extents, dtype=torch.long, device=pool.device), extent_runs(extents))
             self._mask_fresh = True
         if not self._mask_usable:
             flex.log_path("foreign", "a row's extents hold another request's pages (gathered for those steps)")

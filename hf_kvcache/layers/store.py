@@ -22,8 +22,22 @@ from hf_kvcache.layers.keys import KeyPages
 from hf_kvcache.pool import KVPool, PoolStorage
 from hf_kvcache.quant import dequantize, dequantize_into, join_scales, quantize
 
+MAX_RUNS = 4
+"""Runs of consecutive extents that ``SlotStore.values_in_place`` dequantizes slice by slice (more: gathered)."""
+
 Gather = Callable[[torch.Tensor], torch.Tensor]
 """Reads one layer's slots out of one storage tensor of the pool as ``[batch, heads, n, last_dim]``."""
+
+
+def extent_runs(extents: list[int]) -> list[tuple[int, int]]:
+    """Ascending ``extents`` as ``(first, end)`` runs of consecutive ids."""
+    runs: list[tuple[int, int]] = []
+    for extent in extents:
+        if runs and runs[-1][1] == extent:
+            runs[-1] = (runs[-1][0], extent + 1)
+        else:
+            runs.append((extent, extent + 1))
+    return runs
 
 
 class ResidualValues:
@@ -159,11 +173,8 @@ class SlotStore:
             return keys, gather(storage.values)
         codes = gather(storage.values)  # [batch, heads, n, code_dim]
         scales = gather(storage.value_scales)  # [batch, heads, n, 2 * num_scale_groups]
-        num_scale_groups = self.quant.num_scale_groups
-        shape = (*codes.shape[:3], self.quant.head_dim)
-        values = self._buffer("values", shape, keys.dtype)  # [batch, heads, n, head_dim]
-        work = None if keys.dtype == torch.float32 else self._buffer("work", shape, torch.float32)
-        dequantize_into(values, codes, scales[..., :num_scale_groups], scales[..., num_scale_groups:], self.quant, work)
+        values = self._buffer("values", (*codes.shape[:3], self.quant.head_dim), keys.dtype)  # [batch, heads, n, hd]
+        self._dequantize(values, codes, scales)
         if self.residual is not None:
             self.residual.overlay(layer_in_group, values, end, limit, end if newest is None else newest)
         return keys, values
@@ -173,16 +184,20 @@ class SlotStore:
         layer_in_group: int,
         storage: PoolStorage,
         extents: torch.Tensor,
+        runs: list[tuple[int, int]],
         residual_slots: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         """One layer's quantized values laid out as the storage's slots, for attention that reads the keys in place.
 
         Only the pages of ``extents`` (what the step's mask visits) are dequantized, into a buffer of the storage's
         shape that the layers of the layer group reuse (pages outside them are never read); the residual window's
-        tokens are then written over their slots in full precision.
+        tokens are then written over their slots in full precision. Extents in at most ``MAX_RUNS`` runs of
+        consecutive ids (a fresh pool's rows) are dequantized straight from their codes' slices into their slots';
+        others are gathered, dequantized and scattered (two more passes over the values).
 
         Args:
-            extents: ``[visited]`` extent ids.
+            extents: ``[visited]`` extent ids, ascending.
+            runs: the same extents as ``(first, end)`` runs of consecutive ids (``extent_runs``).
             residual_slots: the residual window's positions ``[n]`` and slot rows ``[heads * batch * n]``
                 (``kernels.slot_rows``), or ``None``.
 
@@ -194,21 +209,29 @@ class SlotStore:
         slots = self._buffer("in_place", (heads, storage.num_pages * fmt.page_size, quant.head_dim), storage.keys.dtype)
         by_extent = slots.view(heads, -1, slots_per_extent, quant.head_dim)  # [heads, extents, slots, head_dim]
 
-        def visited(tensor: torch.Tensor) -> torch.Tensor:  # [heads, visited, slots, last_dim]
-            return tensor[layer_in_group].view(heads, -1, slots_per_extent, tensor.shape[-1]).index_select(1, extents)
+        def by_extents(tensor: torch.Tensor) -> torch.Tensor:  # [heads, extents, slots, last_dim]
+            return tensor[layer_in_group].view(heads, -1, slots_per_extent, tensor.shape[-1])
 
-        codes, scales = visited(storage.values), visited(storage.value_scales)
-        shape = (heads, extents.numel(), slots_per_extent, quant.head_dim)
-        values = self._buffer("values", shape, slots.dtype)  # [heads, visited, slots, head_dim]
-        work = None if slots.dtype == torch.float32 else self._buffer("work", shape, torch.float32)
-        num_scale_groups = quant.num_scale_groups
-        dequantize_into(values, codes, scales[..., :num_scale_groups], scales[..., num_scale_groups:], quant, work)
-        by_extent.index_copy_(1, extents, values)
+        codes, scales = by_extents(storage.values), by_extents(storage.value_scales)
+        if len(runs) <= MAX_RUNS:
+            for first, end in runs:
+                self._dequantize(by_extent[:, first:end], codes[:, first:end], scales[:, first:end])
+        else:
+            shape = (heads, extents.numel(), slots_per_extent, quant.head_dim)
+            values = self._buffer("values", shape, slots.dtype)  # [heads, visited, slots, head_dim]
+            self._dequantize(values, codes.index_select(1, extents), scales.index_select(1, extents))
+            by_extent.index_copy_(1, extents, values)
         if residual_slots is not None and layer_in_group in self.residual.buffers:
             positions, rows = residual_slots
             newest = self.residual.buffers[layer_in_group].index_select(2, positions % self.residual.length)
             write_slots(slots.unsqueeze(0), 0, rows, newest)  # [batch, heads, n, head_dim] over their slots
         return slots.unsqueeze(0)
+
+    def _dequantize(self, out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """``dequantize_into`` with the joined scales of ``join_scales`` and a reused float32 work buffer."""
+        work = None if out.dtype == torch.float32 else self._buffer("work", tuple(out.shape), torch.float32)
+        groups = self.quant.num_scale_groups
+        dequantize_into(out, codes, scales[..., :groups], scales[..., groups:], self.quant, work)
 
     def as_attended(self, value_states: torch.Tensor) -> torch.Tensor:
         """New values ``[batch, heads, n, head_dim]`` as attention sees them once stored (quantized but the newest)."""
