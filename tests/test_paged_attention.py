@@ -158,6 +158,18 @@ def test_hybrid_model_reads_full_layers_in_place(tiny_gemma3_model, in_place):
     assert_same_generation(reference, fast)
 
 
+def test_sliding_model_keeps_its_rings_under_this_attention(tiny_mistral_model, in_place):
+    """Mistral (a window in every layer): its layers are rings, which this attention reads through their layout; no
+    page is read by the compiled kernel, and the tokens are DynamicCache's and the gathered path's."""
+    ids, mask = padded_batch([23, 16, 17], seed=5)
+    reference = run(tiny_mistral_model, ids, mask, max_new_tokens=20)
+    fast = paged(tiny_mistral_model, ids, mask, ATTENTION_NAME, max_new_tokens=20)
+    gathered = paged(tiny_mistral_model, ids, mask, "sdpa", max_new_tokens=20)
+    assert in_place["calls"] == 0
+    assert_same_generation(reference, fast)
+    assert_same_generation(gathered, fast)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @torch.no_grad()
 def test_reduced_precision_pools_read_in_place_as_exactly_as_gathered(tiny_llama_model, in_place, dtype):
