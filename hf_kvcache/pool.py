@@ -50,7 +50,6 @@ when the share of pages held crosses a threshold.
 
 import dataclasses
 import logging
-import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -59,8 +58,10 @@ from typing import Any
 
 import torch
 
+from hf_kvcache import device_memory
 from hf_kvcache.allocator import PageAllocator
 from hf_kvcache.config import DEFAULT_PAGE_SIZE, PageFormat
+from hf_kvcache.device_memory import MemoryBudget, commits_lazily
 from hf_kvcache.errors import PoolExhaustedError
 from hf_kvcache.page_table import Allocator, PageTable
 from hf_kvcache.placement import agree, kv_heads_per_rank, normalize_device
@@ -78,66 +79,10 @@ container's limit where lower; CUDA: the free memory when the first of them was 
 DEFAULT_MAX_POOL_PAGES = 1 << 16
 """A default pool holds at most this many pages (a million tokens of pages of 16): attention reads its storage
 in place with tables of one entry per page and row (``hf_kvcache.flex``), which this keeps small."""
-CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
-"""Where a container's memory limit is read (cgroup v2, then v1)."""
-
 _NAMED_POOLS: "weakref.WeakValueDictionary[str, KVPool]" = weakref.WeakValueDictionary()
 _DEFAULT_POOLS: dict[tuple[PageFormat, torch.device], "KVPool"] = {}
-_DEFAULT_BUDGETS: dict[torch.device, "MemoryBudget"] = {}
+_DEFAULT_BUDGETS: dict[torch.device, MemoryBudget] = {}
 _REGISTRY_LOCK = threading.Lock()
-
-
-def commits_lazily(device: torch.device) -> bool:
-    """Whether memory reserved on ``device`` is only committed where it is touched (the CPU's, through the OS)."""
-    return device.type == "cpu"
-
-
-def memory_limit_bytes() -> int:
-    """Bytes of RAM this process may use: the physical memory, or the container's cgroup limit where it is lower."""
-    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for path in CGROUP_MEMORY_LIMITS:
-        try:
-            with open(path) as file:
-                value = file.read().strip()
-        except OSError:
-            continue
-        if value.isdigit():  # "max" (v2) means no limit; v1 writes a huge number instead
-            limit = min(limit, int(value))
-    return limit
-
-
-class MemoryBudget:
-    """Bytes that the default pools of one device may hold together, whatever their page formats.
-
-    Args:
-        total_bytes: the cap (``DEFAULT_MAX_MEMORY_FRACTION`` of the device's memory).
-    """
-
-    def __init__(self, total_bytes: int) -> None:
-        self.total_bytes = total_bytes
-        self.used_bytes = 0
-        self._lock = threading.Lock()
-
-    @property
-    def free_bytes(self) -> int:
-        return self.total_bytes - self.used_bytes
-
-    def reserve(self, num_bytes: int) -> bool:
-        """Takes ``num_bytes`` of the budget if it has them; False (and nothing taken) otherwise."""
-        with self._lock:
-            if num_bytes > self.free_bytes:
-                return False
-            self.used_bytes += num_bytes
-            return True
-
-    def release(self, num_bytes: int) -> None:
-        with self._lock:
-            self.used_bytes -= num_bytes
-
-    def limit_to(self, total_bytes: int) -> None:
-        """Lowers the cap to ``total_bytes`` (never raises it), but not below the bytes already held."""
-        with self._lock:
-            self.total_bytes = max(self.used_bytes, min(self.total_bytes, total_bytes))
 
 
 @dataclass(frozen=True)
@@ -195,7 +140,7 @@ class KVPool:
         device: str | torch.device = "cpu",
         *,
         max_pages: int | None = None,
-        budget: "MemoryBudget | None" = None,
+        budget: MemoryBudget | None = None,
         reserve: bool | None = None,
         name: str | None = None,
         alert_thresholds: tuple[float, ...] = (0.9,),
@@ -417,7 +362,10 @@ class KVPool:
         with _REGISTRY_LOCK:
             budget = _DEFAULT_BUDGETS.get(device)
             if budget is None:
-                memory = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else memory_limit_bytes()
+                if device.type == "cuda":
+                    memory = torch.cuda.mem_get_info(device)[0]
+                else:
+                    memory = device_memory.memory_limit_bytes()
                 budget = _DEFAULT_BUDGETS[device] = MemoryBudget(int(memory * DEFAULT_MAX_MEMORY_FRACTION))
         if group is not None:  # outside the lock: the other ranks may take a while to get here
             budget.limit_to(agree([budget.total_bytes], group, device)[0])

@@ -13,6 +13,7 @@ ORDER = [
     "quant",
     "config",
     "placement",
+    "device_memory",
     "prefix_index",
     "allocator",
     "page_table",

@@ -10,7 +10,7 @@ import torch
 from helpers import random_ids
 
 import hf_kvcache  # noqa: F401
-from hf_kvcache import KVPool, PagedCache, PageFormat, PoolExhaustedError
+from hf_kvcache import KVPool, PagedCache, PageFormat, PoolExhaustedError, device_memory
 from hf_kvcache import pool as pool_module
 from hf_kvcache.placement import normalize_device
 
@@ -305,7 +305,7 @@ def test_default_pools_of_a_device_share_one_memory_cap(monkeypatch):
     monkeypatch.setattr(pool_module, "_DEFAULT_BUDGETS", {})
     small, large = FORMAT, PageFormat(2, 2, 16, torch.float32, page_size=32)
     cap = 1000 * small.page_bytes
-    monkeypatch.setattr(pool_module, "memory_limit_bytes", lambda: int(cap / pool_module.DEFAULT_MAX_MEMORY_FRACTION))
+    monkeypatch.setattr(device_memory, "memory_limit_bytes", lambda: int(cap / pool_module.DEFAULT_MAX_MEMORY_FRACTION))
     first = KVPool.default(small, "cpu")
     second = KVPool.default(large, "cpu")
     budget = pool_module._DEFAULT_BUDGETS[torch.device("cpu")]
@@ -334,5 +334,5 @@ def test_cpu_memory_limit_reads_the_containers_cgroup(tmp_path, monkeypatch, con
     limit = tmp_path / "memory.max"
     if contents is not None:
         limit.write_text(contents)
-    monkeypatch.setattr(pool_module, "CGROUP_MEMORY_LIMITS", (str(limit), str(tmp_path / "absent")))
-    assert pool_module.memory_limit_bytes() == (physical if expected == "physical" else expected)
+    monkeypatch.setattr(device_memory, "CGROUP_MEMORY_LIMITS", (str(limit), str(tmp_path / "absent")))
+    assert device_memory.memory_limit_bytes() == (physical if expected == "physical" else expected)

@@ -18,7 +18,7 @@ from helpers import exact_config, example_config
 from transformers import AutoModelForCausalLM, PreTrainedModel, StoppingCriteria
 
 import hf_kvcache
-from hf_kvcache import KVPool, PoolExhaustedError
+from hf_kvcache import KVPool, PoolExhaustedError, device_memory
 from hf_kvcache import pool as pool_module
 from hf_kvcache.attention import model_attention
 from hf_kvcache.models import tiny_gemma3, tiny_llama
@@ -142,7 +142,7 @@ def main() -> None:
         gc.collect()  # the failed request's cache: its pages go back
         results[f"{model_name}/uneven"]["pages_used_after"] = pool.stats()["pages_used"]
     results["budget"] = {
-        "own": int(pool_module.memory_limit_bytes() * pool_module.DEFAULT_MAX_MEMORY_FRACTION),
+        "own": int(device_memory.memory_limit_bytes() * pool_module.DEFAULT_MAX_MEMORY_FRACTION),
         "agreed": pool_module._DEFAULT_BUDGETS[torch.device("cpu")].total_bytes,
     }
     (root / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
