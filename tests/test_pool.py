@@ -3,6 +3,7 @@
 import copy
 import gc
 import math
+import os
 import threading
 
 import pytest
@@ -330,7 +331,7 @@ def test_default_pools_of_a_device_share_one_memory_cap(monkeypatch):
     "contents,expected", [(None, "physical"), ("max\n", "physical"), ("1073741824\n", 2**30), ("9" * 30, "physical")]
 )
 def test_cpu_memory_limit_reads_the_containers_cgroup(tmp_path, monkeypatch, contents, expected):
-    physical = pool_module.os.sysconf("SC_PAGE_SIZE") * pool_module.os.sysconf("SC_PHYS_PAGES")
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     limit = tmp_path / "memory.max"
     if contents is not None:
         limit.write_text(contents)
