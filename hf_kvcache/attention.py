@@ -17,7 +17,9 @@ The paged layers (``PagedRows.attend``) hand a decode step's keys over as the po
 ``PagedRead``: this attention then runs compiled FlexAttention over the pages where they lie
 (``hf_kvcache.flex``), after checking that the model's mask hides exactly each row's leading padding; anything it
 cannot do in place (a mask with holes, softcapping, attention sinks, training, a shape that does not compile) it
-does on the same keys gathered, the slow twin. Load the model with it, or switch an existing one::
+does on the same keys gathered, the slow twin. A single row on consecutive pages comes as a plain view of them
+(``kernels.run_view``, no ``PagedRead``) and takes the sdpa path like any keys. Load the model with it, or switch an
+existing one::
 
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="hf_kvcache")
     model.set_attn_implementation("hf_kvcache")

@@ -82,8 +82,8 @@ def log_once(key: str, level: int, message: str) -> None:
 
 
 def log_path(key: str, why: str) -> None:
-    """Says once per process (per ``key``) which path paged decode attention takes and why."""
-    if key == "in_place":
+    """Says once per process (per ``key``) which path paged decode attention takes and why (``in_place*``: in place)."""
+    if key.startswith("in_place"):
         message = f"Paged decode attention reads the pool's pages in place ({why})."
     else:
         message = f"Paged decode attention gathers the pages instead of reading them in place: {why}."

@@ -7,7 +7,9 @@ the layer's flattened view, and the result ``[num_kv_heads, batch, n, last_dim]`
 permuted view ``[batch, num_kv_heads, n, last_dim]`` without another copy. Row indices depend on the storage's
 page count: build them for the storage they are used with (``hf_kvcache.pool.PoolStorage``).
 
-The in-place path (no copy of the history at all) is ``hf_kvcache.flex``; this is its slow twin.
+Where a single row's pages are one run of consecutive ids in order, its tokens are consecutive slots of each head
+and ``run_view`` hands them over as a strided view, no copy at all. The in-place path for rows scattered over the
+pool is ``hf_kvcache.flex``; ``read_pages`` is the slow twin of both.
 """
 
 import torch
@@ -45,6 +47,21 @@ def read_pages(storage: torch.Tensor, layer_idx: int, rows: torch.Tensor, batch:
     out = storage[layer_idx].view(-1, page_size * last_dim).index_select(0, rows)
     out = out.view(heads, batch, -1, last_dim)[:, :, :num_tokens]  # [heads, batch, tokens, last_dim]
     return out.permute(1, 0, 2, 3)
+
+
+def run_view(storage: torch.Tensor, layer_idx: int, first_page: int, num_tokens: int) -> torch.Tensor:
+    """A layer's tokens ``[0, num_tokens)`` of one row whose pages are ``first_page, first_page + 1, ...``, in place.
+
+    Args:
+        storage: as for ``read_pages`` (contiguous: a page's slots follow the page before in each head).
+
+    Returns:
+        ``[1, heads, num_tokens, last_dim]``, a view of ``storage`` (the same numbers ``read_pages`` copies out).
+    """
+    _, heads, _, page_size, last_dim = storage.shape
+    head_stride, slot_stride = storage.stride(1), storage.stride(3)
+    offset = storage.storage_offset() + layer_idx * storage.stride(0) + first_page * storage.stride(2)
+    return storage.as_strided((1, heads, num_tokens, last_dim), (0, head_stride, slot_stride, 1), offset)
 
 
 def read_slots(storage: torch.Tensor, layer_idx: int, rows: torch.Tensor, batch: int) -> torch.Tensor:

@@ -8,7 +8,10 @@ from helpers import assert_beams_and_sampling_match, assert_same_generation, pad
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 import hf_kvcache  # noqa: F401  (registers "paged_pool")
-from hf_kvcache import KVPool, PagedCache, PoolExhaustedError
+from hf_kvcache import KVPool, PagedCache, PoolExhaustedError, flex
+from hf_kvcache.attention import ATTENTION_NAME, model_attention
+from hf_kvcache.bench.catalogue import interleaved_extents, with_attention
+from hf_kvcache.layers.rows import run_read_count
 from hf_kvcache.models import tiny_llama
 
 MODELS = ["tiny_llama_model", "tiny_mistral_model", "tiny_gemma3_model"]
@@ -247,3 +250,66 @@ def test_smollm2_batch_beam_and_sampling_match(bundled):
     assert_beams_and_sampling_match(
         model, batch.input_ids, batch.attention_mask, "paged_pool", max_new_tokens=8, num_return_sequences=4, seed=11
     )
+
+
+@pytest.mark.parametrize(
+    "cache_implementation, cache_config",
+    [
+        ("paged_pool", {}),
+        ("quantized_values", {"bits": 4, "group_size": 8, "residual_length": 5}),
+        ("quantized_values", {"bits": 8, "residual_length": 0}),
+    ],
+    ids=["paged", "int4-residual-5", "int8-no-residual"],
+)
+def test_a_single_row_is_read_as_a_view_of_its_run_of_pages(tiny_llama_model, cache_implementation, cache_config):
+    """One row on a fresh pool lies on consecutive pages: under ``hf_kvcache`` attention reads a view of them (the
+    prompt and every decode step, nothing compiled), with the same tokens and logits as gathering them (sdpa), and
+    as DynamicCache where nothing is quantized."""
+    ids = random_ids(1, 40, seed=7)
+    mask = torch.ones_like(ids)
+    settings = {"max_new_tokens": 20, "cache_implementation": cache_implementation, "cache_config": cache_config}
+    gathered = run(tiny_llama_model, ids, mask, **settings)
+    reads, calls = run_read_count(), flex.call_count()
+    with model_attention(tiny_llama_model, ATTENTION_NAME):
+        viewed = run(tiny_llama_model, ids, mask, **settings)
+    assert run_read_count() - reads == 20 * 2  # the prompt and 19 decode steps, in both layers
+    assert flex.call_count() == calls
+    assert_same_generation(gathered, viewed)
+    if cache_implementation == "paged_pool":
+        assert_same_generation(run(tiny_llama_model, ids, mask, max_new_tokens=20), viewed)
+
+
+@torch.no_grad()
+def test_the_view_is_the_pools_storage(tiny_llama_model):
+    """What attention gets for a run is the pool's memory itself (written there, not copied out), token by token."""
+    config = with_attention(tiny_llama_model.config, ATTENTION_NAME)
+    pool = KVPool.for_model(tiny_llama_model, max_tokens=256)
+    cache = PagedCache(config, pool=pool)
+    states = torch.randn(2, 1, config.num_key_value_heads, 37, config.head_dim)  # keys, values: [1, heads, 37, dim]
+    keys, values = cache.update(states[0], states[1], 0)
+    assert torch.equal(keys, states[0]) and torch.equal(values, states[1])
+    memory = pool.storage.keys.untyped_storage()
+    start, end = memory.data_ptr(), memory.data_ptr() + memory.nbytes()
+    assert start <= keys.data_ptr() < end  # a view: the next write shows through it
+    pool.storage.keys.zero_()
+    assert not keys.any()
+
+
+def test_a_row_off_consecutive_pages_is_gathered(tiny_llama_model):
+    """Another request holds every other extent of the pool, so a 200-token row's pages skip ids: not one run, so
+    attention gathers them (short of ``flex.MIN_IN_PLACE_TOKENS``); the tokens are DynamicCache's."""
+    ids = random_ids(1, 180, seed=8)
+    mask = torch.ones_like(ids)
+    pool = KVPool.for_model(tiny_llama_model, max_tokens=2048)
+    reads = run_read_count()
+    with interleaved_extents(pool, 4), model_attention(tiny_llama_model, ATTENTION_NAME):
+        paged = run(
+            tiny_llama_model,
+            ids,
+            mask,
+            max_new_tokens=20,
+            cache_implementation="paged_pool",
+            cache_config={"pool": pool},
+        )
+    assert run_read_count() == reads
+    assert_same_generation(run(tiny_llama_model, ids, mask, max_new_tokens=20), paged)

@@ -60,6 +60,7 @@ from hf_kvcache.bench.catalogue import (
 from hf_kvcache.bench.measure import OtherCpuUse, PeakMemory
 from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.eval import kv_bytes, load_essays
+from hf_kvcache.layers.rows import run_read_count
 
 logger = logging.getLogger("hf_kvcache.bench")
 
@@ -145,8 +146,9 @@ class DecodeResult:
         attention: the model's ``attn_implementation`` during the run.
         pool: which pool a cache of ours drew from (``default``, ``fixed``, ``fragmented``); ``None`` for
             transformers' caches.
-        path: how decode attention read a paged cache of ours: ``in place (compiled FlexAttention)`` where every
-            timed step of every round did, ``gathered`` where none did, ``mixed`` otherwise; ``-`` for transformers'
+        path: how decode attention read a paged cache of ours: ``in place (compiled FlexAttention)`` or ``in place
+            (sdpa over one run of pages)`` where every timed step of every round did that, ``gathered`` where none
+            read in place, ``mixed`` otherwise; ``-`` for transformers'
             caches and rings (``sliding_ring`` reads its slots in place without compiling, ``sliding_ring_sdpa``
             gathers them).
         compile_s: seconds the first call of each compiled shape took in these runs (the compile, paid once per
@@ -184,6 +186,7 @@ class _Run:
     kv_bytes_held: int
     peak_bytes: int
     in_place_calls: int  # compiled in-place attention calls during the timed steps
+    run_reads: int  # layer reads as a view of one run of pages during the timed steps
     attention_calls: int  # layer attention calls during the timed steps (layers x steps)
     compile_s: float
 
@@ -325,7 +328,7 @@ def _decode(
         next_tokens = step(next_tokens, position)
         picked.append(next_tokens)
     start = length + config.warmup_steps
-    calls_before = flex.call_count()
+    calls_before, runs_before = flex.call_count(), run_read_count()
     with PeakMemory(device, config.sample_interval_s) as memory:
         for position in range(start, start + config.steps):
             if is_cuda:
@@ -336,7 +339,7 @@ def _decode(
                 torch.cuda.synchronize(device)
             step_s.append(time.perf_counter() - began)
             picked.append(next_tokens)
-    in_place_calls = flex.call_count() - calls_before
+    in_place_calls, run_reads = flex.call_count() - calls_before, run_read_count() - runs_before
     attention_calls = config.steps * model.config.num_hidden_layers
     compile_s = sum(flex.compile_seconds().values()) - compiled_before
     return _Run(
@@ -345,6 +348,7 @@ def _decode(
         kv_bytes(cache),
         memory.peak_bytes,
         in_place_calls,
+        run_reads,
         attention_calls,
         compile_s,
     )
@@ -365,10 +369,14 @@ def _summarize(
         )
         held = cache_runs[-1].kv_bytes_held
         in_place = sum(run.in_place_calls for run in cache_runs)
-        if in_place == 0:
+        as_runs = sum(run.run_reads for run in cache_runs)
+        attention_calls = sum(run.attention_calls for run in cache_runs)
+        if in_place == as_runs == 0:
             path = "gathered" if pool_kind(name) is not None and name not in SLIDING_CACHES else "-"
-        elif in_place == sum(run.attention_calls for run in cache_runs):
+        elif in_place == attention_calls:
             path = "in place (compiled FlexAttention)"
+        elif as_runs == attention_calls:
+            path = "in place (sdpa over one run of pages)"
         else:
             path = "mixed"
         results.append(

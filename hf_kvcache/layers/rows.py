@@ -5,12 +5,17 @@ receive a step's new tokens grows the page table (allocating and copying-on-writ
 layer at once, since a page id addresses the same slots in every layer); the layers after it
 find the table already grown and reuse the same index tensors.
 
-Attention gets a layer's keys and values in one of two ways (``attend``):
+Attention gets a layer's keys and values in one of three ways (``attend``):
 
 - gathered (the slow twin, and the path of prefill, short contexts, ``sdpa``/``eager``): the rows' pages copied
   out in token order, ``[batch, heads, num_tokens, head_dim]``;
-- in place (a decode step under ``attn_implementation="hf_kvcache"`` where ``batch x tokens`` reaches
-  ``flex.MIN_IN_PLACE_TOKENS``): the layer's whole storage as ``[1, heads, pages * page_size, head_dim]`` views,
+- as a run (any step under ``attn_implementation="hf_kvcache"`` of a single row whose pages are one run of
+  consecutive ids in order, as a fresh pool places them): the same ``[1, heads, num_tokens, head_dim]`` as gathered,
+  but a view of the storage (``kernels.run_view``), so plain sdpa reads it in place, with no copy and nothing to
+  compile; quantized values are dequantized from their codes' view into a reused buffer;
+- in place over scattered pages (a decode step under ``attn_implementation="hf_kvcache"`` of other rows, where
+  ``batch x tokens`` reaches ``flex.MIN_IN_PLACE_TOKENS``): the layer's whole storage as
+  ``[1, heads, pages * page_size, head_dim]`` views,
   the keys carrying a ``PagedRead`` with the step's ``PagedBlockMask`` (built once per step by the layer group's
   first layer, shared by the rest) that ``hf_kvcache.attention`` hands to compiled FlexAttention. Quantized values
   cannot be read as they lie: the pages the mask visits are dequantized into a buffer of the storage's layout
@@ -25,12 +30,20 @@ from typing import Any
 import torch
 
 from hf_kvcache import flex
-from hf_kvcache.kernels import page_rows, read_pages, slot_rows
+from hf_kvcache.kernels import page_rows, read_pages, run_view, slot_rows
 from hf_kvcache.layers.store import SlotStore, extent_runs
 from hf_kvcache.placement import agree
 from hf_kvcache.pool import KVPool, PoolStorage
 
 PAGED_ATTRIBUTE = "hf_kvcache_paged"
+GATHER, RUN, IN_PLACE = "gather", "run", "in place"
+"""How a step's attention reads a layer's pages (``PagedRows.attend``)."""
+_RUN_READS = [0]  # layers read as a run in this process (benchmarks report the path each row took)
+
+
+def run_read_count() -> int:
+    """Layer reads handed to attention as a view of one run of pages (``RUN``) in this process so far."""
+    return _RUN_READS[0]
 
 
 @dataclass(frozen=True)
@@ -121,13 +134,14 @@ class PagedRows:
         self._mask: flex.PagedBlockMask | None = None  # reused from step to step, refilled in place
         self._mask_fresh = False  # the mask matches the table and the pads (else: update before use)
         self._mask_usable = False  # the visited extents hold nothing but the rows' pages and zeros
-        self._in_place: tuple[int, int, bool] | None = None  # (num_tokens, num_new, in place) of the current step
+        self._mode: tuple[int, int, str] | None = None  # (num_tokens, num_new, mode) of the current step (_step_mode)
         # The extents the mask visits, [visited] and as runs (quantized values: what is dequantized).
         self._extents: tuple[torch.Tensor, list[tuple[int, int]]] | None = None
         # (start, num_tokens, storage pages) -> (positions, slot rows) of a step's residual window (_residual_slots)
         self._residual: tuple[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
         self._version = -1  # table version the cached indices below were built for
         self._ids: torch.Tensor | None = None
+        self._one_run: bool | None = None  # see _is_one_run
         self._read: tuple[int, torch.Tensor] | None = None  # (storage pages, rows)
         self._write: tuple[int, int, int, torch.Tensor] | None = None  # (start, num_new, storage pages, rows)
         self._shared_prefill: tuple[int, list[int]] | None = None  # (num_tokens, identical_rows) of a prefill
@@ -187,15 +201,22 @@ class PagedRows:
             self.written = end
 
     def attend(self, layer_in_group: int, num_tokens: int, num_new: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of one layer for attention: in place where the step allows it, else gathered.
+        """Keys and values of one layer for attention: as a run or in place where the step allows it, else gathered.
 
         Returns:
+            ``[batch, heads, num_tokens, head_dim]`` (gathered; a view of the storage as a run), or
             ``[1, heads, storage pages * page_size, head_dim]`` views of the storage with a ``PagedRead`` on the keys
-            (in place), or ``[batch, heads, num_tokens, head_dim]`` (gathered).
+            (in place).
         """
-        if not self._step_in_place(num_tokens, num_new):
+        mode = self._step_mode(num_tokens, num_new)
+        if mode == GATHER:
             return self.read(layer_in_group, num_tokens)
         storage, fmt = self.pool.storage, self.pool.format
+        if mode == RUN:
+            _RUN_READS[0] += 1
+            first_page = self.table.rows[0][0]
+            view = functools.partial(run_view, layer_idx=layer_in_group, first_page=first_page, num_tokens=num_tokens)
+            return self.store.read(layer_in_group, storage, view, num_tokens, num_tokens)
         shape = (1, fmt.num_kv_heads, storage.num_pages * fmt.page_size, fmt.head_dim)
         keys = storage.keys[layer_in_group].view(shape)
         if self.store.quant is None:
@@ -208,31 +229,36 @@ class PagedRows:
         setattr(keys, PAGED_ATTRIBUTE, PagedRead(self._mask, self._pad_tensor(self.table.num_rows), num_tokens, gather))
         return keys, values
 
-    def _step_in_place(self, num_tokens: int, num_new: int) -> bool:
-        """Whether this step's attention reads the pages in place (decided by the layer group's first layer)."""
-        if self._in_place is not None and self._in_place[:2] == (num_tokens, num_new):
-            return self._in_place[2]
-        in_place = self._can_read_in_place(num_tokens, num_new)
-        self._in_place = (num_tokens, num_new, in_place)
-        return in_place
+    def _step_mode(self, num_tokens: int, num_new: int) -> str:
+        """How this step's attention reads the pages (``GATHER``, ``RUN``, ``IN_PLACE``), decided by the layer
+        group's first layer."""
+        if self._mode is not None and self._mode[:2] == (num_tokens, num_new):
+            return self._mode[2]
+        mode = self._choose_mode(num_tokens, num_new)
+        self._mode = (num_tokens, num_new, mode)
+        return mode
 
-    def _can_read_in_place(self, num_tokens: int, num_new: int) -> bool:
+    def _choose_mode(self, num_tokens: int, num_new: int) -> str:
         batch, pool = self.table.num_rows, self.pool
-        if num_new != 1 or not batch or batch * num_tokens < flex.MIN_IN_PLACE_TOKENS:
-            return False  # prefill (compute-bound), or a step whose compiled call would cost more than the copy
-        if not self._reads_in_place():
-            flex.log_path("attention", "the model's attn_implementation is not 'hf_kvcache'")
-            return False
+        if not batch or not self._reads_in_place():
+            if batch and num_new == 1:
+                flex.log_path("attention", "the model's attn_implementation is not 'hf_kvcache'")
+            return GATHER
         if self.store.keys is not None:
             flex.log_path("encoded keys", "keys stored as int8/int4 codes are gathered and decoded for attention")
-            return False
+            return GATHER
+        if self._is_one_run():
+            flex.log_path("in_place:run", "a single row on consecutive pages: sdpa over a view of them")
+            return RUN
+        if num_new != 1 or batch * num_tokens < flex.MIN_IN_PLACE_TOKENS:
+            return GATHER  # prefill (compute-bound), or a step whose compiled call would cost more than the copy
         if not pool.storage_is_fixed:
             flex.log_path("moves", "the pool's storage moves when it grows (reserve=False: CUDA's default pools)")
-            return False
+            return GATHER
         reason = flex.unavailable(pool.device)
         if reason is not None:
             flex.log_path("unavailable", reason)
-            return False
+            return GATHER
         fmt = pool.format
         if self._mask is None or self._mask.batch != batch:
             num_pages = pool.storage.num_pages
@@ -250,7 +276,18 @@ class PagedRows:
             self._mask_fresh = True
         if not self._mask_usable:
             flex.log_path("foreign", "a row's extents hold another request's pages (gathered for those steps)")
-        return self._mask_usable
+            return GATHER
+        return IN_PLACE
+
+    def _is_one_run(self) -> bool:
+        """Whether the table holds a single row whose pages are consecutive ids in order (``kernels.run_view``), in
+        a storage whose pages follow each other (a view of them is one slice)."""
+        if self._one_run is None:
+            rows = self.table.rows
+            pages = rows[0] if len(rows) == 1 else []
+            consecutive = all(second - first == 1 for first, second in zip(pages, pages[1:]))
+            self._one_run = bool(pages) and consecutive and all(t.is_contiguous() for t in self.pool.storage.tensors)
+        return self._one_run
 
     def read(self, layer_in_group: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[batch, heads, num_tokens, head_dim]`` of one layer, gathered for attention."""
@@ -369,14 +406,14 @@ class PagedRows:
     def _apply(self, change: Callable[[], list[tuple[int, int]] | None]) -> None:
         """Runs a table change under the pool lock, copies the pages it asks for, drops cached indices."""
         self._shared_prefill = None
-        self._mask_fresh, self._in_place = False, None
+        self._mask_fresh, self._mode = False, None
         with self.pool.lock:
             copies = change()
         if copies:
             self.pool.copy_pages(copies)
         if self.table.version != self._version:
             self._version = self.table.version
-            self._ids = self._read = self._write = self._residual = None
+            self._ids = self._one_run = self._read = self._write = self._residual = None
 
     def _agreed_identical_rows(self, identical_rows: list[int] | None, batch: int) -> list[int] | None:
         """The identical rows every rank found (each sees only its share of the heads); ``None`` where they differ."""
