@@ -138,7 +138,8 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Ten
         scale, zero = _integer_zero_scale(low, high, fmt.max_code, dtype)
         base = zero.float() * scale.float()  # exact for 2-byte scales: 8 bits times 11
     else:
-        zero = _round_down(low, dtype)  # exact where dtype is x's: the minimum is one of x's values
+        # A float32 minimum is stored as it is (the common case: rounding it down would take six more small ops).
+        zero = low if dtype == torch.float32 else _round_down(low, dtype)
         base = zero.float()
         scale = _covering_scale(high - base, fmt.max_code, dtype)
     stored_scale = scale.float().unsqueeze(-1)  # [..., num_scale_groups, 1]
