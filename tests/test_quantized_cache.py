@@ -10,6 +10,7 @@ from transformers import DynamicCache
 import hf_kvcache  # noqa: F401  (registers "quantized_values")
 from hf_kvcache import IncompatibleModelError, KVPool, PagedCache, QuantizedValueCache
 from hf_kvcache.layers import RingLayer
+from hf_kvcache.layers.rows import PagedRows
 from hf_kvcache.models import tiny_llama
 from hf_kvcache.quant import QuantFormat, dequantize, quantize
 from hf_kvcache.transformers_internals import DummyLayer
@@ -159,3 +160,23 @@ def test_models_that_reuse_another_layers_kv_are_refused(tiny_llama_model):
     with pytest.raises(IncompatibleModelError, match="kv_sharing_modes has 'reuse'.*paged_pool or sliding_ring"):
         QuantizedValueCache(config, group_size=16)
     assert isinstance(PagedCache(config).layers[1], DummyLayer)  # the paged cache serves it
+
+
+@pytest.mark.parametrize("crop_to", [37, 48, 20])
+@torch.no_grad()
+def test_codes_by_page_equal_codes_by_token_through_a_crop(tiny_llama_model, crop_to, monkeypatch):
+    """With a residual window of a page or more, value codes are written a page at a time, when the page fills; the
+    logits equal writing each token's codes with it, through decode steps, a ``crop`` (inside a page, at a page's edge,
+    back past the window) and the pages that fill again afterwards."""
+    settings = {"bits": 4, "group_size": 8, "residual_length": 16}
+    ids, other = random_ids(1, 70, seed=21), random_ids(1, 60, seed=22)
+
+    def logits() -> torch.Tensor:
+        cache = QuantizedValueCache(tiny_llama_model.config, **settings)
+        before = teacher_forced_logits(tiny_llama_model, ids, cache, [40, 1])
+        cache.crop(crop_to - ids.shape[1])  # removes the tokens past crop_to
+        return torch.cat([before, teacher_forced_logits(tiny_llama_model, other, cache, [1])], dim=1)
+
+    by_page = logits()
+    monkeypatch.setattr(PagedRows, "values_by_page", False)
+    torch.testing.assert_close(by_page, logits(), rtol=0, atol=0)

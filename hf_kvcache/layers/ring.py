@@ -161,6 +161,8 @@ class RingRows(PagedRows):
         group: as for ``PagedRows``.
     """
 
+    values_by_page = False  # a ring's slots wrap around: each token's value codes are written with it
+
     def __init__(
         self,
         pool: KVPool,

@@ -111,6 +111,9 @@ class PagedRows:
     either changes.
     """
 
+    values_by_page = True
+    """Quantized values: write their codes a page at a time, when the page fills (``SlotStore.write_value_pages``)."""
+
     def __init__(
         self,
         pool: KVPool,
@@ -122,7 +125,7 @@ class PagedRows:
     ) -> None:
         self.pool = pool
         self.group = group
-        self.store = SlotStore(pool, residual_length)
+        self.store = SlotStore(pool, residual_length, self.values_by_page)
         self.table = pool.new_table(row_extents, group)
         self.written = 0  # tokens every layer of the layer group has written (see write)
         self._last_layer = pool.format.num_layers - 1
@@ -164,6 +167,12 @@ class PagedRows:
             rows = self._write_index(start, key_states.shape[-2], storage)
             self.store.write(layer_in_group, storage, rows, key_states, value_states)
             self._write_keys(layer_in_group, storage, start, key_states)
+            pages = self.store.value_pages_to_write(start, start + value_states.shape[-2])
+            if pages is not None:
+                first, last = pages
+                rows = self._slot_index(first, last - first, storage)
+                values = value_states[:, :, : last - start]
+                self.store.write_value_pages(layer_in_group, storage, rows, first, start, values)
         self.store.remember(layer_in_group, start, value_states)
         self.end_step(layer_in_group, start + key_states.shape[-2])
 
@@ -199,6 +208,7 @@ class PagedRows:
         layer holds them (``written``, what may be published to a prefix index)."""
         if layer_in_group == self._last_layer:
             self.written = end
+            self.store.stored(end)
 
     def attend(self, layer_in_group: int, num_tokens: int, num_new: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of one layer for attention: as a run or in place where the step allows it, else gathered.
@@ -398,10 +408,7 @@ class PagedRows:
         from the pool) hold each row's first ``num_tokens`` tokens, in every layer of the layer group."""
         self._apply(lambda: self.table.attach(pages, num_tokens))
         self.written = num_tokens
-        if self.store.residual is not None:  # the prefix's values are codes only
-            self.store.residual.first = num_tokens
-        if self.store.keys is not None:  # whole pages, encoded
-            self.store.keys.attach()
+        self.store.attach(num_tokens)
 
     def _apply(self, change: Callable[[], list[tuple[int, int]] | None]) -> None:
         """Runs a table change under the pool lock, copies the pages it asks for, drops cached indices."""
@@ -469,13 +476,17 @@ class PagedRows:
         return self._residual[1]
 
     def _write_index(self, start: int, num_new: int, storage: PoolStorage) -> torch.Tensor:
-        """``[heads * batch * n]`` slot rows of tokens ``[start, start + n)`` in ``storage`` (``kernels.slot_rows``)."""
+        """``[heads * batch * n]`` slot rows of tokens ``[start, start + n)`` in ``storage`` (``kernels.slot_rows``),
+        kept for the step's other layers."""
         key = (start, num_new, storage.num_pages)
         if self._write is None or self._write[:3] != key:
-            page_size = self.pool.format.page_size
-            positions = torch.arange(start, start + num_new, device=self.pool.device)  # [n]
-            page_ids = self._page_ids()[:, positions // page_size]  # [batch, n]
-            offsets = (positions % page_size).expand_as(page_ids)  # [batch, n]
-            rows = slot_rows(page_ids, offsets, self.pool.format.num_kv_heads, storage.num_pages, page_size)
-            self._write = (*key, rows)
+            self._write = (*key, self._slot_index(start, num_new, storage))
         return self._write[3]
+
+    def _slot_index(self, start: int, num_new: int, storage: PoolStorage) -> torch.Tensor:
+        """``_write_index``, not kept (a page's value codes, written once in a while: ``SlotStore.by_page``)."""
+        page_size = self.pool.format.page_size
+        positions = torch.arange(start, start + num_new, device=self.pool.device)  # [n]
+        page_ids = self._page_ids()[:, positions // page_size]  # [batch, n]
+        offsets = (positions % page_size).expand_as(page_ids)  # [batch, n]
+        return slot_rows(page_ids, offsets, self.pool.format.num_kv_heads, storage.num_pages, page_size)

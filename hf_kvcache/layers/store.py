@@ -7,7 +7,10 @@ never change afterwards); keys stay in the model's dtype. Attention gets the val
 into a buffer the rows reuse from step to step and layer to layer, never a new full-precision copy
 of the history: gathered in token order (``read``), or, where attention reads the keys in place, laid
 out as the storage's slots, the visited pages only (``values_in_place``). The newest ``residual_length``
-tokens are served in full precision from ``ResidualValues`` instead of their codes. With a format that sets
+tokens are served in full precision from ``ResidualValues`` instead of their codes; where that window holds at least
+a page (and the rows keep every page), the codes are written a page at a time, when the page fills
+(``write_value_pages``: one quantization per page instead of one per token; attention reads the tokens of the page
+still filling from the window). With a format that sets
 ``key_bits``, keys are stored as codes a page at a time (``hf_kvcache.layers.keys``): the rows write and read them
 through ``SlotStore.keys``.
 """
@@ -80,6 +83,11 @@ class ResidualValues:
         index = torch.arange(end - count, end, device=values.device) % self.length  # [count]
         values[:, :, values.shape[2] - count :] = self.buffers[layer_in_group].index_select(2, index)
 
+    def take(self, layer_in_group: int, first: int, end: int) -> torch.Tensor:
+        """The held tokens ``[first, end)`` as ``[batch, heads, end - first, head_dim]`` (all within the window)."""
+        buffer = self.buffers[layer_in_group]
+        return buffer.index_select(2, torch.arange(first, end, device=buffer.device) % self.length)
+
     def select_rows(self, indices: list[int]) -> None:
         for layer_in_group, buffer in self.buffers.items():
             self.buffers[layer_in_group] = buffer[torch.tensor(indices, device=buffer.device)]
@@ -98,12 +106,16 @@ class SlotStore:
     Args:
         pool: where the pages live.
         residual_length: newest tokens whose values attention gets in full precision (quantized pools only).
+        values_by_page: write value codes a page at a time where the residual window holds a page (rows that keep
+            every page; a ring's slots wrap around instead).
     """
 
-    def __init__(self, pool: KVPool, residual_length: int = 0) -> None:
+    def __init__(self, pool: KVPool, residual_length: int = 0, values_by_page: bool = False) -> None:
         self.pool = pool
         self.quant = pool.format.value_format
         self.residual = ResidualValues(residual_length) if self.quant is not None and residual_length else None
+        self.by_page = values_by_page and self.residual is not None and residual_length >= pool.format.page_size
+        self.coded = 0  # by page: tokens of every row whose value codes are in the pool, in every layer
         self._buffers: dict[str, torch.Tensor] = {}  # flat, reused for dequantized values (and float32 work)
         self.keys = KeyPages(pool.format, self._buffer) if pool.format.key_format is not None else None
 
@@ -120,14 +132,48 @@ class SlotStore:
         Call it under the pool's lock with the pool's current storage, and ``rows`` built for it
         (``kernels.slot_rows``): a growth that moves the pages cannot then lose the write. The pool holds
         inference state: what is stored is detached from any autograd graph. Encoded keys are not written here
-        (``KeyPages.write``, a page at a time).
+        (``KeyPages.write``, a page at a time), nor values written by page (``write_value_pages``).
         """
         key_states, value_states = key_states.detach(), value_states.detach()
         if self.keys is None:
             write_slots(storage.keys, layer_in_group, rows, key_states)
         if self.quant is None:
             write_slots(storage.values, layer_in_group, rows, value_states)
-            return
+        elif not self.by_page:
+            self._write_codes(layer_in_group, storage, rows, value_states)
+
+    def value_pages_to_write(self, start: int, end: int) -> tuple[int, int] | None:
+        """By page: the tokens ``[first, last)`` whose codes a step writing tokens ``[start, end)`` stores, the pages
+        it fills (``None``: none)."""
+        last = end - end % self.pool.format.page_size
+        first = self.coded if start else 0
+        return (first, last) if self.by_page and last > first else None
+
+    def write_value_pages(
+        self,
+        layer_in_group: int,
+        storage: PoolStorage,
+        rows: torch.Tensor,
+        first: int,
+        start: int,
+        value_states: torch.Tensor,
+    ) -> None:
+        """By page: stores the codes of tokens ``[first, last)`` (``value_pages_to_write``) into their slots ``rows``,
+        the ones before ``start`` taken from the residual window, the rest from the step's ``value_states``
+        ``[batch, heads, n, head_dim]`` (tokens ``[start, start + n)``). Under the pool's lock, like ``write``."""
+        values = value_states.detach()
+        if first < start:
+            values = torch.cat([self.residual.take(layer_in_group, first, start), values], dim=2)
+        self._write_codes(layer_in_group, storage, rows, values)
+
+    def stored(self, end: int) -> None:
+        """Every layer has written tokens up to ``end``: by page, the codes of its full pages are in the pool."""
+        if self.by_page:  # a step inside a page a crop left coded in part keeps that part
+            self.coded = max(self.coded, end - end % self.pool.format.page_size)
+
+    def _write_codes(
+        self, layer_in_group: int, storage: PoolStorage, rows: torch.Tensor, value_states: torch.Tensor
+    ) -> None:
         codes, scale, zero = quantize(value_states, self.quant)
         write_slots(storage.values, layer_in_group, rows, codes)
         write_slots(storage.value_scales, layer_in_group, rows, join_scales(scale, zero))
@@ -262,8 +308,18 @@ class SlotStore:
     def crop(self, num_tokens: int) -> None:
         if self.residual is not None:
             self.residual.crop(num_tokens)
+        self.coded = min(self.coded, num_tokens)
+
+    def attach(self, num_tokens: int) -> None:
+        """The rows start from a reused prefix of ``num_tokens`` tokens, whose values are codes only."""
+        if self.residual is not None:
+            self.residual.first = num_tokens
+        self.coded = num_tokens
+        if self.keys is not None:  # whole pages, encoded
+            self.keys.attach()
 
     def release(self) -> None:
+        self.coded = 0
         if self.residual is not None:
             self.residual.release()
         if self.keys is not None:
