@@ -1,8 +1,8 @@
 """FlexAttention over a pool's pages, in place: a decode step reads each row's keys and values where they lie.
 
-A layer's storage goes to ``flex_attention`` as it is, viewed as ``[1, num_kv_heads, num_pages * page_size,
-head_dim]`` (one batch row, broadcast over the query's rows). What each query row may see is a ``BlockMask``
-built from the page tables directly (no ``create_block_mask``):
+A layer's storage goes to ``flex_attention`` in place, its first pages viewed as ``[1, num_kv_heads, num_pages *
+page_size, head_dim]`` (one batch row, broadcast over the query's rows; ``view_pages`` below). What each query row
+may see is a ``BlockMask`` built from the page tables directly (no ``create_block_mask``):
 
 - a KV block is one *extent* of ``extent_pages`` pages (``KV_BLOCK_TOKENS`` = 128 tokens; the allocator places
   each row's pages in aligned extents), so a block's index is its extent id;
@@ -22,14 +22,19 @@ they are its own rows', ``KVPool.foreign_pages``) and free pages (all zeros, ``h
 GQA is packed: the ``group`` query heads of a KV head become ``group`` query rows of it, so every page is read
 once per KV head and the kernel's products get ``group`` rows (1.7x faster than flex's own ``enable_gqa``).
 
-Compiling: ``torch.compile(dynamic=False, fullgraph=True)`` (inductor picks its flash-decoding template only
-with static shapes; ``dynamic=True`` does not compile this mask on CPU). The mask's tensors are allocated once
-at the pool's size and refilled in place, so rows that grow never recompile: one compile per *shape key* (batch,
-pool pages, heads, dtype, page geometry, softmax scale, threads, grad mode), paid once per process (about 15 s
-cold on a 2-core CPU, 1 s with inductor's on-disk cache warm). Each key gets its own compiled function with its
-own code object: dynamo counts ``recompile_limit`` (8) per code object and past it silently runs flex
-uncompiled, 100x slower over the whole pool. Past ``MAX_SHAPE_KEYS`` keys, or where compiling is impossible
-(``unavailable``), callers take the gather path (``hf_kvcache.kernels``), the slow twin this is tested against.
+The keys and values go in as a view of the storage's first pages only, as many as the step's pages need
+rounded up to a power of two extents (``view_pages``): inductor's CPU kernel allocates two scratch buffers the size
+of its whole key sequence at every call (unused in fp32), which over a default pool's reserved cap (17,144 pages
+for SmolLM2 here) cost 0.05-0.16 ms per call more than over the 640 pages the rows of a 1,024 x 8 step use.
+
+Compiling: ``torch.compile(dynamic=False, fullgraph=True)`` (``dynamic=True`` does not compile this mask on CPU).
+The mask's tensors are allocated once per view size and refilled in place, so rows that grow recompile only when
+their pages pass a power of two: one compile per *shape key* (batch, view pages, heads, dtype, page geometry,
+softmax scale, threads, grad mode), paid once per process (about 15 s cold on a 2-core CPU, 1 s with inductor's
+on-disk cache warm). Each key gets its own compiled function with its own code object: dynamo counts
+``recompile_limit`` (8) per code object and past it silently runs flex uncompiled, 100x slower over the whole pool.
+Past ``MAX_SHAPE_KEYS`` keys, or where compiling is impossible (``unavailable``), callers take the gather path
+(``hf_kvcache.kernels``), the slow twin this is tested against.
 """
 
 import logging
@@ -53,6 +58,10 @@ MIN_IN_PLACE_TOKENS = 2048
 """Decode steps with fewer tokens than this over all rows (``batch x tokens``) gather instead: a compiled call
 costs a fixed 0.1-0.25 ms more than sdpa on this CPU, which the copy it saves repays only past about 1-2k tokens
 (SmolLM2, whole model, 1 thread: in place 0.97x ``DynamicCache`` at 1,024 x 1, 1.22x at 1,024 x 8)."""
+
+MIN_VIEW_EXTENTS = 32
+"""The smallest view of a storage that in-place attention gets, in extents (4,096 tokens of 16-token pages): fewer
+view sizes, fewer compiles."""
 
 _LOCK = threading.Lock()
 _COMPILED: dict[tuple, Callable[..., torch.Tensor]] = {}
@@ -137,6 +146,13 @@ def compile_seconds() -> dict[tuple, float]:
     return dict(_COMPILE_SECONDS)
 
 
+def view_pages(num_used: int, extent_pages: int, storage_pages: int) -> int:
+    """Page ids ``[0, n)`` of a storage that in-place attention reads: the first ``num_used`` ones, rounded up to a
+    power of two extents (at least ``MIN_VIEW_EXTENTS``), at most the storage's ``storage_pages``."""
+    num_extents = max(MIN_VIEW_EXTENTS, -(-num_used // extent_pages))
+    return min(storage_pages, extent_pages << (num_extents - 1).bit_length())
+
+
 def _paged_flex(
     query,
     key,
@@ -186,7 +202,8 @@ class PagedBlockMask:
 
     Args:
         batch: rows (the query's batch).
-        num_pages: page ids of the pool's storage (its ``PoolStorage.num_pages``, a multiple of ``extent_pages``).
+        num_pages: page ids of the storage's view that attention gets (``view_pages``, a multiple of
+            ``extent_pages``): every page of the rows is below it.
         page_size / extent_pages: the pool's page geometry; a KV block is one extent.
         group: query heads per KV head (the packed query rows of a decode step).
         device: the pool's device.
@@ -296,7 +313,8 @@ def decode_attention(
 
     Args:
         query: ``[batch, num_heads, 1, head_dim]``.
-        keys / values: one layer's storage ``[1, num_kv_heads, num_pages * page_size, head_dim]``.
+        keys / values: one layer's storage, its first ``mask.num_pages`` pages ``[1, num_kv_heads, num_pages *
+            page_size, head_dim]``.
         mask: the step's mask, built for ``num_heads // num_kv_heads`` packed rows.
         scale: the softmax scale (``None``: ``head_dim ** -0.5``).
 

@@ -130,6 +130,44 @@ def test_a_fresh_default_pool_grows_to_keep_rows_in_place(tiny_llama_model, in_p
 
 
 @pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {
+            "cache_implementation": "quantized_values",
+            "cache_config": {"bits": 4, "group_size": 8, "residual_length": 5},
+        },
+    ],
+    ids=["paged", "quantized-values"],
+)
+def test_attention_reads_a_view_that_grows_with_the_rows_pages(tiny_llama_model, in_place, settings, monkeypatch):
+    """Attention gets the storage's first pages only, a power of two extents holding all the rows' pages
+    (``flex.view_pages``, here from one extent up): on a fresh default pool three rows of 120 tokens hold extents
+    1-3 (a view of 4 extents, 32 pages), cross into extents 4-6 at their 129th token (a view of 8) and read the
+    same tokens as gathered, the residual window of quantized values included."""
+    monkeypatch.setattr(pool_module, "_DEFAULT_POOLS", {})
+    monkeypatch.setattr(pool_module, "_DEFAULT_BUDGETS", {})
+    monkeypatch.setattr(flex, "MIN_VIEW_EXTENTS", 1)
+    views = []
+    decode_attention = flex.decode_attention
+
+    def recording(query, keys, values, mask, scale):
+        views.append((keys.shape[2] // mask.page_size, values.shape[2] // mask.page_size, mask.num_pages))
+        return decode_attention(query, keys, values, mask, scale)
+
+    monkeypatch.setattr(flex, "decode_attention", recording)
+    ids, mask = padded_batch([120, 111, 104], seed=4)
+    settings = {"cache_implementation": "paged_pool", "max_new_tokens": 16, **settings}
+    with model_attention(tiny_llama_model, ATTENTION_NAME):
+        fast = run(tiny_llama_model, ids, mask, **settings)
+    gathered = run(tiny_llama_model, ids, mask, **settings)
+    assert_same_generation(gathered, fast)
+    assert views == [(32, 32, 32)] * 2 * 8 + [(64, 64, 64)] * 2 * 7  # steps to token 128, then past it
+    storage_pages = next(iter(pool_module._DEFAULT_POOLS.values())).storage.num_pages
+    assert storage_pages > 64
+
+
+@pytest.mark.parametrize(
     "cache_config",
     [{"bits": 4, "group_size": 8, "residual_length": 5}, {"bits": 8, "residual_length": 0}, {"bits": 4}],
     ids=["int4-residual-5", "int8-no-residual", "int4-default-residual"],

@@ -227,14 +227,15 @@ class PagedRows:
             first_page = self.table.rows[0][0]
             view = functools.partial(run_view, layer_idx=layer_in_group, first_page=first_page, num_tokens=num_tokens)
             return self.store.read(layer_in_group, storage, view, num_tokens, num_tokens)
-        shape = (1, fmt.num_kv_heads, storage.num_pages * fmt.page_size, fmt.head_dim)
-        keys = storage.keys[layer_in_group].view(shape)
+        num_pages = self._mask.num_pages  # the storage's first pages, all the rows' among them
+        shape = (1, fmt.num_kv_heads, num_pages * fmt.page_size, fmt.head_dim)
+        keys = storage.keys[layer_in_group][:, :num_pages].view(shape)
         if self.store.quant is None:
-            values = storage.values[layer_in_group].view(shape)
+            values = storage.values[layer_in_group][:, :num_pages].view(shape)
         else:
-            residual_slots = self._residual_slots(num_tokens)
+            residual_slots = self._residual_slots(num_tokens, num_pages)
             extents, runs = self._extents
-            values = self.store.values_in_place(layer_in_group, storage, extents, runs, residual_slots)
+            values = self.store.values_in_place(layer_in_group, storage, num_pages, extents, runs, residual_slots)
         gather = functools.partial(self.read, layer_in_group, num_tokens)
         setattr(keys, PAGED_ATTRIBUTE, PagedRead(self._mask, self._pad_tensor(self.table.num_rows), num_tokens, gather))
         return keys, values
@@ -270,17 +271,16 @@ class PagedRows:
             flex.log_path("unavailable", reason)
             return GATHER
         fmt = pool.format
-        if self._mask is None or self._mask.batch != batch:
-            num_pages = pool.storage.num_pages
-            self._mask = flex.PagedBlockMask(
-                batch, num_pages, fmt.page_size, fmt.extent_pages, self._query_group, pool.device
-            )
-            self._mask_fresh = False
-        if self._mask_fresh:
+        if self._mask_fresh and self._mask.batch == batch:
             self._mask.advance(num_tokens)
         else:
-            extents = self._mask.update(self._page_ids(), num_tokens, self._pad_tensor(batch))
             held = {page for row in self.table.rows for page in row}
+            num_pages = flex.view_pages(1 + max(held), fmt.extent_pages, pool.storage.num_pages)
+            if self._mask is None or self._mask.batch != batch or self._mask.num_pages < num_pages:
+                self._mask = flex.PagedBlockMask(
+                    batch, num_pages, fmt.page_size, fmt.extent_pages, self._query_group, pool.device
+                )
+            extents = self._mask.update(self._page_ids(), num_tokens, self._pad_tensor(batch))
             self._mask_usable = not pool.foreign_pages(held, extents)
             self._extents = (torch.tensor(extents, dtype=torch.long, device=pool.device), extent_runs(extents))
             self._mask_fresh = True
@@ -455,23 +455,23 @@ class PagedRows:
             self._ids = torch.tensor(rows, dtype=torch.long, device=self.pool.device).view(len(rows), -1)
         return self._ids
 
-    def _residual_slots(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _residual_slots(self, num_tokens: int, num_pages: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The residual window's tokens of a step read in place (quantized values): their positions ``[n]`` and
-        their ``[heads * batch * n]`` slot rows in the storage (``kernels.slot_rows``); ``None``: no window."""
+        their ``[heads * batch * n]`` slot rows in a view of the storage's first ``num_pages`` pages
+        (``kernels.slot_rows``); ``None``: no window."""
         residual = self.store.residual
         if residual is None:
             return None
         start = max(residual.first, num_tokens - residual.length)
         if start >= num_tokens:
             return None
-        storage_pages = self.pool.storage.num_pages
-        key = (start, num_tokens, storage_pages)
+        key = (start, num_tokens, num_pages)
         if self._residual is None or self._residual[0] != key:
             page_size = self.pool.format.page_size
             positions = torch.arange(start, num_tokens, device=self.pool.device)  # [n]
             page_ids = self._page_ids()[:, positions // page_size]  # [batch, n]
             offsets = (positions % page_size).expand_as(page_ids)  # [batch, n]
-            rows = slot_rows(page_ids, offsets, self.pool.format.num_kv_heads, storage_pages, page_size)
+            rows = slot_rows(page_ids, offsets, self.pool.format.num_kv_heads, num_pages, page_size)
             self._residual = (key, (positions, rows))
         return self._residual[1]
 

@@ -229,14 +229,16 @@ class SlotStore:
         self,
         layer_in_group: int,
         storage: PoolStorage,
+        num_pages: int,
         extents: torch.Tensor,
         runs: list[tuple[int, int]],
         residual_slots: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         """One layer's quantized values laid out as the storage's slots, for attention that reads the keys in place.
 
-        Only the pages of ``extents`` (what the step's mask visits) are dequantized, into a buffer of the storage's
-        shape that the layers of the layer group reuse (pages outside them are never read); the residual window's
+        Only the pages of ``extents`` (what the step's mask visits) are dequantized, into a buffer shaped as the
+        storage's first ``num_pages`` pages that the layers of the layer group reuse (pages outside them are never
+        read); the residual window's
         tokens are then written over their slots in full precision. Extents in at most ``MAX_RUNS`` runs of
         consecutive ids (a fresh pool's rows) are dequantized straight from their codes' slices into their slots';
         others are gathered, dequantized and scattered (two more passes over the values).
@@ -248,11 +250,11 @@ class SlotStore:
                 (``kernels.slot_rows``), or ``None``.
 
         Returns:
-            ``[1, heads, storage pages * page_size, head_dim]``.
+            ``[1, heads, num_pages * page_size, head_dim]``.
         """
         fmt, quant = self.pool.format, self.quant
         heads, slots_per_extent = fmt.num_kv_heads, fmt.extent_pages * fmt.page_size
-        slots = self._buffer("in_place", (heads, storage.num_pages * fmt.page_size, quant.head_dim), storage.keys.dtype)
+        slots = self._buffer("in_place", (heads, num_pages * fmt.page_size, quant.head_dim), storage.keys.dtype)
         by_extent = slots.view(heads, -1, slots_per_extent, quant.head_dim)  # [heads, extents, slots, head_dim]
 
         def by_extents(tensor: torch.Tensor) -> torch.Tensor:  # [heads, extents, slots, last_dim]
