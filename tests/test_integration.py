@@ -4,6 +4,7 @@ The seams themselves are pinned in ``test_transformers_internals.py``."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache, GenerationConfig, StaticCache
 
 import hf_kvcache
@@ -15,6 +16,7 @@ from hf_kvcache.transformers_internals import (
     cache_implementations,
     prepare_cache_method,
     prepare_inputs_method,
+    sdpa_attention_forward,
     sdpa_mask,
 )
 
@@ -109,3 +111,22 @@ def test_transformers_version_is_checked():
         check_transformers_version("4.46.0")
     with pytest.raises(ImportError, match=r"found 5.23.0"):  # passes the cache as past_key_values
         check_transformers_version("5.23.0")
+
+
+@pytest.mark.parametrize("batch,heads,kv_heads", [(1, 9, 3), (2, 4, 2)])
+def test_unmasked_decode_packs_the_query_heads_of_each_kv_head(monkeypatch, batch, heads, kv_heads):
+    """Under this attention an unmasked decode step of grouped KV heads calls sdpa once, each KV head's query heads
+    as its query rows, and equals transformers' sdpa (torch's grouped path) to float rounding."""
+    module = torch.nn.Module().eval()
+    module.num_key_value_groups, module.is_causal = heads // kv_heads, True
+    query = torch.randn(batch, heads, 1, 16)  # [batch, heads, 1, head_dim]
+    key, value = torch.randn(2, batch, kv_heads, 40, 16)  # [batch, kv_heads, 40, head_dim] each
+    sdpa, queries = F.scaled_dot_product_attention, []
+    monkeypatch.setattr(
+        F, "scaled_dot_product_attention", lambda q, *a, **kw: queries.append(q.shape) or sdpa(q, *a, **kw)
+    )
+    packed, _ = banded_sdpa_attention(module, query, key, value, None, scaling=0.25)
+    assert queries == [(batch, kv_heads, heads // kv_heads, 16)]
+    reference, _ = sdpa_attention_forward(module, query, key, value, None, scaling=0.25)
+    assert packed.shape == reference.shape == (batch, 1, heads, 16)
+    torch.testing.assert_close(packed, reference, rtol=0, atol=1e-6)
