@@ -287,6 +287,7 @@ def dequantize_into(
     zero: torch.Tensor,
     fmt: QuantFormat,
     work: torch.Tensor | None = None,
+    spread: torch.Tensor | None = None,
 ) -> None:
     """Dequantizes into a preallocated buffer, bitwise equal to ``dequantize(..., out.dtype)``.
 
@@ -302,6 +303,8 @@ def dequantize_into(
         codes: ``[..., code_dim]`` uint8. scale, zero: ``[..., num_scale_groups]``.
         work: a float32 buffer of ``out``'s shape, reused across calls when ``out`` is not float32 (made if
             ``None``).
+        spread: int4 on a little-endian machine: an int16 buffer ``[2, *codes.shape]`` for the spread codes and their
+            high nibbles, reused across calls (made if ``None``; two fresh allocations per call cost ~20% of it).
     """
     if out.shape[-1] != fmt.head_dim or codes.shape[-1] != fmt.code_dim:
         raise ValueError(
@@ -312,8 +315,12 @@ def dequantize_into(
     if fmt.bits == 8:
         work.copy_(codes)
     elif sys.byteorder == "little":
-        spread = codes.to(torch.int16, memory_format=torch.contiguous_format)  # [..., code_dim]
-        spread.add_(spread >> 4, alpha=240)  # low byte: the low nibble, high byte: the high nibble
+        if spread is None:
+            spread = torch.empty((2, *codes.shape), dtype=torch.int16, device=codes.device)  # [2, ..., code_dim]
+        spread, high = spread[0], spread[1]
+        spread.copy_(codes)
+        torch.bitwise_right_shift(spread, 4, out=high)
+        spread.add_(high, alpha=240)  # low byte: the low nibble, high byte: the high nibble
         work.copy_(spread.view(torch.uint8).view(work.shape))
     else:
         pairs = work.unflatten(-1, (fmt.code_dim, 2))  # view [..., code_dim, 2]

@@ -188,11 +188,18 @@ def test_constant_tensor_is_exact(dtype, fill):
 
 
 @FAST
-@given(cases(), st.integers(0, 3), st.sampled_from(DTYPES + [None]), st.sampled_from(["little", "big"]), st.booleans())
-def test_dequantize_into_equals_dequantize_bitwise(case, margin, out_dtype, byteorder, strided_codes):
+@given(
+    cases(),
+    st.integers(0, 3),
+    st.sampled_from(DTYPES + [None]),
+    st.sampled_from(["little", "big"]),
+    st.booleans(),
+    st.booleans(),
+)
+def test_dequantize_into_equals_dequantize_bitwise(case, margin, out_dtype, byteorder, strided_codes, reused):
     """In a view of a larger buffer (a slot range of a page, say), leaving the rest of the buffer alone; int4 codes
     unpacked both ways (the int16 spread of a little-endian machine, the strided nibble copies of a big-endian one),
-    from contiguous codes or a strided view of them."""
+    from contiguous codes or a strided view of them, the spread in a fresh buffer or a reused one holding garbage."""
     fmt, x = case
     out_dtype = out_dtype or x.dtype
     codes, scale, zero = quantize(x, fmt)
@@ -202,8 +209,9 @@ def test_dequantize_into_equals_dequantize_bitwise(case, margin, out_dtype, byte
         codes = wide[..., ::2]
     buffer = torch.full((*x.shape[:-1], fmt.head_dim + 2 * margin), torch.nan, dtype=out_dtype)
     out = buffer[..., margin : margin + fmt.head_dim]
+    spread = torch.randint(-(2**15), 2**15, (2, *codes.shape), dtype=torch.int16) if reused else None
     with mock.patch.object(sys, "byteorder", byteorder):
-        dequantize_into(out, codes, scale, zero, fmt)
+        dequantize_into(out, codes, scale, zero, fmt, spread=spread)
     assert torch.equal(out, dequantize(codes, scale, zero, fmt, out_dtype))
     assert buffer[..., :margin].isnan().all() and buffer[..., margin + fmt.head_dim :].isnan().all()
 

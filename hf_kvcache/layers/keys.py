@@ -214,7 +214,8 @@ class KeyPages:
             codes = gather(storage.keys).view(heads, batch * m, page_size, quant.code_dim)
             scales = gather(storage.key_scales).view(heads, batch * m, page_size, -1)
             groups = quant.num_scale_groups
-            dequantize_into(out, codes, scales[..., :groups], scales[..., groups:], quant, work)
+            spread = self._buffer("key_spread", (2, *codes.shape), torch.int16) if quant.bits == 4 else None
+            dequantize_into(out, codes, scales[..., :groups], scales[..., groups:], quant, work, spread)
         return out.view(heads, batch, m * page_size, head_dim)
 
     def read(

@@ -276,10 +276,11 @@ class SlotStore:
         return slots.unsqueeze(0)
 
     def _dequantize(self, out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
-        """``dequantize_into`` with the joined scales of ``join_scales`` and a reused float32 work buffer."""
+        """``dequantize_into`` with the joined scales of ``join_scales`` and reused work buffers."""
         work = None if out.dtype == torch.float32 else self._buffer("work", tuple(out.shape), torch.float32)
+        spread = self._buffer("spread", (2, *codes.shape), torch.int16) if self.quant.bits == 4 else None
         groups = self.quant.num_scale_groups
-        dequantize_into(out, codes, scales[..., :groups], scales[..., groups:], self.quant, work)
+        dequantize_into(out, codes, scales[..., :groups], scales[..., groups:], self.quant, work, spread)
 
     def as_attended(self, value_states: torch.Tensor) -> torch.Tensor:
         """New values ``[batch, heads, n, head_dim]`` as attention sees them once stored (quantized but the newest)."""
