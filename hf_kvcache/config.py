@@ -218,6 +218,8 @@ class CacheOptions:
             (``hf_kvcache.caches.prefix``). ``True``: the default pool or ``max_tokens`` pool the cache draws from
             keeps one (a given ``pool`` must have been built with ``prefix_caching=True``); ``None``: only where a
             given ``pool`` keeps one; ``False``: never.
+        prefix_namespace: a name the cache's pages are published and found under, besides the model and the
+            cache's attention: caches of other namespaces (tenants, experiments) never share pages on one pool.
     """
 
     page_size: int = DEFAULT_PAGE_SIZE
@@ -225,6 +227,7 @@ class CacheOptions:
     max_tokens: int | None = None
     admission_check: bool = False
     prefix_caching: bool | None = None
+    prefix_namespace: str = ""
 
     def __post_init__(self) -> None:
         check_page_size(self.page_size)
@@ -246,6 +249,11 @@ class CacheOptions:
             raise TypeError(
                 f"prefix_caching must be True, False or None, got {self.prefix_caching!r} "
                 f"({type(self.prefix_caching).__name__})."
+            )
+        if not isinstance(self.prefix_namespace, str):
+            raise TypeError(
+                f"prefix_namespace must be a str, got {self.prefix_namespace!r} "
+                f"({type(self.prefix_namespace).__name__})."
             )
 
     def page_format(self, config: Any, dtype: torch.dtype) -> PageFormat:

@@ -34,6 +34,30 @@ def memory_limit_bytes() -> int:
     return limit
 
 
+def device_bytes(device: torch.device) -> tuple[int, str]:
+    """The memory a pool on ``device`` could hold at most, and what it is: a CUDA device's total memory, or the RAM
+    this process may use (``memory_limit_bytes``)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory, f"{device}'s total memory"
+    return memory_limit_bytes(), "the RAM this process may use"
+
+
+def check_fits(setting: str, num_bytes: int, device: torch.device) -> None:
+    """Refuses a pool of ``num_bytes`` that ``device`` could never hold, before anything is allocated.
+
+    Args:
+        setting: what asked for it, as the user wrote it (e.g. ``"max_tokens=1000000000"``).
+
+    Raises:
+        ValueError: naming ``setting``, the bytes it needs and what the device has.
+    """
+    available, what = device_bytes(device)
+    if num_bytes > available:
+        raise ValueError(
+            f"{setting} needs {num_bytes:,} bytes of pages, but {device} has {available:,} bytes ({what}); lower it."
+        )
+
+
 class MemoryBudget:
     """Bytes that the default pools of one device may hold together, whatever their page formats.
 

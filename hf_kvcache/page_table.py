@@ -177,7 +177,11 @@ class PageTable:
         self.num_tokens = num_tokens
 
     def release_rows(self) -> None:
-        self.allocator.free([page for row in self.rows for page in row])  # at once: reused in this order
+        # At once, last token page first: a published page left cached enters the prefix index's least recently
+        # used order in this order, so eviction takes a prompt's tail before its head (a chain is found from its
+        # first page on, so a surviving head is still reused).
+        depth = max((len(row) for row in self.rows), default=0)
+        self.allocator.free([row[d] for d in reversed(range(depth)) for row in self.rows if d < len(row)])
         self.rows = []
         self.version += 1
 

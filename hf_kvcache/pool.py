@@ -81,6 +81,7 @@ DEFAULT_MAX_POOL_PAGES = 1 << 16
 in place with tables of one entry per page and row (``hf_kvcache.flex``), which this keeps small."""
 _NAMED_POOLS: "weakref.WeakValueDictionary[str, KVPool]" = weakref.WeakValueDictionary()
 _DEFAULT_POOLS: dict[tuple[PageFormat, torch.device], "KVPool"] = {}
+_BUDGET_POOLS: dict[tuple[PageFormat, torch.device, int], "KVPool"] = {}
 _DEFAULT_BUDGETS: dict[torch.device, MemoryBudget] = {}
 _REGISTRY_LOCK = threading.Lock()
 
@@ -160,6 +161,7 @@ class KVPool:
         self.name = name
         self.lock = threading.RLock()
         self._allocator = PageAllocator(num_pages, page_format.extent_pages, prefix_caching)
+        self._prefix_epoch = 0
         self.storage = self._reserve_storage(num_pages)
         self._zero_range(0, self._storage_pages(num_pages))
         self._tables: weakref.WeakSet[PageTable] = weakref.WeakSet()
@@ -318,6 +320,7 @@ class KVPool:
             if max_tokens < 1:
                 raise ValueError(f"max_tokens must be >= 1, got {max_tokens}.")
             num_pages = page_format.pages_for_tokens(max_tokens) + 1
+            device_memory.check_fits(f"max_tokens={max_tokens}", num_pages * page_format.page_bytes, device)
         else:
             if memory_fraction is not None:
                 if device.type != "cuda":
@@ -326,6 +329,7 @@ class KVPool:
                     raise ValueError(f"memory_fraction must lie in (0, 1], got {memory_fraction}.")
                 max_bytes = int(torch.cuda.mem_get_info(device)[0] * memory_fraction)
             num_pages = max_bytes // page_format.page_bytes
+            device_memory.check_fits(f"max_bytes={max_bytes}", num_pages * page_format.page_bytes, device)
             if num_pages < 2:
                 raise ValueError(
                     f"max_bytes={max_bytes} holds fewer than 2 pages of {page_format.page_bytes} bytes; raise it."
@@ -379,6 +383,25 @@ class KVPool:
                 budget.reserve(num_pages * page_format.page_bytes)
                 pool = cls(page_format, num_pages, device, max_pages=max_pages, budget=budget)
                 _DEFAULT_POOLS[(page_format, device)] = pool
+            return pool
+
+    @classmethod
+    def for_budget(cls, page_format: PageFormat, device: str | torch.device, max_tokens: int) -> "KVPool":
+        """The shared fixed pool of ``max_tokens`` tokens with a prefix index for this format and device, made on
+        first use and kept for the process as the default pools are: how ``cache_config={"max_tokens": N,
+        "prefix_caching": True}`` reuses prompts across calls.
+
+        Raises:
+            ValueError: the device could never hold ``max_tokens`` tokens.
+        """
+        device = normalize_device(device)
+        num_pages = page_format.pages_for_tokens(max_tokens) + 1
+        device_memory.check_fits(f"max_tokens={max_tokens}", num_pages * page_format.page_bytes, device)
+        with _REGISTRY_LOCK:
+            pool = _BUDGET_POOLS.get((page_format, device, num_pages))
+            if pool is None:
+                pool = cls(page_format, num_pages, device, prefix_caching=True)
+                _BUDGET_POOLS[(page_format, device, num_pages)] = pool
             return pool
 
     def _growth_room(self) -> int:
@@ -529,6 +552,25 @@ class KVPool:
         turns it on for the default pool."""
         with self.lock:
             self._allocator.enable_prefix_caching()
+
+    @property
+    def prefix_epoch(self) -> int:
+        """How many times the prefix index was reset (``reset_prefix_index``)."""
+        return self._prefix_epoch
+
+    def reset_prefix_index(self) -> int:
+        """Drops every page of the prefix index at once (vLLM's ``reset_prefix_cache``), e.g. after the model's
+        weights were updated in place: cached pages are freed; pages live caches hold stay theirs, and those caches
+        publish nothing more they wrote before the reset. Returns the pages dropped from the index (0 without one).
+        """
+        with self.lock:
+            if self._allocator.index is None:
+                return 0
+            dropped, freed = self._allocator.clear_index()
+            self._zero_pages(freed)
+            self._prefix_epoch += 1
+            self._check_alerts()
+            return dropped
 
     def publish(self, pages: list[tuple[PageKey, int]]) -> int:
         """Publishes each ``(key, page)`` (a full page a cache holds); returns how many were new.

@@ -104,6 +104,14 @@ class PrefixIndex:
         del self._page_of[self._key_of.pop(page)]
         return page
 
+    def clear(self) -> list[int]:
+        """Unpublishes every page; returns them (the caller drops the index's references). Counts are kept."""
+        pages = list(self._key_of)
+        self._page_of.clear()
+        self._key_of.clear()
+        self._cached.clear()
+        return pages
+
     def record_lookup(self, num_rows: int, tokens_reused_per_row: int, tokens_per_row: int) -> None:
         self.lookups += num_rows
         self.hits += num_rows if tokens_reused_per_row else 0

@@ -27,8 +27,8 @@ CONFIGS = {
 }
 
 
-def prefix_pool(model, name: str, max_tokens: int = 2048) -> KVPool:
-    kwargs = REGISTRY[name].pool_kwargs(model.config, model.dtype)
+def prefix_pool(model, name: str, max_tokens: int = 2048, cache_config: dict | None = None) -> KVPool:
+    kwargs = REGISTRY[name].pool_kwargs(model.config, model.dtype, cache_config)
     return KVPool.for_model(model, max_tokens=max_tokens, page_size=PAGE_SIZE, prefix_caching=True, **kwargs)
 
 
@@ -77,9 +77,9 @@ def test_a_second_turn_reuses_the_first_and_generates_the_same(banded, model_key
     first = random_ids(2, 45, seed=1)
     answer = greedy(model, first, name, {**config, "pool": pool}).sequences
     pool.check_integrity()
-    hybrid_quantized = name in ("quantized_values", "quantized_kv") and model_key != "llama"
-    # the released cache left its pages to the index (unless refused: the rings read the residual window, which the
-    # index does not keep)
+    # refused: the rings read the residual window, which the index does not keep; quantized keys (prefix.py)
+    hybrid_quantized = (name == "quantized_values" and model_key != "llama") or name == "quantized_kv"
+    # the released cache left its pages to the index (unless refused)
     assert (pool.stats()["pages_cached"] > 0) != hybrid_quantized
     second = torch.cat([answer, random_ids(2, 7, seed=2)], dim=1)  # [2, 58]
     reference = greedy(model, second, name, config)
@@ -89,7 +89,7 @@ def test_a_second_turn_reuses_the_first_and_generates_the_same(banded, model_key
     stats = pool.stats()
     if hybrid_quantized:
         expected = 0
-    elif name in ("quantized_values", "quantized_kv"):  # turn 1 published up to its prefill's end less the residual
+    elif name == "quantized_values":  # turn 1 published up to its prefill's end less the residual
         expected = (45 - config["residual_length"]) // PAGE_SIZE * PAGE_SIZE
     else:  # turn 1's prompt and the generated tokens fed back: 45 + 5, whole pages
         expected = (45 + 5) // PAGE_SIZE * PAGE_SIZE

@@ -18,6 +18,7 @@ from transformers import Cache, CacheLayerMixin, PreTrainedConfig
 from hf_kvcache.attention import ATTENTION_NAME
 from hf_kvcache.caches.prefix import PrefixTracker, log_once
 from hf_kvcache.config import CacheOptions, PageFormat, layer_groups
+from hf_kvcache.device_memory import check_fits
 from hf_kvcache.errors import IncompatibleModelError, PoolExhaustedError
 from hf_kvcache.layers import PagedLayer, PagedRows, RingLayer, RingRows
 from hf_kvcache.layers.ring import ring_num_slots
@@ -198,7 +199,7 @@ class PoolBinder:
             self.prefix.active = False
         elif pool.prefix_caching and self._uses_prefix_index():
             self._check_prefix_placement()
-            self.prefix = PrefixTracker(pool, self.policies)
+            self.prefix = PrefixTracker(pool, self.policies, self.options.prefix_namespace)
         self.pools[device] = pool
         return pool
 
@@ -241,8 +242,11 @@ class PoolBinder:
         if prefix_caching:
             self._check_prefix_placement()
         if options.max_tokens is not None:
+            if prefix_caching:  # kept for the process, so that its index outlives the call
+                return KVPool.for_budget(page_format, device, options.max_tokens)
             num_pages = page_format.pages_for_tokens(options.max_tokens) + 1
-            return KVPool(page_format, num_pages, device, prefix_caching=prefix_caching)
+            check_fits(f"max_tokens={options.max_tokens}", num_pages * page_format.page_bytes, device)
+            return KVPool(page_format, num_pages, device)
         pool = self.pool
         if pool is None:
             pool = KVPool.default(page_format, device, self.placement.group)

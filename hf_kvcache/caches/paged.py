@@ -27,6 +27,7 @@ class PagedCache(PoolCache):
         admission_check: ``generate`` refuses up front a request whose worst case does not fit (``CacheOptions``).
         prefix_caching: reuse prompt pages across ``generate`` calls through the pool's prefix index
             (``CacheOptions``; default: where a given pool keeps one).
+        prefix_namespace: pages are published and found under this name only (``CacheOptions``).
         dtype / device: bind the pool at construction rather than at the first write.
         placement: where the model's KV lives (a tensor-parallel rank's share of the heads): ``PoolCache``;
             ``generate(cache_implementation=...)`` reads it from the model.
@@ -40,6 +41,7 @@ class PagedCache(PoolCache):
         max_tokens: int | None = None,
         admission_check: bool = False,
         prefix_caching: bool | None = None,
+        prefix_namespace: str = "",
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
         placement: Placement | None = None,
@@ -50,6 +52,7 @@ class PagedCache(PoolCache):
             max_tokens=max_tokens,
             admission_check=admission_check,
             prefix_caching=prefix_caching,
+            prefix_namespace=prefix_namespace,
         )
         super().__init__(config, options, dtype, device, placement)
 

@@ -26,16 +26,24 @@ publishes pages a plain prefill would compute alike (up to float rounding) and r
   older than its last ``R`` as codes, so only tokens before ``prefill end - R`` of the call that wrote them are
   published (never generated ones, which read the residual window when they were computed), and a prompt reuses
   at most ``prompt - R`` tokens, so that its last ``R`` are computed afresh. Reuse is then exact as well. A ring
-  layer group with quantized values (the sliding layers of a hybrid model) is refused: its window is read from the
-  residual window, which the index does not keep.
+  layer group with quantized values and a residual window (the sliding layers of a hybrid model) is refused: its
+  window is read from the residual window, which the index does not keep (with ``R = 0`` it is reused).
 
-The index is keyed on the model (its ``name_or_path`` and a sample of its weights), the cache's attention
-semantics (each layer group's window, sinks and whether the model's mask applies it) and the page size: pools
-shared by several models, or by caches of other windows, never mix their pages.
+Caches with quantized keys (``quantized_kv``) are refused: on SmolLM2 a prompt attached to key codes an earlier
+call wrote gives other logits than a fresh run (up to 0.7 at 80 tokens, other greedy tokens at 340), though the
+tiny test models agree exactly; until that is understood, such a cache prefills every prompt.
+
+A call with a 4-D attention mask, or on a model whose weights are offloaded (on the meta device), takes no part.
+The index is keyed on what computes the keys and values (``model_fingerprint``, recomputed at every call: the
+model's class, config, dtype, adapters and a sample of its weights and buffers), the cache's ``prefix_namespace``,
+its attention semantics (each layer group's window, sinks and whether the model's mask applies it) and the page
+size: pools shared by several models, configs, adapters, namespaces or caches of other windows never mix their
+pages. ``KVPool.reset_prefix_index`` drops the index at once (weights updated in place); a tracker whose cache
+held pages across a reset publishes nothing more (``epoch``).
 """
 
+import json
 import logging
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,35 +66,57 @@ conditions the keys and values on something the token ids do not say)."""
 FINGERPRINT_VALUES = 16
 """Values sampled from each weight tensor for a model's fingerprint."""
 
-_fingerprints: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, bytes]]" = weakref.WeakKeyDictionary()
 _logged: set[str] = set()
+VOLATILE_CONFIG_KEYS = frozenset(
+    {"use_cache", "output_attentions", "output_hidden_states", "return_dict", "transformers_version", "_commit_hash"}
+)
+"""Config keys that do not change what the model computes for a token (left out of its fingerprint)."""
+
+
+class UnreadableWeights(Exception):
+    """A model's weights cannot be read where they are (offloaded: on the meta device)."""
 
 
 def model_fingerprint(model: torch.nn.Module) -> bytes:
-    """Identifies a model's weights: its ``name_or_path``, class, and ``FINGERPRINT_VALUES`` evenly spaced values of
-    every weight tensor. Kept per model until a weight is replaced or written in place (e.g. ``load_state_dict``,
-    an optimizer step: they bump the tensors' version counters)."""
-    parameters = list(model.parameters())
-    try:
-        state = tuple((parameter.data_ptr(), parameter._version) for parameter in parameters)
-    except RuntimeError:  # inference tensors keep no version counter: sample every time
-        state = None
-    known = _fingerprints.get(model)
-    if known is not None and state is not None and known[0] == state:
-        return known[1]
+    """Identifies what computes a model's keys and values, recomputed at every call (weights written in place keep
+    their pointers and version counters, so nothing cheaper can tell): its class, its config (``to_dict()`` less
+    ``VOLATILE_CONFIG_KEYS``), its dtype, the state of every adapter layer (PEFT's active, disabled and merged
+    adapters), and ``FINGERPRINT_VALUES`` evenly spaced values of every parameter and buffer (a sample: a write that
+    misses every sampled value goes unseen; ``KVPool.reset_prefix_index`` drops the index after such writes).
+
+    Raises:
+        UnreadableWeights: a parameter or buffer is on the meta device (offloaded by accelerate).
+    """
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(tensor.is_meta for tensor in tensors):
+        raise UnreadableWeights(
+            "the model has weights offloaded (on the meta device, e.g. accelerate's disk or CPU offload), which the "
+            "prefix index cannot fingerprint without loading them; load the model without offloading to reuse prompts."
+        )
     with torch.no_grad():
         sample = torch.cat(
             [
-                parameter.detach().reshape(-1)[:: max(1, parameter.numel() // FINGERPRINT_VALUES)][:FINGERPRINT_VALUES]
-                for parameter in parameters
+                tensor.detach()
+                .reshape(-1)[:: max(1, tensor.numel() // FINGERPRINT_VALUES)][:FINGERPRINT_VALUES]
+                .to(device=tensors[0].device, dtype=torch.float32)
+                for tensor in tensors
             ]
         )  # [num_tensors * FINGERPRINT_VALUES] at most
     config = getattr(model, "config", None)
-    fingerprint = root_key(
-        getattr(config, "name_or_path", ""), type(model).__name__, sample.float().cpu().numpy().tobytes()
+    settings = config.to_dict() if hasattr(config, "to_dict") else {}
+    settings = {key: value for key, value in settings.items() if key not in VOLATILE_CONFIG_KEYS}
+    adapters = [
+        (name, module.disable_adapters, tuple(module.active_adapters), tuple(getattr(module, "merged_adapters", ())))
+        for name, module in model.named_modules()
+        if isinstance(getattr(module, "disable_adapters", None), bool)  # PEFT's tuner layers (a model's is a method)
+    ]
+    return root_key(
+        type(model).__name__,
+        json.dumps(settings, sort_keys=True, default=str),
+        str(getattr(model, "dtype", "")),
+        repr(adapters),
+        sample.cpu().numpy().tobytes(),
     )
-    _fingerprints[model] = (state, fingerprint)
-    return fingerprint
 
 
 def log_once(reason: str) -> None:
@@ -102,14 +132,17 @@ class PrefixTracker:
     Args:
         pool: the cache's pool, with a prefix index.
         policies: the row policy of each layer group (``PoolCache``).
+        namespace: ``CacheOptions.prefix_namespace``: pages are published and found under it only.
     """
 
-    def __init__(self, pool: KVPool, policies: "list[RowPolicy]") -> None:
+    def __init__(self, pool: KVPool, policies: "list[RowPolicy]", namespace: str = "") -> None:
         self.pool = pool
+        self.namespace = namespace
         self.page_size = pool.format.page_size
         self.policies = policies
         self.residual_length = max(policy.residual_length for policy in policies)
         self.active = True  # False once a call could not say which tokens the rows hold: nothing more is published
+        self.epoch = pool.prefix_epoch  # the index's reset count when the cache began holding its pages
         self.root: bytes | None = None
         self.num_recorded = 0  # tokens of every row recorded in _tokens, from the first on
         self.limit: int | None = None  # tokens a plain prefill computes alike (quantized residual windows)
@@ -128,7 +161,12 @@ class PrefixTracker:
             inputs: the other ``prepare_inputs_for_generation`` arguments.
         """
         reason = self._refusal(model, inputs)
-        root = root_key(model_fingerprint(model), self.page_size, *self._signature())
+        root = None
+        if reason is None:
+            try:
+                root = root_key(model_fingerprint(model), self.namespace, self.page_size, *self._signature())
+            except UnreadableWeights as error:
+                reason = str(error)
         if reason is None and self.root is not None and root != self.root:
             reason = "the cache continues with another model."
         if reason is not None:
@@ -183,6 +221,8 @@ class PrefixTracker:
 
     def publish(self, rows_of: "dict[int, PagedRows]") -> None:
         """Publishes every full page each clean row holds that every layer has written and that is not yet."""
+        if self.active and self.epoch != self.pool.prefix_epoch:  # reset since: what the rows hold may be stale
+            self.active = False
         if not self.active or self.root is None:
             return
         page_size = self.page_size
@@ -223,6 +263,7 @@ class PrefixTracker:
     def reset(self) -> None:
         """Forgets the tokens (the cache was emptied)."""
         self.active, self.root, self.num_recorded, self.limit = True, None, 0, None
+        self.epoch = self.pool.prefix_epoch
         self._tokens, self._clean, self._chains, self._published = None, [], [], {}
 
     # ----- internals ------------------------------------------------------------------------
@@ -235,6 +276,14 @@ class PrefixTracker:
         """Why this call cannot take part (``None``: it can)."""
         if inputs.get("inputs_embeds") is not None:
             return "the prompt comes as inputs_embeds, not token ids."
+        if self.pool.format.key_bits is not None:
+            return (
+                "keys are stored as codes (quantized_kv): pages an earlier call coded give other logits than a fresh "
+                "run (measured on SmolLM2: up to 0.7 at 80 tokens, other tokens at 340), so they are not reused."
+            )
+        mask = inputs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.ndim != 2:
+            return f"the call brings a {mask.ndim}-D attention mask, whose pattern the prefix index cannot key on."
         others = sorted(
             key for key, value in inputs.items() if isinstance(value, torch.Tensor) and key not in TOKEN_INPUTS
         )

@@ -116,7 +116,8 @@ class QuantizedValueCache(PoolCache):
         bits: 8 or 4 bits per stored value.
         group_size: value channels sharing one scale and zero (asymmetric, per token); default 64.
         residual_length: newest tokens whose values attention gets in full precision.
-        pool / page_size / max_tokens / admission_check / prefix_caching / dtype / device / placement: as for
+        pool / page_size / max_tokens / admission_check / prefix_caching / prefix_namespace / dtype / device /
+            placement: as for
             ``PagedCache`` (a given pool must be built with ``KVPool.for_model(..., value_bits=bits,
             value_group_size=group_size)``).
     """
@@ -134,6 +135,7 @@ class QuantizedValueCache(PoolCache):
         max_tokens: int | None = None,
         admission_check: bool = False,
         prefix_caching: bool | None = None,
+        prefix_namespace: str = "",
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
         placement: Placement | None = None,
@@ -144,6 +146,7 @@ class QuantizedValueCache(PoolCache):
             max_tokens=max_tokens,
             admission_check=admission_check,
             prefix_caching=prefix_caching,
+            prefix_namespace=prefix_namespace,
             bits=bits,
             group_size=group_size,
             residual_length=residual_length,

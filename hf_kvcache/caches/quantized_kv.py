@@ -86,7 +86,8 @@ class QuantizedKVCache(PoolCache):
         value_bits: 8 or 4 bits per stored value.
         group_size: channels sharing one scale and zero (values, and int8 keys); default 64 or the head_dim.
         residual_length: newest tokens whose values attention gets in full precision.
-        pool / page_size / max_tokens / admission_check / prefix_caching / dtype / device / placement: as for
+        pool / page_size / max_tokens / admission_check / prefix_caching / prefix_namespace / dtype / device /
+            placement: as for
             ``PagedCache`` (a given pool must be built with ``KVPool.for_model(..., **REGISTRY["quantized_kv"]
             .pool_kwargs(model.config, model.dtype, cache_config))``).
     """
@@ -105,6 +106,7 @@ class QuantizedKVCache(PoolCache):
         max_tokens: int | None = None,
         admission_check: bool = False,
         prefix_caching: bool | None = None,
+        prefix_namespace: str = "",
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
         placement: Placement | None = None,
@@ -115,6 +117,7 @@ class QuantizedKVCache(PoolCache):
             max_tokens=max_tokens,
             admission_check=admission_check,
             prefix_caching=prefix_caching,
+            prefix_namespace=prefix_namespace,
             group_size=group_size,
             residual_length=residual_length,
             key_bits=key_bits,

@@ -58,7 +58,8 @@ class SlidingRingCache(PoolCache):
         config: the model's config.
         window: ring size of full-attention layers (``None``: keep them whole, on a model with sliding layers).
         sink_tokens: first tokens pinned in those rings.
-        pool / page_size / max_tokens / admission_check / prefix_caching / dtype / device / placement: as for
+        pool / page_size / max_tokens / admission_check / prefix_caching / prefix_namespace / dtype / device /
+            placement: as for
             ``PagedCache``.
     """
 
@@ -74,6 +75,7 @@ class SlidingRingCache(PoolCache):
         max_tokens: int | None = None,
         admission_check: bool = False,
         prefix_caching: bool | None = None,
+        prefix_namespace: str = "",
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
         placement: Placement | None = None,
@@ -86,6 +88,7 @@ class SlidingRingCache(PoolCache):
             max_tokens=max_tokens,
             admission_check=admission_check,
             prefix_caching=prefix_caching,
+            prefix_namespace=prefix_namespace,
             window=window,
             sink_tokens=sink_tokens,
         )
