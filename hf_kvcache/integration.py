@@ -157,6 +157,13 @@ def check_request(
                 f"The prompt is empty ({key} has shape {list(value.shape)}): generate needs at least one input token "
                 "per row to start from, e.g. the tokenizer's bos_token_id."
             )
+    cache.bind_pools(model.device, model.dtype)  # whether the cache is compileable depends on its pools
+    compiles = getattr(model, "_valid_auto_compile_criteria", None)  # generate's own rule (StaticCache's)
+    cache.runs_eager = False
+    compiled = compiles is not None and compiles(model_kwargs | {"cache": cache}, generation_config)
+    # A cache that says it is compileable gets a materialized mask at every step, even eager (transformers skips
+    # it only for caches that are not): once generate's rule said no, it says no.
+    cache.compiled_decoding, cache.runs_eager = bool(compiled), not compiled
     mask = model_kwargs.get("attention_mask")  # [rows, prompt_length]; generate drops it when all ones
     cache.plan(max_cache_length, mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None)
     if cache.options.admission_check:
@@ -195,9 +202,13 @@ def _prepare_inputs_for_generation(
     if not isinstance(cache, PoolCache):
         return _original_inputs(self, input_ids, next_sequence_length=next_sequence_length, cache=cache, **kwargs)
     if kwargs.get("is_first_iteration"):
+        cache.end_planning()
         next_sequence_length = cache.begin_generation(self, input_ids, next_sequence_length, kwargs)
+    else:  # before the inputs: preparing them may build the mask, whose size the plan sets
+        cache.plan_decode(input_ids.shape[0], next_sequence_length)
     inputs = _original_inputs(self, input_ids, next_sequence_length=next_sequence_length, cache=cache, **kwargs)
     cache.record_inputs(inputs.get("input_ids"))
+    cache.start_planned(inputs)
     return inputs
 
 

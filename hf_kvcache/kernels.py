@@ -12,6 +12,8 @@ and ``run_view`` hands them over as a strided view, no copy at all. The in-place
 pool is ``hf_kvcache.flex``; ``read_pages`` is the slow twin of both.
 """
 
+from typing import Any
+
 import torch
 
 
@@ -85,3 +87,20 @@ def write_slots(storage: torch.Tensor, layer_idx: int, rows: torch.Tensor, state
     last_dim = storage.shape[-1]
     source = states.permute(1, 0, 2, 3).reshape(-1, last_dim)  # [heads * batch * n, last_dim]
     storage[layer_idx].view(-1, last_dim).index_copy_(0, rows, source.to(storage.dtype))
+
+
+def write_planned(storage: torch.Tensor, plan: "Any", layer_idx: int, states: torch.Tensor) -> None:
+    """Writes a planned step's one new token per row, ``states [batch, heads, 1, last_dim]``, to its slot of one layer
+    (``StepPlan.write_pages`` / ``write_offsets``): one ``index_put_`` on the whole storage (no view of it is
+    mutated, so a compiled step writes the slots in place rather than copying the storage)."""
+    index = (plan.layers[layer_idx], plan.heads, plan.write_pages, plan.write_offsets)  # -> [batch, heads, 1]
+    states = states.detach() if states.requires_grad else states  # the pool holds inference state
+    storage.index_put_(index, states if states.dtype == storage.dtype else states.to(storage.dtype))
+
+
+def read_planned(storage: torch.Tensor, plan: "Any", layer_idx: int) -> torch.Tensor:
+    """A planned step's pages of one layer (``StepPlan.pages``), ``[batch, heads, capacity_pages * page_size,
+    last_dim]``: one gather, then a view."""
+    gathered = storage[plan.layers[layer_idx], plan.heads, plan.pages]  # [batch, heads, capacity, page_size, last]
+    batch, heads, capacity, page_size, last_dim = gathered.shape
+    return gathered.view(batch, heads, capacity * page_size, last_dim)

@@ -13,6 +13,11 @@ Two suites, each measured against its baselines in the same run:
   each on a fixed pool and on the default pool (``-default``), next to transformers' ``QuantizedCache`` (quanto
   and hqq, int4 and int2 keys and values) and ``DynamicCache``, at 4,096 tokens; writes
   ``benchmarks/decode_quantized.json``.
+- ``compiled``: decode steps as ``generate`` runs them, compiled by ``generate`` itself (``CompileConfig`` with
+  ``_compile_all_devices = True``, ``--mode``) or eager: ``StaticCache`` compiled (the baseline), ``DynamicCache``
+  and ``StaticCache`` eager, and our caches eager and compiled, on the default pool, at 1,024 x 1, 4,096 x 1 and
+  4,096 x 8 (``--lengths`` x ``--batches`` override); ``hf_kvcache.bench.compiled``; writes
+  ``benchmarks/decode_compiled.json``.
 
 Examples (CPU, fp32)::
 
@@ -52,6 +57,7 @@ SUITES = {
         "lengths": (4096,),
         "output": Path("benchmarks/decode_quantized.json"),
     },
+    "compiled": {"caches": (), "lengths": (), "output": Path("benchmarks/decode_compiled.json")},
     "sliding": {
         "caches": (BASELINE, *SLIDING_CACHES),
         "lengths": (1024, 4096),
@@ -72,6 +78,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--window", type=int, default=defaults.window, help="tokens kept by the sliding caches")
     parser.add_argument("--output", type=Path, help="JSON record path (default: the suite's)")
     parser.add_argument("--profile", choices=CACHE_NAMES, help="print a profile of one decode step of this cache")
+    parser.add_argument("--mode", default="default", help="CompileConfig mode of the compiled suite's rows")
     add_machine_args(parser)
     return parser.parse_args()
 
@@ -79,6 +86,9 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.suite == "compiled":
+        run_compiled_suite(args)
+        return
     suite = SUITES[args.suite]
     output = args.output or suite["output"]
     config = DecodeBenchConfig(
@@ -101,6 +111,23 @@ def main() -> None:
     record = results_record(results, config, info)
     record["model"] = BUNDLED_MODEL
     write_record(record, output, others, markdown_table(results))
+
+
+def run_compiled_suite(args: argparse.Namespace) -> None:
+    from hf_kvcache.bench import compiled
+
+    cells = compiled.CompiledBenchConfig().cells
+    if args.lengths:
+        cells = tuple((length, batch) for length in args.lengths for batch in args.batches)
+    config = compiled.CompiledBenchConfig(cells=cells, steps=args.steps, rounds=args.rounds, mode=args.mode)
+    device, dtype = machine_settings(args)
+    model, tokenizer = load_bundled_model(dtype=dtype, device=device)
+    info = environment(device, dtype)
+    with OtherCpuUse() as others:
+        results = compiled.run_compiled_benchmark(model, essay_token_stream(tokenizer), config)
+    record = compiled.results_record(results, config, info)
+    record["model"] = BUNDLED_MODEL
+    write_record(record, args.output or SUITES["compiled"]["output"], others, compiled.markdown_table(results))
 
 
 if __name__ == "__main__":

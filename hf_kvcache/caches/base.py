@@ -6,7 +6,9 @@ Subclasses state only which layer kind each model layer gets (``_make_layer``).
 
 import dataclasses
 import functools
+import logging
 import math
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +17,7 @@ from typing import Any, Self
 import torch
 from transformers import Cache, CacheLayerMixin, PreTrainedConfig
 
+from hf_kvcache import flex
 from hf_kvcache.attention import ATTENTION_NAME
 from hf_kvcache.caches.prefix import PrefixTracker, log_once
 from hf_kvcache.config import CacheOptions, PageFormat, layer_groups
@@ -22,6 +25,7 @@ from hf_kvcache.device_memory import check_fits
 from hf_kvcache.errors import IncompatibleModelError, PoolExhaustedError
 from hf_kvcache.layers import PagedLayer, PagedRows, RingLayer, RingRows
 from hf_kvcache.layers.ring import ring_num_slots
+from hf_kvcache.layers.rows import capacity_bucket
 from hf_kvcache.placement import Placement, agree, normalize_device
 from hf_kvcache.pool import KVPool
 from hf_kvcache.transformers_internals import DummyLayer, attn_implementation, layer_types_and_kwargs
@@ -287,11 +291,44 @@ class PoolBinder:
 
     def release(self) -> None:
         """Publishes what the prefix index still lacks (if the cache reuses prompts), then returns every page."""
+        for rows in self.rows.values():
+            rows.end_planning()
         if self.prefix is not None:
             self.prefix.publish(self.layer_group_rows(self.prefix.pool.device))
             self.prefix.reset()
         for rows in self.rows.values():
             rows.release()
+
+
+_DEFERRED: list[PoolBinder] = []  # binders of caches collected while torch.compile traced (release_when_safe)
+_DEFERRED_LOCK = threading.Lock()
+
+
+def _tracing() -> bool:
+    """Whether torch.compile (or export) is tracing now: tensors are fake, a write to the pool would be lost."""
+    keys = torch._C._TorchDispatchModeKey
+    return any(torch._C._get_dispatch_mode(key) is not None for key in (keys.FAKE, keys.PROXY, keys.FUNCTIONAL))
+
+
+def release_when_safe(binder: PoolBinder) -> None:
+    """Releases a collected cache's pages, or, when the garbage collector ran it while torch.compile traced (where
+    zeroing freed pages would act on fake tensors and fail), at the next ``release_deferred``."""
+    if _tracing():
+        with _DEFERRED_LOCK:
+            _DEFERRED.append(binder)
+        return
+    binder.release()
+
+
+def release_deferred() -> None:
+    """Releases the caches collected while torch.compile traced (``release_when_safe``)."""
+    if not _DEFERRED or _tracing():
+        return
+    with _DEFERRED_LOCK:
+        binders = _DEFERRED[:]
+        _DEFERRED.clear()
+    for binder in binders:
+        binder.release()
 
 
 class PoolCache(Cache):
@@ -353,7 +390,11 @@ class PoolCache(Cache):
             for layer_in_group, layer_idx in enumerate(members):
                 layers[layer_idx] = self._make_layer(layer_idx, layer_in_group, bind, policies[layer_group_idx])
         super().__init__(layers=layers)
-        weakref.finalize(self, self._binder.release)
+        self.compiled_decoding = False  # generate compiles the decode steps: plan them (hf_kvcache.integration)
+        self.runs_eager = False  # generate will not compile this request (then is_compileable says False)
+        self._planned_capacity: int | None = None
+        self._query_offset: torch.Tensor | None = None  # [] a planned step's start, on the pool's device
+        weakref.finalize(self, release_when_safe, self._binder)
         if (dtype is None) != (device is None):
             raise ValueError("Give both dtype and device to bind the pool early, or neither.")
         if dtype is not None:
@@ -475,6 +516,11 @@ class PoolCache(Cache):
                     "(KVPool.for_model(..., max_tokens=...) or cache_config max_tokens).",
                 )
 
+    def bind_pools(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Resolves the pool of each device the cache's layers live on (``device`` where they are not placed)."""
+        for placed in self._binder.placement.devices or [normalize_device(device)]:
+            self._binder.bind(placed, dtype)
+
     def plan(self, num_tokens: int, attention_mask: torch.Tensor | None = None) -> None:
         """Says how long rows will grow and where each starts, before the first write (``generate`` does both).
 
@@ -489,6 +535,7 @@ class PoolCache(Cache):
             attention_mask: ``[rows, prompt_length]`` the mask the prompt is fed with (1: token, 0: padding);
                 ``None`` for rows without padding.
         """
+        release_deferred()
         pad_lengths = None
         if attention_mask is not None:
             leading = (torch.as_tensor(attention_mask).long().cumsum(-1) == 0).sum(-1)  # [rows]
@@ -527,6 +574,99 @@ class PoolCache(Cache):
 
     def _row_layers(self):
         return [layer for layer in self.layers if not isinstance(layer, DummyLayer)]
+
+    # ----- planned decode steps (compiled decoding; driven by hf_kvcache.integration) ------------
+
+    @property
+    def is_compileable(self) -> bool:
+        """Whether ``generate`` may compile the model's forward with this cache (as it does for ``StaticCache``):
+        every layer group keeps every token in full precision on one device, so a decode step can be planned
+        before the forward pass (``plan_decode``) and run as tensor operations only."""
+        binder = self._binder
+        if self.runs_eager:  # generate's rule said no for this request: masks may then be skipped as Dynamic's
+            return False
+        if binder.placement.group is not None or len({at for at in binder.layer_group_devices if at}) > 1:
+            return False
+        if any(policy.window is not None for policy in binder.policies):
+            return False
+        page_format = self.options.page_format(binder.config, torch.float32)
+        if page_format.value_bits is not None or page_format.key_bits is not None:
+            return False
+        # A compiled step (a CUDA graph above all) needs storage that never moves: CPU default pools, fixed pools.
+        pools = list(binder.pools.values()) or ([binder.pool] if binder.pool is not None else [])
+        if not pools:
+            return self.options.max_tokens is not None  # unbound: only a fixed pool of its own is known to stay
+        return all(pool.storage_is_fixed for pool in pools)
+
+    def plan_decode(self, num_rows: int, num_new: int | None) -> bool:
+        """Before a decode step of ``generate``, and before its inputs are prepared (they may build the attention
+        mask, whose size the plan sets): the bookkeeping of the step (pages, copy-on-write, where the new token goes
+        and which pages attention reads) done here, on the host, into tensors the step reads
+        (``PagedRows.plan_decode``); ``start_planned`` then counts the step. Planned: every step that runs compiled
+        (``compiled_decoding``), and eager steps that would gather the pages (attention other than
+        ``hf_kvcache``, which reads them in place): a planned step is one gather and one write per layer.
+
+        Args:
+            num_rows: rows of the step.
+            num_new: tokens ``generate`` feeds per row (planned: 1).
+
+        Returns:
+            Whether the step was planned (else it runs the eager path).
+        """
+        release_deferred()
+        binder = self._binder
+        rows_of = list(binder.rows.values())
+        compiled = self.compiled_decoding
+        # Eager: planned where the step would gather (attention that does not read pages where they lie).
+        wanted = (compiled or not any(rows.reads_in_place() for rows in rows_of)) and num_new == 1 and rows_of
+        if not wanted or not all(rows.plannable for rows in rows_of):
+            if wanted and compiled:
+                flex.log_once(
+                    "compiled:moves",
+                    logging.WARNING,
+                    "Compiled decoding runs the eager step: the pool's storage moves when it grows (CUDA's default "
+                    "pools); give the cache a fixed pool (cache_config max_tokens, or KVPool.for_model).",
+                )
+            self.end_planning()
+            return False
+        start = self.get_seq_length()
+        page_size = rows_of[0].pool.format.page_size
+        capacity = math.ceil((start + 1) / page_size)
+        if compiled:  # a capacity bucket of what generate may reach: one graph for the whole generation
+            capacity = capacity_bucket(math.ceil(max(start + 1, binder.planned_tokens) / page_size))
+            if self._planned_capacity != capacity:
+                flex.logger.info("Compiled decoding reads %d pages per row from here (a new graph).", capacity)
+                self._planned_capacity = capacity
+        for rows in rows_of:
+            rows.plan_decode(start, num_rows, capacity, compiled)
+        device = rows_of[0].pool.device
+        if self._query_offset is None or self._query_offset.device != device:
+            self._query_offset = torch.zeros((), dtype=torch.long, device=device)
+        self._query_offset.fill_(start)
+        return True
+
+    def start_planned(self, inputs: dict[str, Any]) -> None:
+        """After a planned step's inputs are prepared (``plan_decode``): counts its token in every layer, and hands
+        the step's position over as a tensor where the model takes ``position_ids`` and ``generate`` left them out
+        (a Python int would make each step a new graph)."""
+        if self._query_offset is None or not any(rows.step_plan for rows in self._binder.rows.values()):
+            return
+        for layer in self._row_layers():
+            layer.num_tokens += 1
+        fed = inputs.get("input_ids")
+        if "position_ids" in inputs and inputs["position_ids"] is None and isinstance(fed, torch.Tensor):
+            inputs["position_ids"] = self._query_offset.expand(fed.shape[0], 1)  # [batch, 1]: no padding
+
+    def end_planning(self) -> None:
+        """The next forward pass is not a planned decode step: the eager path runs."""
+        for rows in self._binder.rows.values():
+            rows.end_planning()
+
+    def get_query_offset(self, layer_idx: int = 0) -> Any:
+        """A planned step's offset as a tensor (a Python int would make each step a new graph)."""
+        if self._query_offset is not None and any(rows.step_plan for rows in self._binder.rows.values()):
+            return self._query_offset
+        return super().get_query_offset(layer_idx)
 
     # ----- prompt reuse (hf_kvcache.caches.prefix; driven by hf_kvcache.integration) ---------
 
@@ -604,6 +744,7 @@ class PoolCache(Cache):
             raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}.")
         if tokens_to_remove == 0:
             return
+        self.end_planning()
         keep = max(0, self.get_seq_length() + tokens_to_remove)
         for rows in self._binder.rows.values():
             rows.check_crop(keep)  # all or nothing: a ring may not hold what the crop needs

@@ -22,7 +22,7 @@ class PagedLayer(CacheLayerMixin):
 
     is_sliding = False
     is_croppable = True
-    is_compileable = False
+    is_compileable = True  # a decode step planned before the forward pass is tensor operations only
 
     def __init__(self, layer_idx: int, layer_in_group: int, bind: Callable[[torch.Tensor], PagedRows]) -> None:
         super().__init__()
@@ -47,11 +47,17 @@ class PagedLayer(CacheLayerMixin):
         pool's storage for attention to read in place (``PagedRows.attend``)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.rows.step_plan is not None:  # planned (PoolCache.plan_decode): the step's count is already in
+            self.rows.write_planned(self.layer_in_group, key_states, value_states)
+            return self.rows.read_planned(self.layer_in_group)
         self.rows.write(self.layer_in_group, self.num_tokens, key_states, value_states)
         self.num_tokens += key_states.shape[-2]
         return self.rows.attend(self.layer_in_group, self.num_tokens, key_states.shape[-2])
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        plan = self.rows.step_plan if self.rows is not None else None
+        if plan is not None:  # a compiled step reads its capacity (a constant of its graph)
+            return plan.read_tokens or plan.capacity_pages * self.rows.pool.format.page_size, 0
         return self.num_tokens + query_length, 0
 
     def get_seq_length(self) -> int:

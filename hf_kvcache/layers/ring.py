@@ -163,6 +163,11 @@ class RingRows(PagedRows):
 
     values_by_page = False  # a ring's slots wrap around: each token's value codes are written with it
 
+    @property
+    def plannable(self) -> bool:
+        """A ring's decode steps are not planned (``PagedRows.plan_decode`` keeps every token)."""
+        return False
+
     def __init__(
         self,
         pool: KVPool,

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from hf_kvcache import flex
-from hf_kvcache.kernels import page_rows, read_pages, run_view, slot_rows
+from hf_kvcache.allocator import NULL_PAGE
+from hf_kvcache.kernels import page_rows, read_pages, read_planned, run_view, slot_rows, write_planned
 from hf_kvcache.layers.store import SlotStore, extent_runs
 from hf_kvcache.placement import agree
 from hf_kvcache.pool import KVPool, PoolStorage
@@ -62,6 +63,42 @@ class PagedRead:
     pads: torch.Tensor
     num_tokens: int
     gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class StepPlan:
+    """A decode step of one new token per row, planned before the forward pass (``PagedRows.plan_decode``), in
+    tensors kept from step to step and refilled in place, so that a compiled step (and a CUDA graph replay) reads
+    them without a recompile while the batch and the capacity stay. Index tensors broadcast to ``[batch, heads,
+    ...]`` over the storage's ``[layers, heads, pages, page_size, head_dim]`` (``kernels.read_planned`` and
+    ``kernels.write_planned``).
+
+    Attributes:
+        pages: ``[batch, 1, capacity_pages]`` each row's pages, then the null page up to ``capacity_pages``.
+        write_pages / write_offsets: ``[batch, 1, 1]`` the page and the slot in it of each row's new token.
+        heads: ``[1, heads, 1]`` the KV heads.
+        layers: ``[1, 1, 1]`` each layer's index (kept, so that a step makes none).
+        capacity_pages: pages read per row (a bucket of the rows' length: ``capacity_bucket``).
+        read_tokens: an eager step reads the rows' tokens only (``None``: a compiled step reads its capacity, a
+            constant of its graph, and the causal mask hides the slots past the rows' tokens).
+    """
+
+    pages: torch.Tensor
+    write_pages: torch.Tensor
+    write_offsets: torch.Tensor
+    heads: torch.Tensor
+    layers: tuple[torch.Tensor, ...]
+    capacity_pages: int
+    read_tokens: int | None = None
+
+
+def capacity_bucket(num_pages: int) -> int:
+    """The pages a planned step reads for rows of ``num_pages`` pages: the next of 4, 5, 6, 7, 8, 10, 12, 14, 16,
+    20, ... (a power of two times 1, 1.25, 1.5 or 1.75), so that lengths in one bucket share a compiled graph and a
+    step reads at most a quarter more than its rows hold."""
+    num_pages = max(num_pages, 4)
+    quarter = 1 << max(0, num_pages.bit_length() - 3)  # 2^(e - 2) for 2^e <= num_pages < 2^(e + 1)
+    return -(-num_pages // quarter) * quarter
 
 
 def paged_read_of(keys: torch.Tensor) -> PagedRead | None:
@@ -149,6 +186,7 @@ class PagedRows:
         self._write: tuple[int, int, int, torch.Tensor] | None = None  # (start, num_new, storage pages, rows)
         self._shared_prefill: tuple[int, list[int]] | None = None  # (num_tokens, identical_rows) of a prefill
         self.ring_pages: int | None = None  # pages of a row's ring (RingRows); None: the rows keep every page
+        self.step_plan: StepPlan | None = None  # the decode step planned before the forward pass (plan_decode)
 
     @property
     def num_tokens(self) -> int:
@@ -175,6 +213,88 @@ class PagedRows:
                 self.store.write_value_pages(layer_in_group, storage, rows, first, start, values)
         self.store.remember(layer_in_group, start, value_states)
         self.end_step(layer_in_group, start + key_states.shape[-2])
+
+    # ----- planned decode steps (compiled) -----------------------------------------------------
+
+    @property
+    def plannable(self) -> bool:
+        """Whether a decode step can be planned: full-precision pages on a storage that never moves."""
+        return self.store.quant is None and self.store.keys is None and self.pool.storage_is_fixed
+
+    def reads_in_place(self) -> bool:
+        """Whether the model's attention reads pages where they lie (``attn_implementation="hf_kvcache"``)."""
+        return self._reads_in_place()
+
+    def plan_decode(self, start: int, batch: int, capacity_pages: int, compiled: bool = True) -> StepPlan:
+        """Before a decode step of one new token per row at ``start``: grows the table (page allocation,
+        copy-on-write) and writes the step's slots and the rows' pages into the ``step_plan`` tensors, in place
+        where the batch, the capacity and the storage are the same as the last step's. An eager step (not
+        ``compiled``) reads the rows' tokens only (``StepPlan.read_tokens``).
+
+        Raises:
+            ValueError: the batch is not the cache's.
+        """
+        if self.table.num_rows and batch != self.table.num_rows:
+            raise ValueError(
+                f"The cache holds {self.table.num_rows} rows but a step feeds {batch}. A cache serves one batch at a "
+                "time: reset() it, or use a new cache, before a batch of another size."
+            )
+        if start != self.num_tokens:
+            raise RuntimeError(f"A decode step writes from token {start}; the cache holds {self.num_tokens}.")
+        self.written = start  # the steps before have run: every layer holds their tokens
+        self._grow(batch, start, 1, None)
+        storage = self.pool.storage
+        ids = self._page_ids()  # [batch, pages]
+        if ids.shape[1] > capacity_pages:
+            raise ValueError(f"Rows of {ids.shape[1]} pages do not fit a step planned for {capacity_pages}.")
+        padded = torch.full((batch, capacity_pages), NULL_PAGE, dtype=torch.long, device=ids.device)
+        padded[:, : ids.shape[1]] = ids  # [batch, capacity_pages]
+        fmt = self.pool.format
+        write_pages = ids[:, start // fmt.page_size].view(batch, 1, 1)  # [batch, 1, 1]
+        plan = self.step_plan
+        if plan is None or plan.pages.shape != (batch, 1, capacity_pages):
+            device = ids.device
+            self.step_plan = plan = StepPlan(
+                padded.view(batch, 1, capacity_pages),
+                write_pages.clone(),
+                torch.full_like(write_pages, start % fmt.page_size),
+                torch.arange(fmt.num_kv_heads, device=device).view(1, -1, 1),
+                tuple(torch.full((1, 1, 1), layer, device=device) for layer in range(fmt.num_layers)),
+                capacity_pages,
+            )
+            if compiled:
+                for tensor in (plan.pages, plan.write_pages, plan.write_offsets, *storage.tensors):
+                    torch._dynamo.mark_static_address(tensor)  # CUDA graphs read them where they lie
+        else:
+            plan.pages.copy_(padded.view(batch, 1, capacity_pages))
+            plan.write_pages.copy_(write_pages)
+            plan.write_offsets.fill_(start % fmt.page_size)
+        plan.read_tokens = None if compiled else start + 1
+        return plan
+
+    def end_planning(self) -> None:
+        """The next step is not a planned one (a prefill, a crop): written catches up, the plan is dropped."""
+        if self.step_plan is not None:
+            self.written = self.num_tokens
+            self.step_plan = None
+
+    def write_planned(self, layer_in_group: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Stores a planned step's ``[batch, heads, 1, head_dim]`` states at its slots: tensor operations only."""
+        storage = self.pool.storage
+        write_planned(storage.keys, self.step_plan, layer_in_group, key_states)
+        write_planned(storage.values, self.step_plan, layer_in_group, value_states)
+
+    def read_planned(self, layer_in_group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A planned step's keys and values, ``[batch, heads, capacity_pages * page_size, head_dim]`` each: the rows'
+        pages in order, then the null page's zeros (hidden by the causal mask, as ``StaticCache``'s empty slots)."""
+        storage, plan = self.pool.storage, self.step_plan
+        keys, values = (
+            read_planned(storage.keys, plan, layer_in_group),
+            read_planned(storage.values, plan, layer_in_group),
+        )
+        if plan.read_tokens is not None:
+            return keys[:, :, : plan.read_tokens], values[:, :, : plan.read_tokens]
+        return keys, values
 
     def key_shifts(self, batch: int) -> list[int]:
         """The token each row counts its pages from (``KeyPages``): paged rows store padding too, from 0."""

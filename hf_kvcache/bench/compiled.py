@@ -1,0 +1,242 @@
+"""Compiled-decoding benchmark: decode steps as ``generate`` runs them, compiled by ``generate`` itself or eager.
+
+A *row* is a cache and a way to run it: ``static:compiled`` (transformers' ``StaticCache`` with ``generate``
+compiling its decode steps: the baseline), ``dynamic`` and ``static`` (eager), and each of our caches eager and,
+where it is compileable, ``:compiled``. Compiled rows pass ``generate`` a ``CompileConfig(mode=...)`` with
+``_compile_all_devices = True`` (on CPU ``generate`` compiles only when told; ``mode="default"``: no CUDA graphs;
+on CUDA ``"reduce-overhead"``: CUDA graphs), and ``generate`` decides, by its own rule, whether to compile.
+
+For each (length, batch) the prompt rows (consecutive slices of the essays' token stream) are prefilled once with a
+``DynamicCache`` and loaded into each run's fresh cache through ``cache.update`` (a copy, not a forward pass); our
+caches draw from the default pool, as ``generate(cache_implementation=...)`` would. ``generate`` then gets the
+prompt plus its next token, so that its own prefill feeds that one token, and runs ``warmup_steps + steps``
+decode steps; a logits processor stamps the time of each step and the timed steps' median gives tokens/s. Each
+compiled row first runs once untimed (its compile, reported as ``first_call_s``); then every row runs ``rounds``
+times, interleaved. Reported per row: tokens/s, the ratio to ``static:compiled``'s in the same run, graphs
+compiled during the timed rounds (recompiles: 0 is the target), KV bytes held at the end against
+``StaticCache``'s, and whether its greedy tokens equal the baseline's.
+"""
+
+import gc
+import logging
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch._dynamo
+from transformers import CompileConfig, DynamicCache, LogitsProcessor, PreTrainedModel, StaticCache
+
+from hf_kvcache.bench import measure
+from hf_kvcache.bench.decode import _prefill_rows
+from hf_kvcache.caches.base import PoolCache
+from hf_kvcache.eval import kv_bytes
+from hf_kvcache.integration import build_cache
+from hf_kvcache.registry import REGISTRY
+
+logger = logging.getLogger("hf_kvcache.bench")
+
+BASELINE = "static:compiled"
+ROWS = (
+    BASELINE,
+    "dynamic",
+    "static",
+    "paged_pool:compiled",
+    "paged_pool",
+    "quantized_values:compiled",
+    "quantized_values",
+    "quantized_kv",
+)
+"""Rows of the suite. A ``:compiled`` row of a cache that is not compileable runs eager (``generate``'s rule)."""
+
+
+@dataclass(frozen=True)
+class CompiledBenchConfig:
+    """What to measure.
+
+    Attributes:
+        cells: ``(prompt length, batch)`` pairs.
+        rows: see ``ROWS``; must include ``BASELINE``.
+        steps / warmup_steps: timed / untimed decode steps per run.
+        rounds: timed runs of each row per cell, interleaved.
+        mode: ``CompileConfig.mode`` of the compiled rows.
+    """
+
+    cells: tuple[tuple[int, int], ...] = ((1024, 1), (4096, 1), (4096, 8))
+    rows: tuple[str, ...] = ROWS
+    steps: int = 24
+    warmup_steps: int = 3
+    rounds: int = 2
+    mode: str = "default"
+
+    def __post_init__(self) -> None:
+        measure.check_settings(self, {})
+        if BASELINE not in self.rows:
+            raise ValueError(f"rows must include {BASELINE!r}: the baseline of ratios and token checks.")
+        names = {"static", "dynamic", *REGISTRY}
+        unknown = sorted(row for row in self.rows if row.split(":")[0] not in names)
+        if unknown:
+            raise ValueError(f"Unknown rows {unknown}; a row is one of {sorted(names)}, optionally ':compiled'.")
+
+
+@dataclass
+class CompiledResult:
+    """One row at one cell, over its timed rounds (see the module docstring)."""
+
+    row: str
+    length: int
+    batch: int
+    median_step_ms: float
+    round_median_step_ms: list[float]
+    tokens_per_s: float
+    ratio_vs_static_compiled: float
+    first_call_s: float
+    recompiles: int
+    kv_bytes_held: int
+    kv_bytes_vs_static: float
+    tokens_match: bool
+    compiled: bool  # generate compiled it (its first call compiled a graph)
+
+
+class _StepClock(LogitsProcessor):
+    """Stamps the time each decode step's logits come out (``generate`` calls it once per step)."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if scores.is_cuda:
+            torch.cuda.synchronize(scores.device)
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def _graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def _build(model: PreTrainedModel, name: str, capacity: int) -> Any:
+    if name == "static":
+        return StaticCache(config=model.config, max_cache_len=capacity)
+    if name == "dynamic":
+        return DynamicCache(config=model.config)
+    return build_cache(name, model, None)
+
+
+def _run(model, prefill, rows: torch.Tensor, row: str, batch: int, config: CompiledBenchConfig):
+    """One run: a fresh cache loaded with the prefilled rows, then ``generate``'s decode steps."""
+    name, compiled = row.split(":")[0], row.endswith(":compiled")
+    length = rows.shape[1]
+    cache = _build(model, name, length + config.warmup_steps + config.steps + 2)
+    for layer_idx, (keys, values) in enumerate(zip(prefill.keys, prefill.values)):
+        cache.update(keys[:batch], values[:batch], layer_idx)
+    ids = torch.cat([rows[:batch], prefill.next_tokens[:batch, None]], dim=1)  # [batch, length + 1]
+    compile_config = None
+    if compiled:
+        compile_config = CompileConfig(mode=config.mode)
+        compile_config._compile_all_devices = True  # a class attribute in transformers 5.24
+    clock = _StepClock()
+    new_tokens = config.warmup_steps + config.steps + 1
+    graphs = _graphs()
+    began = time.perf_counter()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),  # no padding (said, so that generate does not guess from the ids)
+        cache=cache,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        compile_config=compile_config,
+        logits_processor=[clock],
+        return_dict_in_generate=True,
+    )
+    wall_s = time.perf_counter() - began
+    steps = [after - before for before, after in zip(clock.stamps, clock.stamps[1:])][config.warmup_steps :]
+    held = kv_bytes(cache)
+    if isinstance(cache, PoolCache):
+        cache.release()
+    return {
+        "step_s": steps,
+        "tokens": out.sequences[:, length + 1 :].cpu(),
+        "wall_s": wall_s,
+        "graphs": _graphs() - graphs,
+        "kv_bytes": held,
+    }
+
+
+def run_compiled_benchmark(
+    model: PreTrainedModel, stream: torch.Tensor, config: CompiledBenchConfig
+) -> list[CompiledResult]:
+    """Measures every row at every cell (see the module docstring)."""
+    results = []
+    for length, batch in config.cells:
+        rows = stream[: batch * length].view(batch, length).to(model.device)  # [batch, length]
+        with torch.no_grad():
+            prefill = _prefill_rows(model, rows)
+        first_call: dict[str, tuple[float, int]] = {}  # row -> (seconds, graphs compiled)
+        for row in config.rows:  # the compiles, untimed
+            if row.endswith(":compiled"):
+                run = _run(model, prefill, rows, row, batch, config)
+                first_call[row] = (run["wall_s"], run["graphs"])
+                logger.info("%s at %d x %d: first call %.1f s, %d graphs", row, length, batch, *first_call[row])
+        runs: dict[str, list[dict]] = {row: [] for row in config.rows}
+        for _ in range(config.rounds):
+            for row in config.rows:
+                runs[row].append(_run(model, prefill, rows, row, batch, config))
+                gc.collect()
+        results += _summarize(runs, first_call, length, batch)
+    return results
+
+
+def _summarize(
+    runs: dict[str, list[dict]], first_call: dict[str, tuple[float, int]], length: int, batch: int
+) -> list[CompiledResult]:
+    median = {row: statistics.median(s for run in rs for s in run["step_s"]) for row, rs in runs.items()}
+    baseline = runs[BASELINE]
+    results = []
+    for row, rs in runs.items():
+        matches = all(torch.equal(run["tokens"], base["tokens"]) for run, base in zip(rs, baseline))
+        results.append(
+            CompiledResult(
+                row=row,
+                length=length,
+                batch=batch,
+                median_step_ms=1000 * median[row],
+                round_median_step_ms=[1000 * statistics.median(run["step_s"]) for run in rs],
+                tokens_per_s=batch / median[row],
+                ratio_vs_static_compiled=median[BASELINE] / median[row],
+                first_call_s=first_call.get(row, (0.0, 0))[0],
+                recompiles=sum(run["graphs"] for run in rs),
+                kv_bytes_held=rs[-1]["kv_bytes"],
+                kv_bytes_vs_static=rs[-1]["kv_bytes"] / baseline[-1]["kv_bytes"],
+                tokens_match=matches,
+                compiled=first_call.get(row, (0.0, 0))[1] > 0,
+            )
+        )
+    return results
+
+
+def markdown_table(results: Sequence[CompiledResult]) -> str:
+    lines = [
+        "| cell | row | compiled | tok/s | vs StaticCache compiled | first call s | recompiles | KV bytes vs Static "
+        "| tokens equal |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.length:,} x {r.batch} | {r.row} | {r.compiled} | {r.tokens_per_s:.1f} | "
+            f"{r.ratio_vs_static_compiled:.2f}x | {r.first_call_s:.1f} | {r.recompiles} | "
+            f"{r.kv_bytes_vs_static:.2f} | {r.tokens_match} |"
+        )
+    return "\n".join(lines)
+
+
+def results_record(results: Sequence[CompiledResult], config: CompiledBenchConfig, info: dict) -> dict:
+    return {
+        "benchmark": "decode_compiled",
+        "config": asdict(config),
+        "machine": info,
+        "results": [asdict(result) for result in results],
+    }

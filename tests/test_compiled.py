@@ -1,0 +1,170 @@
+"""Compiled decoding: ``generate`` compiles the decode steps of a compileable cache (as it does ``StaticCache``'s),
+each step planned before the forward pass (``PoolCache.plan_decode``) and run as tensor operations only.
+
+On CPU ``generate`` compiles only when told (``CompileConfig._compile_all_devices``); ``mode="default"`` (no CUDA
+graphs). Tiny models compile in a few seconds; ``fullgraph=True`` makes any graph break an error."""
+
+import pytest
+import torch
+import torch._dynamo
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import CompileConfig
+
+from hf_kvcache import KVPool
+from hf_kvcache.caches.paged import PagedCache
+from hf_kvcache.integration import build_cache
+from hf_kvcache.layers.rows import capacity_bucket
+from hf_kvcache.models import random_padded_batch, tiny_gemma3, tiny_llama, tiny_mistral
+from hf_kvcache.registry import REGISTRY
+from tests.helpers import random_ids
+
+
+@pytest.fixture(scope="module")
+def compile_config() -> CompileConfig:
+    config = CompileConfig(mode="default", fullgraph=True)
+    config._compile_all_devices = True  # a class attribute in transformers 5.24, not a constructor argument
+    return config
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.config.error_on_recompile = False
+    torch._dynamo.reset()
+
+
+def graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def generate(model, ids, name=None, compile_config=None, **kwargs):
+    if name is not None:
+        kwargs["cache_implementation"] = name
+    return model.generate(ids, do_sample=False, compile_config=compile_config, **kwargs)
+
+
+def test_only_caches_whose_steps_can_be_planned_are_compileable():
+    llama, mistral = tiny_llama(), tiny_mistral()
+    cache = PagedCache(llama.config)
+    assert not cache.is_compileable  # the default pool is not bound yet: whether its storage stays is not known
+    cache.bind_pools(llama.device, llama.dtype)
+    assert cache.is_compileable  # the CPU's default pools reserve their cap: their storage never moves
+    assert build_cache("paged_pool", llama, {}).is_compileable  # built for generate: bound
+    assert build_cache("paged_pool", llama, {"max_tokens": 256}).is_compileable
+    assert not build_cache("paged_pool", mistral, {}).is_compileable  # its sliding layers are rings
+    for name in ("sliding_ring", "quantized_values", "quantized_kv"):
+        assert not build_cache(name, llama, dict(REGISTRY[name].example_config)).is_compileable
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["batch", "padded", "beams"],
+)
+def test_compiled_paged_pool_generates_the_tokens_of_eager_and_dynamic_cache(compile_config, case):
+    model = tiny_llama()
+    kwargs = {"max_new_tokens": 24}
+    if case == "padded":
+        ids, mask = random_padded_batch([21, 13, 17], 128, torch.Generator().manual_seed(1))
+        kwargs["attention_mask"] = mask
+    else:
+        ids = random_ids(2, 21)
+    if case == "beams":
+        kwargs["num_beams"] = 2
+    reference = generate(model, ids, **kwargs)
+    assert torch.equal(generate(model, ids, "paged_pool", **kwargs), reference)
+    compiled = generate(model, ids, "paged_pool", compile_config, **kwargs)
+    assert torch.equal(compiled, reference)
+    assert graphs() == (0 if case == "beams" else 1)  # transformers 5.24 compiles greedy and sampling, not beams
+
+
+def test_no_recompile_within_a_generation_nor_between_lengths_of_one_bucket(compile_config):
+    model = tiny_llama()
+    ids = random_ids(2, 21)
+    generate(model, ids, "paged_pool", compile_config, max_new_tokens=40)
+    assert graphs() == 1  # 40 steps, one graph
+    torch._dynamo.config.error_on_recompile = True
+    for length in (19, 23):  # prompt + 40 tokens: 4 pages of 16 either way (capacity_bucket)
+        assert capacity_bucket(-(-(length + 39) // 16)) == 4
+        out = generate(model, random_ids(2, length, seed=length), "paged_pool", compile_config, max_new_tokens=40)
+        assert torch.equal(out, generate(model, random_ids(2, length, seed=length), max_new_tokens=40))
+    assert graphs() == 1
+
+
+def test_capacity_buckets_waste_at_most_a_quarter():
+    for pages in range(1, 2000):
+        bucket = capacity_bucket(pages)
+        assert pages <= bucket <= max(4, pages * 1.25)
+    assert [capacity_bucket(n) for n in (1, 4, 5, 8, 9, 17, 65)] == [4, 4, 5, 8, 10, 20, 80]
+
+
+def test_prefix_reuse_and_crop_under_compile(compile_config):
+    model = tiny_llama()
+    pool = KVPool.for_model(model, max_tokens=1024, prefix_caching=True)
+    ids = random_ids(1, 40)
+    first = generate(model, ids, "paged_pool", compile_config, max_new_tokens=8, cache_config={"pool": pool})
+    torch._dynamo.config.error_on_recompile = True
+    second = generate(
+        model,
+        ids,
+        "paged_pool",
+        compile_config,
+        max_new_tokens=8,
+        cache_config={"pool": pool},
+        return_dict_in_generate=True,
+    )
+    assert pool.stats()["prefix_tokens_reused"] == 32
+    assert torch.equal(second.sequences, first)
+    cache = second.cache
+    cache.crop(44 - cache.get_seq_length())  # back into the generated tokens, then on with the same cache
+    cont = generate(model, second.sequences[:, :45], None, compile_config, max_new_tokens=6, cache=cache)
+    assert torch.equal(cont, generate(model, second.sequences[:, :45], max_new_tokens=6))
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize("name", ["sliding_ring", "quantized_values", "quantized_kv"])
+def test_caches_not_compileable_run_eager_under_a_compile_config(compile_config, name):
+    model = tiny_llama()
+    ids = random_ids(2, 21)
+    config = dict(REGISTRY[name].example_config)
+    eager = generate(model, ids, name, max_new_tokens=8, cache_config=config)
+    assert torch.equal(generate(model, ids, name, compile_config, max_new_tokens=8, cache_config=config), eager)
+    assert graphs() == 0
+
+
+@pytest.mark.parametrize("build", [tiny_mistral, tiny_gemma3], ids=["mistral", "gemma3"])
+def test_models_with_sliding_layers_run_eager_under_a_compile_config(compile_config, build):
+    model = build()
+    ids = random_ids(2, 21)
+    reference = generate(model, ids, max_new_tokens=8)
+    assert torch.equal(generate(model, ids, "paged_pool", compile_config, max_new_tokens=8), reference)
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the aten ops that read a tensor's value back to the host (``.item()``, ``.tolist()``, ``bool()``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default):
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_planned_step_reads_nothing_back_to_the_host():
+    model = tiny_llama()
+    ids = random_ids(2, 21)
+    out = generate(model, ids, "paged_pool", max_new_tokens=2, return_dict_in_generate=True)
+    cache = out.cache
+    cache.compiled_decoding = True
+    assert cache.plan_decode(2, 1)
+    inputs = {"input_ids": out.sequences[:, -1:], "position_ids": None}
+    cache.start_planned(inputs)
+    with torch.no_grad(), HostReads() as reads:
+        model(**inputs, cache=cache)
+    assert reads.reads == 0
+    cache.end_planning()
+    assert cache.get_seq_length() == 23
