@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
 
 import hf_kvcache
+from hf_kvcache.bundled import BUNDLED_MODEL
 from hf_kvcache.cards import generate_with_cache, publish
 from hf_kvcache.cards.render import render_card
 from hf_kvcache.cards.settings import CARD_SETTINGS, plan_cards
@@ -25,8 +26,8 @@ from hf_kvcache.eval.caches import CacheSpec
 from hf_kvcache.eval.command import reproduce_command
 from hf_kvcache.eval.report import EvalReport
 from hf_kvcache.eval.runner import EvalConfig
-from hf_kvcache.models import BUNDLED_MODEL, tiny_llama
 from hf_kvcache.registry import REGISTRY
+from hf_kvcache.testing import tiny_llama
 
 ROOT = Path(__file__).parents[1]
 REPORT = ROOT / "model_cards" / "results" / "smollm2-135m-essays-2048" / "report.json"

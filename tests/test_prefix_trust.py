@@ -12,8 +12,8 @@ import torch
 
 from hf_kvcache import KVPool
 from hf_kvcache.caches import prefix as prefix_module
-from hf_kvcache.models import tiny_gemma3, tiny_llama, tiny_mistral
 from hf_kvcache.registry import REGISTRY
+from hf_kvcache.testing import tiny_gemma3, tiny_llama, tiny_mistral
 from tests.helpers import random_ids
 from tests.test_prefix_caching import PAGE_SIZE, assert_same_tokens_close_logits, greedy, prefix_pool
 

