@@ -1,6 +1,7 @@
 """Data flows one way (see GUIDE.md): the allocator and page table import no torch, nothing below
 ``transformers_internals`` imports transformers, lower modules never import higher ones, the core never imports
-the tools (testing, bundled, eval, bench, cards), and only ``transformers_internals`` reaches past transformers' top-level names."""
+the tools (testing, bundled, eval, bench, cards), and only ``transformers_internals`` reaches past transformers'
+top-level names."""
 
 import ast
 from pathlib import Path
