@@ -4,12 +4,14 @@ and packaging only; a tool whose extra is missing fails naming the extra to inst
 
 import ast
 import importlib.metadata
+import importlib.util
 import json
 import logging
 import re
 import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -204,3 +206,34 @@ def test_a_report_without_matplotlib_keeps_its_table_and_says_how_to_get_the_plo
     assert "pip install 'hf_kvcache[eval]'" in caplog.text
     with pytest.raises(ModuleNotFoundError):
         report.plot(tmp_path)
+
+
+def load_check_wheel():
+    spec = importlib.util.spec_from_file_location("_check_wheel", ROOT / "scripts" / "check_wheel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fake_wheel(path: Path, names: list[str]) -> Path:
+    with zipfile.ZipFile(path, "w") as archive:
+        for name in names:
+            archive.writestr(name, "")
+    return path
+
+
+def test_the_wheel_check_takes_only_the_package_and_its_data(tmp_path):
+    check = load_check_wheel()
+    package = [f"hf_kvcache/{data}" for data in check.REQUIRED_DATA] + ["hf_kvcache/__init__.py"]
+    metadata = ["hf_kvcache-0.1.0.dist-info/METADATA", "hf_kvcache-0.1.0.dist-info/licenses/LICENSE"]
+    assert check.check_contents(fake_wheel(tmp_path / "good.whl", package + metadata))
+    for extra, problem in (
+        (["tests/test_pool.py"], "outside hf_kvcache/"),
+        (["hf_kvcache/benchmarks/decode.json"], "not package code"),
+        (["model_cards/x/README.md"], "outside hf_kvcache/"),
+    ):
+        with pytest.raises(SystemExit, match=problem):
+            check.check_contents(fake_wheel(tmp_path / "bad.whl", package + metadata + extra))
+    with pytest.raises(SystemExit, match="package data missing"):
+        check.check_contents(fake_wheel(tmp_path / "bare.whl", package[1:] + metadata))
+    assert ".ci/wheel" in (ROOT / ".ci" / "run").read_text()
