@@ -19,6 +19,7 @@ import torch
 
 import hf_kvcache
 from hf_kvcache.bundled import model as bundled_model
+from hf_kvcache.cards.render import REPOSITORY
 from hf_kvcache.errors import MissingExtraError
 from hf_kvcache.eval.report import CacheResult, EvalReport
 
@@ -125,6 +126,7 @@ def test_release_metadata():
     assert PROJECT["license"] == "Apache-2.0" and PROJECT["license-files"] == ["LICENSE"]
     assert "Apache License\n                           Version 2.0" in (ROOT / "LICENSE").read_text()
     assert {"Homepage", "Repository", "Changelog"} <= set(PROJECT["urls"])
+    assert PROJECT["urls"]["Repository"] == REPOSITORY  # the cards' install command
     assert PROJECT["classifiers"] and PROJECT["keywords"]
     assert (PACKAGE / "py.typed").is_file() and "py.typed" in PYPROJECT["tool"]["setuptools"]["package-data"][
         "hf_kvcache"
