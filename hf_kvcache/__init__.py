@@ -5,13 +5,14 @@
 
 from hf_kvcache.caches import PagedCache, QuantizedKVCache, QuantizedValueCache, SlidingRingCache
 from hf_kvcache.config import PageFormat
-from hf_kvcache.errors import IncompatibleModelError, PoolExhaustedError
+from hf_kvcache.errors import IncompatibleModelError, MissingExtraError, PoolExhaustedError
 from hf_kvcache.integration import is_registered, register, unregister
 from hf_kvcache.pool import KVPool
 
 __all__ = [
     "IncompatibleModelError",
     "KVPool",
+    "MissingExtraError",
     "PageFormat",
     "PagedCache",
     "PoolExhaustedError",
@@ -22,6 +23,6 @@ __all__ = [
     "register",
     "unregister",
 ]
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one version: the build reads it (pyproject.toml), cards pin it
 
 register()

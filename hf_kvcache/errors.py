@@ -1,4 +1,6 @@
-"""The two domain failures of hf_kvcache. Bad input raises ``ValueError``/``TypeError`` instead."""
+"""The two domain failures of hf_kvcache, and the error of a tool whose extra is not installed.
+
+Bad input raises ``ValueError``/``TypeError`` instead."""
 
 
 class PoolExhaustedError(RuntimeError):
@@ -23,3 +25,23 @@ class PoolExhaustedError(RuntimeError):
 
 class IncompatibleModelError(ValueError):
     """A model (or a pool built for another model) cannot be served by this cache."""
+
+
+class MissingExtraError(ModuleNotFoundError):
+    """A tool of hf_kvcache (evaluation, benchmarks, cards, the bundled model) needs a package its extra installs.
+
+    The core (``pip install hf_kvcache``) needs torch, transformers and packaging only; the tools' packages come
+    with an extra, which the message names.
+
+    Attributes:
+        extra: the extra that installs the missing package (``pip install 'hf_kvcache[<extra>]'``).
+        name: the missing module, as ``ModuleNotFoundError.name``.
+    """
+
+    def __init__(self, extra: str, needed_by: str, module: str | None) -> None:
+        self.extra = extra
+        super().__init__(
+            f"{needed_by} needs the package {module!r}, which hf_kvcache's core install leaves out: "
+            f"pip install 'hf_kvcache[{extra}]'",
+            name=module,
+        )

@@ -47,8 +47,8 @@ from hf_kvcache.bench.decode import (
     run_decode_benchmark,
 )
 from hf_kvcache.bench.measure import OtherCpuUse, add_machine_args, machine_settings, write_record
+from hf_kvcache.bundled import BUNDLED_MODEL, load_bundled_model
 from hf_kvcache.eval import environment
-from hf_kvcache.models import BUNDLED_MODEL, load_bundled_model
 
 SUITES = {
     "paged": {"caches": FULL_CACHES, "lengths": (1024, 4096), "output": Path("benchmarks/decode.json")},

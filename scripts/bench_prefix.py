@@ -15,8 +15,8 @@ from pathlib import Path
 from hf_kvcache.bench.decode import essay_token_stream
 from hf_kvcache.bench.measure import OtherCpuUse, add_machine_args, machine_settings, write_record
 from hf_kvcache.bench.prefix import PrefixBenchConfig, markdown_table, results_record, run_prefix_benchmark
+from hf_kvcache.bundled import BUNDLED_MODEL, load_bundled_model
 from hf_kvcache.eval import environment
-from hf_kvcache.models import BUNDLED_MODEL, load_bundled_model
 from hf_kvcache.registry import REGISTRY
 
 

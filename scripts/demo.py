@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import hf_kvcache  # noqa: E402
-from hf_kvcache.models import load_bundled_model  # noqa: E402
+from hf_kvcache.bundled import load_bundled_model  # noqa: E402
 
 PROMPTS = [
     "What is the capital of France?",

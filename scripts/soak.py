@@ -16,10 +16,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import transformers  # noqa: E402
 
-from hf_kvcache import models  # noqa: E402
+from hf_kvcache import testing  # noqa: E402
 from hf_kvcache.bench.soak import run_soak  # noqa: E402
 
-MODELS = {"tiny_llama": models.tiny_llama, "tiny_mistral": models.tiny_mistral, "tiny_gemma3": models.tiny_gemma3}
+MODELS = {"tiny_llama": testing.tiny_llama, "tiny_mistral": testing.tiny_mistral, "tiny_gemma3": testing.tiny_gemma3}
 MIB = 2**20
 
 

@@ -6,8 +6,8 @@ A working ``cache_config`` per cache name is its registry entry's ``example_conf
 
 import torch
 
-from hf_kvcache.models import random_padded_batch
 from hf_kvcache.registry import REGISTRY
+from hf_kvcache.testing import random_padded_batch
 
 
 def example_config(name: str) -> dict:

@@ -23,7 +23,7 @@ from hf_kvcache.bench.ring_update import RingUpdateBenchConfig, RingUpdateResult
 from hf_kvcache.bench.ring_update import markdown_table as update_markdown_table
 from hf_kvcache.bench.ring_update import results_record as update_results_record
 from hf_kvcache.eval import environment
-from hf_kvcache.models import tiny_llama
+from hf_kvcache.testing import tiny_llama
 
 LENGTHS = (16, 40)  # the window exactly, and past a ring of two pages (it wraps)
 BATCHES = (1, 3)

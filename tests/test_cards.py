@@ -17,16 +17,17 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
 
 import hf_kvcache
+from hf_kvcache.bundled import BUNDLED_MODEL
 from hf_kvcache.cards import generate_with_cache, publish
-from hf_kvcache.cards.render import render_card
+from hf_kvcache.cards.render import REPOSITORY, render_card
 from hf_kvcache.cards.settings import CARD_SETTINGS, plan_cards
 from hf_kvcache.cards.validate import validate_card
 from hf_kvcache.eval.caches import CacheSpec
 from hf_kvcache.eval.command import reproduce_command
 from hf_kvcache.eval.report import EvalReport
 from hf_kvcache.eval.runner import EvalConfig
-from hf_kvcache.models import BUNDLED_MODEL, tiny_llama
 from hf_kvcache.registry import REGISTRY
+from hf_kvcache.testing import tiny_llama
 
 ROOT = Path(__file__).parents[1]
 REPORT = ROOT / "model_cards" / "results" / "smollm2-135m-essays-2048" / "report.json"
@@ -100,6 +101,23 @@ def test_card_validates_with_hub_metadata(rendered, setting):
     assert card.data.license == setting.model.license == "apache-2.0"
     assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
     assert f'custom_generate="me/{setting.folder_name}"' in card.text
+
+
+def test_card_pins_the_version_it_was_rendered_with_and_says_how_to_install_it(rendered):
+    folder = rendered["paged_pool"]
+    requirements = (folder / "custom_generate" / "requirements.txt").read_text().splitlines()
+    assert f"hf_kvcache=={hf_kvcache.__version__}" in requirements
+    install = f'pip install "hf_kvcache @ git+{REPOSITORY}@v{hf_kvcache.__version__}"'
+    assert any(line.startswith("#") and install in line for line in requirements)  # transformers skips comments
+    use = (folder / "README.md").read_text().split("## Use")[1]
+    assert f"`hf_kvcache=={hf_kvcache.__version__}`" in use and install in use
+    assert "`#" not in use  # the comment line is not listed as a requirement
+
+
+def test_committed_cards_pin_this_version():
+    """model_cards/ is rendered by ``scripts/publish_cards.py --dry-run``: rerender it when the version changes."""
+    for requirements in sorted(ROOT.glob("model_cards/*/custom_generate/requirements.txt")):
+        assert f"hf_kvcache=={hf_kvcache.__version__}" in requirements.read_text().splitlines(), requirements
 
 
 @pytest.mark.parametrize("setting", REGISTERED, ids=IDS)

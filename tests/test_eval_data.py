@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from hf_kvcache.bundled import bundled_model_path
 from hf_kvcache.eval import data
 from hf_kvcache.eval.data import (
     TEXT_SEPARATOR,
@@ -18,7 +19,6 @@ from hf_kvcache.eval.data import (
     load_texts,
     token_windows,
 )
-from hf_kvcache.models import bundled_model_path
 
 
 @pytest.fixture(scope="module")

@@ -122,7 +122,7 @@ def tokens_held_in(metrics) -> dict[str, int]:
 
 
 def test_each_cache_runs_under_its_attention_without_a_warning(tiny_llama_model):
-    """The default evaluation runs the rings the way the README recommends (under "hf_kvcache": a prompt past the
+    """The default evaluation runs the rings the way docs/caches.md recommends (under "hf_kvcache": a prompt past the
     window keeps to it, and nothing warns), the other caches under the model's attention."""
     rings = [spec for spec in default_specs() if spec.kind == "sliding_ring"]
     assert rings and all(spec.attn_implementation == "hf_kvcache" for spec in rings)

@@ -15,7 +15,7 @@ from hf_kvcache.eval.retrieval import (
     is_correct,
     run_retrieval,
 )
-from hf_kvcache.models import tiny_llama
+from hf_kvcache.testing import tiny_llama
 
 
 @pytest.fixture(scope="module")

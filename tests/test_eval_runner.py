@@ -7,7 +7,7 @@ import pytest
 from hf_kvcache.eval.caches import CacheSpec, parse_spec
 from hf_kvcache.eval.command import reproduce_command
 from hf_kvcache.eval.runner import EvalConfig, run_evaluation
-from hf_kvcache.models import tiny_llama
+from hf_kvcache.testing import tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ from helpers import assert_same_generation, exact_config, example_config, padded
 
 import hf_kvcache  # noqa: F401  (registers the names)
 from hf_kvcache.attention import ATTENTION_NAME, model_attention
-from hf_kvcache.models import tiny_gemma3, tiny_llama, tiny_mistral
 from hf_kvcache.registry import REGISTRY
+from hf_kvcache.testing import tiny_gemma3, tiny_llama, tiny_mistral
 
 
 @pytest.mark.parametrize("fill", [float("nan"), float("inf"), float("-inf")])

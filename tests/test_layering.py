@@ -1,6 +1,7 @@
 """Data flows one way (see GUIDE.md): the allocator and page table import no torch, nothing below
 ``transformers_internals`` imports transformers, lower modules never import higher ones, the core never imports
-the tools (eval, bench, cards), and only ``transformers_internals`` reaches past transformers' top-level names."""
+the tools (testing, bundled, eval, bench, cards), and only ``transformers_internals`` reaches past transformers'
+top-level names."""
 
 import ast
 from pathlib import Path
@@ -28,19 +29,20 @@ ORDER = [
     "integration",
 ]
 """The core, lowest first: a module imports only modules before it."""
-TOOLS = ["wheels", "models", "eval", "bench", "cards"]
+TOOLS = ["testing", "bundled", "eval", "bench", "cards"]
 """Library code on top of the core; each may import the core and the tools it lists in ``TOOL_IMPORTS``."""
 TOOL_IMPORTS = {
-    "wheels": set(),
-    "models": {"wheels"},
-    "eval": {"wheels", "models"},
-    "bench": {"models", "eval"},
-    "cards": {"models", "eval"},
+    "testing": set(),
+    "bundled": set(),
+    "eval": {"bundled"},
+    "bench": {"testing", "bundled", "eval"},
+    "cards": {"bundled", "eval"},
 }
-CORE_FREE = {"wheels"}
-PACKAGES = {"eval", "bench", "cards"}
+CORE_FREE = {"testing", "bundled/wheels"}
+"""Tools (or a tool's modules) that import nothing of the core: tiny models need only transformers, and fetching
+files from PyPI needs no cache."""
+PACKAGES = {"bundled", "eval", "bench", "cards"}
 """Tool packages: another tool imports their public names (``from hf_kvcache.eval import ...``), not their modules."""
-"""Tools that import nothing of the core (fetching files from PyPI needs no cache)."""
 
 
 def source_files(module: str) -> list[Path]:
@@ -92,8 +94,11 @@ def test_the_core_never_imports_eval_bench_or_cards(module):
 def test_tools_import_each_other_only_as_listed(tool):
     used = ours(imports_of(tool)) & set(TOOLS) - {tool}
     assert used <= TOOL_IMPORTS[tool], f"{tool} imports {used - TOOL_IMPORTS[tool]}, not in TOOL_IMPORTS"
-    if tool in CORE_FREE:
-        assert not ours(imports_of(tool)) & set(ORDER), f"{tool} imports the core"
+
+
+@pytest.mark.parametrize("module", sorted(CORE_FREE))
+def test_core_free_tools_import_nothing_of_the_core(module):
+    assert not ours(imports_of(module)) & set(ORDER), f"{module} imports the core"
 
 
 @pytest.mark.parametrize("tool", TOOLS)
@@ -115,9 +120,9 @@ def test_only_transformers_internals_reaches_past_the_public_names(module):
     assert not deep, f"{module} imports {deep}: reach them through hf_kvcache.transformers_internals"
 
 
-def test_readme_layout_block_is_the_tree():
-    """The README's Layout block names every module of the package, under its folder, and nothing else."""
-    readme = (PACKAGE.parent / "README.md").read_text()
+def test_layout_block_is_the_tree():
+    """docs/layout.md's Layout block names every module of the package, under its folder, and nothing else."""
+    readme = (PACKAGE.parent / "docs" / "layout.md").read_text()
     block = readme.split("## Layout\n\n```\n", 1)[1].split("```", 1)[0]
     listed, folder = set(), ""
     for line in block.splitlines()[1:]:
@@ -136,13 +141,13 @@ def test_readme_layout_block_is_the_tree():
         if path.name not in ("__init__.py", "__pycache__") and (path.is_dir() or path.suffix in (".py", ".md"))
     }
     assert listed == found, (
-        f"missing from the README: {sorted(found - listed)}; not in the tree: {sorted(listed - found)}"
+        f"missing from docs/layout.md: {sorted(found - listed)}; not in the tree: {sorted(listed - found)}"
     )
 
 
-def test_only_integration_and_models_change_transformers():
-    """transformers_internals' writes are called from integration (the three seams, the attention name) and models
-    (the GGUF quantizer of the bundled model) only."""
+def test_only_integration_and_the_bundled_model_change_transformers():
+    """transformers_internals' writes are called from integration (the three seams, the attention name) and the
+    bundled model (its GGUF quantizer) only."""
     writes = {"set_cache_implementations", "set_prepare_cache_method", "remove_attention", "drop_quantizer"}
     callers = {
         file.relative_to(PACKAGE).as_posix()
@@ -151,4 +156,4 @@ def test_only_integration_and_models_change_transformers():
         for node in ast.walk(ast.parse(file.read_text()))
         if isinstance(node, ast.Name | ast.Attribute) and getattr(node, "id", getattr(node, "attr", None)) in writes
     }
-    assert callers == {"integration.py", "models.py"}
+    assert callers == {"integration.py", "bundled/model.py"}

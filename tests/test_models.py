@@ -1,4 +1,4 @@
-"""Tests for hf_kvcache.models: the tiny model builders, the bundled model, its folder published once."""
+"""Tests for hf_kvcache.testing (the tiny model builders) and hf_kvcache.bundled (the bundled model, published once)."""
 
 from collections.abc import Callable
 from pathlib import Path
@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from hf_kvcache import models
-from hf_kvcache.models import tiny_gemma3, tiny_llama, tiny_mistral
+from hf_kvcache.bundled import model as bundled_model
+from hf_kvcache.testing import tiny_gemma3, tiny_llama, tiny_mistral
 from hf_kvcache.transformers_internals import attn_implementation
 
 TINY_CASES = [
@@ -96,5 +96,5 @@ def test_publish_dir_keeps_the_copy_that_won_the_race(tmp_path: Path) -> None:
     for folder, text in ((target, "first"), (staging, "second")):
         folder.mkdir()
         (folder / "config.json").write_text(text)
-    models._publish_dir(staging, target)
+    bundled_model._publish_dir(staging, target)
     assert (target / "config.json").read_text() == "first"

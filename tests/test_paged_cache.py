@@ -12,7 +12,7 @@ from hf_kvcache import KVPool, PagedCache, PoolExhaustedError, flex
 from hf_kvcache.attention import ATTENTION_NAME, model_attention
 from hf_kvcache.bench.catalogue import interleaved_extents, with_attention
 from hf_kvcache.layers.rows import run_read_count
-from hf_kvcache.models import tiny_llama
+from hf_kvcache.testing import tiny_llama
 
 MODELS = ["tiny_llama_model", "tiny_mistral_model", "tiny_gemma3_model"]
 

@@ -12,8 +12,8 @@ import torch
 
 from hf_kvcache import KVPool
 from hf_kvcache.caches import prefix as prefix_module
-from hf_kvcache.models import tiny_gemma3, tiny_llama, tiny_mistral
 from hf_kvcache.registry import REGISTRY
+from hf_kvcache.testing import tiny_gemma3, tiny_llama, tiny_mistral
 from tests.helpers import random_ids
 from tests.test_prefix_caching import PAGE_SIZE, assert_same_tokens_close_logits, greedy, prefix_pool
 
@@ -255,7 +255,7 @@ def test_a_second_turn_on_smollm2_equals_a_fresh_run(bundled, name, config):
     reference = greedy(model, second, name, config, max_new_tokens=2)
     candidate, reused = reused_by(pool, model, second, name, config, max_new_tokens=2)
     if name == "quantized_kv":
-        assert reused == 0  # refused: see the README's Reuse prompts
+        assert reused == 0  # refused: see docs/prefix-caching.md
     else:
         assert reused == 32
     for expected, actual in zip(reference.logits, candidate.logits, strict=True):

@@ -17,8 +17,8 @@ from transformers import (
 
 import hf_kvcache
 from hf_kvcache import transformers_internals as internals
-from hf_kvcache.models import tiny_gemma3, tiny_llama
 from hf_kvcache.placement import kv_heads_per_rank
+from hf_kvcache.testing import tiny_gemma3, tiny_llama
 
 
 def test_seams_exist_in_this_transformers():

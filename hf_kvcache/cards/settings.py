@@ -3,9 +3,15 @@
 from dataclasses import dataclass, field
 from typing import Any
 
-from hf_kvcache.eval import EvalReport, format_spec
-from hf_kvcache.models import BUNDLED_MODEL
+from hf_kvcache.bundled import BUNDLED_MODEL
+from hf_kvcache.errors import MissingExtraError
 from hf_kvcache.registry import REGISTRY
+
+try:  # rendering, validating and publishing cards read eval reports: the cards extra (the published cards' runtime,
+    # hf_kvcache.cards.generate_with_cache, needs only the core)
+    from hf_kvcache.eval import EvalReport, format_spec
+except MissingExtraError as error:
+    raise MissingExtraError("cards", "hf_kvcache.cards (cards from an eval report)", error.name) from error
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,16 @@ The names below are the evaluation's public surface: the benchmarks (``hf_kvcach
 
 from pathlib import Path
 
+from hf_kvcache.errors import MissingExtraError
+
+try:  # the eval extra, checked before any module of the package so that a missing one names the extra
+    import datasets  # noqa: F401
+    import evaluate  # noqa: F401
+    import huggingface_hub  # noqa: F401
+    import tqdm  # noqa: F401
+except ModuleNotFoundError as error:
+    raise MissingExtraError("eval", "hf_kvcache.eval", error.name) from error
+
 from hf_kvcache.eval.caches import CacheSpec, installed_quantized_backends, parse_spec, sliding_window_config
 from hf_kvcache.eval.command import format_spec, reproduce_command
 from hf_kvcache.eval.data import load_essays

