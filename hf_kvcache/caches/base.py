@@ -639,6 +639,8 @@ class PoolCache(Cache):
                 self._planned_capacity = capacity
         for rows in rows_of:
             rows.plan_decode(start, num_rows, capacity, compiled)
+        for layer in self._row_layers():
+            layer.planned = True  # until its update has run the step
         device = rows_of[0].pool.device
         if self._query_offset is None or self._query_offset.device != device:
             self._query_offset = torch.zeros((), dtype=torch.long, device=device)
@@ -649,7 +651,8 @@ class PoolCache(Cache):
         """After a planned step's inputs are prepared (``plan_decode``): counts its token in every layer, and hands
         the step's position over as a tensor where the model takes ``position_ids`` and ``generate`` left them out
         (a Python int would make each step a new graph)."""
-        if self._query_offset is None or not any(rows.step_plan for rows in self._binder.rows.values()):
+        layers = self._row_layers()
+        if self._query_offset is None or not layers or not getattr(layers[0], "planned", False):
             return
         for layer in self._row_layers():
             layer.num_tokens += 1
@@ -661,10 +664,14 @@ class PoolCache(Cache):
         """The next forward pass is not a planned decode step: the eager path runs."""
         for rows in self._binder.rows.values():
             rows.end_planning()
+        for layer in self._row_layers():
+            if isinstance(layer, PagedLayer):
+                layer.planned = False
 
     def get_query_offset(self, layer_idx: int = 0) -> Any:
         """A planned step's offset as a tensor (a Python int would make each step a new graph)."""
-        if self._query_offset is not None and any(rows.step_plan for rows in self._binder.rows.values()):
+        layers = self._row_layers()
+        if self._query_offset is not None and layers and getattr(layers[0], "planned", False):
             return self._query_offset
         return super().get_query_offset(layer_idx)
 

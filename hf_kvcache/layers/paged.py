@@ -29,6 +29,7 @@ class PagedLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.layer_in_group = layer_in_group
         self.num_tokens = 0
+        self.planned = False  # the next update is the step PoolCache.plan_decode planned (its rows' step_plan)
         self.rows: PagedRows | None = None
         self._bind = bind
 
@@ -47,7 +48,8 @@ class PagedLayer(CacheLayerMixin):
         pool's storage for attention to read in place (``PagedRows.attend``)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.rows.step_plan is not None:  # planned (PoolCache.plan_decode): the step's count is already in
+        if self.planned:  # planned (PoolCache.plan_decode), once: the step's count is already in
+            self.planned = False
             self.rows.write_planned(self.layer_in_group, key_states, value_states)
             return self.rows.read_planned(self.layer_in_group)
         self.rows.write(self.layer_in_group, self.num_tokens, key_states, value_states)
@@ -55,7 +57,7 @@ class PagedLayer(CacheLayerMixin):
         return self.rows.attend(self.layer_in_group, self.num_tokens, key_states.shape[-2])
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        plan = self.rows.step_plan if self.rows is not None else None
+        plan = self.rows.step_plan if self.planned else None
         if plan is not None:  # a compiled step reads its capacity (a constant of its graph)
             return plan.read_tokens or plan.capacity_pages * self.rows.pool.format.page_size, 0
         return self.num_tokens + query_length, 0
