@@ -40,7 +40,7 @@ class EncodedKVSpec(DynamicCache):
         if full:
             pages = history[:, :, :full].unflatten(2, (-1, self.page_size))  # [batch, heads, pages, page_size, dim]
             if self.key_bits == 4:
-                fmt = QuantFormat(4, self.page_size, self.page_size, scale_dtype, integer_zero=True)
+                fmt = QuantFormat(4, self.page_size, self.page_size, compact_params=True)
                 channels = pages.transpose(-1, -2)
                 pages = dequantize(*quantize(channels, fmt), fmt, pages.dtype).transpose(-1, -2)
             else:
@@ -229,7 +229,8 @@ def test_decoded_keys_equal_the_reference_bitwise(tiny_llama_model, key_bits, dt
         groups = quant.num_scale_groups
         reference = dequantize(codes, scales[..., :groups], scales[..., groups:], quant, dtype)
     assert torch.equal(fast, reference.flatten(2, 3))
-    assert storage.key_scales.dtype == (torch.float16 if dtype == torch.float32 else dtype)  # 2-byte scales
+    two_bytes = torch.int16 if key_bits == 4 else torch.float16 if dtype == torch.float32 else dtype
+    assert storage.key_scales.dtype == two_bytes  # 2-byte scales (int4: the compact word, with an int8 zero)
 
 
 def test_greedy_on_smollm2_follows_dynamic(bundled):
