@@ -40,7 +40,13 @@ class ReferenceSpec(CacheSpec):
         return FakeQuantKVCache(model.config.get_text_config(decoder=True), **self.settings)
 
 
-def default_specs(extra: list[str]) -> list[CacheSpec]:
+def reference_spec(text: str) -> ReferenceSpec:
+    """``LABEL:key=value,...`` as a ``FakeQuantKVCache`` spec (values parsed as ``--cache`` parses them)."""
+    label, _, options = text.partition(":")
+    return ReferenceSpec(label, "dynamic", parse_spec(f"{label}=dynamic:{options}").settings)
+
+
+def default_specs(extra: list[str], references: list[str]) -> list[CacheSpec]:
     residual = {"residual_length": DEFAULT_RESIDUAL_LENGTH}
     return [
         CacheSpec("kv-k4v4", "quantized_kv", {"key_bits": 4, "value_bits": 4}),
@@ -49,6 +55,7 @@ def default_specs(extra: list[str]) -> list[CacheSpec]:
         ReferenceSpec("ref-k8v4", "dynamic", {"key_bits": 8, "value_bits": 4, **residual}),
         CacheSpec("quanto-int4", "quantized", {"backend": "quanto", "nbits": 4}),
         *(parse_spec(text) for text in extra),
+        *(reference_spec(text) for text in references),
     ]
 
 
@@ -59,6 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefill", type=int, default=256, help="tokens of the first forward pass")
     parser.add_argument("--buckets", type=int, default=4, help="position buckets of the per-bucket perplexity")
     parser.add_argument("--cache", action="append", default=[], help="more caches, as LABEL=KIND:key=value,...")
+    parser.add_argument(
+        "--reference", action="append", default=[], help="more fake-quantization references, as LABEL:key=value,..."
+    )
     parser.add_argument("--only", nargs="*", default=None, help="labels of the default caches to keep")
     parser.add_argument("--output", type=Path, default=None, help="JSON file to write")
     args = parser.parse_args(argv)
@@ -66,9 +76,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     model, tokenizer = load_bundled_model()
     windows = token_windows(tokenizer, load_texts("essays"), args.documents, args.tokens, 0)
-    specs = default_specs(args.cache)
-    if args.only is not None:
-        specs = [spec for spec in specs if spec.label in args.only or spec.label in [s.split("=")[0] for s in args.cache]]
+    specs = default_specs(args.cache, args.reference)
+    if args.only is not None:  # the defaults named, and every extra one
+        extra = len(args.cache) + len(args.reference)
+        specs = [spec for spec in specs[: len(specs) - extra] if spec.label in args.only] + specs[len(specs) - extra :]
     metrics = compare_in_decode_mode(model, windows.input_ids, specs, args.prefill, progress=False)
     results = summarize(specs, metrics, args.buckets)
     base = next(result for result in results if result.label == "dynamic")

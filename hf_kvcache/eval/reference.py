@@ -34,6 +34,7 @@ class FakeQuantKVCache(DynamicCache):
         group_size: channels sharing a scale (values, and int8 keys).
         page_size: tokens of a key page.
         residual_length: newest tokens whose values attention gets exact.
+        sink_tokens: first tokens whose keys and values attention gets exact (attention sinks).
     """
 
     def __init__(
@@ -44,10 +45,11 @@ class FakeQuantKVCache(DynamicCache):
         group_size: int = 64,
         page_size: int = 16,
         residual_length: int = 0,
+        sink_tokens: int = 0,
     ) -> None:
         super().__init__(config=config)
         self.key_bits, self.value_bits, self.group_size = key_bits, value_bits, group_size
-        self.page_size, self.residual_length = page_size, residual_length
+        self.page_size, self.residual_length, self.sink_tokens = page_size, residual_length, sink_tokens
         self.coded_keys: dict[int, torch.Tensor] = {}  # layer_idx -> [batch, heads, full pages' tokens, head_dim]
         self.coded_values: dict[int, torch.Tensor] = {}  # layer_idx -> [batch, heads, tokens, head_dim]
 
@@ -71,4 +73,8 @@ class FakeQuantKVCache(DynamicCache):
         keep = min(self.residual_length, values.shape[2])
         if keep:
             attended_values[:, :, -keep:] = values[:, :, -keep:]
+        sink = self.sink_tokens
+        if sink:  # both are fresh tensors
+            attended_keys[:, :, :sink] = keys[:, :, :sink]
+            attended_values[:, :, :sink] = values[:, :, :sink]
         return attended_keys, attended_values
