@@ -158,7 +158,7 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Ten
     low, high = groups.aminmax(dim=-1)  # [..., num_scale_groups]
     if fmt.compact_params:
         scale, zero = _compact_params(low, high, fmt.max_code)
-        stored, base = compact_scale_and_base(scale, zero)
+        stored, base = compact_scale_and_base(scale, zero)  # base: exact
     else:
         # A float32 minimum is stored as it is (the common case: rounding it down would take six more small ops).
         zero = low if dtype == torch.float32 else _round_down(low, dtype)
@@ -188,10 +188,18 @@ def _compact_params(low: torch.Tensor, high: torch.Tensor, max_code: int) -> tup
 
 def compact_scale_and_base(word: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The float32 ``(scale, base)`` of compact parameters (int16 words and int8 zeros of any equal shape): a value
-    is ``base + code * scale``; ``zero * scale`` is exact in float32 (12 bits times 8), and so is the division."""
+    is ``base + code * scale``."""
+    scale, steps = _compact_scale_and_steps(word, zero)
+    return scale, steps * scale
+
+
+def _compact_scale_and_steps(word: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 scale and the zero in scale steps (``z / 16``) of compact parameters. ``code + z / 16`` is exact
+    in float32 (16 bits), so ``(code + z / 16) * scale`` is ``base + code * scale`` rounded once, as the reference's
+    exact product plus exact base (12 bits times 8) is: the two orders agree bitwise."""
     scale = ((word >> 1) & 0x7FF8).view(torch.float16).float()
-    base = ((zero.int() << 4) | (word & (ZERO_STEPS - 1)).int()).float().mul_(scale).div_(ZERO_STEPS)
-    return scale, base
+    steps = ((zero.to(torch.int16) << 4) | (word & (ZERO_STEPS - 1))).float().div_(ZERO_STEPS)
+    return scale, steps
 
 
 def _round_down(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -250,17 +258,21 @@ def dequantize_channels_into(
         pairs = work.unflatten(-2, (fmt.code_dim, 2))  # view [..., code_dim, 2, columns]
         pairs[..., 0, :].copy_(codes & 0xF)
         pairs[..., 1, :].copy_(codes >> 4)
-    scale, base = scale_and_base(scale, zero, fmt)
-    work.mul_(scale)
-    work.add_(base)
+    _codes_to_values(work, scale, zero, fmt)
     if work is not out:
         out.copy_(work)
 
 
-def scale_and_base(scale: torch.Tensor, zero: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """What a stored value is made of: ``base + code * scale`` per group (compact parameters unpacked to float32;
-    float scales and zeros as they are stored)."""
-    return compact_scale_and_base(scale, zero) if fmt.compact_params else (scale, zero)
+def _codes_to_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: QuantFormat) -> None:
+    """Float32 ``codes`` to values in place, two passes: ``* scale + zero``, or for compact parameters ``+ z / 16``
+    then ``* scale`` (``scale`` and ``zero`` broadcast over ``codes``)."""
+    if fmt.compact_params:
+        scale, steps = _compact_scale_and_steps(scale, zero)
+        codes.add_(steps)
+        codes.mul_(scale)
+    else:
+        codes.mul_(scale)
+        codes.add_(zero)
 
 
 def join_scales(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -292,9 +304,10 @@ def dequantize(
     groups = unpacked.float().unflatten(
         -1, (fmt.num_scale_groups, fmt.group_size)
     )  # [..., num_scale_groups, group_size]
-    scale, base = scale_and_base(scale, zero, fmt)
+    if fmt.compact_params:
+        scale, base = compact_scale_and_base(scale, zero)
     values = groups * scale.float().unsqueeze(-1)
-    values = values + base.float().unsqueeze(-1)
+    values = values + base.float().unsqueeze(-1) if fmt.compact_params else values + zero.float().unsqueeze(-1)
     return values.flatten(-2).to(dtype)
 
 
@@ -345,8 +358,6 @@ def dequantize_into(
         pairs[..., 0].copy_(codes & 0xF)
         pairs[..., 1].copy_(codes >> 4)
     groups = work.unflatten(-1, (fmt.num_scale_groups, fmt.group_size))  # view [..., num_scale_groups, group_size]
-    scale, base = scale_and_base(scale, zero, fmt)
-    groups.mul_(scale.unsqueeze(-1))
-    groups.add_(base.unsqueeze(-1))
+    _codes_to_values(groups, scale.unsqueeze(-1), zero.unsqueeze(-1), fmt)
     if work is not out:
         out.copy_(work)
