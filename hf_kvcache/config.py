@@ -80,8 +80,8 @@ class PageFormat:
 
     - ``key_bits=8``: per token, a scale and zero per scale group of ``key_group_size`` channels;
     - ``key_bits=4``: per channel over the page's ``page_size`` tokens (keys have outlier channels; int4 per token
-      loses 6.9% perplexity on SmolLM2 where this loses 0.35%, issue 17), a scale and an int8 zero per channel
-      and page.
+      loses 6.9% perplexity on SmolLM2 where this loses 0.35%, issue 17), a scale and a zero per channel and page
+      in 3 bytes (``QuantFormat.compact_params``: the float32 math's grid to within 1/10 of a step).
 
     Scales (and float zeros) are stored in ``scale_dtype``, by default ``dtype``.
     """
@@ -130,7 +130,7 @@ class PageFormat:
         if self.key_bits is None:
             return None
         if self.keys_per_channel:
-            return QuantFormat(4, self.page_size, self.page_size, self.scale_dtype, integer_zero=True)
+            return QuantFormat(4, self.page_size, self.page_size, compact_params=True)
         return QuantFormat(self.key_bits, self.key_group_size, self.head_dim, self.scale_dtype)
 
     @property
@@ -154,8 +154,8 @@ class PageFormat:
             value_bytes = (values.code_dim + 2 * values.num_scale_groups * scale_bytes) * self.page_size
         keys = self.key_format
         key_bytes = full_bytes
-        if keys is not None and self.keys_per_channel:  # codes, then a scale and an int8 zero per channel
-            key_bytes = self.head_dim * (keys.code_dim + scale_bytes + 1)
+        if keys is not None and self.keys_per_channel:  # codes, then a compact scale and zero (3 bytes) per channel
+            key_bytes = self.head_dim * (keys.code_dim + 3)
         elif keys is not None:
             key_bytes = (keys.code_dim + 2 * keys.num_scale_groups * scale_bytes) * self.page_size
         return self.num_layers * self.num_kv_heads * (key_bytes + value_bytes)

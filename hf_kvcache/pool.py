@@ -16,8 +16,9 @@ each with its own page table, so a page id serves one layer group)::
     keys encoded per channel over a page (format.key_bits=4):
     keys:         [num_layers, num_kv_heads, num_storage_pages, page_size, head_dim // 2]  a page's bytes hold its
                   codes as [page_size // 2, head_dim]: byte (i, c) holds tokens 2i (low nibble) and 2i + 1 of channel c
-    key_scales:   [num_layers, num_kv_heads, num_storage_pages, head_dim]   a scale per channel and page
-    key_zeros:    [num_layers, num_kv_heads, num_storage_pages, head_dim]   int8: the channel's minimum in scale steps
+    key_scales:   [num_layers, num_kv_heads, num_storage_pages, head_dim]   int16: a channel's compact scale word
+    key_zeros:    [num_layers, num_kv_heads, num_storage_pages, head_dim]   int8: the high bits of its zero
+                  (hf_kvcache.quant, compact_params: 3 bytes per channel and page)
 
     Scales and float zeros are in format.scale_dtype (default: the dtype). Encoded keys are written a page at a
     time, when the page's last slot is (hf_kvcache.layers.keys); until then a cache holds them in full precision.
@@ -227,7 +228,7 @@ class KVPool:
                 keys = torch.empty(*shape, fmt.head_dim, dtype=fmt.dtype, device=self.device)  # [L, H, P, ps, D]
             elif fmt.keys_per_channel:  # a page's codes [ps // 2, D] in its [ps, D // 2] slots; per page [L, H, P, D]
                 keys = torch.empty(*shape, fmt.head_dim // 2, dtype=torch.uint8, device=self.device)
-                key_scales = torch.empty(*shape[:3], fmt.head_dim, dtype=scale_dtype, device=self.device)
+                key_scales = torch.empty(*shape[:3], fmt.head_dim, dtype=torch.int16, device=self.device)
                 key_zeros = torch.empty(*shape[:3], fmt.head_dim, dtype=torch.int8, device=self.device)
             else:  # per token, as values: [L, H, P, ps, D] codes and [L, H, P, ps, 2 * num_scale_groups]
                 keys = torch.empty(*shape, key_quant.code_dim, dtype=torch.uint8, device=self.device)

@@ -4,21 +4,31 @@ A quantized vector's ``head_dim`` channels (a token's value or key channels; for
 channel's ``page_size`` tokens) are cut into ``num_scale_groups`` *scale groups* of ``group_size`` consecutive
 channels. A scale group is stored asymmetrically as unsigned codes plus one ``scale`` and one ``zero``::
 
-    float zero (default):  x ~= zero + code * scale,     zero: the group's minimum, rounded down, in scale_dtype
-    integer zero:          x ~= (code + zero) * scale,   zero: an int8, the minimum in steps of the scale, rounded down
+    float zero (default):  x ~= zero + code * scale,   zero: the group's minimum, rounded down, in scale_dtype
+    compact (3 bytes):     x ~= base + code * scale,   base = z * scale / 16, z: a 12-bit integer (1/16 steps)
     code in [0, max_code]  (255 for int8, 15 for int4)
 
 Scales (and float zeros) are stored in ``scale_dtype``, by default the input's dtype; a smaller one (float16 scales
-for a float32 model) halves their bytes, and an integer zero takes one byte. int8 stores one code per byte; int4
-packs two channels per byte, the even channel in the low nibble and the odd channel in the high nibble.
+for a float32 model) halves their bytes. int8 stores one code per byte; int4 packs two channels per byte, the even
+channel in the low nibble and the odd channel in the high nibble.
 
-For finite inputs with ``|x| <= finfo(d).max / 2`` for both the input's and the scale's dtype ``d``, every stored
-group satisfies ``|x - stored| <= scale / 2`` up to float32 rounding: codes are computed against the stored
-(cast) scale and zero, the zero is rounded down and the scale up where a cast rounded them the other way, so the
-codes' range covers the group's and no code is clamped. An integer zero takes the tightest scale ``range /
-max_code`` where some int8 zero then covers the group, else a scale of at least ``range / (max_code - 1)`` and
-``|minimum| / 127`` (which always does). A constant group whose value the zero holds (any value of the scale dtype;
-for an integer zero, 0) stores scale 0 and reconstructs exactly; other constants are within half a scale.
+Float zeros: for finite inputs with ``|x| <= finfo(d).max / 2`` for both the input's and the scale's dtype ``d``,
+every stored group satisfies ``|x - stored| <= scale / 2`` up to float32 rounding: codes are computed against the
+stored (cast) scale and zero, the zero is rounded down and the scale up where a cast rounded them the other way, so
+the codes' range covers the group's and no code is clamped. A constant group whose value the zero holds (any value
+of the scale dtype) stores scale 0 and reconstructs exactly; other constants are within half a scale.
+
+Compact parameters (``compact_params``: the int4 keys of a page, where the parameters of 16 tokens cost as much as
+a third of their codes) keep the math's grid in 3 bytes: the scale is ``range / max_code`` rounded to nearest with 7
+mantissa bits (a float16's exponent and top 7 mantissa bits, relative error <= 2**-8 + 2**-11), the zero the
+group's minimum rounded to nearest 1/16 of that scale (``|z| <= 2047``; a minimum beyond 2047 / 16 steps widens the
+scale to ``|minimum| * 16 / 2047``). The minimum then gets code 0 and the maximum code ``max_code``, each within
+1/10 of a step, as the float32 math ``min + round((x - min) / scale) * scale`` has them (a zero "in whole scale
+steps", or one rounded down with a scale rounded up, moves the grid off the group's ends: on SmolLM2's keys, whose
+16-token groups have both ends among their 16 values, that cost 31% more squared error than the math). Stored:
+an int16 ``scale`` word (bits 15..4: the scale's float16 bits 14..3; bits 3..0: the low 4 bits of ``z``) and an int8
+``zero`` (``z >> 4``). For finite inputs with ``|x| <= 32752``, ``|x - stored| <= scale / 2 + 2**-14`` (the
+absolute term: scales below float16's normal range); a constant group of 0 stores scale 0 and is exact.
 """
 
 import sys
@@ -26,8 +36,14 @@ from dataclasses import dataclass
 
 import torch
 
-INT_ZERO_RANGE = (-128, 127)
-"""The integer zeros an int8 holds."""
+ZERO_STEPS = 16
+"""A compact zero counts 1/16 scale steps."""
+
+COMPACT_ZERO_RANGE = (-2048, 2047)
+"""The compact zeros 12 bits hold."""
+
+COMPACT_SCALE_MAX_BITS = 0xF7F
+"""The largest compact scale (float16 bits 14..3): 65,280."""
 
 
 @dataclass(frozen=True)
@@ -39,14 +55,15 @@ class QuantFormat:
         group_size: consecutive channels sharing one scale and zero (a scale group); divides ``head_dim``.
         head_dim: channels per quantized vector; even for 4 bits (two codes per byte).
         scale_dtype: dtype the scales (and float zeros) are stored in; ``None``: the input's dtype.
-        integer_zero: store each zero as an int8 number of scale steps instead of a ``scale_dtype`` value.
+        compact_params: store each group's scale and zero in 3 bytes (an int16 word and an int8, see the module
+            docstring) instead of two ``scale_dtype`` values; ``scale_dtype`` is then unused. 4 bits only.
     """
 
     bits: int
     group_size: int
     head_dim: int
     scale_dtype: torch.dtype | None = None
-    integer_zero: bool = False
+    compact_params: bool = False
 
     def __post_init__(self) -> None:
         if self.scale_dtype is not None and not (
@@ -69,6 +86,11 @@ class QuantFormat:
                 f"QuantFormat.group_size={self.group_size} must divide head_dim={self.head_dim}; "
                 f"choose one of {divisors}."
             )
+        if self.compact_params and self.bits != 4:
+            raise ValueError(
+                f"QuantFormat.compact_params holds a scale to 7 mantissa bits, enough for 15 steps: it needs bits=4, "
+                f"got bits={self.bits}."
+            )
         if self.bits == 4 and self.head_dim % 2:
             raise ValueError(
                 f"QuantFormat.bits=4 packs two codes per byte and needs an even head_dim, got {self.head_dim}."
@@ -90,12 +112,12 @@ class QuantFormat:
         return (1 << self.bits) - 1
 
     def stored_scale_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype scales of ``dtype`` inputs are stored in."""
-        return self.scale_dtype or dtype
+        """The dtype scales of ``dtype`` inputs are stored in (compact: the int16 word)."""
+        return torch.int16 if self.compact_params else self.scale_dtype or dtype
 
     def zero_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype zeros of ``dtype`` inputs are stored in."""
-        return torch.int8 if self.integer_zero else self.stored_scale_dtype(dtype)
+        return torch.int8 if self.compact_params else self.stored_scale_dtype(dtype)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -134,19 +156,50 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Ten
     dtype = fmt.stored_scale_dtype(x.dtype)
     groups = x.float().unflatten(-1, (fmt.num_scale_groups, fmt.group_size))  # [..., num_scale_groups, group_size]
     low, high = groups.aminmax(dim=-1)  # [..., num_scale_groups]
-    if fmt.integer_zero:
-        scale, zero = _integer_zero_scale(low, high, fmt.max_code, dtype)
-        base = zero.float() * scale.float()  # exact for 2-byte scales: 8 bits times 11
+    if fmt.compact_params:
+        scale, zero = _compact_params(low, high, fmt.max_code)
+        stored, base = compact_scale_and_base(scale, zero)  # base: exact
     else:
         # A float32 minimum is stored as it is (the common case: rounding it down would take six more small ops).
         zero = low if dtype == torch.float32 else _round_down(low, dtype)
         base = zero.float()
         scale = _covering_scale(high - base, fmt.max_code, dtype)
-    stored_scale = scale.float().unsqueeze(-1)  # [..., num_scale_groups, 1]
+        stored = scale.float()
+    stored = stored.unsqueeze(-1)  # [..., num_scale_groups, 1]
     # A constant group has scale 0 and numerators 0: divide by 1 there to get code 0.
-    steps = (groups - base.unsqueeze(-1)) / torch.where(stored_scale > 0, stored_scale, 1)
+    steps = (groups - base.unsqueeze(-1)) / torch.where(stored > 0, stored, 1)
     codes = steps.round_().clamp_(0, fmt.max_code).to(torch.uint8).flatten(-2)  # [..., head_dim]
     return (codes if fmt.bits == 8 else pack_int4(codes)), scale, zero
+
+
+def _compact_params(low: torch.Tensor, high: torch.Tensor, max_code: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compact ``(scale word, zero)`` (int16, int8) of groups spanning ``[low, high]`` (float32)."""
+    lowest, highest = COMPACT_ZERO_RANGE
+    # range / max_code, or wide enough for the zero to reach the minimum (the factor covers the scale's rounding).
+    wanted = torch.maximum((high - low) / max_code, low.abs() * (ZERO_STEPS * (1 + 2**-7) / highest))
+    half = wanted.clamp(max=torch.finfo(torch.float16).max).to(torch.float16).view(torch.int16).int()
+    scale_bits = ((half + 4) >> 3).clamp_(max=COMPACT_SCALE_MAX_BITS)  # nearest 7-bit mantissa (ties up)
+    scale = (scale_bits << 3).to(torch.int16).view(torch.float16).float()
+    zero = torch.round(low * ZERO_STEPS / torch.where(scale > 0, scale, 1)).int().clamp_(lowest, highest)
+    zero = torch.where(scale > 0, zero, 0)
+    word = ((scale_bits << 4) | (zero & (ZERO_STEPS - 1))).to(torch.int16)  # wraps bit 15 into the sign
+    return word, (zero >> 4).to(torch.int8)
+
+
+def compact_scale_and_base(word: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 ``(scale, base)`` of compact parameters (int16 words and int8 zeros of any equal shape): a value
+    is ``base + code * scale``."""
+    scale, steps = _compact_scale_and_steps(word, zero)
+    return scale, steps * scale
+
+
+def _compact_scale_and_steps(word: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 scale and the zero in scale steps (``z / 16``) of compact parameters. ``code + z / 16`` is exact
+    in float32 (16 bits), so ``(code + z / 16) * scale`` is ``base + code * scale`` rounded once, as the reference's
+    exact product plus exact base (12 bits times 8) is: the two orders agree bitwise."""
+    scale = ((word >> 1) & 0x7FF8).view(torch.float16).float()
+    steps = ((zero.to(torch.int16) << 4) | (word & (ZERO_STEPS - 1))).float().div_(ZERO_STEPS)
+    return scale, steps
 
 
 def _round_down(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -163,34 +216,6 @@ def _covering_scale(span: torch.Tensor, steps: int, dtype: torch.dtype) -> torch
     # would be clamped (error up to a whole scale); one step up restores the bound.
     scale = torch.where(scale.float() * steps < span, scale.nextafter(torch.full_like(scale, torch.inf)), scale)
     return scale.clamp(max=torch.finfo(dtype).max)
-
-
-def _integer_zero_scale(
-    low: torch.Tensor, high: torch.Tensor, max_code: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale (``dtype``) and int8 zero per group such that ``zero * scale <= low`` and ``(zero + max_code) * scale >=
-    high``: the tightest scale where an int8 zero then exists, else one that always has one."""
-    lowest, highest = INT_ZERO_RANGE
-
-    def zero_for(scale: torch.Tensor) -> torch.Tensor:  # the largest zero with zero * scale <= low (float32)
-        stored = scale.float()
-        zero = torch.floor(low / torch.where(stored > 0, stored, 1))
-        return torch.where(zero * stored > low, zero - 1, zero)
-
-    span = high - low
-    tight = _covering_scale(span, max_code, dtype)
-    tight_zero = zero_for(tight)
-    fits = (
-        (tight_zero >= lowest)
-        & (tight_zero <= highest)
-        & (tight_zero * tight.float() <= low)
-        & ((tight_zero + max_code) * tight.float() >= high)
-    )
-    # s >= span / (max_code - 1) leaves room for the zero's rounding down; s >= |low| / 127 keeps it in an int8.
-    wide = torch.maximum(_covering_scale(span, max_code - 1, dtype), _covering_scale(low.abs(), highest, dtype))
-    scale = torch.where(fits, tight, wide)
-    zero = torch.where(fits, tight_zero, zero_for(wide)).clamp_(lowest, highest)
-    return scale, zero.to(torch.int8)
 
 
 def _float32_work(out: torch.Tensor, work: torch.Tensor | None) -> torch.Tensor:
@@ -233,14 +258,21 @@ def dequantize_channels_into(
         pairs = work.unflatten(-2, (fmt.code_dim, 2))  # view [..., code_dim, 2, columns]
         pairs[..., 0, :].copy_(codes & 0xF)
         pairs[..., 1, :].copy_(codes >> 4)
-    if fmt.integer_zero:
-        work.add_(zero)
-        work.mul_(scale)
-    else:
-        work.mul_(scale)
-        work.add_(zero)
+    _codes_to_values(work, scale, zero, fmt)
     if work is not out:
         out.copy_(work)
+
+
+def _codes_to_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: QuantFormat) -> None:
+    """Float32 ``codes`` to values in place, two passes: ``* scale + zero``, or for compact parameters ``+ z / 16``
+    then ``* scale`` (``scale`` and ``zero`` broadcast over ``codes``)."""
+    if fmt.compact_params:
+        scale, steps = _compact_scale_and_steps(scale, zero)
+        codes.add_(steps)
+        codes.mul_(scale)
+    else:
+        codes.mul_(scale)
+        codes.add_(zero)
 
 
 def join_scales(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -257,8 +289,8 @@ def join_scales(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
 def dequantize(
     codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The reference: ``code * scale + zero`` per group in float32 (a product, then a sum), or ``(code + zero) *
-    scale`` for integer zeros (an exact sum, then a product), rounded once to ``dtype``.
+    """The reference: ``code * scale + base`` per group in float32 (a product, then a sum; ``base`` is the zero, or
+    for compact parameters ``z * scale / 16``), rounded once to ``dtype``.
 
     ``dequantize_into`` does the same operations in the same order, so the two agree bitwise.
 
@@ -272,11 +304,10 @@ def dequantize(
     groups = unpacked.float().unflatten(
         -1, (fmt.num_scale_groups, fmt.group_size)
     )  # [..., num_scale_groups, group_size]
-    if fmt.integer_zero:
-        values = (groups + zero.float().unsqueeze(-1)) * scale.float().unsqueeze(-1)
-    else:
-        values = groups * scale.float().unsqueeze(-1)
-        values = values + zero.float().unsqueeze(-1)
+    if fmt.compact_params:
+        scale, base = compact_scale_and_base(scale, zero)
+    values = groups * scale.float().unsqueeze(-1)
+    values = values + base.float().unsqueeze(-1) if fmt.compact_params else values + zero.float().unsqueeze(-1)
     return values.flatten(-2).to(dtype)
 
 
@@ -327,11 +358,6 @@ def dequantize_into(
         pairs[..., 0].copy_(codes & 0xF)
         pairs[..., 1].copy_(codes >> 4)
     groups = work.unflatten(-1, (fmt.num_scale_groups, fmt.group_size))  # view [..., num_scale_groups, group_size]
-    if fmt.integer_zero:
-        groups.add_(zero.unsqueeze(-1))
-        groups.mul_(scale.unsqueeze(-1))
-    else:
-        groups.mul_(scale.unsqueeze(-1))
-        groups.add_(zero.unsqueeze(-1))
+    _codes_to_values(groups, scale.unsqueeze(-1), zero.unsqueeze(-1), fmt)
     if work is not out:
         out.copy_(work)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from hf_kvcache.quant import (
     QuantFormat,
+    compact_scale_and_base,
     dequantize,
     dequantize_channels_into,
     dequantize_into,
@@ -25,12 +26,12 @@ FAST = settings(max_examples=150, deadline=None)
 
 @st.composite
 def formats(draw) -> QuantFormat:
-    """Formats of every kind: scales in the input's dtype or a 2-byte one, float or integer zeros."""
+    """Formats of every kind: scales in the input's dtype or a 2-byte one, float zeros or compact parameters."""
     bits = draw(st.sampled_from([8, 4]))
     head_dim = draw(st.integers(1, 64)) * (2 if bits == 4 else 1)
     group_size = draw(st.sampled_from([d for d in range(1, head_dim + 1) if head_dim % d == 0]))
     scale_dtype = draw(st.sampled_from([None, None, torch.float16, torch.bfloat16]))
-    return QuantFormat(bits, group_size, head_dim, scale_dtype, draw(st.booleans()))
+    return QuantFormat(bits, group_size, head_dim, scale_dtype, bits == 4 and draw(st.booleans()))
 
 
 @st.composite
@@ -38,8 +39,9 @@ def values(draw, fmt: QuantFormat) -> torch.Tensor:
     """``[..., head_dim]`` values of any magnitude the format accepts: normal, subnormal, offset, constant groups."""
     dtype = draw(st.sampled_from(DTYPES))
     info = torch.finfo(dtype)
-    if fmt.scale_dtype is not None and torch.finfo(fmt.scale_dtype).max < info.max:
-        info = torch.finfo(fmt.scale_dtype)  # the scales' range bounds the inputs' (float32 inputs, float16 scales)
+    scale_dtype = torch.float16 if fmt.compact_params else fmt.scale_dtype  # compact scales: float16's exponent
+    if scale_dtype is not None and torch.finfo(scale_dtype).max < info.max:
+        info = torch.finfo(scale_dtype)  # the scales' range bounds the inputs' (float32 inputs, float16 scales)
     shape = (*draw(st.lists(st.integers(1, 3), max_size=3)), fmt.head_dim)
     generator = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
     exponent = draw(st.integers(round(math.log2(info.smallest_normal)) - 8, round(math.log2(info.max)) - 5))
@@ -72,6 +74,17 @@ def unpacked(codes: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     return codes if fmt.bits == 8 else unpack_int4(codes)
 
 
+def stored_scale_and_base(scale: torch.Tensor, zero: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, ...]:
+    """float64 ``[..., num_scale_groups, 1]`` scale and base of stored parameters (compact ones unpacked)."""
+    if fmt.compact_params:
+        scale, zero = compact_scale_and_base(scale, zero)
+    return scale.double().unsqueeze(-1), zero.double().unsqueeze(-1)
+
+
+COMPACT_SLACK = 2**-14
+"""Absolute error a compact scale below float16's normal range may add (module docstring of hf_kvcache.quant)."""
+
+
 @FAST
 @given(cases())
 def test_stored_values_are_within_half_a_scale(case):
@@ -79,35 +92,36 @@ def test_stored_values_are_within_half_a_scale(case):
     codes, scale, zero = quantize(x, fmt)
     assert codes.dtype == torch.uint8 and codes.shape == (*x.shape[:-1], fmt.code_dim)
     assert scale.shape == zero.shape == (*x.shape[:-1], fmt.num_scale_groups)
-    assert scale.dtype == (fmt.scale_dtype or x.dtype) and zero.dtype == fmt.zero_dtype(x.dtype)
+    assert scale.dtype == fmt.stored_scale_dtype(x.dtype) and zero.dtype == fmt.zero_dtype(x.dtype)
     q = grouped(unpacked(codes, fmt), fmt)
-    s, z = scale.double().unsqueeze(-1), zero.double().unsqueeze(-1)
+    s, z = stored_scale_and_base(scale, zero, fmt)
     assert (s >= 0).all() and s.isfinite().all()
-    if fmt.integer_zero:
-        z = z * s  # the stored minimum: zero steps of the scale
     # Exact arithmetic on the stored scale and zero (float64 holds code * scale exactly). The code is
     # round((x - zero) / scale) with the subtraction and the division each rounded in float32 (relative
     # error 2**-24 each), so the quotient, at most max_code * (1 + 2**-23), is off by <= max_code * 2**-23
     # before rounding to an integer; 2**-22 leaves a factor of 2 for the float64 evaluation here.
-    # An integer zero's stored minimum z is |z| <= 128 steps, and float32 rounds it too where scales are float32.
     error = (grouped(x, fmt) - (z + q * s)).abs()
-    assert (error <= s * (0.5 + (fmt.max_code + 128 * fmt.integer_zero) * 2**-22)).all()
+    assert (error <= s * (0.5 + fmt.max_code * 2**-22) + COMPACT_SLACK * fmt.compact_params).all()
     # Codes use the range: the group minimum gets code 0 and the maximum a code near max_code. A normal scale
     # is within one dtype step of range / max_code (rounded to nearest, maybe one step up), i.e. at most
     # (1 + 2 * eps) times it, so the maximum's code is >= round(max_code / (1 + 2 * eps)).
-    info = torch.finfo(scale.dtype)
-    normal = scale >= info.smallest_normal
-    if not fmt.integer_zero:
-        exact_zero = zero.double() == grouped(x, fmt).amin(dim=-1)  # else rounded down to the scale dtype
+    low, high = grouped(x, fmt).amin(dim=-1), grouped(x, fmt).amax(dim=-1)
+    if not fmt.compact_params:
+        info = torch.finfo(scale.dtype)
+        normal = scale >= info.smallest_normal
+        exact_zero = zero.double() == low  # else rounded down to the scale dtype
         assert (q.amin(dim=-1)[exact_zero] == 0).all()
         normal &= exact_zero
         assert (q.amax(dim=-1)[normal] >= math.floor(fmt.max_code * (1 - 2 * info.eps) + 0.5)).all()
         return
-    # An integer zero: the scale is the tight one, or within a step of the wide one (range / (max_code - 1) or
-    # |minimum| / 127, whichever is larger), so a group never spends much of its range.
-    low, high = grouped(x, fmt).amin(dim=-1), grouped(x, fmt).amax(dim=-1)
-    wide = torch.maximum((high - low) / (fmt.max_code - 1), low.abs() / 127)
-    assert (scale.double()[normal] <= (wide * (1 + 2 * info.eps))[normal]).all()
+    # Compact: the scale is range / max_code, or |minimum| * 16 / 2047 (a 12-bit zero must reach the minimum),
+    # rounded to a 7-bit mantissa (after a float16 cast); where it is range / max_code and a normal float16,
+    # the minimum gets code 0 and the maximum max_code, as in the float32 math.
+    s = s.squeeze(-1)
+    wanted = torch.maximum((high - low) / fmt.max_code, low.abs() * 16 * (1 + 2**-7) / 2047)
+    assert (s <= wanted * (1 + 2**-8 + 2**-11) + 2**-22).all()
+    tight = (s >= 2**-14) & (low.abs() * 16 * (1 + 2**-7) / 2047 <= (high - low) / fmt.max_code)
+    assert (q.amin(dim=-1)[tight] == 0).all() and (q.amax(dim=-1)[tight] == fmt.max_code).all()
 
 
 @FAST
@@ -116,9 +130,7 @@ def test_dequantized_values_are_within_half_a_scale(case):
     fmt, x = case
     codes, scale, zero = quantize(x, fmt)
     y = grouped(dequantize(codes, scale, zero, fmt, x.dtype), fmt)
-    q, s = grouped(unpacked(codes, fmt), fmt), scale.double().unsqueeze(-1)
-    if fmt.integer_zero:
-        q = q + zero.double().unsqueeze(-1)  # (code + zero) * scale: the sum is exact
+    q, (s, _) = grouped(unpacked(codes, fmt), fmt), stored_scale_and_base(scale, zero, fmt)
     info = torch.finfo(x.dtype)
     # Beyond the bound on the stored values (previous test), dequantize computes w = zero + q * scale in
     # float32 (the product and the sum rounded, relative 2**-24 each; doubled here to 2**-23 so that |y|
@@ -130,20 +142,20 @@ def test_dequantized_values_are_within_half_a_scale(case):
     # x is itself a dtype value and y the dtype value nearest to w, so |y - w| <= |x - w| as well: the
     # final rounding at most doubles the error, which caps the bound at a whole scale where the dtype's
     # step is coarse next to the scale (bfloat16 values far from zero).
-    bound = s / 2 + float32 + torch.minimum(to_dtype, s / 2 + float32)
+    bound = s / 2 + float32 + torch.minimum(to_dtype, s / 2 + float32) + 2 * COMPACT_SLACK * fmt.compact_params
     assert ((grouped(x, fmt) - y).abs() <= bound).all()
 
 
 @FAST
 @given(cases())
 def test_constant_groups_reconstruct_exactly(case):
-    """Those whose value the zero holds: with an integer zero, 0; else any value the scale dtype holds (others are
+    """Those whose value the zero holds: with compact parameters, 0; else any value the scale dtype holds (others are
     within half a scale: the bound above)."""
     fmt, x = case
     codes, scale, zero = quantize(x, fmt)
     low = grouped(x, fmt).amin(dim=-1)
     constant = low == grouped(x, fmt).amax(dim=-1)
-    constant &= (low == 0) if fmt.integer_zero else (low.to(scale.dtype).double() == low)
+    constant &= (low == 0) if fmt.compact_params else (low.to(scale.dtype).double() == low)
     assert (scale[constant] == 0).all()
     y = dequantize(codes, scale, zero, fmt, x.dtype)
     assert torch.equal(grouped(y, fmt)[constant], grouped(x, fmt)[constant])
@@ -160,21 +172,25 @@ def test_float16_scales_for_float32_values_keep_the_bound_near_the_limit():
 
 
 @pytest.mark.parametrize(
-    "low,high", [(100.0, 100.5), (-100.5, -100.0), (-1.0, 1.0), (0.25, 3.0), (-3.0, -0.25), (1e-3, 2e-3)]
+    "low,high", [(100.0, 100.5), (-100.5, -100.0), (-1.0, 1.0), (0.25, 3.0), (-3.0, -0.25), (1e-3, 2e-3), (7.0, 7.0)]
 )
-def test_integer_zero_covers_ranges_far_from_zero(low, high):
-    """An offset channel (a range far from 0 next to its width) takes a scale wide enough for an int8 zero to reach
-    it; a range near 0 gives up at most one of the 15 steps: the zero must sit on the grid."""
-    fmt = QuantFormat(4, 16, 16, scale_dtype=torch.float16, integer_zero=True)
+def test_compact_params_keep_the_grid_of_the_math(low, high):
+    """Compact parameters put the grid where the float32 math does (minimum and maximum on codes 0 and 15, within
+    a tenth of a step); an offset channel (a range far from 0 next to its width) takes a scale wide enough for the
+    12-bit zero to reach it, and keeps the bound."""
+    fmt = QuantFormat(4, 16, 16, compact_params=True)
     x = torch.linspace(low, high, 16).view(1, 16)
-    codes, scale, zero = quantize(x, fmt)
-    y = dequantize(codes, scale, zero, fmt, torch.float32)
-    assert zero.dtype == torch.int8
-    assert ((x - y).abs() <= scale.float() / 2 * (1 + 1e-6)).all()
-    near = (high - low) / 14
-    assert scale.float().item() <= max(near, abs(low) / 127) * (1 + 2**-10)
-    if abs(low) <= 100 * near:
-        assert scale.float().item() <= near * (1 + 2**-10)
+    codes, word, zero = quantize(x, fmt)
+    y = dequantize(codes, word, zero, fmt, torch.float32)
+    scale, base = compact_scale_and_base(word, zero)
+    assert word.dtype == torch.int16 and zero.dtype == torch.int8
+    assert ((x - y).abs() <= scale / 2).all()
+    math_scale = (high - low) / 15
+    if abs(low) * 16 / 2047 <= math_scale:
+        assert abs(scale.item() - math_scale) <= math_scale * (2**-8 + 2**-11)
+        assert abs(y[0, 0] - low) <= scale / 10 and abs(y[0, -1] - high) <= scale / 10
+    else:
+        assert scale.item() <= abs(low) * 16 / 2047 * (1 + 2**-7) * (1 + 2**-8 + 2**-11)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -221,7 +237,7 @@ def test_dequantize_into_equals_dequantize_bitwise(case, margin, out_dtype, byte
 def test_dequantize_channels_into_equals_dequantize_bitwise(case, out_dtype):
     """Columns (a channel's tokens of a key page) with row-major codes against the reference on each column."""
     fmt, x = case
-    fmt = QuantFormat(fmt.bits, fmt.head_dim, fmt.head_dim, fmt.scale_dtype, fmt.integer_zero)  # a group per column
+    fmt = QuantFormat(fmt.bits, fmt.head_dim, fmt.head_dim, fmt.scale_dtype, fmt.compact_params)  # a group per column
     x = x if x.dim() > 1 else x.unsqueeze(0)  # [..., columns, head_dim]: one vector per column
     out_dtype = out_dtype or x.dtype
     codes, scale, zero = quantize(x, fmt)

@@ -42,12 +42,15 @@ class RowPolicy:
         sink_tokens: first tokens of a row a ring keeps for good.
         is_sliding: the model's own mask applies the window (a sliding layer of the model).
         residual_length: newest tokens whose values stay in full precision (quantized pools only).
+        exact_tokens: first tokens of a row whose keys and values attention gets in full precision over their codes
+            (quantized pools, rows that keep every page).
     """
 
     window: int | None = None
     sink_tokens: int = 0
     is_sliding: bool = False
     residual_length: int = 0
+    exact_tokens: int = 0
 
     def max_pages_per_row(self, num_tokens: int, page_size: int) -> int:
         """Most pages one row holds with ``num_tokens`` tokens: all of them, or at most a ring's worth."""
@@ -67,7 +70,12 @@ class RowPolicy:
         """
         if self.window is None:
             return PagedRows(
-                pool, self.residual_length, reads_in_place=reads_slots, query_group=query_group, group=group
+                pool,
+                self.residual_length,
+                reads_in_place=reads_slots,
+                query_group=query_group,
+                group=group,
+                exact_tokens=self.exact_tokens,
             )
         return RingRows(pool, self.window, self.sink_tokens, self.residual_length, reads_slots, group)
 

@@ -26,6 +26,9 @@ from hf_kvcache.config import DEFAULT_PAGE_SIZE, CacheOptions, PageFormat
 from hf_kvcache.placement import Placement
 from hf_kvcache.pool import KVPool
 
+DEFAULT_SINK_TOKENS = 0
+"""First tokens of a row kept in full precision by default."""
+
 
 def scale_dtype_for(dtype: torch.dtype) -> torch.dtype:
     """Scales in 2 bytes: the model's dtype where it has 2 bytes, else float16 (inputs up to 32,752 in magnitude keep
@@ -44,16 +47,26 @@ class QuantizedKVOptions(CacheOptions):
             (default: 64, or the whole head where head_dim is not a multiple of 64).
         residual_length: newest tokens whose values attention gets in full precision (the keys of a row's page
             still filling are always exact).
+        sink_tokens: first tokens of a row whose keys and values attention gets in full precision (attention sinks,
+            IntactKV), held outside the pool next to their codes; full-attention layers (a ring's first tokens leave
+            it).
     """
 
     key_bits: int = 4
     value_bits: int = 4
     group_size: int | None = None
     residual_length: int = DEFAULT_RESIDUAL_LENGTH
+    sink_tokens: int = DEFAULT_SINK_TOKENS
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_quant_options(self, ("key_bits", "value_bits"))
+        if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int):
+            raise TypeError(
+                f"sink_tokens must be an int, got {self.sink_tokens!r} ({type(self.sink_tokens).__name__})."
+            )
+        if self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens={self.sink_tokens} is out of range: choose sink_tokens >= 0.")
         if self.key_bits == 4 and self.page_size % 2:
             raise ValueError(
                 f"page_size={self.page_size} is odd: key_bits=4 packs two tokens per byte; choose an even page_size."
@@ -86,6 +99,7 @@ class QuantizedKVCache(PoolCache):
         value_bits: 8 or 4 bits per stored value.
         group_size: channels sharing one scale and zero (values, and int8 keys); default 64 or the head_dim.
         residual_length: newest tokens whose values attention gets in full precision.
+        sink_tokens: first tokens of a row whose keys and values attention gets in full precision.
         pool / page_size / max_tokens / admission_check / prefix_caching / prefix_namespace / dtype / device /
             placement: as for
             ``PagedCache`` (a given pool must be built with ``KVPool.for_model(..., **REGISTRY["quantized_kv"]
@@ -101,6 +115,7 @@ class QuantizedKVCache(PoolCache):
         value_bits: int = 4,
         group_size: int | None = None,
         residual_length: int = DEFAULT_RESIDUAL_LENGTH,
+        sink_tokens: int = DEFAULT_SINK_TOKENS,
         pool: KVPool | str | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
         max_tokens: int | None = None,
@@ -120,6 +135,7 @@ class QuantizedKVCache(PoolCache):
             prefix_namespace=prefix_namespace,
             group_size=group_size,
             residual_length=residual_length,
+            sink_tokens=sink_tokens,
             key_bits=key_bits,
             value_bits=value_bits,
         )
@@ -127,7 +143,7 @@ class QuantizedKVCache(PoolCache):
         super().__init__(config, options, dtype, device, placement)
 
     def _row_policy(self, layer_type: str, layer_kwargs: dict[str, Any]) -> RowPolicy:
-        return residual_row_policy(layer_type, layer_kwargs, self.options.residual_length)
+        return residual_row_policy(layer_type, layer_kwargs, self.options.residual_length, self.options.sink_tokens)
 
 
 ENTRY = CacheEntry(

@@ -107,8 +107,9 @@ CARD_SETTINGS: tuple[CardSetting, ...] = (
         cache_config={"key_bits": 4, "value_bits": 4},
         description=(
             "Stores keys and values as 4-bit integers. Keys are encoded per channel over each page of 16 tokens, "
-            "once, when the page fills (the page still filling stays in full precision), with a 2-byte scale and "
-            "an int8 zero per channel and page; values per token and group of `group_size` channels, the newest "
+            "once, when the page fills (the page still filling stays in full precision), with a scale and zero "
+            "in 3 bytes per channel and page (scale to 7 mantissa bits, zero to 1/16 of a step); values per token "
+            "and group of `group_size` channels, the newest "
             "`residual_length` tokens in full precision. Attention gets both decoded into reused buffers."
         ),
     ),

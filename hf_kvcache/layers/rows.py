@@ -143,6 +143,7 @@ class PagedRows:
         query_group: query heads per KV head (the packed query rows of a decode step).
         group: the process group of a tensor-parallel model's ranks, whose tables must stay alike: their page
             allocations and the sharing of identical rows are agreed over it (``hf_kvcache.placement``).
+        exact_tokens: first tokens of a row whose keys and values attention gets in full precision (quantized pools).
 
     Index tensors depend on the table and on the storage's page count (``PoolStorage``): they are rebuilt when
     either changes.
@@ -159,10 +160,11 @@ class PagedRows:
         reads_in_place: Callable[[], bool] = lambda: False,
         query_group: int = 1,
         group: Any = None,
+        exact_tokens: int = 0,
     ) -> None:
         self.pool = pool
         self.group = group
-        self.store = SlotStore(pool, residual_length, self.values_by_page)
+        self.store = SlotStore(pool, residual_length, self.values_by_page, exact_tokens)
         self.table = pool.new_table(row_extents, group)
         self.written = 0  # tokens every layer of the layer group has written (see write)
         self._last_layer = pool.format.num_layers - 1
@@ -211,7 +213,7 @@ class PagedRows:
                 rows = self._slot_index(first, last - first, storage)
                 values = value_states[:, :, : last - start]
                 self.store.write_value_pages(layer_in_group, storage, rows, first, start, values)
-        self.store.remember(layer_in_group, start, value_states)
+        self.store.remember(layer_in_group, start, value_states, key_states)
         self.end_step(layer_in_group, start + key_states.shape[-2])
 
     # ----- planned decode steps (compiled) -----------------------------------------------------

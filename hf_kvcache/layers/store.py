@@ -100,6 +100,56 @@ class ResidualValues:
         self.first = 0
 
 
+class ExactSink:
+    """Full-precision keys and values of the first ``length`` tokens of every row, for each layer of a layer group.
+
+    Attention sinks: the first tokens draw much of every query's attention, so their coding error weighs on every
+    step (IntactKV); attention reads them exact over their codes (which the pool still holds). Rows that keep every
+    page only (token ``t`` at position ``t`` of what they read); a row's leading padding counts as its first tokens.
+    """
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.keys: dict[int, torch.Tensor] = {}  # layer_in_group -> [batch, heads, length, head_dim]
+        self.values: dict[int, torch.Tensor] = {}
+
+    def write(self, layer_in_group: int, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Keeps those of tokens ``[start, start + n)`` that are among the first ``length``, ``[batch, heads, n,
+        head_dim]`` states."""
+        if start >= self.length:
+            return
+        batch, heads, num_new, head_dim = key_states.shape
+        if start == 0 or layer_in_group not in self.keys or self.keys[layer_in_group].shape[0] != batch:
+            self.keys[layer_in_group] = key_states.new_zeros(batch, heads, self.length, head_dim)
+            self.values[layer_in_group] = value_states.new_zeros(batch, heads, self.length, value_states.shape[-1])
+        count = min(num_new, self.length - start)
+        self.keys[layer_in_group][:, :, start : start + count] = key_states[:, :, :count]
+        self.values[layer_in_group][:, :, start : start + count] = value_states[:, :, :count]
+
+    def overlay(self, layer_in_group: int, keys: torch.Tensor | None, values: torch.Tensor | None, end: int) -> None:
+        """Puts the held tokens over the first positions of ``keys`` / ``values`` ``[batch, heads, n, head_dim]``
+        (tokens in order from 0, ``end`` of them written)."""
+        count = min(self.length, end)
+        if not count or layer_in_group not in self.keys:
+            return
+        for out, held in ((keys, self.keys), (values, self.values)):
+            if out is not None:
+                out[:, :, :count] = held[layer_in_group][:, :, :count]
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for held in (self.keys, self.values) for t in held.values())
+
+    def select_rows(self, indices: list[int]) -> None:
+        for held in (self.keys, self.values):
+            for layer_in_group, tensor in held.items():
+                held[layer_in_group] = tensor[torch.tensor(indices, device=tensor.device)]
+
+    def release(self) -> None:
+        self.keys.clear()
+        self.values.clear()
+
+
 class SlotStore:
     """Writes and reads one layer group's slots (keys and values) in a pool, quantizing values if its format says so.
 
@@ -108,9 +158,13 @@ class SlotStore:
         residual_length: newest tokens whose values attention gets in full precision (quantized pools only).
         values_by_page: write value codes a page at a time where the residual window holds a page (rows that keep
             every page; a ring's slots wrap around instead).
+        exact_tokens: first tokens of a row whose keys and values attention gets in full precision (``ExactSink``;
+            encoded pools, rows that keep every page).
     """
 
-    def __init__(self, pool: KVPool, residual_length: int = 0, values_by_page: bool = False) -> None:
+    def __init__(
+        self, pool: KVPool, residual_length: int = 0, values_by_page: bool = False, exact_tokens: int = 0
+    ) -> None:
         self.pool = pool
         self.quant = pool.format.value_format
         self.residual = ResidualValues(residual_length) if self.quant is not None and residual_length else None
@@ -118,6 +172,7 @@ class SlotStore:
         self.coded = 0  # by page: tokens of every row whose value codes are in the pool, in every layer
         self._buffers: dict[str, torch.Tensor] = {}  # flat, reused for dequantized values (and float32 work)
         self.keys = KeyPages(pool.format, self._buffer) if pool.format.key_format is not None else None
+        self.sink = ExactSink(exact_tokens) if exact_tokens and pool.format.encodes else None
 
     def write(
         self,
@@ -182,14 +237,20 @@ class SlotStore:
     def residual_bytes(self) -> int:
         """Bytes held outside the pool: the full-precision residual values and the keys of pages still filling."""
         total = self.keys.partial_bytes if self.keys is not None else 0
+        total += self.sink.bytes if self.sink is not None else 0
         if self.residual is None:
             return total
         return total + sum(buffer.numel() * buffer.element_size() for buffer in self.residual.buffers.values())
 
-    def remember(self, layer_in_group: int, start: int, value_states: torch.Tensor) -> None:
-        """Keeps the full-precision values of tokens ``[start, start + n)`` for the residual window."""
+    def remember(
+        self, layer_in_group: int, start: int, value_states: torch.Tensor, key_states: torch.Tensor | None = None
+    ) -> None:
+        """Keeps the full-precision values of tokens ``[start, start + n)`` for the residual window, and with
+        ``key_states`` (rows that keep every page) the first tokens' keys and values for the exact sink."""
         if self.residual is not None:
             self.residual.write(layer_in_group, start, value_states.detach())
+        if self.sink is not None and key_states is not None:
+            self.sink.write(layer_in_group, start, key_states.detach(), value_states.detach())
 
     def read(
         self,
@@ -216,13 +277,18 @@ class SlotStore:
         """
         keys = gather(storage.keys) if keys is None else keys
         if self.quant is None:
-            return keys, gather(storage.values)
+            values = gather(storage.values)
+            if self.sink is not None and limit == end:  # tokens in order from 0: paged rows
+                self.sink.overlay(layer_in_group, keys if self.keys is not None else None, None, end)
+            return keys, values
         codes = gather(storage.values)  # [batch, heads, n, code_dim]
         scales = gather(storage.value_scales)  # [batch, heads, n, 2 * num_scale_groups]
         values = self._buffer("values", (*codes.shape[:3], self.quant.head_dim), keys.dtype)  # [batch, heads, n, hd]
         self._dequantize(values, codes, scales)
         if self.residual is not None:
             self.residual.overlay(layer_in_group, values, end, limit, end if newest is None else newest)
+        if self.sink is not None and limit == end:  # tokens in order from 0: paged rows
+            self.sink.overlay(layer_in_group, keys if self.keys is not None else None, values, end)
         return keys, values
 
     def values_in_place(
@@ -307,6 +373,8 @@ class SlotStore:
             self.residual.select_rows(indices)
         if self.keys is not None:
             self.keys.select_rows(indices)
+        if self.sink is not None:
+            self.sink.select_rows(indices)
 
     def crop(self, num_tokens: int) -> None:
         if self.residual is not None:
@@ -320,6 +388,8 @@ class SlotStore:
         self.coded = num_tokens
         if self.keys is not None:  # whole pages, encoded
             self.keys.attach()
+        if self.sink is not None:  # the reused first tokens are codes only
+            self.sink.release()
 
     def release(self) -> None:
         self.coded = 0
@@ -327,4 +397,6 @@ class SlotStore:
             self.residual.release()
         if self.keys is not None:
             self.keys.release()
+        if self.sink is not None:
+            self.sink.release()
         self._buffers.clear()
