@@ -78,9 +78,8 @@ class StepPlan:
         write_pages / write_offsets: ``[batch, 1, 1]`` the page and the slot in it of each row's new token.
         heads: ``[1, heads, 1]`` the KV heads.
         layers: ``[1, 1, 1]`` each layer's index (kept, so that a step makes none).
-        capacity_pages: pages read per row (a bucket of the rows' length: ``capacity_bucket``).
-        read_tokens: an eager step reads the rows' tokens only (``None``: a compiled step reads its capacity, a
-            constant of its graph, and the causal mask hides the slots past the rows' tokens).
+        capacity_pages: pages read per row (a bucket of the rows' length: ``capacity_bucket``); the causal mask
+            hides the slots past the rows' tokens.
     """
 
     pages: torch.Tensor
@@ -89,7 +88,6 @@ class StepPlan:
     heads: torch.Tensor
     layers: tuple[torch.Tensor, ...]
     capacity_pages: int
-    read_tokens: int | None = None
 
 
 def capacity_bucket(num_pages: int) -> int:
@@ -223,15 +221,10 @@ class PagedRows:
         """Whether a decode step can be planned: full-precision pages on a storage that never moves."""
         return self.store.quant is None and self.store.keys is None and self.pool.storage_is_fixed
 
-    def reads_in_place(self) -> bool:
-        """Whether the model's attention reads pages where they lie (``attn_implementation="hf_kvcache"``)."""
-        return self._reads_in_place()
-
-    def plan_decode(self, start: int, batch: int, capacity_pages: int, compiled: bool = True) -> StepPlan:
+    def plan_decode(self, start: int, batch: int, capacity_pages: int) -> StepPlan:
         """Before a decode step of one new token per row at ``start``: grows the table (page allocation,
         copy-on-write) and writes the step's slots and the rows' pages into the ``step_plan`` tensors, in place
-        where the batch, the capacity and the storage are the same as the last step's. An eager step (not
-        ``compiled``) reads the rows' tokens only (``StepPlan.read_tokens``).
+        where the batch, the capacity and the storage are the same as the last step's.
 
         Raises:
             ValueError: the batch is not the cache's.
@@ -264,14 +257,12 @@ class PagedRows:
                 tuple(torch.full((1, 1, 1), layer, device=device) for layer in range(fmt.num_layers)),
                 capacity_pages,
             )
-            if compiled:
-                for tensor in (plan.pages, plan.write_pages, plan.write_offsets, *storage.tensors):
-                    torch._dynamo.mark_static_address(tensor)  # CUDA graphs read them where they lie
+            for tensor in (plan.pages, plan.write_pages, plan.write_offsets, *storage.tensors):
+                torch._dynamo.mark_static_address(tensor)  # CUDA graphs read them where they lie
         else:
             plan.pages.copy_(padded.view(batch, 1, capacity_pages))
             plan.write_pages.copy_(write_pages)
             plan.write_offsets.fill_(start % fmt.page_size)
-        plan.read_tokens = None if compiled else start + 1
         return plan
 
     def end_planning(self) -> None:
@@ -290,13 +281,7 @@ class PagedRows:
         """A planned step's keys and values, ``[batch, heads, capacity_pages * page_size, head_dim]`` each: the rows'
         pages in order, then the null page's zeros (hidden by the causal mask, as ``StaticCache``'s empty slots)."""
         storage, plan = self.pool.storage, self.step_plan
-        keys, values = (
-            read_planned(storage.keys, plan, layer_in_group),
-            read_planned(storage.values, plan, layer_in_group),
-        )
-        if plan.read_tokens is not None:
-            return keys[:, :, : plan.read_tokens], values[:, :, : plan.read_tokens]
-        return keys, values
+        return read_planned(storage.keys, plan, layer_in_group), read_planned(storage.values, plan, layer_in_group)
 
     def key_shifts(self, batch: int) -> list[int]:
         """The token each row counts its pages from (``KeyPages``): paged rows store padding too, from 0."""
