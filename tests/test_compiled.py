@@ -4,6 +4,8 @@ each step planned before the forward pass (``PoolCache.plan_decode``) and run as
 On CPU ``generate`` compiles only when told (``CompileConfig._compile_all_devices``); ``mode="default"`` (no CUDA
 graphs). Tiny models compile in a few seconds; ``fullgraph=True`` makes any graph break an error."""
 
+import gc
+
 import pytest
 import torch
 import torch._dynamo
@@ -168,3 +170,30 @@ def test_a_planned_step_reads_nothing_back_to_the_host():
     assert reads.reads == 0
     cache.end_planning()
     assert cache.get_seq_length() == 23
+
+
+def test_a_cache_collected_while_dynamo_traces_returns_its_pages_afterwards():
+    """The garbage collector may finalize a cache in the middle of a trace, where tensors are fake: zeroing its
+    freed pages there failed ("Exception ignored") and the pages never came back. They come back at the next
+    planned step or generate instead."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import hf_kvcache.caches.base as base
+
+    model = tiny_llama()
+    pool = KVPool.for_model(model, max_tokens=256)
+    out = generate(
+        model,
+        random_ids(2, 21),
+        "paged_pool",
+        max_new_tokens=4,
+        cache_config={"pool": pool},
+        return_dict_in_generate=True,
+    )
+    assert pool.stats()["pages_used"] > 0
+    with FakeTensorMode():
+        del out
+        gc.collect()
+    base.release_deferred()
+    assert pool.stats()["pages_used"] == 0
+    pool.check_integrity()
