@@ -202,13 +202,7 @@ class PageAllocator:
         """Unpublishes every page, dropping the index's references; returns how many were published and the pages
         left with no reference (the cached ones: free again)."""
         published = self.index.clear()
-        freed = []
-        for page in published:
-            self._refcounts[page] -= 1
-            if self._refcounts[page] == 0:
-                freed.append(page)
-                self._release(page)
-        return len(published), freed
+        return len(published), self.free(published)  # no longer published: none becomes cached
 
     def refcount(self, page: int) -> int:
         return self._refcounts[page]

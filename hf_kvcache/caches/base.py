@@ -401,6 +401,7 @@ class PoolCache(Cache):
         self.compiled_decoding = False  # generate compiles the decode steps: plan them (hf_kvcache.integration)
         self.runs_eager = False  # generate will not compile this request (then is_compileable says False)
         self._planned_capacity: int | None = None
+        self._planning = False  # a step was planned since the last end_planning
         self._query_offset: torch.Tensor | None = None  # [] a planned step's start, on the pool's device
         weakref.finalize(self, release_when_safe, self._binder)
         if (dtype is None) != (device is None):
@@ -638,6 +639,7 @@ class PoolCache(Cache):
             self._planned_capacity = capacity
         for rows in rows_of:
             rows.plan_decode(start, num_rows, capacity)
+        self._planning = True
         for layer in self._row_layers():
             layer.planned = True  # until its update has run the step
         device = rows_of[0].pool.device
@@ -661,6 +663,9 @@ class PoolCache(Cache):
 
     def end_planning(self) -> None:
         """The next forward pass is not a planned decode step: the eager path runs."""
+        if not self._planning:  # every eager step comes here: nothing to undo
+            return
+        self._planning = False
         for rows in self._binder.rows.values():
             rows.end_planning()
         for layer in self._row_layers():
@@ -767,6 +772,7 @@ class PoolCache(Cache):
 
     def release(self) -> None:
         """Returns every page to the pool; the cache is empty afterwards."""
+        self.end_planning()
         self._binder.release()
         for layer in self._row_layers():
             layer.num_tokens = 0
