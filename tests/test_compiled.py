@@ -15,7 +15,7 @@ from transformers import CompileConfig
 from hf_kvcache import KVPool
 from hf_kvcache.caches.paged import PagedCache
 from hf_kvcache.integration import build_cache
-from hf_kvcache.layers.rows import capacity_bucket
+from hf_kvcache.layers.plan import capacity_bucket
 from hf_kvcache.registry import REGISTRY
 from hf_kvcache.testing import random_padded_batch, tiny_gemma3, tiny_llama, tiny_mistral
 from tests.helpers import random_ids

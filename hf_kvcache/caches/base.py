@@ -24,8 +24,8 @@ from hf_kvcache.config import CacheOptions, PageFormat, layer_groups
 from hf_kvcache.device_memory import check_fits
 from hf_kvcache.errors import IncompatibleModelError, PoolExhaustedError
 from hf_kvcache.layers import PagedLayer, PagedRows, RingLayer, RingRows
+from hf_kvcache.layers.plan import capacity_bucket
 from hf_kvcache.layers.ring import ring_num_slots
-from hf_kvcache.layers.rows import capacity_bucket
 from hf_kvcache.placement import Placement, agree, normalize_device
 from hf_kvcache.pool import KVPool
 from hf_kvcache.transformers_internals import DummyLayer, attn_implementation, layer_types_and_kwargs

@@ -1,0 +1,43 @@
+"""A planned decode step (compiled decoding): what the step writes and reads, decided before the forward pass.
+
+``PoolCache.plan_decode`` plans each decode step ``generate`` compiles; ``PagedRows.plan_decode`` fills a
+``StepPlan``; inside the compiled forward ``kernels.write_planned`` and ``kernels.read_planned`` execute it.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepPlan:
+    """A decode step of one new token per row, planned before the forward pass (``PagedRows.plan_decode``), in
+    tensors kept from step to step and refilled in place, so that a compiled step (and a CUDA graph replay) reads
+    them without a recompile while the batch and the capacity stay. Index tensors broadcast to ``[batch, heads,
+    ...]`` over the storage's ``[layers, heads, pages, page_size, head_dim]`` (``kernels.read_planned`` and
+    ``kernels.write_planned``).
+
+    Attributes:
+        pages: ``[batch, 1, capacity_pages]`` each row's pages, then the null page up to ``capacity_pages``.
+        write_pages / write_offsets: ``[batch, 1, 1]`` the page and the slot in it of each row's new token.
+        heads: ``[1, heads, 1]`` the KV heads.
+        layers: ``[1, 1, 1]`` each layer's index (kept, so that a step makes none).
+        capacity_pages: pages read per row (a bucket of the rows' length: ``capacity_bucket``); the causal mask
+            hides the slots past the rows' tokens.
+    """
+
+    pages: torch.Tensor
+    write_pages: torch.Tensor
+    write_offsets: torch.Tensor
+    heads: torch.Tensor
+    layers: tuple[torch.Tensor, ...]
+    capacity_pages: int
+
+
+def capacity_bucket(num_pages: int) -> int:
+    """The pages a planned step reads for rows of ``num_pages`` pages: the next of 4, 5, 6, 7, 8, 10, 12, 14, 16,
+    20, ... (a power of two times 1, 1.25, 1.5 or 1.75), so that lengths in one bucket share a compiled graph and a
+    step reads at most a quarter more than its rows hold."""
+    num_pages = max(num_pages, 4)
+    quarter = 1 << max(0, num_pages.bit_length() - 3)  # 2^(e - 2) for 2^e <= num_pages < 2^(e + 1)
+    return -(-num_pages // quarter) * quarter
