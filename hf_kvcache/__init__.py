@@ -8,6 +8,7 @@ from hf_kvcache.config import PageFormat
 from hf_kvcache.errors import IncompatibleModelError, MissingExtraError, PoolExhaustedError
 from hf_kvcache.integration import is_registered, register, unregister
 from hf_kvcache.pool import KVPool
+from hf_kvcache.warmup import WarmedShape, warmup
 
 __all__ = [
     "IncompatibleModelError",
@@ -22,6 +23,8 @@ __all__ = [
     "is_registered",
     "register",
     "unregister",
+    "WarmedShape",
+    "warmup",
 ]
 __version__ = "0.1.0"  # the one version: the build reads it (pyproject.toml), cards pin it
 

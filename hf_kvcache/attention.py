@@ -30,6 +30,7 @@ existing one::
 """
 
 import contextlib
+import logging
 import weakref
 from collections.abc import Iterator
 
@@ -191,7 +192,8 @@ def paged_attention(
     try:
         output = flex.decode_attention(query, keys, values, read.mask, kwargs.get("scaling"))
     except flex.FlexUnavailable as error:
-        flex.log_path(f"compile:{error.reason}", error.reason)
+        limit = "MAX_SHAPE_KEYS" in error.reason  # a slowdown the user did not ask for: said louder
+        flex.log_path(f"compile:{error.reason}", error.reason, logging.WARNING if limit else logging.INFO)
         return None
     flex.log_path("in_place", f"compiled FlexAttention, KV blocks of {read.mask.block_tokens} tokens")
     return output.transpose(1, 2).contiguous()

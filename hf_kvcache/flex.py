@@ -90,13 +90,13 @@ def log_once(key: str, level: int, message: str) -> None:
     logger.log(level, message)
 
 
-def log_path(key: str, why: str) -> None:
+def log_path(key: str, why: str, level: int = logging.INFO) -> None:
     """Says once per process (per ``key``) which path paged decode attention takes and why (``in_place*``: in place)."""
     if key.startswith("in_place"):
         message = f"Paged decode attention reads the pool's pages in place ({why})."
     else:
         message = f"Paged decode attention gathers the pages instead of reading them in place: {why}."
-    log_once(key, logging.INFO, message)
+    log_once(key, level, message)
 
 
 def unavailable(device: torch.device) -> str | None:
@@ -357,7 +357,10 @@ def _first_call(shape_key: tuple, arguments: tuple) -> torch.Tensor:
         if shape_key in _FAILED:
             raise FlexUnavailable(_FAILED[shape_key])
         if shape_key not in _READY and len(_READY) + len(_FAILED) >= MAX_SHAPE_KEYS:
-            raise FlexUnavailable(f"{MAX_SHAPE_KEYS} shapes are compiled already (MAX_SHAPE_KEYS)")
+            raise FlexUnavailable(
+                f"{MAX_SHAPE_KEYS} shapes are compiled already: every new shape gathers from here on (raise "
+                "hf_kvcache.flex.MAX_SHAPE_KEYS to compile more; each costs 10-20 s)"
+            )
         started = time.perf_counter()
         try:
             if shape_key not in _COMPILED:

@@ -99,8 +99,10 @@ def write_planned(storage: torch.Tensor, plan: "Any", layer_idx: int, states: to
 
 
 def read_planned(storage: torch.Tensor, plan: "Any", layer_idx: int) -> torch.Tensor:
-    """A planned step's pages of one layer (``StepPlan.pages``), ``[batch, heads, capacity_pages * page_size,
-    last_dim]``: one gather, then a view."""
+    """A planned step's keys (or values) of one layer, ``[batch, heads, plan.num_keys, last_dim]``: one gather of
+    whole pages (``StepPlan.pages``), or of single slots where the plan has ``offsets``, then a view."""
+    if plan.offsets is not None:
+        return storage[plan.layers[layer_idx], plan.heads, plan.pages, plan.offsets]  # [batch, heads, keys, last]
     gathered = storage[plan.layers[layer_idx], plan.heads, plan.pages]  # [batch, heads, capacity, page_size, last]
     batch, heads, capacity, page_size, last_dim = gathered.shape
     return gathered.view(batch, heads, capacity * page_size, last_dim)

@@ -55,8 +55,9 @@ def test_only_caches_whose_steps_can_be_planned_are_compileable():
     assert cache.is_compileable  # the CPU's default pools reserve their cap: their storage never moves
     assert build_cache("paged_pool", llama, {}).is_compileable  # built for generate: bound
     assert build_cache("paged_pool", llama, {"max_tokens": 256}).is_compileable
-    assert not build_cache("paged_pool", mistral, {}).is_compileable  # its sliding layers are rings
-    for name in ("sliding_ring", "quantized_values", "quantized_kv"):
+    assert build_cache("paged_pool", mistral, {}).is_compileable  # its sliding layers are rings, planned too
+    assert build_cache("sliding_ring", llama, dict(REGISTRY["sliding_ring"].example_config)).is_compileable
+    for name in ("quantized_values", "quantized_kv"):
         assert not build_cache(name, llama, dict(REGISTRY[name].example_config)).is_compileable
 
 
@@ -125,7 +126,7 @@ def test_prefix_reuse_and_crop_under_compile(compile_config):
     pool.check_integrity()
 
 
-@pytest.mark.parametrize("name", ["sliding_ring", "quantized_values", "quantized_kv"])
+@pytest.mark.parametrize("name", ["quantized_values", "quantized_kv"])
 def test_caches_not_compileable_run_eager_under_a_compile_config(compile_config, name):
     model = tiny_llama()
     ids = random_ids(2, 21)
@@ -135,12 +136,44 @@ def test_caches_not_compileable_run_eager_under_a_compile_config(compile_config,
     assert graphs() == 0
 
 
-@pytest.mark.parametrize("build", [tiny_mistral, tiny_gemma3], ids=["mistral", "gemma3"])
-def test_models_with_sliding_layers_run_eager_under_a_compile_config(compile_config, build):
+RING_CASES = {  # (model, cache, cache_config, whether the cache keeps what DynamicCache keeps)
+    "mistral-paged_pool": (tiny_mistral, "paged_pool", {}, True),  # sliding layers as rings of the model's window
+    "gemma3-paged_pool": (tiny_gemma3, "paged_pool", {}, True),  # hybrid: rings and paged layers, two plans
+    "mistral-sliding_ring": (tiny_mistral, "sliding_ring", {}, True),
+    "llama-sliding_ring": (tiny_llama, "sliding_ring", {"window": 16, "sink_tokens": 2}, False),  # the ring drops
+    "llama-sliding_ring-no-sinks": (tiny_llama, "sliding_ring", {"window": 12}, False),
+}
+
+
+@pytest.mark.parametrize("case", list(RING_CASES))
+@pytest.mark.parametrize("batch", ["batch", "padded"])
+def test_compiled_rings_generate_the_tokens_of_eager_in_one_graph(compile_config, case, batch):
+    """Rings planned before the forward pass: the ring fills, wraps and keeps wrapping (40 tokens, windows of 8 to
+    16) in one graph, with the tokens of the eager ring (and of DynamicCache where the ring keeps what it keeps)."""
+    build, name, config, keeps_all = RING_CASES[case]
     model = build()
-    ids = random_ids(2, 21)
-    reference = generate(model, ids, max_new_tokens=8)
-    assert torch.equal(generate(model, ids, "paged_pool", compile_config, max_new_tokens=8), reference)
+    kwargs = {"max_new_tokens": 40, "cache_config": config}
+    if batch == "padded":
+        ids, mask = random_padded_batch([21, 13, 17], 128, torch.Generator().manual_seed(1))
+        kwargs["attention_mask"] = mask
+    else:
+        ids = random_ids(2, 21)
+    eager = generate(model, ids, name, **kwargs)
+    if keeps_all:
+        assert torch.equal(eager, generate(model, ids, max_new_tokens=40))
+    assert torch.equal(generate(model, ids, name, compile_config, **kwargs), eager)
+    assert graphs() == 1
+
+
+def test_a_compiled_ring_takes_no_new_graph_for_another_prompt_length(compile_config):
+    model = tiny_mistral()
+    generate(model, random_ids(2, 21), "sliding_ring", compile_config, max_new_tokens=12)
+    torch._dynamo.config.error_on_recompile = True
+    for length in (5, 30):  # before the window fills, and long past it
+        ids = random_ids(2, length, seed=length)
+        out = generate(model, ids, "sliding_ring", compile_config, max_new_tokens=12)
+        assert torch.equal(out, generate(model, ids, max_new_tokens=12))
+    assert graphs() == 1
 
 
 class HostReads(TorchDispatchMode):
@@ -156,20 +189,39 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_planned_step_reads_nothing_back_to_the_host():
+class OpCount(TorchDispatchMode):
+    """Counts the aten ops dispatched (a GPU launches a kernel for nearly each)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "name, config", [("paged_pool", {}), ("sliding_ring", {"window": 16, "sink_tokens": 2})], ids=["paged", "ring"]
+)
+def test_a_planned_step_reads_nothing_back_to_the_host_and_dispatches_what_dynamic_cache_does(name, config):
     model = tiny_llama()
     ids = random_ids(2, 21)
-    out = generate(model, ids, "paged_pool", max_new_tokens=2, return_dict_in_generate=True)
+    out = generate(model, ids, name, max_new_tokens=2, cache_config=config, return_dict_in_generate=True)
     cache = out.cache
     cache.compiled_decoding = True
     assert cache.plan_decode(2, 1)
     inputs = {"input_ids": out.sequences[:, -1:], "position_ids": None}
     cache.start_planned(inputs)
-    with torch.no_grad(), HostReads() as reads:
+    with torch.no_grad(), HostReads() as reads, OpCount() as ops:
         model(**inputs, cache=cache)
     assert reads.reads == 0
     cache.end_planning()
     assert cache.get_seq_length() == 23
+    dynamic = generate(model, ids, max_new_tokens=2, return_dict_in_generate=True)
+    with torch.no_grad(), OpCount() as dynamic_ops:
+        model(input_ids=dynamic.sequences[:, -1:], cache=dynamic.cache)
+    assert ops.ops <= 1.1 * dynamic_ops.ops, (ops.ops, dynamic_ops.ops)
 
 
 def test_a_cache_collected_while_dynamo_traces_returns_its_pages_afterwards():
@@ -197,3 +249,28 @@ def test_a_cache_collected_while_dynamo_traces_returns_its_pages_afterwards():
     base.release_deferred()
     assert pool.stats()["pages_used"] == 0
     pool.check_integrity()
+
+
+def test_warmup_compiles_every_shape_before_the_requests(compile_config):
+    from hf_kvcache import warmup
+
+    model = tiny_llama()
+    shapes = warmup(model, "paged_pool", batch_sizes=(1, 3), max_tokens=120, compile_config=compile_config)
+    assert [(shape.batch_size, shape.max_tokens) for shape in shapes] == [
+        (batch, pages * 16) for batch in (1, 3) for pages in (4, 5, 6, 7, 8)
+    ]
+    assert shapes[0].graphs == 1 and sum(shape.graphs for shape in shapes) == graphs()
+    torch._dynamo.config.error_on_recompile = True  # the requests compile nothing
+    for batch, length, new in ((1, 30, 40), (3, 9, 100), (1, 70, 8), (3, 50, 20)):
+        ids = random_ids(batch, length, seed=length)
+        out = generate(model, ids, "paged_pool", compile_config, max_new_tokens=new)
+        assert torch.equal(out, generate(model, ids, max_new_tokens=new))
+
+
+def test_warmup_says_when_generate_would_not_compile():
+    from hf_kvcache import warmup
+
+    with pytest.raises(ValueError, match="_compile_all_devices"):
+        warmup(tiny_llama(), "paged_pool", max_tokens=64)  # on a CPU, generate compiles only when told
+    with pytest.raises(ValueError, match="not one of ours"):
+        warmup(tiny_llama(), "static")

@@ -27,6 +27,7 @@ ORDER = [
     "caches",
     "registry",
     "integration",
+    "warmup",
 ]
 """The core, lowest first: a module imports only modules before it."""
 TOOLS = ["testing", "bundled", "eval", "bench", "cards"]

@@ -45,11 +45,16 @@ ROWS = (
     "static",
     "paged_pool:compiled",
     "paged_pool",
+    "sliding_ring:compiled",
+    "sliding_ring",
     "quantized_values:compiled",
     "quantized_values",
     "quantized_kv",
 )
 """Rows of the suite. A ``:compiled`` row of a cache that is not compileable runs eager (``generate``'s rule)."""
+ROW_CONFIGS = {"sliding_ring": {"window": 1024}}
+"""The ``cache_config`` of rows that need one (the rest take their defaults): the ring keeps the last 1,024 tokens
+of a full-attention model, so its tokens differ from the baseline's past them (not a lossless row)."""
 
 
 @dataclass(frozen=True)
@@ -122,7 +127,7 @@ def _build(model: PreTrainedModel, name: str, capacity: int) -> Any:
         return StaticCache(config=model.config, max_cache_len=capacity)
     if name == "dynamic":
         return DynamicCache(config=model.config)
-    return build_cache(name, model, None)
+    return build_cache(name, model, ROW_CONFIGS.get(name))
 
 
 def _run(model, prefill, rows: torch.Tensor, row: str, batch: int, config: CompiledBenchConfig):

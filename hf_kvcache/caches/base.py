@@ -589,14 +589,12 @@ class PoolCache(Cache):
     @property
     def is_compileable(self) -> bool:
         """Whether ``generate`` may compile the model's forward with this cache (as it does for ``StaticCache``):
-        every layer group keeps every token in full precision on one device, so a decode step can be planned
-        before the forward pass (``plan_decode``) and run as tensor operations only."""
+        every layer group keeps its tokens (all of them, or a ring's) in full precision on one device, so a decode
+        step can be planned before the forward pass (``plan_decode``) and run as tensor operations only."""
         binder = self._binder
         if self.runs_eager:  # generate's rule said no for this request: masks may then be skipped as Dynamic's
             return False
         if binder.placement.group is not None or len({at for at in binder.layer_group_devices if at}) > 1:
-            return False
-        if any(policy.window is not None for policy in binder.policies):
             return False
         page_format = self.options.page_format(binder.config, torch.float32)
         if page_format.value_bits is not None or page_format.key_bits is not None:

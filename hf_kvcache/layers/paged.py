@@ -58,8 +58,8 @@ class PagedLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         plan = self.rows.step_plan if self.planned else None
-        if plan is not None:  # a compiled step reads its capacity (a constant of its graph)
-            return plan.capacity_pages * self.rows.pool.format.page_size, 0
+        if plan is not None:  # a compiled step reads its plan's keys (their number: a constant of its graph)
+            return plan.num_keys, plan.kv_offset
         return self.num_tokens + query_length, 0
 
     def get_seq_length(self) -> int:

@@ -13,25 +13,31 @@ import torch
 class StepPlan:
     """A decode step of one new token per row, planned before the forward pass (``PagedRows.plan_decode``), in
     tensors kept from step to step and refilled in place, so that a compiled step (and a CUDA graph replay) reads
-    them without a recompile while the batch and the capacity stay. Index tensors broadcast to ``[batch, heads,
-    ...]`` over the storage's ``[layers, heads, pages, page_size, head_dim]`` (``kernels.read_planned`` and
+    them without a recompile while the batch and the number of keys stay. Index tensors broadcast to ``[batch,
+    heads, ...]`` over the storage's ``[layers, heads, pages, page_size, head_dim]`` (``kernels.read_planned`` and
     ``kernels.write_planned``).
 
     Attributes:
-        pages: ``[batch, 1, capacity_pages]`` each row's pages, then the null page up to ``capacity_pages``.
+        pages: ``[batch, 1, reads]`` what each row reads, in the order attention gets it: whole pages (a row's
+            pages, then the null page up to a capacity bucket: ``capacity_bucket``), or with ``offsets`` one slot per
+            read (a ring's visible tokens in time order, the null page's first slot where a key holds none).
+        offsets: ``[batch, 1, reads]`` the slot of each read in its page; ``None``: whole pages are read.
         write_pages / write_offsets: ``[batch, 1, 1]`` the page and the slot in it of each row's new token.
         heads: ``[1, heads, 1]`` the KV heads.
         layers: ``[1, 1, 1]`` each layer's index (kept, so that a step makes none).
-        capacity_pages: pages read per row (a bucket of the rows' length: ``capacity_bucket``); the causal mask
-            hides the slots past the rows' tokens.
+        num_keys: keys attention gets per row: the model's mask is built for this many (a constant of the graph);
+            it hides the keys past the rows' tokens.
+        kv_offset: the token of the first key (the model's mask: ``get_mask_sizes``; it is built outside the graph).
     """
 
     pages: torch.Tensor
+    offsets: torch.Tensor | None
     write_pages: torch.Tensor
     write_offsets: torch.Tensor
     heads: torch.Tensor
     layers: tuple[torch.Tensor, ...]
-    capacity_pages: int
+    num_keys: int
+    kv_offset: int = 0
 
 
 def capacity_bucket(num_pages: int) -> int:

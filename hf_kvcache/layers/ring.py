@@ -163,11 +163,6 @@ class RingRows(PagedRows):
 
     values_by_page = False  # a ring's slots wrap around: each token's value codes are written with it
 
-    @property
-    def plannable(self) -> bool:
-        """A ring's decode steps are not planned (``PagedRows.plan_decode`` keeps every token)."""
-        return False
-
     def __init__(
         self,
         pool: KVPool,
@@ -249,6 +244,38 @@ class RingRows(PagedRows):
             setattr(keys, LAYOUT_ATTRIBUTE, step.layout)
         self.end_step(layer_in_group, start + num_new)
         return keys, values
+
+    def _planned_reads(
+        self, start: int, batch: int, capacity_pages: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
+        """A planned step's visible tokens, each row's in time order as ``update`` gathers them (``visible_span``),
+        read slot by slot: ``sink_tokens + window`` keys whatever the step, so that one graph serves the ring as it
+        fills and wraps. Before the window has left the sinks behind, keys past the step's token read the null page
+        (the causal mask hides them) and the mask starts at token 0; after, every key holds a token."""
+        device, page_size = self.pool.device, self.pool.format.page_size
+        num_keys = self.sink_tokens + self.window
+        sinks, first = visible_span(start, 1, self.window, self.sink_tokens)
+        if first:  # the window has left the sinks behind
+            tokens = torch.arange(first, start + 1, device=device).expand(batch, -1)  # [batch, window]
+            if sinks:  # as update: each row's own sinks, or where its window still reaches them, the tokens before it
+                sink_start = self._pad_tensor(batch).clamp(max=first - sinks).unsqueeze(1)  # [batch, 1]
+                tokens = torch.cat([sink_start + torch.arange(sinks, device=device), tokens], dim=1)
+        else:
+            tokens = torch.arange(num_keys, device=device).expand(batch, -1)  # [batch, num_keys]
+            tokens = tokens.masked_fill(tokens > start, -1)
+        slots = self._slots(tokens).masked_fill(tokens < 0, -1)  # [batch, num_keys]; -1: no token
+        held = slots >= 0
+        pages = self._page_ids().gather(1, torch.where(held, slots // page_size, 0))
+        pages = pages.masked_fill(~held, NULL_PAGE).unsqueeze(1)  # [batch, 1, num_keys]
+        offsets = torch.where(held, slots % page_size, 0).unsqueeze(1)  # [batch, 1, num_keys]
+        return pages, offsets, num_keys, first - sinks
+
+    def _planned_write(self, start: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[batch, 1, 1]`` the page and the slot in it of the ring slot a planned step's token at ``start`` takes."""
+        page_size = self.pool.format.page_size
+        slots = self._slots(torch.full((batch, 1), start, device=self.pool.device))  # [batch, 1]
+        pages = self._page_ids().gather(1, slots // page_size)
+        return pages.view(batch, 1, 1), (slots % page_size).view(batch, 1, 1)
 
     def check_crop(self, num_tokens: int) -> None:
         """Raises ``ValueError`` if cropping to ``num_tokens`` needs tokens the ring has overwritten."""
@@ -505,6 +532,8 @@ class RingLayer(PagedLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Stores ``[batch, heads, n, head_dim]`` new states; returns the visible ones in time order."""
+        if self.planned:  # a planned step reads its visible tokens as PagedLayer reads a plan
+            return super().update(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         keys, values = self.rows.update(self.layer_in_group, self.num_tokens, key_states, value_states)
@@ -513,6 +542,8 @@ class RingLayer(PagedLayer):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` of what ``update`` returns; sinks are placed just before the window."""
+        if self.planned:
+            return super().get_mask_sizes(query_length)
         sinks, first = visible_span(self.num_tokens, query_length, self.window, self.sink_tokens)
         return sinks + self.num_tokens + query_length - first, first - sinks
 

@@ -71,6 +71,14 @@ def paged_read_of(keys: torch.Tensor) -> PagedRead | None:
     return getattr(keys, PAGED_ATTRIBUTE, None)
 
 
+def _fresh_copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A copy with the strides of a new tensor (a compiled graph guards on them): ``clone()`` keeps a view's strides,
+    even along dimensions of size 1."""
+    if tensor is None:
+        return None
+    return torch.empty_like(tensor, memory_format=torch.contiguous_format).copy_(tensor)
+
+
 def find_identical_rows(key_states: torch.Tensor, value_states: torch.Tensor) -> list[int] | None:
     """For each row, the first row with identical keys and values (``None`` if all rows differ).
 
@@ -190,8 +198,11 @@ class PagedRows:
 
     def plan_decode(self, start: int, batch: int, capacity_pages: int) -> StepPlan:
         """Before a decode step of one new token per row at ``start``: grows the table (page allocation,
-        copy-on-write) and writes the step's slots and the rows' pages into the ``step_plan`` tensors, in place
-        where the batch, the capacity and the storage are the same as the last step's.
+        copy-on-write) and writes the step's slots and what attention reads into the ``step_plan`` tensors, in place
+        where the batch and the number of reads are the same as the last step's.
+
+        Args:
+            capacity_pages: pages read per row (``capacity_bucket``; a ring reads its visible tokens instead).
 
         Raises:
             ValueError: the batch is not the cache's.
@@ -205,32 +216,52 @@ class PagedRows:
             raise RuntimeError(f"A decode step writes from token {start}; the cache holds {self.num_tokens}.")
         self.written = start  # the steps before have run: every layer holds their tokens
         self._grow(batch, start, 1, None)
-        storage = self.pool.storage
+        pages, offsets, num_keys, kv_offset = self._planned_reads(start, batch, capacity_pages)
+        write_pages, write_offsets = self._planned_write(start, batch)
+        plan = self.step_plan
+        fresh = plan is None or plan.pages.shape != pages.shape or (plan.offsets is None) != (offsets is None)
+        if fresh:
+            device = pages.device
+            fmt = self.pool.format
+            self.step_plan = plan = StepPlan(
+                _fresh_copy(pages),
+                _fresh_copy(offsets),
+                _fresh_copy(write_pages),
+                _fresh_copy(write_offsets),
+                torch.arange(fmt.num_kv_heads, device=device).view(1, -1, 1),
+                tuple(torch.full((1, 1, 1), layer, device=device) for layer in range(fmt.num_layers)),
+                num_keys,
+                kv_offset,
+            )
+            static = (plan.pages, plan.write_pages, plan.write_offsets, *self.pool.storage.tensors)
+            for tensor in static + ((plan.offsets,) if plan.offsets is not None else ()):
+                torch._dynamo.mark_static_address(tensor)  # CUDA graphs read them where they lie
+        else:
+            for kept, planned in ((plan.pages, pages), (plan.offsets, offsets), (plan.write_pages, write_pages)):
+                if kept is not None:
+                    kept.copy_(planned)
+            plan.write_offsets.copy_(write_offsets)
+            plan.num_keys, plan.kv_offset = num_keys, kv_offset
+        return plan
+
+    def _planned_reads(
+        self, start: int, batch: int, capacity_pages: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
+        """What a planned step at ``start`` reads: ``(pages [batch, 1, reads], offsets or None, num_keys,
+        kv_offset)`` (``StepPlan``). Rows that keep every token read their pages, then the null page up to
+        ``capacity_pages``."""
         ids = self._page_ids()  # [batch, pages]
         if ids.shape[1] > capacity_pages:
             raise ValueError(f"Rows of {ids.shape[1]} pages do not fit a step planned for {capacity_pages}.")
-        padded = torch.full((batch, capacity_pages), NULL_PAGE, dtype=torch.long, device=ids.device)
-        padded[:, : ids.shape[1]] = ids  # [batch, capacity_pages]
-        fmt = self.pool.format
-        write_pages = ids[:, start // fmt.page_size].view(batch, 1, 1)  # [batch, 1, 1]
-        plan = self.step_plan
-        if plan is None or plan.pages.shape != (batch, 1, capacity_pages):
-            device = ids.device
-            self.step_plan = plan = StepPlan(
-                padded.view(batch, 1, capacity_pages),
-                write_pages.clone(),
-                torch.full_like(write_pages, start % fmt.page_size),
-                torch.arange(fmt.num_kv_heads, device=device).view(1, -1, 1),
-                tuple(torch.full((1, 1, 1), layer, device=device) for layer in range(fmt.num_layers)),
-                capacity_pages,
-            )
-            for tensor in (plan.pages, plan.write_pages, plan.write_offsets, *storage.tensors):
-                torch._dynamo.mark_static_address(tensor)  # CUDA graphs read them where they lie
-        else:
-            plan.pages.copy_(padded.view(batch, 1, capacity_pages))
-            plan.write_pages.copy_(write_pages)
-            plan.write_offsets.fill_(start % fmt.page_size)
-        return plan
+        padded = torch.full((batch, 1, capacity_pages), NULL_PAGE, dtype=torch.long, device=ids.device)
+        padded[:, 0, : ids.shape[1]] = ids  # [batch, 1, capacity_pages]
+        return padded, None, capacity_pages * self.pool.format.page_size, 0
+
+    def _planned_write(self, start: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[batch, 1, 1]`` the page and the slot in it where a planned step's new token at ``start`` goes."""
+        page_size = self.pool.format.page_size
+        pages = self._page_ids()[:, start // page_size].view(batch, 1, 1)
+        return pages, torch.full_like(pages, start % page_size)
 
     def end_planning(self) -> None:
         """The next step is not a planned one (a prefill, a crop): written catches up, the plan is dropped."""
@@ -245,8 +276,8 @@ class PagedRows:
         write_planned(storage.values, self.step_plan, layer_in_group, value_states)
 
     def read_planned(self, layer_in_group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A planned step's keys and values, ``[batch, heads, capacity_pages * page_size, head_dim]`` each: the rows'
-        pages in order, then the null page's zeros (hidden by the causal mask, as ``StaticCache``'s empty slots)."""
+        """A planned step's keys and values, ``[batch, heads, num_keys, head_dim]`` each (``StepPlan``): the rows'
+        tokens in order, then the null page's slots (hidden by the model's mask, as ``StaticCache``'s empty slots)."""
         storage, plan = self.pool.storage, self.step_plan
         return read_planned(storage.keys, plan, layer_in_group), read_planned(storage.values, plan, layer_in_group)
 
