@@ -241,6 +241,22 @@ def test_card_table_is_the_json(rendered, report_path, source):
         validate_card(folder)
 
 
+def test_card_states_the_length_it_was_measured_at_and_the_change_by_position(rendered, report_path):
+    raw = json.loads(report_path.read_text())
+    results = {result["label"]: result for result in raw["caches"]}
+    result, baseline = results["paged_pool"], results["dynamic"]
+    section = (rendered["paged_pool"] / "README.md").read_text().split("## Quality by length")[1].split("\n## ")[0]
+    assert f"documents of {raw['config']['document_tokens']:,} tokens each" in section
+    edges = result["bucket_edges"]
+    assert "| positions | " + " | ".join(f"{a}–{b}" for a, b in zip(edges, edges[1:])) + " |" in section
+    row = next(line for line in section.splitlines() if line.startswith("| perplexity vs baseline"))
+    printed = [parse_number(cell.strip()) for cell in row.strip("|").split(" | ")[1:]]
+    expected = [100 * (ppl / base - 1) for ppl, base in zip(result["perplexity_by_bucket"], baseline["perplexity_by_bucket"])]
+    assert len(printed) == len(expected)
+    for (value, tolerance), want in zip(printed, expected):
+        assert value == pytest.approx(want, abs=tolerance)
+
+
 def test_reproduce_command_is_the_reports_configuration(monkeypatch):
     """The card's command, fed to the eval script, builds exactly the report's EvalConfig."""
     report = EvalReport.load(REPORT)

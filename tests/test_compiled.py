@@ -57,8 +57,8 @@ def test_only_caches_whose_steps_can_be_planned_are_compileable():
     assert build_cache("paged_pool", llama, {"max_tokens": 256}).is_compileable
     assert build_cache("paged_pool", mistral, {}).is_compileable  # its sliding layers are rings, planned too
     assert build_cache("sliding_ring", llama, dict(REGISTRY["sliding_ring"].example_config)).is_compileable
-    for name in ("quantized_values", "quantized_kv"):
-        assert not build_cache(name, llama, dict(REGISTRY[name].example_config)).is_compileable
+    assert build_cache("quantized_values", llama, dict(REGISTRY["quantized_values"].example_config)).is_compileable
+    assert not build_cache("quantized_kv", llama, dict(REGISTRY["quantized_kv"].example_config)).is_compileable
 
 
 @pytest.mark.parametrize(
@@ -126,14 +126,48 @@ def test_prefix_reuse_and_crop_under_compile(compile_config):
     pool.check_integrity()
 
 
-@pytest.mark.parametrize("name", ["quantized_values", "quantized_kv"])
-def test_caches_not_compileable_run_eager_under_a_compile_config(compile_config, name):
+def test_caches_not_compileable_run_eager_under_a_compile_config(compile_config):
     model = tiny_llama()
     ids = random_ids(2, 21)
-    config = dict(REGISTRY[name].example_config)
-    eager = generate(model, ids, name, max_new_tokens=8, cache_config=config)
-    assert torch.equal(generate(model, ids, name, compile_config, max_new_tokens=8, cache_config=config), eager)
+    config = dict(REGISTRY["quantized_kv"].example_config)
+    eager = generate(model, ids, "quantized_kv", max_new_tokens=8, cache_config=config)
+    compiled = generate(model, ids, "quantized_kv", compile_config, max_new_tokens=8, cache_config=config)
+    assert torch.equal(compiled, eager)
     assert graphs() == 0
+
+
+QUANTIZED_VALUES = {  # residual windows of a page (codes written by page eager), less than one, none
+    "by-page": {"bits": 4, "group_size": 16, "residual_length": 16},
+    "window-8": {"bits": 4, "group_size": 16, "residual_length": 8},
+    "int8-no-window": {"bits": 8, "residual_length": 0},
+}
+
+
+@pytest.mark.parametrize("config", list(QUANTIZED_VALUES))
+@pytest.mark.parametrize("batch", ["batch", "padded"])
+def test_compiled_quantized_values_generate_the_tokens_of_eager_in_one_graph(compile_config, config, batch):
+    """Values coded in the graph, token by token, and read dequantized with the residual window's newest tokens in
+    full precision over their codes: the tokens of the eager cache (which codes a page at a time), 40 tokens past a
+    window of at most 16, one graph."""
+    model = tiny_llama()
+    kwargs = {"max_new_tokens": 40, "cache_config": QUANTIZED_VALUES[config]}
+    if batch == "padded":
+        ids, mask = random_padded_batch([21, 13, 17], 128, torch.Generator().manual_seed(1))
+        kwargs["attention_mask"] = mask
+    else:
+        ids = random_ids(2, 21)
+    eager = generate(model, ids, "quantized_values", **kwargs)
+    assert torch.equal(generate(model, ids, "quantized_values", compile_config, **kwargs), eager)
+    assert graphs() == 1
+
+
+def test_compiled_quantized_values_on_a_hybrid_model(compile_config):
+    model = tiny_gemma3()
+    ids = random_ids(2, 21)
+    kwargs = {"max_new_tokens": 30, "cache_config": {"bits": 4, "group_size": 16, "residual_length": 16}}
+    eager = generate(model, ids, "quantized_values", **kwargs)
+    assert torch.equal(generate(model, ids, "quantized_values", compile_config, **kwargs), eager)
+    assert graphs() == 1
 
 
 RING_CASES = {  # (model, cache, cache_config, whether the cache keeps what DynamicCache keeps)
@@ -202,9 +236,17 @@ class OpCount(TorchDispatchMode):
 
 
 @pytest.mark.parametrize(
-    "name, config", [("paged_pool", {}), ("sliding_ring", {"window": 16, "sink_tokens": 2})], ids=["paged", "ring"]
+    "name, config, ops_bound",
+    [
+        ("paged_pool", {}, 1.1),
+        ("sliding_ring", {"window": 16, "sink_tokens": 2}, 1.1),
+        # Coding the token, dequantizing and the window: 272 ops against 168 on this 2-layer model (1.62x), which
+        # only run compiled (fused); eager steps are not planned (docs/compiled.md).
+        ("quantized_values", QUANTIZED_VALUES["by-page"], None),
+    ],
+    ids=["paged", "ring", "quantized_values"],
 )
-def test_a_planned_step_reads_nothing_back_to_the_host_and_dispatches_what_dynamic_cache_does(name, config):
+def test_a_planned_step_reads_nothing_back_to_the_host_and_dispatches_what_dynamic_cache_does(name, config, ops_bound):
     model = tiny_llama()
     ids = random_ids(2, 21)
     out = generate(model, ids, name, max_new_tokens=2, cache_config=config, return_dict_in_generate=True)
@@ -221,7 +263,7 @@ def test_a_planned_step_reads_nothing_back_to_the_host_and_dispatches_what_dynam
     dynamic = generate(model, ids, max_new_tokens=2, return_dict_in_generate=True)
     with torch.no_grad(), OpCount() as dynamic_ops:
         model(input_ids=dynamic.sequences[:, -1:], cache=dynamic.cache)
-    assert ops.ops <= 1.1 * dynamic_ops.ops, (ops.ops, dynamic_ops.ops)
+    assert ops_bound is None or ops.ops <= ops_bound * dynamic_ops.ops, (ops.ops, dynamic_ops.ops)
 
 
 def test_a_cache_collected_while_dynamo_traces_returns_its_pages_afterwards():

@@ -102,3 +102,33 @@ def test_greedy_agreement_starts_past_every_window_or_says_it_did_not(tiny_model
     assert ring.attn_implementation == "hf_kvcache" and dynamic.attn_implementation == "sdpa"
     assert ("never went past the cache's window" in report.markdown()) is not beyond
     assert "@hf_kvcache" in reproduce_command(report, "out")
+
+
+def test_the_report_carries_quality_by_position():
+    """Δ ppl and KL per position bucket, in the JSON and in a table of their own: where a cache loses shows."""
+    import torch
+
+    from hf_kvcache.eval.fidelity import TokenMetrics
+    from hf_kvcache.eval.report import EvalReport, summarize
+
+    def metrics(nll_late: float, kl_late: float) -> TokenMetrics:
+        nll = torch.full((2, 8), 1.0)
+        nll[:, 4:] += nll_late
+        kl = torch.zeros(2, 8)
+        kl[:, 4:] = kl_late
+        return TokenMetrics(nll, kl, torch.ones(2, 8, dtype=torch.bool), 10.0, 80.0, 1.0)
+
+    results = summarize(
+        [CacheSpec("dynamic", "dynamic"), CacheSpec("late", "paged_pool")],
+        {"dynamic": metrics(0.0, 0.0), "late": metrics(0.1, 2e-3)},
+        num_buckets=2,
+    )
+    late = results[1]
+    assert late.bucket_edges == [0, 4, 8]
+    assert late.perplexity_change_by_bucket == pytest.approx([0.0, torch.tensor(0.1).exp().item() - 1])
+    assert late.kl_by_bucket == pytest.approx([0.0, 2e-3])
+    report = EvalReport(config={"prefill_tokens": 2}, data={}, environment={}, seconds=1.0, caches=results)
+    table = report.markdown().split("Quality by position")[1]
+    assert "| cache | 0–4 | 4–8 |" in table
+    assert "| late | +0.00% / 0.0e+00 | +10.52% / 2.0e-03 |" in table
+    assert EvalReport(**{**report.to_dict(), "caches": results}).caches[1].kl_by_bucket == late.kl_by_bucket

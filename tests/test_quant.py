@@ -119,7 +119,8 @@ def test_stored_values_are_within_half_a_scale(case):
     # the minimum gets code 0 and the maximum max_code, as in the float32 math.
     s = s.squeeze(-1)
     wanted = torch.maximum((high - low) / fmt.max_code, low.abs() * 16 * (1 + 2**-7) / 2047)
-    assert (s <= wanted * (1 + 2**-8 + 2**-11) + 2**-22).all()
+    # Below float16's normal range the 7-bit rounding is to 2**-21, after the cast has rounded (by up to 2**-25).
+    assert (s <= wanted * (1 + 2**-8 + 2**-11) + 2**-22 + 2**-25).all()
     tight = (s >= 2**-14) & (low.abs() * 16 * (1 + 2**-7) / 2047 <= (high - low) / fmt.max_code)
     assert (q.amin(dim=-1)[tight] == 0).all() and (q.amax(dim=-1)[tight] == fmt.max_code).all()
 

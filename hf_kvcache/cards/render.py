@@ -11,7 +11,7 @@ from transformers import GenerationConfig
 from hf_kvcache import __version__
 from hf_kvcache.bundled import BUNDLED_MODEL
 from hf_kvcache.cards.settings import CardSetting
-from hf_kvcache.eval import CacheResult, EvalReport
+from hf_kvcache.eval import CacheResult, EvalReport, change_by_bucket
 from hf_kvcache.integration import SUPPORTED_TRANSFORMERS
 
 CUSTOM_GENERATE_DIR = "custom_generate"
@@ -76,6 +76,26 @@ def quality_table(result: CacheResult, baseline: CacheResult) -> str:
             held = (row.kv_bytes_per_token, baseline.kv_bytes_per_token)
         cells += [f"{row.kv_bytes_per_token:,.0f}", f"{100 * (held[0] / held[1] - 1):+.2f}%"]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def length_section(report: EvalReport, result: CacheResult, baseline: CacheResult) -> str:
+    """How long the measured documents were, and how the card's cache's change moves along them (by position)."""
+    config, edges = report.config, result.bucket_edges
+    changes = change_by_bucket(result, baseline)
+    lines = [
+        f"Measured on {report.data.get('num_windows', config.get('num_documents'))} documents of "
+        f"{config['document_tokens']:,} tokens each, the first {config['prefill_tokens']:,} fed as the prompt; "
+        "a cache that loses more as the context grows shows it here, and other lengths may differ. "
+        f"Perplexity change {100 * changes[0]:+.2f}% over positions {edges[0]}–{edges[1]}, "
+        f"{100 * changes[-1]:+.2f}% over {edges[-2]}–{edges[-1]}.",
+        "",
+        "| positions | " + " | ".join(f"{a}–{b}" for a, b in zip(edges, edges[1:])) + " |",
+        "|" + "---|" * len(edges),
+        "| perplexity vs baseline | " + " | ".join(f"{100 * change:+.2f}%" for change in changes) + " |",
+    ]
+    if result.kl_by_bucket:
+        lines.append("| KL vs baseline (nats) | " + " | ".join(f"{kl:.1e}" for kl in result.kl_by_bucket) + " |")
     return "\n".join(lines)
 
 
@@ -181,6 +201,7 @@ def _readme(
         tokens_sha256=data["tokens_sha256"],
         weights=weights,
         quality_table=quality_table(result, baseline),
+        length_section=length_section(report, result, baseline),
         retrieval=retrieval,
         install=install,
         seconds=report.seconds,

@@ -25,7 +25,7 @@ from hf_kvcache.eval.caches import CacheSpec, installed_quantized_backends, pars
 from hf_kvcache.eval.command import format_spec, reproduce_command
 from hf_kvcache.eval.data import load_essays
 from hf_kvcache.eval.fidelity import kv_bytes
-from hf_kvcache.eval.report import CacheResult, EvalReport, environment
+from hf_kvcache.eval.report import CacheResult, EvalReport, change_by_bucket, environment
 from hf_kvcache.eval.runner import EvalConfig, run_evaluation
 
 FIDELITY_METRIC_PATH = str(Path(__file__).parent / "metrics" / "kv_cache_fidelity")
@@ -37,6 +37,7 @@ __all__ = [
     "CacheSpec",
     "EvalConfig",
     "EvalReport",
+    "change_by_bucket",
     "environment",
     "format_spec",
     "installed_quantized_backends",

@@ -24,7 +24,9 @@ class CacheResult:
     """Quality and memory of one cache against the baseline on the same model, data and tokens.
 
     ``perplexity_change`` is absolute, ``perplexity_change_relative`` a fraction of the baseline's;
-    ``perplexity_by_bucket[i]`` covers predicted positions ``[bucket_edges[i], bucket_edges[i + 1])``.
+    ``perplexity_by_bucket[i]`` covers predicted positions ``[bucket_edges[i], bucket_edges[i + 1])``, as do
+    ``perplexity_change_by_bucket[i]`` (a fraction of the baseline's perplexity there) and ``kl_by_bucket[i]``
+    (empty in reports from before they were recorded).
     ``kv_bytes_per_token`` is per token *held* (a ring holds its window, not every token it saw) and
     ``kv_bytes_held`` per row, both at the end. ``attn_implementation`` is the attention the cache ran under.
     ``generation_agreement`` counts greedy tokens after a prompt of ``generation_prompt_tokens``;
@@ -51,6 +53,8 @@ class CacheResult:
     kv_bytes_held: float | None = None
     generation_prompt_tokens: int | None = None
     generation_beyond_window: bool | None = None
+    perplexity_change_by_bucket: list[float] = field(default_factory=list)
+    kl_by_bucket: list[float] = field(default_factory=list)
 
 
 def summarize(
@@ -63,12 +67,15 @@ def summarize(
     """
     baseline = next(iter(metrics))  # compare_in_decode_mode puts the baseline first
     base_ppl = math.exp(metrics[baseline].nll.mean().item())
+    num_positions = metrics[baseline].nll.shape[1]
+    edges = [round(i * num_positions / num_buckets) for i in range(num_buckets + 1)]
+    spans = list(zip(edges, edges[1:]))
+    base_by_bucket = [math.exp(metrics[baseline].nll[:, a:b].mean().item()) for a, b in spans]
     kinds = {spec.label: spec for spec in specs}
     results = []
     for label, metric in metrics.items():
-        num_positions = metric.nll.shape[1]
-        edges = [round(i * num_positions / num_buckets) for i in range(num_buckets + 1)]
         ppl = math.exp(metric.nll.mean().item())
+        by_bucket = [math.exp(metric.nll[:, a:b].mean().item()) for a, b in spans]
         spec = kinds.get(label, CacheSpec(label, "dynamic"))
         results.append(
             CacheResult(
@@ -80,8 +87,10 @@ def summarize(
                 perplexity_change_relative=ppl / base_ppl - 1,
                 kl_mean=metric.kl.mean().item(),
                 top1_agreement=metric.top1_agree.float().mean().item(),
-                perplexity_by_bucket=[math.exp(metric.nll[:, a:b].mean().item()) for a, b in zip(edges, edges[1:])],
+                perplexity_by_bucket=by_bucket,
                 bucket_edges=edges,
+                perplexity_change_by_bucket=[ppl / base - 1 for ppl, base in zip(by_bucket, base_by_bucket)],
+                kl_by_bucket=[metric.kl[:, a:b].mean().item() for a, b in spans],
                 kv_bytes_per_token=metric.kv_bytes_per_token,
                 eval_tokens_per_s=metric.nll.numel() / metric.seconds if metric.seconds else float("nan"),
                 pool_stats=metric.pool_stats,
@@ -90,6 +99,14 @@ def summarize(
             )
         )
     return results
+
+
+def change_by_bucket(result: CacheResult, baseline: CacheResult) -> list[float]:
+    """``result.perplexity_change_by_bucket``, or for a report from before it was recorded, the same from the
+    perplexities by bucket."""
+    if result.perplexity_change_by_bucket:
+        return result.perplexity_change_by_bucket
+    return [ppl / base - 1 for ppl, base in zip(result.perplexity_by_bucket, baseline.perplexity_by_bucket)]
 
 
 @dataclass
@@ -162,6 +179,24 @@ class EvalReport:
                 f"\n\\* {', '.join(within)}: the greedy tokens never went past the cache's window (prompt and new "
                 "tokens fit in it), so this agreement does not measure what the window drops."
             )
+        return "\n".join(lines) + "\n\n" + self.by_position_markdown()
+
+    def by_position_markdown(self) -> str:
+        """Quality by position: Δ ppl % and mean KL of each cache over each bucket of predicted positions."""
+        baseline, edges = self.caches[0], self.caches[0].bucket_edges
+        prefill = self.config.get("prefill_tokens")
+        lines = [
+            "Quality by position: Δ ppl % / mean KL (nats) over predicted positions [a, b) of each document"
+            + (f" (the first {prefill} are the prompt, read in one forward pass)." if prefill else "."),
+            "",
+            "| cache | " + " | ".join(f"{a}–{b}" for a, b in zip(edges, edges[1:])) + " |",
+            "|" + "---|" * len(edges),
+        ]
+        for r in self.caches:
+            changes = change_by_bucket(r, baseline)
+            kl = r.kl_by_bucket or [math.nan] * len(changes)  # a report from before it was recorded: "nan"
+            cells = [f"{100 * change:+.2f}% / {value:.1e}" for change, value in zip(changes, kl)]
+            lines.append("| " + " | ".join([r.label, *cells]) + " |")
         return "\n".join(lines)
 
     def plot(self, directory: Path) -> dict[str, Path]:

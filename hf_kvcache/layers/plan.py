@@ -28,6 +28,12 @@ class StepPlan:
         num_keys: keys attention gets per row: the model's mask is built for this many (a constant of the graph);
             it hides the keys past the rows' tokens.
         kv_offset: the token of the first key (the model's mask: ``get_mask_sizes``; it is built outside the graph).
+        rows: ``[batch, 1, 1]`` the rows (quantized values: to read each row's residual window).
+        residual_write: ``[1]`` quantized values with a residual window: where the new token's full-precision
+            values go in it (the token modulo the window).
+        residual_index / residual_held: ``[batch or 1, 1, num_keys]`` the window's index of each key's token, and
+            ``[batch or 1, 1, num_keys, 1]`` whether attention takes its values from the window (its newest tokens)
+            rather than from their codes.
     """
 
     pages: torch.Tensor
@@ -38,6 +44,15 @@ class StepPlan:
     layers: tuple[torch.Tensor, ...]
     num_keys: int
     kv_offset: int = 0
+    rows: torch.Tensor | None = None
+    residual_write: torch.Tensor | None = None
+    residual_index: torch.Tensor | None = None
+    residual_held: torch.Tensor | None = None
+
+    @property
+    def residual(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """``(residual_write, residual_index, residual_held)``."""
+        return self.residual_write, self.residual_index, self.residual_held
 
 
 def capacity_bucket(num_pages: int) -> int:

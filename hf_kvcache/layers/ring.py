@@ -247,7 +247,7 @@ class RingRows(PagedRows):
 
     def _planned_reads(
         self, start: int, batch: int, capacity_pages: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int]:
         """A planned step's visible tokens, each row's in time order as ``update`` gathers them (``visible_span``),
         read slot by slot: ``sink_tokens + window`` keys whatever the step, so that one graph serves the ring as it
         fills and wraps. Before the window has left the sinks behind, keys past the step's token read the null page
@@ -268,7 +268,7 @@ class RingRows(PagedRows):
         pages = self._page_ids().gather(1, torch.where(held, slots // page_size, 0))
         pages = pages.masked_fill(~held, NULL_PAGE).unsqueeze(1)  # [batch, 1, num_keys]
         offsets = torch.where(held, slots % page_size, 0).unsqueeze(1)  # [batch, 1, num_keys]
-        return pages, offsets, num_keys, first - sinks
+        return pages, offsets, tokens, first - sinks
 
     def _planned_write(self, start: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[batch, 1, 1]`` the page and the slot in it of the ring slot a planned step's token at ``start`` takes."""

@@ -193,8 +193,9 @@ class PagedRows:
 
     @property
     def plannable(self) -> bool:
-        """Whether a decode step can be planned: full-precision pages on a storage that never moves."""
-        return self.store.quant is None and self.store.keys is None and self.pool.storage_is_fixed
+        """Whether a decode step can be planned: keys in full precision (values may be codes), no exact sink, on a
+        storage that never moves."""
+        return self.store.keys is None and self.store.sink is None and self.pool.storage_is_fixed
 
     def plan_decode(self, start: int, batch: int, capacity_pages: int) -> StepPlan:
         """Before a decode step of one new token per row at ``start``: grows the table (page allocation,
@@ -216,8 +217,9 @@ class PagedRows:
             raise RuntimeError(f"A decode step writes from token {start}; the cache holds {self.num_tokens}.")
         self.written = start  # the steps before have run: every layer holds their tokens
         self._grow(batch, start, 1, None)
-        pages, offsets, num_keys, kv_offset = self._planned_reads(start, batch, capacity_pages)
+        pages, offsets, tokens, kv_offset = self._planned_reads(start, batch, capacity_pages)
         write_pages, write_offsets = self._planned_write(start, batch)
+        residual = self._plan_values(start, tokens) if self.store.quant is not None else (None, None, None)
         plan = self.step_plan
         fresh = plan is None or plan.pages.shape != pages.shape or (plan.offsets is None) != (offsets is None)
         if fresh:
@@ -230,32 +232,52 @@ class PagedRows:
                 _fresh_copy(write_offsets),
                 torch.arange(fmt.num_kv_heads, device=device).view(1, -1, 1),
                 tuple(torch.full((1, 1, 1), layer, device=device) for layer in range(fmt.num_layers)),
-                num_keys,
+                tokens.shape[-1],
                 kv_offset,
+                torch.arange(batch, device=device).view(-1, 1, 1),
+                *(_fresh_copy(tensor) for tensor in residual),
             )
-            static = (plan.pages, plan.write_pages, plan.write_offsets, *self.pool.storage.tensors)
-            for tensor in static + ((plan.offsets,) if plan.offsets is not None else ()):
-                torch._dynamo.mark_static_address(tensor)  # CUDA graphs read them where they lie
+            kept = (plan.pages, plan.offsets, plan.write_pages, plan.write_offsets, *plan.residual)
+            window = self.store.residual.buffers.values() if self.store.residual is not None else ()
+            for tensor in (*kept, *self.pool.storage.tensors, *window):
+                if tensor is not None:
+                    torch._dynamo.mark_static_address(tensor)  # CUDA graphs read them where they lie
         else:
-            for kept, planned in ((plan.pages, pages), (plan.offsets, offsets), (plan.write_pages, write_pages)):
-                if kept is not None:
-                    kept.copy_(planned)
-            plan.write_offsets.copy_(write_offsets)
-            plan.num_keys, plan.kv_offset = num_keys, kv_offset
+            planned = (pages, offsets, write_pages, write_offsets, *residual)
+            kept = (plan.pages, plan.offsets, plan.write_pages, plan.write_offsets, *plan.residual)
+            for into, tensor in zip(kept, planned):
+                if into is not None:
+                    into.copy_(tensor)
+            plan.num_keys, plan.kv_offset = tokens.shape[-1], kv_offset
         return plan
+
+    def _plan_values(self, start: int, tokens: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """Quantized values: codes every value the eager steps left uncoded (a page's tokens still filling: eager
+        codes them when the page fills, a planned step codes its own token), then plans the residual window
+        (``SlotStore.plan_residual``)."""
+        store = self.store
+        if store.by_page and store.coded < start:
+            with self.pool.lock:
+                storage = self.pool.storage
+                rows = self._slot_index(store.coded, start - store.coded, storage)
+                for layer_in_group in range(self.pool.format.num_layers):
+                    store.code_window(layer_in_group, storage, rows, store.coded, start)
+        store.coded = start + 1  # the step codes its token
+        return store.plan_residual(start, tokens)
 
     def _planned_reads(
         self, start: int, batch: int, capacity_pages: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
-        """What a planned step at ``start`` reads: ``(pages [batch, 1, reads], offsets or None, num_keys,
-        kv_offset)`` (``StepPlan``). Rows that keep every token read their pages, then the null page up to
-        ``capacity_pages``."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int]:
+        """What a planned step at ``start`` reads: ``(pages [batch, 1, reads], offsets or None, tokens, kv_offset)``
+        (``StepPlan``), ``tokens [batch or 1, num_keys]`` the token of each key attention gets (``-1``: none). Rows
+        that keep every token read their pages, then the null page up to ``capacity_pages``."""
         ids = self._page_ids()  # [batch, pages]
         if ids.shape[1] > capacity_pages:
             raise ValueError(f"Rows of {ids.shape[1]} pages do not fit a step planned for {capacity_pages}.")
         padded = torch.full((batch, 1, capacity_pages), NULL_PAGE, dtype=torch.long, device=ids.device)
         padded[:, 0, : ids.shape[1]] = ids  # [batch, 1, capacity_pages]
-        return padded, None, capacity_pages * self.pool.format.page_size, 0
+        tokens = torch.arange(capacity_pages * self.pool.format.page_size, device=ids.device).unsqueeze(0)
+        return padded, None, tokens, 0
 
     def _planned_write(self, start: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[batch, 1, 1]`` the page and the slot in it where a planned step's new token at ``start`` goes."""
@@ -271,15 +293,21 @@ class PagedRows:
 
     def write_planned(self, layer_in_group: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Stores a planned step's ``[batch, heads, 1, head_dim]`` states at its slots: tensor operations only."""
-        storage = self.pool.storage
-        write_planned(storage.keys, self.step_plan, layer_in_group, key_states)
-        write_planned(storage.values, self.step_plan, layer_in_group, value_states)
+        storage, plan = self.pool.storage, self.step_plan
+        write_planned(storage.keys, plan, layer_in_group, key_states)
+        if self.store.quant is None:
+            write_planned(storage.values, plan, layer_in_group, value_states)
+        else:
+            self.store.write_planned_values(layer_in_group, storage, plan, value_states)
 
     def read_planned(self, layer_in_group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A planned step's keys and values, ``[batch, heads, num_keys, head_dim]`` each (``StepPlan``): the rows'
         tokens in order, then the null page's slots (hidden by the model's mask, as ``StaticCache``'s empty slots)."""
         storage, plan = self.pool.storage, self.step_plan
-        return read_planned(storage.keys, plan, layer_in_group), read_planned(storage.values, plan, layer_in_group)
+        keys = read_planned(storage.keys, plan, layer_in_group)
+        if self.store.quant is None:
+            return keys, read_planned(storage.values, plan, layer_in_group)
+        return keys, self.store.read_planned_values(layer_in_group, storage, plan, keys.dtype)
 
     def key_shifts(self, batch: int) -> list[int]:
         """The token each row counts its pages from (``KeyPages``): paged rows store padding too, from 0."""

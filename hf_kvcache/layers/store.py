@@ -17,10 +17,11 @@ through ``SlotStore.keys``.
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from hf_kvcache.kernels import write_slots
+from hf_kvcache.kernels import read_planned, write_planned, write_slots
 from hf_kvcache.layers.keys import KeyPages
 from hf_kvcache.pool import KVPool, PoolStorage
 from hf_kvcache.quant import dequantize, dequantize_into, join_scales, quantize
@@ -225,6 +226,54 @@ class SlotStore:
         """Every layer has written tokens up to ``end``: by page, the codes of its full pages are in the pool."""
         if self.by_page:  # a step inside a page a crop left coded in part keeps that part
             self.coded = max(self.coded, end - end % self.pool.format.page_size)
+
+    def code_window(self, layer_in_group: int, storage: PoolStorage, rows: torch.Tensor, first: int, end: int) -> None:
+        """Stores the codes of tokens ``[first, end)``, all in the residual window, into their slots ``rows`` (under
+        the pool's lock)."""
+        self._write_codes(layer_in_group, storage, rows, self.residual.take(layer_in_group, first, end))
+
+    # ----- planned decode steps (compiled): tensor operations only ------------------------------
+
+    def plan_residual(self, start: int, tokens: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """The residual window of a planned step at ``start`` whose keys hold ``tokens [batch or 1, num_keys]``
+        (``-1``: none): ``(write [1], index [batch or 1, 1, num_keys], held [batch or 1, 1, num_keys, 1])``, see
+        ``StepPlan``; ``None`` each without a window."""
+        residual = self.residual
+        if residual is None:
+            return None, None, None
+        end = start + 1
+        oldest = max(residual.first, end - residual.length)
+        held = (tokens >= oldest) & (tokens < end)  # tokens >= 0 there
+        index = tokens.clamp(min=0) % residual.length
+        write = torch.full((1,), start % residual.length, device=tokens.device)
+        return write, index.unsqueeze(1), held.unsqueeze(1).unsqueeze(-1)
+
+    def write_planned_values(
+        self, layer_in_group: int, storage: PoolStorage, plan: "Any", value_states: torch.Tensor
+    ) -> None:
+        """A planned step's new values ``[batch, heads, 1, head_dim]``: their codes to their slots (token by token:
+        per-token scales make them the codes a page at a time would be), and the full-precision values to the
+        residual window."""
+        value_states = value_states.detach()
+        codes, scale, zero = quantize(value_states, self.quant)
+        write_planned(storage.values, plan, layer_in_group, codes)
+        write_planned(storage.value_scales, plan, layer_in_group, join_scales(scale, zero))
+        if plan.residual_write is not None:
+            self.residual.buffers[layer_in_group].index_copy_(2, plan.residual_write, value_states)
+
+    def read_planned_values(
+        self, layer_in_group: int, storage: PoolStorage, plan: "Any", dtype: torch.dtype
+    ) -> torch.Tensor:
+        """A planned step's values ``[batch, heads, num_keys, head_dim]``: its reads dequantized, the residual
+        window's tokens in full precision over them."""
+        codes = read_planned(storage.values, plan, layer_in_group)  # [batch, heads, num_keys, code_dim]
+        scales = read_planned(storage.value_scales, plan, layer_in_group)  # [batch, heads, num_keys, 2 * groups]
+        groups = self.quant.num_scale_groups
+        values = dequantize(codes, scales[..., :groups], scales[..., groups:], self.quant, dtype)
+        if plan.residual_index is None:
+            return values
+        window = self.residual.buffers[layer_in_group][plan.rows, plan.heads, plan.residual_index]
+        return torch.where(plan.residual_held, window, values)
 
     def _write_codes(
         self, layer_in_group: int, storage: PoolStorage, rows: torch.Tensor, value_states: torch.Tensor
