@@ -251,7 +251,8 @@ def test_card_states_the_length_it_was_measured_at_and_the_change_by_position(re
     assert "| positions | " + " | ".join(f"{a}–{b}" for a, b in zip(edges, edges[1:])) + " |" in section
     row = next(line for line in section.splitlines() if line.startswith("| perplexity vs baseline"))
     printed = [parse_number(cell.strip()) for cell in row.strip("|").split(" | ")[1:]]
-    expected = [100 * (ppl / base - 1) for ppl, base in zip(result["perplexity_by_bucket"], baseline["perplexity_by_bucket"])]
+    by_bucket = zip(result["perplexity_by_bucket"], baseline["perplexity_by_bucket"])
+    expected = [100 * (ppl / base - 1) for ppl, base in by_bucket]
     assert len(printed) == len(expected)
     for (value, tolerance), want in zip(printed, expected):
         assert value == pytest.approx(want, abs=tolerance)

@@ -54,8 +54,14 @@ def test_run_evaluation_writes_json_markdown_and_plots(tiny_model_dir, tmp_path)
         "attn_implementation": None,  # the model's, recorded in config["attn_implementation"]
     }
     assert saved["environment"]["torch"] and saved["data"]["tokens_sha256"]
-    table = paths["markdown"].read_text()
-    assert table.count("\n") == 2 + 3 and "| win16 | sdpa |" in table
+    table, by_position = paths["markdown"].read_text().split("\n\nQuality by position")
+    assert table.count("\n") == 2 + 2 and "| win16 | sdpa |" in table
+    assert [line.split(" | ")[0] for line in by_position.splitlines() if line.startswith("| ")] == [
+        "| cache",
+        "| dynamic",
+        "| paged_pool",
+        "| win16",
+    ]
     for key in ("plot_quality_vs_memory", "plot_perplexity_by_position"):
         assert paths[key].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -72,7 +72,9 @@ def test_cache_equals_its_encode_once_spec(model_name, key_bits, value_bits, res
     settings = {"key_bits": key_bits, "value_bits": value_bits, "group_size": 8, "residual_length": residual_length}
     expected = teacher_forced_logits(model, ids, EncodedKVSpec(model.config, **settings), chunks)
     actual = teacher_forced_logits(model, ids, QuantizedKVCache(model.config, **settings), chunks)
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    # The cache is compileable, so the model hands sdpa a materialized mask where the reference (not compileable)
+    # gets is_causal: another kernel path, logits up to 1.2e-5 apart.
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("model_name", MODELS)

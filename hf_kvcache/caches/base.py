@@ -597,9 +597,11 @@ class PoolCache(Cache):
             return False
         if binder.placement.group is not None or len({at for at in binder.layer_group_devices if at}) > 1:
             return False
-        page_format = self.options.page_format(binder.config, torch.float32)
-        if page_format.key_bits is not None or any(policy.exact_tokens for policy in binder.policies):
+        if any(policy.exact_tokens for policy in binder.policies):
             return False
+        page_format = self.options.page_format(binder.config, torch.float32)
+        if page_format.key_bits is not None and any(policy.window is not None for policy in binder.policies):
+            return False  # keys coded a page at a time in a ring
         # A compiled step (a CUDA graph above all) needs storage that never moves: CPU default pools, fixed pools.
         pools = list(binder.pools.values()) or ([binder.pool] if binder.pool is not None else [])
         if not pools:

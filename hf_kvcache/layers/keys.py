@@ -16,6 +16,7 @@ lose what their encoding lost); when it fills again it is encoded again. Nothing
 """
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -43,6 +44,7 @@ class KeyPages:
         self._buffer = buffer
         self.partial: dict[int, torch.Tensor] = {}  # layer_in_group -> [batch, heads, page_size, head_dim]
         self.written: dict[int, int] = {}  # layer_in_group -> tokens written (padding included)
+        self.encoded = 0  # paged rows: tokens whose pages are encoded (planned steps encode a page one step late)
 
     @property
     def partial_bytes(self) -> int:
@@ -107,7 +109,8 @@ class KeyPages:
         partial = take(self._page_tokens(end_page.unsqueeze(1))).squeeze(2)  # [batch, heads, page_size, head_dim]
         keep = torch.arange(page_size, device=device) < end_held.unsqueeze(1)  # [batch, page_size]
         self.partial[layer_in_group] = partial.masked_fill(~keep.view(batch, 1, page_size, 1), 0)
-        self.written[layer_in_group] = start + key_states.shape[2]
+        self.written[layer_in_group] = end = start + key_states.shape[2]
+        self.encoded = end - end % page_size
 
     def attended(self, layer_in_group: int, start: int, key_states: torch.Tensor, shifts: list[int]) -> torch.Tensor:
         """A step's new keys ``[batch, heads, n, head_dim]`` as attention reads them once stored (for a step that
@@ -246,6 +249,67 @@ class KeyPages:
             keys.scatter_(2, index, torch.where(keep, partial.transpose(0, 1).to(dtype), current))
         return keys.permute(1, 0, 2, 3)
 
+    # ----- planned decode steps (compiled; paged rows): tensor operations only --------------------
+
+    def plan_decode(
+        self, storage: PoolStorage, start: int, page_ids: torch.Tensor, num_keys: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Before a planned step at ``start``: encodes the page planned steps filled (one step late: the step that
+        filled it only wrote its last key to the page still filling), then plans where the page still filling lies
+        among the step's ``num_keys`` keys: ``(filling_index [num_keys], filling_held [1, 1, num_keys, 1],
+        filling_coded [1, 1, 1, 1])``, the last true where the step fills the page (``StepPlan``).
+
+        Args:
+            page_ids: ``[batch, num_pages]`` the rows' pages.
+        """
+        page_size, device = self.page_size, page_ids.device
+        full = start - start % page_size  # the page still filling starts here
+        if self.encoded < full:  # [full - page_size, full) filled: encode it from the page still filling
+            targets = page_ids[:, full // page_size - 1 : full // page_size]  # [batch, 1]
+            for layer_in_group, partial in self.partial.items():
+                self._store(layer_in_group, storage, partial.unsqueeze(2), targets)
+                partial.zero_()  # every slot is written again before it is read
+            self.encoded = full
+        for layer_in_group in self.partial:
+            self.written[layer_in_group] = start + 1
+        positions = torch.arange(num_keys, device=device)
+        held = (positions >= full) & (positions <= start)
+        fills = torch.full((1, 1, 1, 1), (start + 1) % page_size == 0, device=device)
+        return (positions - full).clamp(0, page_size - 1), held.view(1, 1, -1, 1), fills
+
+    def write_planned(self, layer_in_group: int, plan: "Any", key_states: torch.Tensor) -> None:
+        """A planned step's new keys ``[batch, heads, 1, head_dim]`` to their slot of the page still filling."""
+        partial = self.partial[layer_in_group]  # [batch, heads, page_size, head_dim]
+        partial.index_put_((plan.rows, plan.heads, plan.write_offsets), key_states.detach().to(partial.dtype))
+
+    def read_planned(self, layer_in_group: int, storage: PoolStorage, plan: "Any", dtype: torch.dtype) -> torch.Tensor:
+        """A planned step's keys ``[batch, heads, num_keys, head_dim]``: its pages decoded, the page still filling
+        over its slots."""
+        fmt, quant = self.format, self.quant
+        index = (plan.layers[layer_in_group], plan.heads, plan.pages)
+        codes = storage.keys[index]  # [batch, heads, capacity, page_size, last]
+        batch, heads, capacity, page_size, _ = codes.shape
+        if fmt.keys_per_channel:  # a page's codes row-major [page_size // 2, head_dim]: .mT, each channel's own
+            codes = codes.view(batch, heads, capacity, page_size // 2, fmt.head_dim).mT  # [..., head_dim, ps // 2]
+            scale, zero = storage.key_scales[index].unsqueeze(-1), storage.key_zeros[index].unsqueeze(-1)
+            decoded = dequantize(codes, scale, zero, quant, dtype).mT  # as dequantize_channels_into, bitwise
+        else:
+            scales, groups = storage.key_scales[index], quant.num_scale_groups
+            decoded = dequantize(codes, scales[..., :groups], scales[..., groups:], quant, dtype)
+        keys = decoded.reshape(batch, heads, capacity * page_size, fmt.head_dim)
+        partial = self.partial[layer_in_group].to(dtype)  # [batch, heads, page_size, head_dim]
+        # The step that fills the page reads it encoded, as eager does (which encodes it in that step).
+        coded = self._encoded(partial)
+        partial = torch.where(plan.filling_coded, coded, partial)
+        return torch.where(plan.filling_held, partial.index_select(2, plan.filling_index), keys)
+
+    def _encoded(self, pages: torch.Tensor) -> torch.Tensor:
+        """Full pages ``[..., page_size, head_dim]`` through their encoding (the reference ``dequantize``)."""
+        if self.format.keys_per_channel:
+            channels = pages.mT
+            return dequantize(*quantize(channels, self.quant), self.quant, pages.dtype).mT
+        return dequantize(*quantize(pages, self.quant), self.quant, pages.dtype)
+
     # ----- row changes --------------------------------------------------------------------------
 
     def select_rows(self, indices: list[int]) -> None:
@@ -274,6 +338,7 @@ class KeyPages:
                 decoded = self.decode(layer_in_group, storage, pages, partial.dtype).transpose(0, 1)
                 self.partial[layer_in_group] = torch.where(moved, decoded, partial)
             self.written[layer_in_group] = min(self.written.get(layer_in_group, 0), num_tokens)
+        self.encoded = min(self.encoded, num_tokens - num_tokens % self.page_size)
 
     def attach(self) -> None:
         """Rows start from a reused prefix: whole pages, already encoded (none is still filling)."""
@@ -282,3 +347,4 @@ class KeyPages:
     def release(self) -> None:
         self.partial.clear()
         self.written.clear()
+        self.encoded = 0

@@ -51,7 +51,7 @@ class PagedLayer(CacheLayerMixin):
         if self.planned:  # planned (PoolCache.plan_decode), once: the step's count is already in
             self.planned = False
             self.rows.write_planned(self.layer_in_group, key_states, value_states)
-            return self.rows.read_planned(self.layer_in_group)
+            return self.rows.read_planned(self.layer_in_group, key_states.dtype)
         self.rows.write(self.layer_in_group, self.num_tokens, key_states, value_states)
         self.num_tokens += key_states.shape[-2]
         return self.rows.attend(self.layer_in_group, self.num_tokens, key_states.shape[-2])

@@ -34,6 +34,9 @@ class StepPlan:
         residual_index / residual_held: ``[batch or 1, 1, num_keys]`` the window's index of each key's token, and
             ``[batch or 1, 1, num_keys, 1]`` whether attention takes its values from the window (its newest tokens)
             rather than from their codes.
+        filling_index / filling_held / filling_coded: keys coded a page at a time: ``[num_keys]`` each key's slot in
+            the page still filling, ``[1, 1, num_keys, 1]`` whether attention takes it from there rather than from
+            the codes, and ``[1, 1, 1, 1]`` whether the step fills the page (then it is read through its encoding).
     """
 
     pages: torch.Tensor
@@ -48,11 +51,19 @@ class StepPlan:
     residual_write: torch.Tensor | None = None
     residual_index: torch.Tensor | None = None
     residual_held: torch.Tensor | None = None
+    filling_index: torch.Tensor | None = None
+    filling_held: torch.Tensor | None = None
+    filling_coded: torch.Tensor | None = None
 
     @property
     def residual(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """``(residual_write, residual_index, residual_held)``."""
         return self.residual_write, self.residual_index, self.residual_held
+
+    @property
+    def filling(self) -> tuple[torch.Tensor | None, ...]:
+        """``(filling_index, filling_held, filling_coded)``."""
+        return self.filling_index, self.filling_held, self.filling_coded
 
 
 def capacity_bucket(num_pages: int) -> int:

@@ -193,9 +193,10 @@ class PagedRows:
 
     @property
     def plannable(self) -> bool:
-        """Whether a decode step can be planned: keys in full precision (values may be codes), no exact sink, on a
-        storage that never moves."""
-        return self.store.keys is None and self.store.sink is None and self.pool.storage_is_fixed
+        """Whether a decode step can be planned: no exact sink, keys coded a page at a time only in rows that keep
+        every page (a ring's wrap into a page still filling is not planned), on a storage that never moves."""
+        keys_plannable = self.store.keys is None or self.ring_pages is None
+        return keys_plannable and self.store.sink is None and self.pool.storage_is_fixed
 
     def plan_decode(self, start: int, batch: int, capacity_pages: int) -> StepPlan:
         """Before a decode step of one new token per row at ``start``: grows the table (page allocation,
@@ -220,6 +221,10 @@ class PagedRows:
         pages, offsets, tokens, kv_offset = self._planned_reads(start, batch, capacity_pages)
         write_pages, write_offsets = self._planned_write(start, batch)
         residual = self._plan_values(start, tokens) if self.store.quant is not None else (None, None, None)
+        filling = (None, None, None)
+        if self.store.keys is not None:
+            with self.pool.lock:
+                filling = self.store.keys.plan_decode(self.pool.storage, start, self._page_ids(), tokens.shape[-1])
         plan = self.step_plan
         fresh = plan is None or plan.pages.shape != pages.shape or (plan.offsets is None) != (offsets is None)
         if fresh:
@@ -236,15 +241,16 @@ class PagedRows:
                 kv_offset,
                 torch.arange(batch, device=device).view(-1, 1, 1),
                 *(_fresh_copy(tensor) for tensor in residual),
+                *(_fresh_copy(tensor) for tensor in filling),
             )
-            kept = (plan.pages, plan.offsets, plan.write_pages, plan.write_offsets, *plan.residual)
+            kept = (plan.pages, plan.offsets, plan.write_pages, plan.write_offsets, *plan.residual, *plan.filling)
             window = self.store.residual.buffers.values() if self.store.residual is not None else ()
             for tensor in (*kept, *self.pool.storage.tensors, *window):
                 if tensor is not None:
                     torch._dynamo.mark_static_address(tensor)  # CUDA graphs read them where they lie
         else:
-            planned = (pages, offsets, write_pages, write_offsets, *residual)
-            kept = (plan.pages, plan.offsets, plan.write_pages, plan.write_offsets, *plan.residual)
+            planned = (pages, offsets, write_pages, write_offsets, *residual, *filling)
+            kept = (plan.pages, plan.offsets, plan.write_pages, plan.write_offsets, *plan.residual, *plan.filling)
             for into, tensor in zip(kept, planned):
                 if into is not None:
                     into.copy_(tensor)
@@ -294,17 +300,23 @@ class PagedRows:
     def write_planned(self, layer_in_group: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Stores a planned step's ``[batch, heads, 1, head_dim]`` states at its slots: tensor operations only."""
         storage, plan = self.pool.storage, self.step_plan
-        write_planned(storage.keys, plan, layer_in_group, key_states)
+        if self.store.keys is None:
+            write_planned(storage.keys, plan, layer_in_group, key_states)
+        else:
+            self.store.keys.write_planned(layer_in_group, plan, key_states)
         if self.store.quant is None:
             write_planned(storage.values, plan, layer_in_group, value_states)
         else:
             self.store.write_planned_values(layer_in_group, storage, plan, value_states)
 
-    def read_planned(self, layer_in_group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_planned(self, layer_in_group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """A planned step's keys and values, ``[batch, heads, num_keys, head_dim]`` each (``StepPlan``): the rows'
         tokens in order, then the null page's slots (hidden by the model's mask, as ``StaticCache``'s empty slots)."""
         storage, plan = self.pool.storage, self.step_plan
-        keys = read_planned(storage.keys, plan, layer_in_group)
+        if self.store.keys is None:
+            keys = read_planned(storage.keys, plan, layer_in_group)
+        else:
+            keys = self.store.keys.read_planned(layer_in_group, storage, plan, dtype)
         if self.store.quant is None:
             return keys, read_planned(storage.values, plan, layer_in_group)
         return keys, self.store.read_planned_values(layer_in_group, storage, plan, keys.dtype)
