@@ -264,3 +264,23 @@ def test_prefix_benchmark_reuses_and_matches(tiny_llama_model: PreTrainedModel) 
 def test_prefix_config_rejects_bad_settings(settings: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         PrefixBenchConfig(**settings)
+
+
+def test_compiled_suite_compiles_our_caches_as_generate_does():
+    """The compiled suite on a tiny model: the rows compiled by generate say so, recompile nothing while timed, and
+    the lossless ones give StaticCache's tokens."""
+    import torch._dynamo
+
+    from hf_kvcache.bench.compiled import CompiledBenchConfig, markdown_table, run_compiled_benchmark
+
+    torch._dynamo.reset()
+    rows = ("static:compiled", "dynamic", "paged_pool:compiled", "sliding_ring:compiled", "quantized_values:compiled")
+    config = CompiledBenchConfig(cells=((40, 2),), rows=rows, steps=3, warmup_steps=1, rounds=1)
+    stream = torch.randint(128, (80,), generator=torch.Generator().manual_seed(0))
+    results = {r.row: r for r in run_compiled_benchmark(tiny_llama(), stream, config)}
+    torch._dynamo.reset()
+    assert all(results[row].compiled for row in rows if row.endswith(":compiled"))
+    assert not results["dynamic"].compiled
+    assert all(r.recompiles == 0 for r in results.values())
+    assert results["paged_pool:compiled"].tokens_match and results["sliding_ring:compiled"].tokens_match  # window 1,024
+    assert "| 40 x 2 | paged_pool:compiled | True |" in markdown_table(list(results.values()))

@@ -8,12 +8,13 @@ on CUDA ``"reduce-overhead"``: CUDA graphs), and ``generate`` decides, by its ow
 
 For each (length, batch) the prompt rows (consecutive slices of the essays' token stream) are prefilled once with a
 ``DynamicCache`` and loaded into each run's fresh cache through ``cache.update`` (a copy, not a forward pass); our
-caches draw from the default pool, as ``generate(cache_implementation=...)`` would. ``generate`` then gets the
-prompt plus its next token, so that its own prefill feeds that one token, and runs ``warmup_steps + steps``
-decode steps; a logits processor stamps the time of each step and the timed steps' median gives tokens/s. Each
-compiled row first runs once untimed (its compile, reported as ``first_call_s``); then every row runs ``rounds``
-times, interleaved. Reported per row: tokens/s, the ratio to ``static:compiled``'s in the same run, graphs
-compiled during the timed rounds (recompiles: 0 is the target), KV bytes held at the end against
+caches draw from the default pool, as ``generate(cache_implementation=...)`` would (on CUDA, whose default pools
+move their pages when they grow, from a fixed pool of the run's tokens, as ``cache_config`` ``max_tokens`` gives).
+``generate`` then gets the prompt plus its next token, so that its own prefill feeds that one token, and runs
+``warmup_steps + steps`` decode steps; a logits processor stamps the time of each step and the timed steps' median
+gives tokens/s. Each compiled row first runs once untimed (its compile, reported as ``first_call_s``); then every
+row runs ``rounds`` times, interleaved. Reported per row: tokens/s, the ratio to ``static:compiled``'s in the same
+run, graphs compiled during the timed rounds (recompiles: 0 is the target), KV bytes held at the end against
 ``StaticCache``'s, and whether its greedy tokens equal the baseline's.
 """
 
@@ -49,6 +50,7 @@ ROWS = (
     "sliding_ring",
     "quantized_values:compiled",
     "quantized_values",
+    "quantized_kv:compiled",
     "quantized_kv",
 )
 """Rows of the suite. A ``:compiled`` row of a cache that is not compileable runs eager (``generate``'s rule)."""
@@ -122,19 +124,22 @@ def _graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
-def _build(model: PreTrainedModel, name: str, capacity: int) -> Any:
+def _build(model: PreTrainedModel, name: str, capacity: int, batch: int) -> Any:
     if name == "static":
         return StaticCache(config=model.config, max_cache_len=capacity)
     if name == "dynamic":
         return DynamicCache(config=model.config)
-    return build_cache(name, model, ROW_CONFIGS.get(name))
+    config = dict(ROW_CONFIGS.get(name, {}))
+    if model.device.type == "cuda":  # CUDA's default pools move when they grow: compiling needs a fixed pool
+        config["max_tokens"] = batch * capacity
+    return build_cache(name, model, config)
 
 
 def _run(model, prefill, rows: torch.Tensor, row: str, batch: int, config: CompiledBenchConfig):
     """One run: a fresh cache loaded with the prefilled rows, then ``generate``'s decode steps."""
     name, compiled = row.split(":")[0], row.endswith(":compiled")
     length = rows.shape[1]
-    cache = _build(model, name, length + config.warmup_steps + config.steps + 2)
+    cache = _build(model, name, length + config.warmup_steps + config.steps + 2, batch)
     for layer_idx, (keys, values) in enumerate(zip(prefill.keys, prefill.values)):
         cache.update(keys[:batch], values[:batch], layer_idx)
     ids = torch.cat([rows[:batch], prefill.next_tokens[:batch, None]], dim=1)  # [batch, length + 1]
