@@ -47,6 +47,15 @@ def generate(model, ids, name=None, compile_config=None, **kwargs):
     return model.generate(ids, do_sample=False, compile_config=compile_config, **kwargs)
 
 
+def prompt(batch: str) -> tuple[torch.Tensor, dict]:
+    """Two rows of 21 random tokens (``"batch"``), or three left-padded rows of 21, 13 and 17 with their attention
+    mask (``"padded"``), and the ``generate`` keywords that go with them."""
+    if batch == "padded":
+        ids, mask = random_padded_batch([21, 13, 17], 128, torch.Generator().manual_seed(1))
+        return ids, {"attention_mask": mask}
+    return random_ids(2, 21), {}
+
+
 def test_only_caches_whose_steps_can_be_planned_are_compileable():
     llama, mistral = tiny_llama(), tiny_mistral()
     cache = PagedCache(llama.config)
@@ -70,12 +79,8 @@ def test_only_caches_whose_steps_can_be_planned_are_compileable():
 )
 def test_compiled_paged_pool_generates_the_tokens_of_eager_and_dynamic_cache(compile_config, case):
     model = tiny_llama()
-    kwargs = {"max_new_tokens": 24}
-    if case == "padded":
-        ids, mask = random_padded_batch([21, 13, 17], 128, torch.Generator().manual_seed(1))
-        kwargs["attention_mask"] = mask
-    else:
-        ids = random_ids(2, 21)
+    ids, kwargs = prompt("padded" if case == "padded" else "batch")
+    kwargs["max_new_tokens"] = 24
     if case == "beams":
         kwargs["num_beams"] = 2
     reference = generate(model, ids, **kwargs)
@@ -165,11 +170,8 @@ def test_compiled_quantized_kv_generates_the_tokens_of_eager_in_one_graph(compil
     kwargs = {"max_new_tokens": 40, "cache_config": cache_config}
     compile_config = CompileConfig(mode="default", fullgraph=True, backend=backend)
     compile_config._compile_all_devices = True
-    if batch == "padded":
-        ids, mask = random_padded_batch([21, 13, 17], 128, torch.Generator().manual_seed(1))
-        kwargs["attention_mask"] = mask
-    else:
-        ids = random_ids(2, 21)
+    ids, padding = prompt(batch)
+    kwargs |= padding
     eager = generate(model, ids, "quantized_kv", **kwargs)
     assert torch.equal(generate(model, ids, "quantized_kv", compile_config, **kwargs), eager)
     assert graphs() == 1
@@ -183,11 +185,8 @@ def test_compiled_quantized_values_generate_the_tokens_of_eager_in_one_graph(com
     window of at most 16, one graph."""
     model = tiny_llama()
     kwargs = {"max_new_tokens": 40, "cache_config": QUANTIZED_VALUES[config]}
-    if batch == "padded":
-        ids, mask = random_padded_batch([21, 13, 17], 128, torch.Generator().manual_seed(1))
-        kwargs["attention_mask"] = mask
-    else:
-        ids = random_ids(2, 21)
+    ids, padding = prompt(batch)
+    kwargs |= padding
     eager = generate(model, ids, "quantized_values", **kwargs)
     assert torch.equal(generate(model, ids, "quantized_values", compile_config, **kwargs), eager)
     assert graphs() == 1
@@ -219,11 +218,8 @@ def test_compiled_rings_generate_the_tokens_of_eager_in_one_graph(compile_config
     build, name, config, keeps_all = RING_CASES[case]
     model = build()
     kwargs = {"max_new_tokens": 40, "cache_config": config}
-    if batch == "padded":
-        ids, mask = random_padded_batch([21, 13, 17], 128, torch.Generator().manual_seed(1))
-        kwargs["attention_mask"] = mask
-    else:
-        ids = random_ids(2, 21)
+    ids, padding = prompt(batch)
+    kwargs |= padding
     eager = generate(model, ids, name, **kwargs)
     if keeps_all:
         assert torch.equal(eager, generate(model, ids, max_new_tokens=40))

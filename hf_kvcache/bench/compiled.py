@@ -104,7 +104,7 @@ class CompiledResult:
     kv_bytes_held: int
     kv_bytes_vs_static: float
     tokens_match: bool
-    compiled: bool  # generate compiled it (its first call compiled a graph)
+    compiled: bool  # generate compiled its decode steps (with a graph of its own or one an earlier cell compiled)
 
 
 class _StepClock(LogitsProcessor):
@@ -165,9 +165,12 @@ def _run(model, prefill, rows: torch.Tensor, row: str, batch: int, config: Compi
     wall_s = time.perf_counter() - began
     steps = [after - before for before, after in zip(clock.stamps, clock.stamps[1:])][config.warmup_steps :]
     held = kv_bytes(cache)
+    # Whether generate compiled the steps (a graph compiled for an earlier cell may serve this one: 0 new graphs).
+    ran_compiled = compiled and (cache.compiled_decoding if isinstance(cache, PoolCache) else cache.is_compileable)
     if isinstance(cache, PoolCache):
         cache.release()
     return {
+        "compiled": ran_compiled,
         "step_s": steps,
         "tokens": out.sequences[:, length + 1 :].cpu(),
         "wall_s": wall_s,
@@ -222,7 +225,7 @@ def _summarize(
                 kv_bytes_held=rs[-1]["kv_bytes"],
                 kv_bytes_vs_static=rs[-1]["kv_bytes"] / baseline[-1]["kv_bytes"],
                 tokens_match=matches,
-                compiled=first_call.get(row, (0.0, 0))[1] > 0,
+                compiled=all(run["compiled"] for run in rs),
             )
         )
     return results

@@ -635,7 +635,7 @@ class PoolCache(Cache):
         page_size = rows_of[0].pool.format.page_size
         # A capacity bucket of what generate may reach: one graph for the whole generation.
         capacity = capacity_bucket(math.ceil(max(start + 1, binder.planned_tokens) / page_size))
-        if self._planned_capacity != capacity:
+        if self._planned_capacity != capacity and any(rows.ring_pages is None for rows in rows_of):  # rings: fixed
             flex.logger.info("Compiled decoding reads %d pages per row from here (a new graph).", capacity)
             self._planned_capacity = capacity
         for rows in rows_of:
