@@ -38,11 +38,16 @@ import torch
 import torch.nn.functional as F
 
 from hf_kvcache import flex
+from hf_kvcache.kernels import read_planned_view
 from hf_kvcache.layers.ring import layout_of
 from hf_kvcache.layers.rows import PagedRead, paged_read_of
 from hf_kvcache.transformers_internals import attn_implementation, sdpa_attention_forward
 
 ATTENTION_NAME = "hf_kvcache"
+PLANNED_READS = "hf_kvcache_planned_reads"
+"""The forward argument a planned decode step (``PoolCache.start_planned``) hands the step's ``StepPlan`` of each layer
+that returns the pool's storage for attention to read in place (``None`` for the others) on, through the model's
+``**kwargs`` (as continuous batching hands its paged cache to its attention)."""
 
 _CHECKED: "weakref.WeakKeyDictionary[flex.PagedBlockMask, tuple]" = weakref.WeakKeyDictionary()
 """Per step mask: the last (model mask, pads, tokens) checked and the verdict; every layer of a step shares them."""
@@ -81,6 +86,13 @@ def banded_sdpa_attention(
             ``None`` for plain causal attention.
         kwargs: passed on to ``sdpa_attention_forward`` (``scaling``, ``dropout``, ...).
     """
+    plans = kwargs.pop(PLANNED_READS, None)
+    plan = plans[module.layer_idx] if plans is not None else None
+    if plan is not None:  # the keys and values are the pool's storage, read through the step's plan
+        if _extras(kwargs) is None and not module.training:
+            output = flex.planned_attention(query, key, value, plan.mask, plan.pages, kwargs.get("scaling"))
+            return output.transpose(1, 2).contiguous(), None
+        key, value = read_planned_view(key, plan), read_planned_view(value, plan)  # the model's mask applies
     read = paged_read_of(key)
     if read is not None:
         output = paged_attention(module, query, key, value, read, attention_mask, kwargs)
@@ -177,10 +189,10 @@ def paged_attention(
     Returns:
         ``[batch, 1, heads, head_dim]`` (transformers' attention output layout).
     """
-    for name in ("softcap", "s_aux", "position_bias", "sinks"):
-        if kwargs.get(name) is not None:
-            flex.log_path(name, f"the model's attention uses {name}, which the in-place kernel does not apply")
-            return None
+    extra = _extras(kwargs)
+    if extra is not None:
+        flex.log_path(extra, f"the model's attention uses {extra}, which the in-place kernel does not apply")
+        return None
     if module.training or query.shape[2] != 1:
         return None
     if not _hides_padding_only(read, attention_mask):
@@ -197,6 +209,11 @@ def paged_attention(
         return None
     flex.log_path("in_place", f"compiled FlexAttention, KV blocks of {read.mask.block_tokens} tokens")
     return output.transpose(1, 2).contiguous()
+
+
+def _extras(kwargs: dict) -> str | None:
+    """What the model's attention applies that in-place FlexAttention does not (``None``: nothing)."""
+    return next((name for name in ("softcap", "s_aux", "position_bias", "sinks") if kwargs.get(name) is not None), None)
 
 
 def _hides_padding_only(read: PagedRead, attention_mask: torch.Tensor | None) -> bool:

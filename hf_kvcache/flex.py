@@ -44,6 +44,7 @@ import types
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from packaging.version import Version
 
 logger = logging.getLogger("hf_kvcache")
@@ -235,6 +236,22 @@ class PagedBlockMask:
         self.page_position = torch.full((batch, num_pages), -1, **as_int)  # [batch, pages]: logical page, or -1
         self.pads = torch.zeros(batch, dtype=torch.int64, device=device)  # [batch] leading padding tokens
         self.num_tokens = torch.zeros(1, dtype=torch.int64, device=device)  # [1] tokens per row, the new one included
+        for tensor in self.tensors:  # refilled in place: a compiled step (planned_attention) reads them where they lie
+            torch._dynamo.mark_static_address(tensor)  # CUDA graphs replay over them
+            torch._dynamo.mark_static(tensor)  # a shape of the graph: another mask is another graph, never dynamic
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The mask's tensors."""
+        return (
+            self.kv_num_blocks,
+            self.kv_indices,
+            self.full_kv_num_blocks,
+            self.full_kv_indices,
+            self.page_position,
+            self.pads,
+            self.num_tokens,
+        )
 
     @property
     def block_tokens(self) -> int:
@@ -244,17 +261,7 @@ class PagedBlockMask:
     @property
     def arguments(self) -> tuple[torch.Tensor | int, ...]:
         """What ``_paged_flex`` takes after the query, keys and values (and before the scale)."""
-        return (
-            self.kv_num_blocks,
-            self.kv_indices,
-            self.full_kv_num_blocks,
-            self.full_kv_indices,
-            self.page_position,
-            self.pads,
-            self.num_tokens,
-            self.page_size,
-            self.block_tokens,
-        )
+        return (*self.tensors, self.page_size, self.block_tokens)
 
     @torch.no_grad()
     def update(self, page_ids: torch.Tensor, num_tokens: int, pads: torch.Tensor) -> list[int]:
@@ -324,9 +331,17 @@ def decode_attention(
     Raises:
         FlexUnavailable: this shape cannot be compiled (here, or any more: ``MAX_SHAPE_KEYS``).
     """
+    return _decode(query, keys, values, mask.arguments, scale)
+
+
+def _decode(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, arguments: tuple, scale: float | None
+) -> torch.Tensor:
+    """``decode_attention`` with the mask as ``PagedBlockMask.arguments``."""
     batch, num_heads, _, head_dim = query.shape
     num_kv_heads = keys.shape[1]
     packed = query.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [batch, kv heads, group, hd]
+    kv_indices, page_size, block_tokens = arguments[1], arguments[-2], arguments[-1]
     shape_key = (
         tuple(packed.shape),
         tuple(keys.shape),
@@ -337,18 +352,85 @@ def decode_attention(
         str(keys.device),
         tuple(keys.stride()),
         tuple(values.stride()),
-        tuple(mask.kv_indices.shape),
-        mask.page_size,
-        mask.block_tokens,
+        tuple(kv_indices.shape),
+        page_size,
+        block_tokens,
         scale,
         torch.get_num_threads(),
         torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),
     )
     _CALLS[0] += 1
-    arguments = (packed, keys, values, *mask.arguments, scale)
+    arguments = (packed, keys, values, *arguments, scale)
     output = _COMPILED[shape_key](*arguments) if shape_key in _READY else _first_call(shape_key, arguments)
     return output.reshape(batch, num_heads, 1, head_dim)
+
+
+def planned_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: PagedBlockMask,
+    pages: torch.Tensor,
+    scale: float | None,
+) -> torch.Tensor:
+    """A planned decode step's attention over pool pages in place (``StepPlan.mask``), shapes as
+    ``decode_attention``; ``pages`` (``StepPlan.pages``, ``[batch, 1, capacity]``) serve a step that cannot run
+    FlexAttention (``FlexUnavailable``), gathered.
+
+    Inside a graph being compiled (``generate``'s) this is one opaque op (``hf_kvcache::paged_decode``) that calls
+    the compiled ``decode_attention`` when the graph runs: torch 2.13's CPU FlexAttention template, lowered inside a
+    bigger graph, reads a view of a graph input at the input's start (a layer's pages of the pool's storage came out
+    as the first layer's) and a query that is a view of another shape with that buffer's strides (pytorch#157612,
+    fixed after 2.13 by copying such inputs, which here would copy the pool every step)."""
+    arguments = (*mask.tensors, pages, mask.page_size, mask.block_tokens, scale)
+    return torch.ops.hf_kvcache.paged_decode(query, keys, values, *arguments)
+
+
+@torch.library.custom_op("hf_kvcache::paged_decode", mutates_args=())
+def _paged_decode(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    kv_num_blocks: torch.Tensor,
+    kv_indices: torch.Tensor,
+    full_kv_num_blocks: torch.Tensor,
+    full_kv_indices: torch.Tensor,
+    page_position: torch.Tensor,
+    pads: torch.Tensor,
+    num_tokens: torch.Tensor,
+    pages: torch.Tensor,
+    page_size: int,
+    block_tokens: int,
+    scale: float | None,
+) -> torch.Tensor:
+    """``planned_attention``'s op: ``decode_attention`` over the mask's tensors, or the pages gathered."""
+    arguments = (
+        kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, page_position, pads, num_tokens,
+        page_size, block_tokens,
+    )  # fmt: skip
+    try:
+        return _decode(query, keys, values, arguments, scale).clone()
+    except FlexUnavailable as error:
+        limit = "MAX_SHAPE_KEYS" in error.reason
+        log_path(f"compile:{error.reason}", error.reason, logging.WARNING if limit else logging.INFO)
+    batch, num_heads, _, head_dim = query.shape
+    num_kv_heads = keys.shape[1]
+    heads = torch.arange(num_kv_heads, device=keys.device).view(1, -1, 1)
+    gathered = [
+        tensor.view(num_kv_heads, -1, page_size, head_dim)[heads, pages].view(batch, num_kv_heads, -1, head_dim)
+        for tensor in (keys, values)
+    ]  # [batch, kv heads, capacity * page_size, head_dim] each
+    positions = torch.arange(gathered[0].shape[2], device=keys.device)
+    seen = (positions >= pads.view(-1, 1)) & (positions < num_tokens)  # [batch, keys]
+    return F.scaled_dot_product_attention(
+        query, *gathered, attn_mask=seen[:, None, None, :], scale=scale, enable_gqa=num_heads != num_kv_heads
+    )
+
+
+@_paged_decode.register_fake
+def _(query, *args) -> torch.Tensor:
+    return torch.empty_like(query)
 
 
 def _first_call(shape_key: tuple, arguments: tuple) -> torch.Tensor:

@@ -205,7 +205,7 @@ def _prepare_inputs_for_generation(
         cache.end_planning()
         next_sequence_length = cache.begin_generation(self, input_ids, next_sequence_length, kwargs)
     else:  # before the inputs: preparing them may build the mask, whose size the plan sets
-        cache.plan_decode(input_ids.shape[0], next_sequence_length)
+        cache.plan_decode(input_ids.shape[0], next_sequence_length, kwargs.get("attention_mask"))
     inputs = _original_inputs(self, input_ids, next_sequence_length=next_sequence_length, cache=cache, **kwargs)
     cache.record_inputs(inputs.get("input_ids"))
     cache.start_planned(inputs)

@@ -79,6 +79,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--output", type=Path, help="JSON record path (default: the suite's)")
     parser.add_argument("--profile", choices=CACHE_NAMES, help="print a profile of one decode step of this cache")
     parser.add_argument("--mode", default="default", help="CompileConfig mode of the compiled suite's rows")
+    parser.add_argument("--rows", nargs="+", help="the compiled suite's rows (default: all; static:compiled always)")
     add_machine_args(parser)
     return parser.parse_args()
 
@@ -119,7 +120,10 @@ def run_compiled_suite(args: argparse.Namespace) -> None:
     cells = compiled.CompiledBenchConfig().cells
     if args.lengths:
         cells = tuple((length, batch) for length in args.lengths for batch in args.batches)
-    config = compiled.CompiledBenchConfig(cells=cells, steps=args.steps, rounds=args.rounds, mode=args.mode)
+    rows = compiled.ROWS
+    if args.rows:
+        rows = (compiled.BASELINE, *(row for row in args.rows if row != compiled.BASELINE))
+    config = compiled.CompiledBenchConfig(cells=cells, rows=rows, steps=args.steps, rounds=args.rounds, mode=args.mode)
     device, dtype = machine_settings(args)
     model, tokenizer = load_bundled_model(dtype=dtype, device=device)
     info = environment(device, dtype)

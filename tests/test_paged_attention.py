@@ -277,7 +277,8 @@ def test_gathers_past_the_shape_key_limit(tiny_llama_model, in_place, monkeypatc
     """A shape past ``MAX_SHAPE_KEYS`` is not compiled: that step's attention gathers the same keys instead."""
     monkeypatch.setattr(flex, "MAX_SHAPE_KEYS", 0)
     monkeypatch.setattr(flex, "_LOGGED", set())
-    ids, mask = padded_batch([11, 7], seed=9)  # 2 rows: a shape no other test compiles
+    monkeypatch.setattr(flex, "_READY", set())  # as if no shape were compiled yet in this process
+    ids, mask = padded_batch([11, 7], seed=9)
     reference = run(tiny_llama_model, ids, mask, max_new_tokens=6)
     with caplog.at_level(logging.INFO, logger="hf_kvcache"):
         assert_same_generation(reference, paged(tiny_llama_model, ids, mask, ATTENTION_NAME, max_new_tokens=6))

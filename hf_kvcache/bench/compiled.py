@@ -13,7 +13,8 @@ move their pages when they grow, from a fixed pool of the run's tokens, as ``cac
 ``generate`` then gets the prompt plus its next token, so that its own prefill feeds that one token, and runs
 ``warmup_steps + steps`` decode steps; a logits processor stamps the time of each step and the timed steps' median
 gives tokens/s. Each compiled row first runs once untimed (its compile, reported as ``first_call_s``); then every
-row runs ``rounds`` times, interleaved. Reported per row: tokens/s, the ratio to ``static:compiled``'s in the same
+row runs ``rounds`` times, interleaved. Our caches run under ``attn_implementation="hf_kvcache"`` (their pages read
+in place where that applies, eager or compiled), transformers' under the model's own (``sdpa``). Reported per row: tokens/s, the ratio to ``static:compiled``'s in the same
 run, graphs compiled during the timed rounds (recompiles: 0 is the target), KV bytes held at the end against
 ``StaticCache``'s, and whether its greedy tokens equal the baseline's.
 """
@@ -30,6 +31,7 @@ import torch
 import torch._dynamo
 from transformers import CompileConfig, DynamicCache, LogitsProcessor, PreTrainedModel, StaticCache
 
+from hf_kvcache.attention import ATTENTION_NAME, model_attention
 from hf_kvcache.bench import measure
 from hf_kvcache.bench.decode import _prefill_rows
 from hf_kvcache.caches.base import PoolCache
@@ -151,17 +153,18 @@ def _run(model, prefill, rows: torch.Tensor, row: str, batch: int, config: Compi
     new_tokens = config.warmup_steps + config.steps + 1
     graphs = _graphs()
     began = time.perf_counter()
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),  # no padding (said, so that generate does not guess from the ids)
-        cache=cache,
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        compile_config=compile_config,
-        logits_processor=[clock],
-        return_dict_in_generate=True,
-    )
+    with model_attention(model, ATTENTION_NAME if name in REGISTRY else None):  # ours read pages in place
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),  # no padding (said, so that generate does not guess from the ids)
+            cache=cache,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            compile_config=compile_config,
+            logits_processor=[clock],
+            return_dict_in_generate=True,
+        )
     wall_s = time.perf_counter() - began
     steps = [after - before for before, after in zip(clock.stamps, clock.stamps[1:])][config.warmup_steps :]
     held = kv_bytes(cache)

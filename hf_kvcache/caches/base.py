@@ -18,7 +18,7 @@ import torch
 from transformers import Cache, CacheLayerMixin, PreTrainedConfig
 
 from hf_kvcache import flex
-from hf_kvcache.attention import ATTENTION_NAME
+from hf_kvcache.attention import ATTENTION_NAME, PLANNED_READS
 from hf_kvcache.caches.prefix import PrefixTracker, log_once
 from hf_kvcache.config import CacheOptions, PageFormat, layer_groups
 from hf_kvcache.device_memory import check_fits
@@ -608,7 +608,7 @@ class PoolCache(Cache):
             return self.options.max_tokens is not None  # unbound: only a fixed pool of its own is known to stay
         return all(pool.storage_is_fixed for pool in pools)
 
-    def plan_decode(self, num_rows: int, num_new: int | None) -> bool:
+    def plan_decode(self, num_rows: int, num_new: int | None, attention_mask: torch.Tensor | None = None) -> bool:
         """Before a decode step of ``generate``, and before its inputs are prepared (they may build the attention
         mask, whose size the plan sets): the bookkeeping of the step (pages, copy-on-write, where the new token goes
         and which pages attention reads) done here, on the host, into tensors the step reads
@@ -616,6 +616,10 @@ class PoolCache(Cache):
         (``compiled_decoding``) are planned: eager, the planned gather (one ``aten.index`` per layer) measured
         slower than the paths ``PagedRows.attend`` picks (0.88x against 0.97x DynamicCache at 4,096 x 1 under
         sdpa), though it dispatches fewer ops (1.08x DynamicCache's against 1.37x at 1,024 x 1).
+
+        Args:
+            attention_mask: ``generate``'s ``[rows, tokens]`` mask (``None``: all ones): where it hides no more than
+                each row's leading padding, attention may read the pages in place (``PagedRows.plan_decode``).
         """
         release_deferred()
         binder = self._binder
@@ -638,8 +642,9 @@ class PoolCache(Cache):
         if self._planned_capacity != capacity and any(rows.ring_pages is None for rows in rows_of):  # rings: fixed
             flex.logger.info("Compiled decoding reads %d pages per row from here (a new graph).", capacity)
             self._planned_capacity = capacity
+        padding_only = _hides_padding_only(attention_mask, binder.pad_lengths, start + 1)
         for rows in rows_of:
-            rows.plan_decode(start, num_rows, capacity)
+            rows.plan_decode(start, num_rows, capacity, padding_only)
         self._planning = True
         for layer in self._row_layers():
             layer.planned = True  # until its update has run the step
@@ -658,6 +663,10 @@ class PoolCache(Cache):
             return
         for layer in self._row_layers():
             layer.num_tokens += 1
+        plans = [getattr(layer, "rows", None) and layer.rows.step_plan for layer in self.layers]
+        plans = tuple(plan if plan is not None and plan.mask is not None else None for plan in plans)
+        if any(plans):  # these layers hand attention the pool's storage, to read in place through the plan
+            inputs[PLANNED_READS] = plans
         fed = inputs.get("input_ids")
         if "position_ids" in inputs and inputs["position_ids"] is None and isinstance(fed, torch.Tensor):
             inputs["position_ids"] = self._query_offset.expand(fed.shape[0], 1)  # [batch, 1]: no padding
@@ -777,3 +786,15 @@ class PoolCache(Cache):
         self._binder.release()
         for layer in self._row_layers():
             layer.num_tokens = 0
+
+
+def _hides_padding_only(attention_mask: torch.Tensor | None, pad_lengths: list[int] | None, num_tokens: int) -> bool:
+    """Whether ``generate``'s ``[rows, num_tokens]`` mask (``None``: all ones) hides exactly each row's first
+    ``pad_lengths`` tokens (``None``: none)."""
+    if attention_mask is None:
+        return not any(pad_lengths or ())
+    if attention_mask.ndim != 2 or attention_mask.shape[-1] != num_tokens:
+        return False
+    pads = torch.tensor(pad_lengths or [0] * attention_mask.shape[0], device=attention_mask.device).view(-1, 1)
+    expected = torch.arange(num_tokens, device=attention_mask.device) >= pads  # [rows, num_tokens]
+    return expected.shape == attention_mask.shape and bool(torch.equal(attention_mask.bool(), expected))

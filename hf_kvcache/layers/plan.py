@@ -5,6 +5,7 @@
 """
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -37,6 +38,8 @@ class StepPlan:
         filling_index / filling_held / filling_coded: keys coded a page at a time: ``[num_keys]`` each key's slot in
             the page still filling, ``[1, 1, num_keys, 1]`` whether attention takes it from there rather than from
             the codes, and ``[1, 1, 1, 1]`` whether the step fills the page (then it is read through its encoding).
+        mask: a ``flex.PagedBlockMask`` where attention reads the pages in place (FlexAttention over the storage, in
+            the graph), refilled before each step; ``None``: the step gathers ``pages``.
     """
 
     pages: torch.Tensor
@@ -54,6 +57,7 @@ class StepPlan:
     filling_index: torch.Tensor | None = None
     filling_held: torch.Tensor | None = None
     filling_coded: torch.Tensor | None = None
+    mask: Any = None
 
     @property
     def residual(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:

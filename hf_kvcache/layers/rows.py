@@ -198,13 +198,15 @@ class PagedRows:
         keys_plannable = self.store.keys is None or self.ring_pages is None
         return keys_plannable and self.store.sink is None and self.pool.storage_is_fixed
 
-    def plan_decode(self, start: int, batch: int, capacity_pages: int) -> StepPlan:
+    def plan_decode(self, start: int, batch: int, capacity_pages: int, padding_only: bool = True) -> StepPlan:
         """Before a decode step of one new token per row at ``start``: grows the table (page allocation,
         copy-on-write) and writes the step's slots and what attention reads into the ``step_plan`` tensors, in place
         where the batch and the number of reads are the same as the last step's.
 
         Args:
             capacity_pages: pages read per row (``capacity_bucket``; a ring reads its visible tokens instead).
+            padding_only: the model's mask hides nothing but each row's leading padding and the keys past its tokens
+                (then attention may read the pages in place: ``StepPlan.mask``).
 
         Raises:
             ValueError: the batch is not the cache's.
@@ -225,6 +227,7 @@ class PagedRows:
         if self.store.keys is not None:
             with self.pool.lock:
                 filling = self.store.keys.plan_decode(self.pool.storage, start, self._page_ids(), tokens.shape[-1])
+        mask = self._planned_mask(start, batch, capacity_pages, padding_only)
         plan = self.step_plan
         fresh = plan is None or plan.pages.shape != pages.shape or (plan.offsets is None) != (offsets is None)
         if fresh:
@@ -255,7 +258,28 @@ class PagedRows:
                 if into is not None:
                     into.copy_(tensor)
             plan.num_keys, plan.kv_offset = tokens.shape[-1], kv_offset
+        plan.mask = mask
         return plan
+
+    def _planned_mask(
+        self, start: int, batch: int, capacity_pages: int, padding_only: bool
+    ) -> "flex.PagedBlockMask | None":
+        """The mask of a planned step that reads its pages where they lie (``StepPlan.mask``), or ``None``: it
+        gathers them. In place takes rows that keep every page in full precision, under
+        ``attn_implementation="hf_kvcache"``, where the step's reads (``batch x capacity``) reach
+        ``flex.MIN_IN_PLACE_TOKENS`` (a constant of the graph: the capacity, not the length, decides) and the model's
+        mask hides only padding (FlexAttention applies the mask's rule, not the model's mask)."""
+        reads = batch * capacity_pages * self.pool.format.page_size
+        wanted = (
+            padding_only
+            and self.ring_pages is None
+            and self.store.keys is None
+            and self.store.quant is None
+            and reads >= flex.MIN_IN_PLACE_TOKENS
+            and self._reads_in_place()
+            and flex.unavailable(self.pool.device) is None
+        )
+        return self._mask if wanted and self._refresh_mask(batch, start + 1) else None
 
     def _plan_values(self, start: int, tokens: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """Quantized values: codes every value the eager steps left uncoded (a page's tokens still filling: eager
@@ -313,6 +337,8 @@ class PagedRows:
         """A planned step's keys and values, ``[batch, heads, num_keys, head_dim]`` each (``StepPlan``): the rows'
         tokens in order, then the null page's slots (hidden by the model's mask, as ``StaticCache``'s empty slots)."""
         storage, plan = self.pool.storage, self.step_plan
+        if plan.mask is not None:  # in place: the storage's first pages, which attention reads through the mask
+            return self._storage_view(storage.keys, layer_in_group), self._storage_view(storage.values, layer_in_group)
         if self.store.keys is None:
             keys = read_planned(storage.keys, plan, layer_in_group)
         else:
@@ -366,17 +392,16 @@ class PagedRows:
         mode = self._step_mode(num_tokens, num_new)
         if mode == GATHER:
             return self.read(layer_in_group, num_tokens)
-        storage, fmt = self.pool.storage, self.pool.format
+        storage = self.pool.storage
         if mode == RUN:
             _RUN_READS[0] += 1
             first_page = self.table.rows[0][0]
             view = functools.partial(run_view, layer_idx=layer_in_group, first_page=first_page, num_tokens=num_tokens)
             return self.store.read(layer_in_group, storage, view, num_tokens, num_tokens)
-        num_pages = self._mask.num_pages  # the storage's first pages, all the rows' among them
-        shape = (1, fmt.num_kv_heads, num_pages * fmt.page_size, fmt.head_dim)
-        keys = storage.keys[layer_in_group][:, :num_pages].view(shape)
+        num_pages = self._mask.num_pages
+        keys = self._storage_view(storage.keys, layer_in_group)
         if self.store.quant is None:
-            values = storage.values[layer_in_group][:, :num_pages].view(shape)
+            values = self._storage_view(storage.values, layer_in_group)
         else:
             residual_slots = self._residual_slots(num_tokens, num_pages)
             extents, runs = self._extents
@@ -384,6 +409,13 @@ class PagedRows:
         gather = functools.partial(self.read, layer_in_group, num_tokens)
         setattr(keys, PAGED_ATTRIBUTE, PagedRead(self._mask, self._pad_tensor(self.table.num_rows), num_tokens, gather))
         return keys, values
+
+    def _storage_view(self, storage: torch.Tensor, layer_in_group: int) -> torch.Tensor:
+        """One layer's first ``self._mask.num_pages`` pages (all the rows' among them) as ``[1, heads, pages *
+        page_size, head_dim]``: what in-place attention reads."""
+        fmt = self.pool.format
+        shape = (1, fmt.num_kv_heads, self._mask.num_pages * fmt.page_size, fmt.head_dim)
+        return storage[layer_in_group][:, : self._mask.num_pages].view(shape)
 
     def _step_mode(self, num_tokens: int, num_new: int) -> str:
         """How this step's attention reads the pages (``GATHER``, ``RUN``, ``IN_PLACE``), decided by the layer
@@ -415,7 +447,13 @@ class PagedRows:
         if reason is not None:
             flex.log_path("unavailable", reason)
             return GATHER
-        fmt = pool.format
+        return IN_PLACE if self._refresh_mask(batch, num_tokens) else GATHER
+
+    def _refresh_mask(self, batch: int, num_tokens: int) -> bool:
+        """Brings the step's mask (``self._mask``) to the table and ``num_tokens``: moves its end where only that
+        changed, else refills it (a new one where the batch changed or the rows' pages passed its view). Returns
+        whether attention may read in place with it: the extents it visits hold no other request's pages."""
+        pool, fmt = self.pool, self.pool.format
         if self._mask_fresh and self._mask.batch == batch:
             self._mask.advance(num_tokens)
         else:
@@ -431,8 +469,7 @@ class PagedRows:
             self._mask_fresh = True
         if not self._mask_usable:
             flex.log_path("foreign", "a row's extents hold another request's pages (gathered for those steps)")
-            return GATHER
-        return IN_PLACE
+        return self._mask_usable
 
     def _is_one_run(self) -> bool:
         """Whether the table holds a single row whose pages are consecutive ids in order (``kernels.run_view``), in
