@@ -640,7 +640,11 @@ class PoolCache(Cache):
         # A capacity bucket of what generate may reach: one graph for the whole generation.
         capacity = capacity_bucket(math.ceil(max(start + 1, binder.planned_tokens) / page_size))
         if self._planned_capacity != capacity and any(rows.ring_pages is None for rows in rows_of):  # rings: fixed
-            flex.logger.info("Compiled decoding reads %d pages per row from here (a new graph).", capacity)
+            flex.logger.info(
+                "Compiled decoding: this cache reads %d pages per row (a capacity bucket; a graph compiles "
+                "where none serves it yet).",
+                capacity,
+            )
             self._planned_capacity = capacity
         padding_only = _hides_padding_only(attention_mask, binder.pad_lengths, start + 1)
         for rows in rows_of:
