@@ -379,6 +379,10 @@ def test_warmup_says_when_generate_would_not_compile():
         warmup(tiny_llama(), "static")
 
 
+WINDOW_8 = {"bits": 4, "group_size": 16, "residual_length": 8}
+"""Quantized values whose residual window a 24-token generation passes."""
+
+
 @pytest.fixture
 def in_place_model(monkeypatch):
     """Tiny Llama under ``attn_implementation="hf_kvcache"``, with every planned step long enough to read in place."""
@@ -391,33 +395,42 @@ def in_place_model(monkeypatch):
 
 
 @pytest.mark.parametrize("batch", ["batch", "padded"])
-def test_compiled_paged_pool_reads_its_pages_in_place(compile_config, in_place_model, batch):
+@pytest.mark.parametrize("name", ["paged_pool", "quantized_values"])
+def test_compiled_steps_read_their_pages_in_place(compile_config, in_place_model, batch, name):
     """Under ``attn_implementation="hf_kvcache"`` a compiled step hands attention the pool's storage and the step's
-    mask (``StepPlan.mask``): FlexAttention reads the rows' pages where they lie, nothing is gathered."""
+    mask (``StepPlan.mask``): FlexAttention reads the rows' pages where they lie, nothing is gathered (quantized
+    values: dequantized into a buffer laid out as the pool, as eager steps read them)."""
     from hf_kvcache import flex
 
     ids, kwargs = prompt(batch)
     kwargs["max_new_tokens"] = 24
-    reference = generate(tiny_llama(), ids, **kwargs)  # DynamicCache under sdpa
+    if name == "paged_pool":
+        reference = generate(tiny_llama(), ids, **kwargs)  # DynamicCache under sdpa
+    else:
+        kwargs["cache_config"] = WINDOW_8
+        reference = generate(in_place_model, ids, name, **kwargs)  # its eager steps
     calls = flex.call_count()
-    out = generate(in_place_model, ids, "paged_pool", compile_config, **kwargs)
+    out = generate(in_place_model, ids, name, compile_config, **kwargs)
     assert torch.equal(out, reference)
     planned_steps = 24 - 2  # the prefill and the first decode step run eager
     assert flex.call_count() - calls >= planned_steps * in_place_model.config.num_hidden_layers
 
 
-def test_compiled_in_place_steps_compute_what_eager_steps_do(in_place_model):
+@pytest.mark.parametrize("name", ["paged_pool", "quantized_values"])
+def test_compiled_in_place_steps_compute_what_eager_steps_do(in_place_model, name):
     """The model's forward compiled by inductor, every layer reading its own pages in place, against eager steps:
     the same logits at every step (torch 2.13's CPU FlexAttention lowered in a bigger graph read every layer's
-    storage as the first layer's: 0.17 off on this model)."""
+    storage as the first layer's: 0.17 off on this model). Quantized values: past the residual window (8 tokens),
+    so that the step reads codes and full-precision values both."""
     model = in_place_model
     forward = torch.compile(model.forward, fullgraph=True)
     ids = random_ids(2, 21)
+    config = {"cache_config": WINDOW_8} if name == "quantized_values" else {}
     planned, eager = (
-        generate(model, ids, "paged_pool", max_new_tokens=2, return_dict_in_generate=True).cache for _ in range(2)
+        generate(model, ids, name, max_new_tokens=2, return_dict_in_generate=True, **config).cache for _ in range(2)
     )
     planned.compiled_decoding, planned.runs_eager = True, False  # as generate sets them when it compiles
-    token = generate(model, ids, "paged_pool", max_new_tokens=2)[:, -1:]
+    token = generate(model, ids, name, max_new_tokens=2, **config)[:, -1:]
     with torch.no_grad():
         for _ in range(12):  # tokens 22 to 33: a page fills
             assert planned.plan_decode(2, 1)

@@ -40,6 +40,13 @@ class StepPlan:
             the codes, and ``[1, 1, 1, 1]`` whether the step fills the page (then it is read through its encoding).
         mask: a ``flex.PagedBlockMask`` where attention reads the pages in place (FlexAttention over the storage, in
             the graph), refilled before each step; ``None``: the step gathers ``pages``.
+        value_extents: quantized values read in place: ``[n]`` the extents the mask visits (padded with the last
+            one to a fixed count), whose codes are dequantized into ``value_buffer``.
+        window_pages / window_offsets: ``[batch, 1, residual length]`` the page and slot of the token each slot
+            of the residual window holds (the null page's first slot where it holds none), where its
+            full-precision values go over the dequantized ones.
+        value_buffer: ``[heads, view pages * page_size, head_dim]`` quantized values laid out as the storage's
+            first pages (the view attention reads), rewritten by each layer.
     """
 
     pages: torch.Tensor
@@ -58,11 +65,20 @@ class StepPlan:
     filling_held: torch.Tensor | None = None
     filling_coded: torch.Tensor | None = None
     mask: Any = None
+    value_extents: torch.Tensor | None = None
+    window_pages: torch.Tensor | None = None
+    window_offsets: torch.Tensor | None = None
+    value_buffer: torch.Tensor | None = None
 
     @property
     def residual(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """``(residual_write, residual_index, residual_held)``."""
         return self.residual_write, self.residual_index, self.residual_held
+
+    @property
+    def in_place_values(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """``(value_extents, window_pages, window_offsets)``."""
+        return self.value_extents, self.window_pages, self.window_offsets
 
     @property
     def filling(self) -> tuple[torch.Tensor | None, ...]:

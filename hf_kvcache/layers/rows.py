@@ -79,6 +79,10 @@ def _fresh_copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return torch.empty_like(tensor, memory_format=torch.contiguous_format).copy_(tensor)
 
 
+def _shapes(tensors: tuple[torch.Tensor | None, ...]) -> list[torch.Size | None]:
+    return [None if tensor is None else tensor.shape for tensor in tensors]
+
+
 def find_identical_rows(key_states: torch.Tensor, value_states: torch.Tensor) -> list[int] | None:
     """For each row, the first row with identical keys and values (``None`` if all rows differ).
 
@@ -162,6 +166,7 @@ class PagedRows:
         self._shared_prefill: tuple[int, list[int]] | None = None  # (num_tokens, identical_rows) of a prefill
         self.ring_pages: int | None = None  # pages of a row's ring (RingRows); None: the rows keep every page
         self.step_plan: StepPlan | None = None  # the decode step planned before the forward pass (plan_decode)
+        self._planned_values: torch.Tensor | None = None  # StepPlan.value_buffer
 
     @property
     def num_tokens(self) -> int:
@@ -228,8 +233,13 @@ class PagedRows:
             with self.pool.lock:
                 filling = self.store.keys.plan_decode(self.pool.storage, start, self._page_ids(), tokens.shape[-1])
         mask = self._planned_mask(start, batch, capacity_pages, padding_only)
+        in_place_values = (None, None, None)
+        if mask is not None and self.store.quant is not None:
+            in_place_values = self._plan_values_in_place(start, batch, capacity_pages)
+            mask = mask if in_place_values[0] is not None else None
         plan = self.step_plan
         fresh = plan is None or plan.pages.shape != pages.shape or (plan.offsets is None) != (offsets is None)
+        fresh = fresh or _shapes(plan.in_place_values) != _shapes(in_place_values)
         if fresh:
             device = pages.device
             fmt = self.pool.format
@@ -246,26 +256,30 @@ class PagedRows:
                 *(_fresh_copy(tensor) for tensor in residual),
                 *(_fresh_copy(tensor) for tensor in filling),
             )
+            plan.value_extents, plan.window_pages, plan.window_offsets = map(_fresh_copy, in_place_values)
             kept = (plan.pages, plan.offsets, plan.write_pages, plan.write_offsets, *plan.residual, *plan.filling)
+            kept = (*kept, *plan.in_place_values)
             window = self.store.residual.buffers.values() if self.store.residual is not None else ()
             for tensor in (*kept, *self.pool.storage.tensors, *window):
                 if tensor is not None:
                     torch._dynamo.mark_static_address(tensor)  # CUDA graphs read them where they lie
         else:
-            planned = (pages, offsets, write_pages, write_offsets, *residual, *filling)
+            planned = (pages, offsets, write_pages, write_offsets, *residual, *filling, *in_place_values)
             kept = (plan.pages, plan.offsets, plan.write_pages, plan.write_offsets, *plan.residual, *plan.filling)
+            kept = (*kept, *plan.in_place_values)
             for into, tensor in zip(kept, planned):
                 if into is not None:
                     into.copy_(tensor)
             plan.num_keys, plan.kv_offset = tokens.shape[-1], kv_offset
         plan.mask = mask
+        plan.value_buffer = self._value_buffer() if in_place_values[0] is not None else None
         return plan
 
     def _planned_mask(
         self, start: int, batch: int, capacity_pages: int, padding_only: bool
     ) -> "flex.PagedBlockMask | None":
         """The mask of a planned step that reads its pages where they lie (``StepPlan.mask``), or ``None``: it
-        gathers them. In place takes rows that keep every page in full precision, under
+        gathers them. In place takes rows that keep every page with full-precision keys, under
         ``attn_implementation="hf_kvcache"``, where the step's reads (``batch x capacity``) reach
         ``flex.MIN_IN_PLACE_TOKENS`` (a constant of the graph: the capacity, not the length, decides) and the model's
         mask hides only padding (FlexAttention applies the mask's rule, not the model's mask)."""
@@ -274,12 +288,42 @@ class PagedRows:
             padding_only
             and self.ring_pages is None
             and self.store.keys is None
-            and self.store.quant is None
             and reads >= flex.MIN_IN_PLACE_TOKENS
             and self._reads_in_place()
             and flex.unavailable(self.pool.device) is None
         )
         return self._mask if wanted and self._refresh_mask(batch, start + 1) else None
+
+    def _plan_values_in_place(
+        self, start: int, batch: int, capacity_pages: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Quantized values of a step read in place at ``start`` (``StepPlan.in_place_values``): the extents the
+        mask visits, padded with the last to ``batch x (capacity extents + 1)`` so that their count is a constant of
+        the graph (``None`` each where they are more: the step gathers), and the residual window's slots."""
+        fmt = self.pool.format
+        extents = self._extents[0]
+        count = min(self._mask.num_pages // fmt.extent_pages, batch * (-(-capacity_pages // fmt.extent_pages) + 1))
+        if extents.numel() > count:
+            return None, None, None
+        extents = torch.cat([extents, extents[-1:].expand(count - extents.numel())])
+        window = self.store.residual
+        if window is None:
+            return extents, None, None
+        slots = torch.arange(window.length, device=extents.device)
+        tokens = start - (start - slots) % window.length  # the newest token up to start each slot holds
+        held = tokens >= max(window.first, 0)
+        pages = torch.where(held, self._page_ids()[:, tokens.clamp(min=0) // fmt.page_size], NULL_PAGE)
+        offsets = torch.where(held, tokens % fmt.page_size, 0).expand_as(pages)
+        return extents, pages.unsqueeze(1), offsets.unsqueeze(1)
+
+    def _value_buffer(self) -> torch.Tensor:
+        """``StepPlan.value_buffer`` for the current mask's view, kept while the view stays."""
+        fmt = self.pool.format
+        shape = (fmt.num_kv_heads, self._mask.num_pages * fmt.page_size, fmt.head_dim)
+        if self._planned_values is None or self._planned_values.shape != shape:
+            self._planned_values = torch.empty(shape, dtype=self.pool.storage.keys.dtype, device=self.pool.device)
+            torch._dynamo.mark_static_address(self._planned_values)
+        return self._planned_values
 
     def _plan_values(self, start: int, tokens: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """Quantized values: codes every value the eager steps left uncoded (a page's tokens still filling: eager
@@ -338,7 +382,10 @@ class PagedRows:
         tokens in order, then the null page's slots (hidden by the model's mask, as ``StaticCache``'s empty slots)."""
         storage, plan = self.pool.storage, self.step_plan
         if plan.mask is not None:  # in place: the storage's first pages, which attention reads through the mask
-            return self._storage_view(storage.keys, layer_in_group), self._storage_view(storage.values, layer_in_group)
+            keys = self._storage_view(storage.keys, layer_in_group)
+            if self.store.quant is None:
+                return keys, self._storage_view(storage.values, layer_in_group)
+            return keys, self.store.read_planned_in_place(layer_in_group, storage, plan)
         if self.store.keys is None:
             keys = read_planned(storage.keys, plan, layer_in_group)
         else:

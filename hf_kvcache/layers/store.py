@@ -275,6 +275,27 @@ class SlotStore:
         window = self.residual.buffers[layer_in_group][plan.rows, plan.heads, plan.residual_index]
         return torch.where(plan.residual_held, window, values)
 
+    def read_planned_in_place(self, layer_in_group: int, storage: PoolStorage, plan: "Any") -> torch.Tensor:
+        """A planned step's values read in place (``StepPlan.mask``), as ``values_in_place`` lays them out: the codes
+        of the extents the step visits dequantized into ``plan.value_buffer``, the residual window's tokens over
+        their slots in full precision; ``[1, heads, view pages * page_size, head_dim]``."""
+        fmt, quant, buffer = self.pool.format, self.quant, plan.value_buffer
+        heads, slots_per_extent = fmt.num_kv_heads, fmt.extent_pages * fmt.page_size
+
+        def visited(tensor: torch.Tensor) -> torch.Tensor:  # [heads, extents, slots, last_dim]
+            by_extent = tensor[layer_in_group].view(heads, -1, slots_per_extent, tensor.shape[-1])
+            return by_extent.index_select(1, plan.value_extents)
+
+        codes, scales = visited(storage.values), visited(storage.value_scales)
+        groups = quant.num_scale_groups
+        values = dequantize(codes, scales[..., :groups], scales[..., groups:], quant, buffer.dtype)
+        buffer.view(heads, -1, slots_per_extent, quant.head_dim).index_copy_(1, plan.value_extents, values)
+        if plan.window_pages is not None:
+            window = self.residual.buffers[layer_in_group]  # [batch, heads, length, head_dim]
+            by_page = buffer.view(heads, -1, fmt.page_size, quant.head_dim)
+            by_page.index_put_((plan.heads, plan.window_pages, plan.window_offsets), window)
+        return buffer.unsqueeze(0)
+
     def _write_codes(
         self, layer_in_group: int, storage: PoolStorage, rows: torch.Tensor, value_states: torch.Tensor
     ) -> None:
