@@ -14,9 +14,10 @@ move their pages when they grow, from a fixed pool of the run's tokens, as ``cac
 ``warmup_steps + steps`` decode steps; a logits processor stamps the time of each step and the timed steps' median
 gives tokens/s. Each compiled row first runs once untimed (its compile, reported as ``first_call_s``); then every
 row runs ``rounds`` times, interleaved. Our caches run under ``attn_implementation="hf_kvcache"`` (their pages read
-in place where that applies, eager or compiled), transformers' under the model's own (``sdpa``). Reported per row: tokens/s, the ratio to ``static:compiled``'s in the same
-run, graphs compiled during the timed rounds (recompiles: 0 is the target), KV bytes held at the end against
-``StaticCache``'s, and whether its greedy tokens equal the baseline's.
+in place where that applies, eager or compiled), transformers' under the model's own (``sdpa``). Reported per row:
+tokens/s, the ratio to ``static:compiled``'s in the same run, graphs compiled during the timed rounds (recompiles: 0
+is the target), KV bytes held at the end against ``StaticCache``'s, and whether its greedy tokens equal the
+baseline's.
 """
 
 import gc
@@ -142,8 +143,6 @@ def _run(model, prefill, rows: torch.Tensor, row: str, batch: int, config: Compi
     name, compiled = row.split(":")[0], row.endswith(":compiled")
     length = rows.shape[1]
     cache = _build(model, name, length + config.warmup_steps + config.steps + 2, batch)
-    for layer_idx, (keys, values) in enumerate(zip(prefill.keys, prefill.values)):
-        cache.update(keys[:batch], values[:batch], layer_idx)
     ids = torch.cat([rows[:batch], prefill.next_tokens[:batch, None]], dim=1)  # [batch, length + 1]
     compile_config = None
     if compiled:
@@ -154,6 +153,8 @@ def _run(model, prefill, rows: torch.Tensor, row: str, batch: int, config: Compi
     graphs = _graphs()
     began = time.perf_counter()
     with model_attention(model, ATTENTION_NAME if name in REGISTRY else None):  # ours read pages in place
+        for layer_idx, (keys, values) in enumerate(zip(prefill.keys, prefill.values)):
+            cache.update(keys[:batch], values[:batch], layer_idx)  # a ring's band: its own attention's
         out = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),  # no padding (said, so that generate does not guess from the ids)
