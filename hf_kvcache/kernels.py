@@ -1,15 +1,15 @@
 """Moving keys/values between attention's tensors and pool pages (pure torch): the gather path.
 
 A pool's storage holds keys or values as ``[num_layers, num_kv_heads, num_pages, page_size, last_dim]``
-(``hf_kvcache.pool``). Inside one layer a (head, page) pair is one row of ``page_size * last_dim`` numbers
-and a (head, slot) pair one row of ``last_dim``, so reading pages or slots is a single ``index_select`` over
-the layer's flattened view, and the result ``[num_kv_heads, batch, n, last_dim]`` is handed to attention as a
-permuted view ``[batch, num_kv_heads, n, last_dim]`` without another copy. Row indices depend on the storage's
-page count: build them for the storage they are used with (``hf_kvcache.pool.PoolStorage``).
+(``hf_kvcache.pool``). Inside one layer a (head, slot) pair is one row of ``last_dim`` numbers
+(``PoolStorage.slots``, a view kept from step to step), so reading slots is one index op whose result
+``[batch, num_kv_heads, n, last_dim]`` is what attention takes, and writing them one ``index_put_``: a step's layer
+dispatches as many ops as ``DynamicCache``'s two ``cat``. Row indices depend on the storage's page count: build
+them for the storage they are used with (``hf_kvcache.pool.PoolStorage``).
 
 Where a single row's pages are one run of consecutive ids in order, its tokens are consecutive slots of each head
 and ``run_view`` hands them over as a strided view, no copy at all. The in-place path for rows scattered over the
-pool is ``hf_kvcache.flex``; ``read_pages`` is the slow twin of both.
+pool is ``hf_kvcache.flex``; ``read_slots`` is the slow twin of both.
 """
 
 from typing import Any
@@ -17,48 +17,33 @@ from typing import Any
 import torch
 
 
-def page_rows(page_ids: torch.Tensor, num_kv_heads: int, num_pages: int) -> torch.Tensor:
-    """``[num_kv_heads * batch * n]``: the row of each (head, page) of ``page_ids [batch, n]`` in a layer's
-    ``[num_kv_heads * num_pages, page_size * last_dim]`` view, in ``(head, batch, n)`` order."""
-    heads = torch.arange(num_kv_heads, device=page_ids.device).view(-1, 1, 1)  # [heads, 1, 1]
-    return (heads * num_pages + page_ids).reshape(-1)
-
-
 def slot_rows(
     page_ids: torch.Tensor, offsets: torch.Tensor, num_kv_heads: int, num_pages: int, page_size: int
 ) -> torch.Tensor:
-    """``[num_kv_heads * batch * n]``: the row of each (head, slot) in a layer's ``[num_kv_heads * num_pages *
-    page_size, last_dim]`` view, for slots ``offsets [batch, n]`` of pages ``page_ids [batch, n]``, in
-    ``(head, batch, n)`` order."""
-    heads = torch.arange(num_kv_heads, device=page_ids.device).view(-1, 1, 1)  # [heads, 1, 1]
-    return ((heads * num_pages + page_ids) * page_size + offsets).reshape(-1)
+    """``[batch, num_kv_heads, n]``: the row of each (head, slot) in a layer's ``[num_kv_heads * num_pages *
+    page_size, last_dim]`` view (``PoolStorage.slots``), for slots ``offsets [batch, n]`` of pages ``page_ids
+    [batch, n]``."""
+    heads = torch.arange(num_kv_heads, device=page_ids.device).view(1, -1, 1)  # [1, heads, 1]
+    return (heads * num_pages + page_ids.unsqueeze(1)) * page_size + offsets.unsqueeze(1)
 
 
-def read_pages(storage: torch.Tensor, layer_idx: int, rows: torch.Tensor, batch: int, num_tokens: int) -> torch.Tensor:
-    """Gathers a layer's pages for attention.
-
-    Args:
-        storage: the pool's keys (or values, or value scales), ``[layers, heads, pages, page_size, last_dim]``.
-        rows: from ``page_rows`` over a ``[batch, num_pages]`` page table and this storage's page count.
-        num_tokens: tokens per row to return (the tail of the last page is dropped).
-
-    Returns:
-        ``[batch, heads, num_tokens, last_dim]``, a permuted view of a fresh tensor.
-    """
-    _, heads, _, page_size, last_dim = storage.shape
-    out = storage[layer_idx].view(-1, page_size * last_dim).index_select(0, rows)
-    out = out.view(heads, batch, -1, last_dim)[:, :, :num_tokens]  # [heads, batch, tokens, last_dim]
-    return out.permute(1, 0, 2, 3)
+def page_slot_rows(page_ids: torch.Tensor, num_kv_heads: int, num_pages: int, page_size: int) -> torch.Tensor:
+    """``[batch, num_kv_heads, pages * page_size]``: ``slot_rows`` of every slot of the pages ``page_ids [batch,
+    pages]``, in order."""
+    offsets = torch.arange(page_size, device=page_ids.device).repeat(page_ids.shape[1])
+    pages = page_ids.repeat_interleave(page_size, dim=1)
+    return slot_rows(pages, offsets.expand_as(pages), num_kv_heads, num_pages, page_size)
 
 
 def run_view(storage: torch.Tensor, layer_idx: int, first_page: int, num_tokens: int) -> torch.Tensor:
     """A layer's tokens ``[0, num_tokens)`` of one row whose pages are ``first_page, first_page + 1, ...``, in place.
 
     Args:
-        storage: as for ``read_pages`` (contiguous: a page's slots follow the page before in each head).
+        storage: the pool's keys (or values), ``[layers, heads, pages, page_size, last_dim]`` (contiguous: a page's
+            slots follow the page before in each head).
 
     Returns:
-        ``[1, heads, num_tokens, last_dim]``, a view of ``storage`` (the same numbers ``read_pages`` copies out).
+        ``[1, heads, num_tokens, last_dim]``, a view of ``storage`` (the same numbers ``read_slots`` copies out).
     """
     _, heads, _, page_size, last_dim = storage.shape
     head_stride, slot_stride = storage.stride(1), storage.stride(3)
@@ -66,27 +51,23 @@ def run_view(storage: torch.Tensor, layer_idx: int, first_page: int, num_tokens:
     return storage.as_strided((1, heads, num_tokens, last_dim), (0, head_stride, slot_stride, 1), offset)
 
 
-def read_slots(storage: torch.Tensor, layer_idx: int, rows: torch.Tensor, batch: int) -> torch.Tensor:
-    """Gathers single slots of a layer, in the order given (a ring's tokens in time order).
+def read_slots(slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Gathers slots of a layer, in the order given (a row's tokens; a ring's in time order).
 
     Args:
-        storage: as for ``read_pages``.
-        rows: from ``slot_rows`` over ``[batch, n]`` slots.
+        slots: one layer as ``[heads * pages * page_size, last_dim]`` (``PoolStorage.slots``).
+        rows: ``[batch, heads, n]`` from ``slot_rows``.
 
     Returns:
-        ``[batch, heads, n, last_dim]``, a permuted view of a fresh tensor.
+        ``[batch, heads, n, last_dim]``, a fresh tensor.
     """
-    heads, last_dim = storage.shape[1], storage.shape[-1]
-    out = storage[layer_idx].view(-1, last_dim).index_select(0, rows)  # [heads * batch * n, last_dim]
-    return out.view(heads, batch, -1, last_dim).permute(1, 0, 2, 3)
+    return slots[rows]
 
 
-def write_slots(storage: torch.Tensor, layer_idx: int, rows: torch.Tensor, states: torch.Tensor) -> None:
-    """Scatters new keys (or values) ``[batch, heads, n, last_dim]`` into their slots ``rows`` of one layer
-    (``slot_rows``, in ``(head, batch, n)`` order)."""
-    last_dim = storage.shape[-1]
-    source = states.permute(1, 0, 2, 3).reshape(-1, last_dim)  # [heads * batch * n, last_dim]
-    storage[layer_idx].view(-1, last_dim).index_copy_(0, rows, source.to(storage.dtype))
+def write_slots(slots: torch.Tensor, rows: torch.Tensor, states: torch.Tensor) -> None:
+    """Scatters new keys (or values) ``[batch, heads, n, last_dim]`` into their slots ``rows [batch, heads, n]`` of a
+    layer's ``slots`` view (as for ``read_slots``)."""
+    slots.index_put_((rows,), states if states.dtype == slots.dtype else states.to(slots.dtype))
 
 
 def write_planned(storage: torch.Tensor, plan: "Any", layer_idx: int, states: torch.Tensor) -> None:

@@ -54,7 +54,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -105,6 +105,7 @@ class PoolStorage:
     value_scales: torch.Tensor | None
     key_scales: torch.Tensor | None = None
     key_zeros: torch.Tensor | None = None
+    _slot_views: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_pages(self) -> int:
@@ -115,6 +116,16 @@ class PoolStorage:
     def tensors(self) -> tuple[torch.Tensor, ...]:
         tensors = (self.keys, self.values, self.value_scales, self.key_scales, self.key_zeros)
         return tuple(tensor for tensor in tensors if tensor is not None)
+
+    def slots(self, tensor: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """One layer of ``tensor`` (one of ``tensors``) as ``[heads * pages * page_size, last_dim]`` slots, the view
+        ``kernels.read_slots`` and ``kernels.write_slots`` index with ``kernels.slot_rows``; kept, so that a step's
+        layers dispatch no op to make it."""
+        key = (id(tensor), layer_idx, torch.is_inference_mode_enabled())
+        view = self._slot_views.get(key)
+        if view is None:
+            view = self._slot_views[key] = tensor[layer_idx].view(-1, tensor.shape[-1])
+        return view
 
 
 class KVPool:

@@ -128,8 +128,8 @@ class RingStep:
         storage_pages: the page count of the storage the indices below are built for (``PoolStorage``).
         write_rows: in place only: ``[batch * heads * num_new]`` rows of the storage's flattened layer view the
             new states go to, in ``(batch, head, token)`` order.
-        write_index: gathered only: ``[heads * batch * num_new]`` the new tokens' slot rows (``kernels.slot_rows``).
-        read: gathered only: ``[heads * batch * n]`` the visible tokens' slot rows, in time order.
+        write_index: gathered only: ``[batch, heads, num_new]`` the new tokens' slot rows (``kernels.slot_rows``).
+        read: gathered only: ``[batch, heads, n]`` the visible tokens' slot rows, in time order.
         read_slots: gathered only: ``[batch, n]`` their logical slots (``-1``: none), for keys decoded a page at a time.
     """
 
@@ -227,7 +227,7 @@ class RingRows(PagedRows):
             def read(end: int, limit: int, newest: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
                 storage = self.pool.storage  # a snapshot taken after this row's writes: it holds them
                 step = self._step_index(start, num_new, batch, storage)
-                gather = lambda tensor: read_slots(tensor, layer_in_group, step.read, batch)  # noqa: E731
+                gather = lambda tensor: read_slots(storage.slots(tensor, layer_in_group), step.read)  # noqa: E731
                 keys = self._read_keys(layer_in_group, storage, step.read_slots) if self.store.keys else None
                 return self.store.read(layer_in_group, storage, gather, end=end, limit=limit, newest=newest, keys=keys)
 
@@ -379,7 +379,7 @@ class RingRows(PagedRows):
             written = self._slots(new_tokens, lost_before=end - self.ring_slots)
             pads = self._pad_tensor(batch)
             if num_new <= self.max_step and self._reads_slots() and self._first_page() is not None:
-                rows = self._flat_rows(written, storage).transpose(0, 1).reshape(-1)  # (batch, head, token) order
+                rows = self._flat_rows(written, storage).reshape(-1)  # (batch, head, token) order
                 layout = self._slot_layout(start, num_new, sinks, first)
                 self._step = RingStep(start, num_new, layout, storage.num_pages, write_rows=rows)
                 return self._step
@@ -395,8 +395,8 @@ class RingRows(PagedRows):
                 keys = torch.cat([visible, new_tokens], dim=1) if last == start else visible
                 layout = KeyLayout(band(keys, start, num_new, self.window, self.sink_tokens, pads))
             visible_slots = self._slots(visible)
-            read = self._flat_rows(visible_slots, storage).reshape(-1)
-            write = self._flat_rows(written, storage).reshape(-1)
+            read = self._flat_rows(visible_slots, storage)
+            write = self._flat_rows(written, storage)
             self._step = RingStep(
                 start, num_new, layout, storage.num_pages, write_index=write, read=read, read_slots=visible_slots
             )
@@ -453,14 +453,14 @@ class RingRows(PagedRows):
         return views
 
     def _flat_rows(self, slots: torch.Tensor, storage: PoolStorage) -> torch.Tensor:
-        """``[heads, batch, n]``: the row of each row's slot ``[batch, n]`` (``-1``: the null page's first slot) in
-        ``storage``'s flattened layer view ``[heads * pages * page_size, last_dim]``."""
-        rows = self._slot_rows(storage.num_pages)  # [heads, batch, slots + 1]
+        """``[batch, heads, n]``: the row of each row's slot ``[batch, n]`` (``-1``: the null page's first slot) in
+        ``storage``'s flattened layer view ``[heads * pages * page_size, last_dim]`` (``PoolStorage.slots``)."""
+        rows = self._slot_rows(storage.num_pages)  # [batch, heads, slots + 1]
         index = slots.masked_fill(slots < 0, rows.shape[-1] - 1)
-        return rows.gather(2, index.unsqueeze(0).expand(rows.shape[0], -1, -1))
+        return rows.gather(2, index.unsqueeze(1).expand(-1, rows.shape[1], -1))
 
     def _slot_rows(self, num_pages: int) -> torch.Tensor:
-        """``[heads, batch, slots + 1]``: the row of each logical slot in the flattened layer view of a storage of
+        """``[batch, heads, slots + 1]``: the row of each logical slot in the flattened layer view of a storage of
         ``num_pages`` pages, then the null page's first slot."""
         if self._rows is None or self._rows[0] != num_pages:
             pool = self.pool
@@ -470,7 +470,8 @@ class RingRows(PagedRows):
             offsets = torch.arange(page_size, device=pool.device)  # [page_size]
             rows = (heads * num_pages + pages) * page_size + offsets  # [heads, batch, pages, page_size]
             null = (heads.view(-1, 1, 1) * num_pages + NULL_PAGE) * page_size  # [heads, 1, 1]
-            self._rows = (num_pages, torch.cat([rows.flatten(2), null.expand(-1, pages.shape[0], 1)], dim=2))
+            rows = torch.cat([rows.flatten(2), null.expand(-1, pages.shape[0], 1)], dim=2)
+            self._rows = (num_pages, rows.transpose(0, 1).contiguous())
         return self._rows[1]
 
     def _store(

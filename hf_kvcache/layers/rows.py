@@ -31,7 +31,7 @@ import torch
 
 from hf_kvcache import flex
 from hf_kvcache.allocator import NULL_PAGE
-from hf_kvcache.kernels import page_rows, read_pages, read_planned, run_view, slot_rows, write_planned
+from hf_kvcache.kernels import page_slot_rows, read_planned, read_slots, run_view, slot_rows, write_planned
 from hf_kvcache.layers.plan import StepPlan
 from hf_kvcache.layers.store import SlotStore, extent_runs
 from hf_kvcache.placement import agree
@@ -161,7 +161,8 @@ class PagedRows:
         self._version = -1  # table version the cached indices below were built for
         self._ids: torch.Tensor | None = None
         self._one_run: bool | None = None  # see _is_one_run
-        self._read: tuple[int, torch.Tensor] | None = None  # (storage pages, rows)
+        self._all_slots: tuple[int, torch.Tensor] | None = None  # (storage pages, slot rows): see _slots
+        self._read: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (slot rows, num_tokens, theirs): read
         self._write: tuple[int, int, int, torch.Tensor] | None = None  # (start, num_new, storage pages, rows)
         self._shared_prefill: tuple[int, list[int]] | None = None  # (num_tokens, identical_rows) of a prefill
         self.ring_pages: int | None = None  # pages of a row's ring (RingRows); None: the rows keep every page
@@ -531,17 +532,17 @@ class PagedRows:
     def read(self, layer_in_group: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[batch, heads, num_tokens, head_dim]`` of one layer, gathered for attention."""
         storage = self.pool.storage
-        if self._read is None or self._read[0] != storage.num_pages:
-            num_kv_heads = self.pool.format.num_kv_heads
-            self._read = (storage.num_pages, page_rows(self._page_ids(), num_kv_heads, storage.num_pages))
-        batch, rows = self.table.num_rows, self._read[1]
+        slots = self._slots(storage)
+        if self._read is None or self._read[:2] != (slots, num_tokens):  # cut once for the step's layers
+            self._read = (slots, num_tokens, slots[:, :, :num_tokens])
+        rows = self._read[2]
         keys = None
         if self.store.keys is not None:
             keys = self._read_keys(layer_in_group, storage)[:, :, :num_tokens]
         return self.store.read(
             layer_in_group,
             storage,
-            lambda tensor: read_pages(tensor, layer_in_group, rows, batch, num_tokens),
+            lambda tensor: read_slots(storage.slots(tensor, layer_in_group), rows),
             num_tokens,
             num_tokens,
             keys=keys,
@@ -649,7 +650,7 @@ class PagedRows:
             self.pool.copy_pages(copies)
         if self.table.version != self._version:
             self._version = self.table.version
-            self._ids = self._one_run = self._read = self._write = self._residual = None
+            self._ids = self._one_run = self._all_slots = self._read = self._write = self._residual = None
 
     def _agreed_identical_rows(self, identical_rows: list[int] | None, batch: int) -> list[int] | None:
         """The identical rows every rank found (each sees only its share of the heads); ``None`` where they differ."""
@@ -686,7 +687,7 @@ class PagedRows:
 
     def _residual_slots(self, num_tokens: int, num_pages: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The residual window's tokens of a step read in place (quantized values): their positions ``[n]`` and
-        their ``[heads * batch * n]`` slot rows in a view of the storage's first ``num_pages`` pages
+        their ``[batch, heads, n]`` slot rows in a view of the storage's first ``num_pages`` pages
         (``kernels.slot_rows``); ``None``: no window."""
         residual = self.store.residual
         if residual is None:
@@ -705,7 +706,7 @@ class PagedRows:
         return self._residual[1]
 
     def _write_index(self, start: int, num_new: int, storage: PoolStorage) -> torch.Tensor:
-        """``[heads * batch * n]`` slot rows of tokens ``[start, start + n)`` in ``storage`` (``kernels.slot_rows``),
+        """``[batch, heads, n]`` slot rows of tokens ``[start, start + n)`` in ``storage`` (``kernels.slot_rows``),
         kept for the step's other layers."""
         key = (start, num_new, storage.num_pages)
         if self._write is None or self._write[:3] != key:
@@ -714,8 +715,14 @@ class PagedRows:
 
     def _slot_index(self, start: int, num_new: int, storage: PoolStorage) -> torch.Tensor:
         """``_write_index``, not kept (a page's value codes, written once in a while: ``SlotStore.by_page``)."""
-        page_size = self.pool.format.page_size
-        positions = torch.arange(start, start + num_new, device=self.pool.device)  # [n]
-        page_ids = self._page_ids()[:, positions // page_size]  # [batch, n]
-        offsets = (positions % page_size).expand_as(page_ids)  # [batch, n]
-        return slot_rows(page_ids, offsets, self.pool.format.num_kv_heads, storage.num_pages, page_size)
+        return self._slots(storage)[:, :, start : start + num_new]
+
+    def _slots(self, storage: PoolStorage) -> torch.Tensor:
+        """``[batch, heads, pages * page_size]`` the slot rows of every slot of the rows' pages in ``storage``
+        (``kernels.page_slot_rows``), kept while the table and the storage's page count stay: a step's writes and
+        reads are slices of them."""
+        if self._all_slots is None or self._all_slots[0] != storage.num_pages:
+            fmt = self.pool.format
+            rows = page_slot_rows(self._page_ids(), fmt.num_kv_heads, storage.num_pages, fmt.page_size)
+            self._all_slots = (storage.num_pages, rows)
+        return self._all_slots[1]

@@ -33,6 +33,11 @@ Gather = Callable[[torch.Tensor], torch.Tensor]
 """Reads one layer's slots out of one storage tensor of the pool as ``[batch, heads, n, last_dim]``."""
 
 
+def _detached(states: torch.Tensor) -> torch.Tensor:
+    """The pool holds inference state: what it stores is cut from any autograd graph."""
+    return states.detach() if states.requires_grad else states
+
+
 def extent_runs(extents: list[int]) -> list[tuple[int, int]]:
     """Ascending ``extents`` as ``(first, end)`` runs of consecutive ids."""
     runs: list[tuple[int, int]] = []
@@ -190,11 +195,11 @@ class SlotStore:
         inference state: what is stored is detached from any autograd graph. Encoded keys are not written here
         (``KeyPages.write``, a page at a time), nor values written by page (``write_value_pages``).
         """
-        key_states, value_states = key_states.detach(), value_states.detach()
+        key_states, value_states = _detached(key_states), _detached(value_states)
         if self.keys is None:
-            write_slots(storage.keys, layer_in_group, rows, key_states)
+            write_slots(storage.slots(storage.keys, layer_in_group), rows, key_states)
         if self.quant is None:
-            write_slots(storage.values, layer_in_group, rows, value_states)
+            write_slots(storage.slots(storage.values, layer_in_group), rows, value_states)
         elif not self.by_page:
             self._write_codes(layer_in_group, storage, rows, value_states)
 
@@ -300,8 +305,8 @@ class SlotStore:
         self, layer_in_group: int, storage: PoolStorage, rows: torch.Tensor, value_states: torch.Tensor
     ) -> None:
         codes, scale, zero = quantize(value_states, self.quant)
-        write_slots(storage.values, layer_in_group, rows, codes)
-        write_slots(storage.value_scales, layer_in_group, rows, join_scales(scale, zero))
+        write_slots(storage.slots(storage.values, layer_in_group), rows, codes)
+        write_slots(storage.slots(storage.value_scales, layer_in_group), rows, join_scales(scale, zero))
 
     @property
     def residual_bytes(self) -> int:
@@ -336,7 +341,7 @@ class SlotStore:
 
         Args:
             storage: the pool's storage ``gather``'s indices were built for (a snapshot: see ``PoolStorage``).
-            gather: e.g. ``read_pages`` or ``read_slots`` with everything but the storage tensor bound.
+            gather: ``kernels.read_slots`` with everything but the storage tensor bound.
             end: the last token read is ``end - 1`` (it comes last).
             limit: how many of the last positions read are consecutive tokens (for the residual window).
             newest: tokens written so far (default ``end``): the residual window ends there.
@@ -382,7 +387,7 @@ class SlotStore:
         Args:
             extents: ``[visited]`` extent ids, ascending.
             runs: the same extents as ``(first, end)`` runs of consecutive ids (``extent_runs``).
-            residual_slots: the residual window's positions ``[n]`` and slot rows ``[heads * batch * n]``
+            residual_slots: the residual window's positions ``[n]`` and slot rows ``[batch, heads, n]``
                 (``kernels.slot_rows``), or ``None``.
 
         Returns:
@@ -408,7 +413,7 @@ class SlotStore:
         if residual_slots is not None and layer_in_group in self.residual.buffers:
             positions, rows = residual_slots
             newest = self.residual.buffers[layer_in_group].index_select(2, positions % self.residual.length)
-            write_slots(slots.unsqueeze(0), 0, rows, newest)  # [batch, heads, n, head_dim] over their slots
+            write_slots(slots.view(-1, quant.head_dim), rows, newest)  # [batch, heads, n, head_dim] over their slots
         return slots.unsqueeze(0)
 
     def _dequantize(self, out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
