@@ -24,6 +24,7 @@ import gc
 import logging
 import statistics
 import time
+import unittest.mock
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -186,7 +187,18 @@ def _run(model, prefill, rows: torch.Tensor, row: str, batch: int, config: Compi
 def run_compiled_benchmark(
     model: PreTrainedModel, stream: torch.Tensor, config: CompiledBenchConfig
 ) -> list[CompiledResult]:
-    """Measures every row at every cell (see the module docstring)."""
+    """Measures every row at every cell (see the module docstring). One process compiles the model's forward for
+    every cache and cell (a graph each, where a serving process compiles one cache's): dynamo's recompile limit (8
+    per function) is raised for the run, so that a late row is not run eager by dynamo while reported compiled."""
+    with unittest.mock.patch.object(torch._dynamo.config, "recompile_limit", RECOMPILE_LIMIT):
+        return _run_cells(model, stream, config)
+
+
+RECOMPILE_LIMIT = 64
+"""Graphs dynamo may compile per function during a compiled benchmark (``run_compiled_benchmark``)."""
+
+
+def _run_cells(model: PreTrainedModel, stream: torch.Tensor, config: CompiledBenchConfig) -> list[CompiledResult]:
     results = []
     for length, batch in config.cells:
         rows = stream[: batch * length].view(batch, length).to(model.device)  # [batch, length]
