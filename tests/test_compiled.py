@@ -465,13 +465,20 @@ def test_compiled_in_place_steps_compute_what_eager_steps_do(in_place_model, nam
             token = reference.argmax(-1, keepdim=True)
 
 
-def test_a_compiled_step_that_cannot_compile_flex_attention_gathers(compile_config, in_place_model, monkeypatch):
+@pytest.mark.parametrize("name", ["paged_pool", "quantized_values"])
+def test_a_compiled_step_that_cannot_compile_flex_attention_gathers(compile_config, in_place_model, monkeypatch, name):
     from hf_kvcache import flex
 
-    monkeypatch.setattr(flex, "MAX_SHAPE_KEYS", 0)  # every in-place shape is past the limit: the op gathers
     ids = random_ids(2, 21)
-    out = generate(in_place_model, ids, "paged_pool", compile_config, max_new_tokens=12)
-    assert torch.equal(out, generate(tiny_llama(), ids, max_new_tokens=12))
+    if name == "paged_pool":
+        reference = generate(tiny_llama(), ids, max_new_tokens=12)
+    else:
+        reference = generate(in_place_model, ids, name, max_new_tokens=12, cache_config=WINDOW_8)
+    monkeypatch.setattr(flex, "MAX_SHAPE_KEYS", 0)  # every in-place shape is past the limit: the op gathers
+    monkeypatch.setattr(flex, "_READY", set())  # as if no shape were compiled yet in this process
+    config = {"cache_config": WINDOW_8} if name == "quantized_values" else {}
+    out = generate(in_place_model, ids, name, compile_config, max_new_tokens=12, **config)
+    assert torch.equal(out, reference)
 
 
 def test_a_mask_that_hides_more_than_padding_is_not_read_in_place():
