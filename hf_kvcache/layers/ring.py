@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from hf_kvcache.allocator import NULL_PAGE
-from hf_kvcache.kernels import read_slots
+from hf_kvcache.kernels import page_slot_rows, read_slots, slot_rows
 from hf_kvcache.layers.paged import PagedLayer
 from hf_kvcache.layers.rows import PagedRows
 from hf_kvcache.pool import KVPool, PoolStorage
@@ -129,7 +129,8 @@ class RingStep:
         write_rows: in place only: ``[batch * heads * num_new]`` rows of the storage's flattened layer view the
             new states go to, in ``(batch, head, token)`` order.
         write_index: gathered only: ``[batch, heads, num_new]`` the new tokens' slot rows (``kernels.slot_rows``).
-        read: gathered only: ``[batch, heads, n]`` the visible tokens' slot rows, in time order.
+        read: gathered only: ``[batch * heads * n]`` the visible tokens' slot rows, in time order (flattened
+            ``[batch, heads, n]``: ``kernels.read_slots``).
         read_slots: gathered only: ``[batch, n]`` their logical slots (``-1``: none), for keys decoded a page at a time.
     """
 
@@ -227,7 +228,8 @@ class RingRows(PagedRows):
             def read(end: int, limit: int, newest: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
                 storage = self.pool.storage  # a snapshot taken after this row's writes: it holds them
                 step = self._step_index(start, num_new, batch, storage)
-                gather = lambda tensor: read_slots(storage.slots(tensor, layer_in_group), step.read)  # noqa: E731
+                shape = (batch, self.pool.format.num_kv_heads, step.read_slots.shape[1])
+                gather = lambda tensor: read_slots(storage.slots(tensor, layer_in_group), step.read, shape)  # noqa: E731
                 keys = self._read_keys(layer_in_group, storage, step.read_slots) if self.store.keys else None
                 return self.store.read(layer_in_group, storage, gather, end=end, limit=limit, newest=newest, keys=keys)
 
@@ -395,7 +397,7 @@ class RingRows(PagedRows):
                 keys = torch.cat([visible, new_tokens], dim=1) if last == start else visible
                 layout = KeyLayout(band(keys, start, num_new, self.window, self.sink_tokens, pads))
             visible_slots = self._slots(visible)
-            read = self._flat_rows(visible_slots, storage)
+            read = self._flat_rows(visible_slots, storage).view(-1)
             write = self._flat_rows(written, storage)
             self._step = RingStep(
                 start, num_new, layout, storage.num_pages, write_index=write, read=read, read_slots=visible_slots
@@ -463,15 +465,11 @@ class RingRows(PagedRows):
         """``[batch, heads, slots + 1]``: the row of each logical slot in the flattened layer view of a storage of
         ``num_pages`` pages, then the null page's first slot."""
         if self._rows is None or self._rows[0] != num_pages:
-            pool = self.pool
-            page_size = pool.format.page_size
-            heads = torch.arange(pool.format.num_kv_heads, device=pool.device).view(-1, 1, 1, 1)
-            pages = self._page_ids().unsqueeze(-1)  # [batch, pages, 1]
-            offsets = torch.arange(page_size, device=pool.device)  # [page_size]
-            rows = (heads * num_pages + pages) * page_size + offsets  # [heads, batch, pages, page_size]
-            null = (heads.view(-1, 1, 1) * num_pages + NULL_PAGE) * page_size  # [heads, 1, 1]
-            rows = torch.cat([rows.flatten(2), null.expand(-1, pages.shape[0], 1)], dim=2)
-            self._rows = (num_pages, rows.transpose(0, 1).contiguous())
+            fmt, ids = self.pool.format, self._page_ids()
+            rows = page_slot_rows(ids, fmt.num_kv_heads, num_pages, fmt.page_size)  # [batch, heads, slots]
+            first = torch.zeros_like(ids[:, :1])  # [batch, 1]
+            null = slot_rows(first + NULL_PAGE, first, fmt.num_kv_heads, num_pages, fmt.page_size)  # [batch, heads, 1]
+            self._rows = (num_pages, torch.cat([rows, null], dim=2))
         return self._rows[1]
 
     def _store(

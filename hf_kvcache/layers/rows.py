@@ -162,7 +162,7 @@ class PagedRows:
         self._ids: torch.Tensor | None = None
         self._one_run: bool | None = None  # see _is_one_run
         self._all_slots: tuple[int, torch.Tensor] | None = None  # (storage pages, slot rows): see _slots
-        self._read: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (slot rows, num_tokens, theirs): read
+        self._read: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (slot rows, num_tokens, theirs flat): read
         self._write: tuple[int, int, int, torch.Tensor] | None = None  # (start, num_new, storage pages, rows)
         self._shared_prefill: tuple[int, list[int]] | None = None  # (num_tokens, identical_rows) of a prefill
         self.ring_pages: int | None = None  # pages of a row's ring (RingRows); None: the rows keep every page
@@ -535,15 +535,15 @@ class PagedRows:
         storage = self.pool.storage
         slots = self._slots(storage)
         if self._read is None or self._read[:2] != (slots, num_tokens):  # cut once for the step's layers
-            self._read = (slots, num_tokens, slots[:, :, :num_tokens])
-        rows = self._read[2]
+            self._read = (slots, num_tokens, slots[:, :, :num_tokens].reshape(-1))
+        rows, shape = self._read[2], (*slots.shape[:2], num_tokens)
         keys = None
         if self.store.keys is not None:
             keys = self._read_keys(layer_in_group, storage)[:, :, :num_tokens]
         return self.store.read(
             layer_in_group,
             storage,
-            lambda tensor: read_slots(storage.slots(tensor, layer_in_group), rows),
+            lambda tensor: read_slots(storage.slots(tensor, layer_in_group), rows, shape),
             num_tokens,
             num_tokens,
             keys=keys,
