@@ -334,8 +334,9 @@ def dequantize_into(
         codes: ``[..., code_dim]`` uint8. scale, zero: ``[..., num_scale_groups]``.
         work: a float32 buffer of ``out``'s shape, reused across calls when ``out`` is not float32 (made if
             ``None``).
-        spread: int4 on a little-endian machine: an int16 buffer ``[2, *codes.shape]`` for the spread codes and their
-            high nibbles, reused across calls (made if ``None``; two fresh allocations per call cost ~20% of it).
+        spread: int4 on a little-endian machine: int16 buffers for the spread codes and their high nibbles, each of
+            ``codes``' shape (a pair, or one ``[2, *codes.shape]`` tensor), reused across calls (made if ``None``; two
+            fresh allocations per call cost ~20% of it).
     """
     if out.shape[-1] != fmt.head_dim or codes.shape[-1] != fmt.code_dim:
         raise ValueError(

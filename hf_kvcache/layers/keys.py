@@ -45,6 +45,11 @@ class KeyPages:
         self.partial: dict[int, torch.Tensor] = {}  # layer_in_group -> [batch, heads, page_size, head_dim]
         self.written: dict[int, int] = {}  # layer_in_group -> tokens written (padding included)
         self.encoded = 0  # paged rows: tokens whose pages are encoded (planned steps encode a page one step late)
+        # Kept for a step's layers: ((start, shifts, heads, head_dim), where its key goes in the pages still filling),
+        # ((page table, storage pages), rows to gather), ((batch, pages, page still filling), where it goes in read).
+        self._step_slot: tuple[tuple, torch.Tensor] | None = None
+        self._gather_rows: tuple[tuple[torch.Tensor, int], torch.Tensor] | None = None
+        self._filling: tuple[tuple[int, int, int], torch.Tensor] | None = None
 
     @property
     def partial_bytes(self) -> int:
@@ -89,7 +94,10 @@ class KeyPages:
             shifts: the token each row counts from (``0``, or a ring row's leading padding).
             ring_pages: the ring's pages per row (``None``: paged rows keep every page).
         """
-        key_states = key_states.detach()
+        if key_states.requires_grad:
+            key_states = key_states.detach()
+        if self._write_in_place(layer_in_group, start, key_states, shifts):
+            return
         batch, page_size, device = key_states.shape[0], self.page_size, key_states.device
         firsts, ends = self._pages_before(start, shifts), self._pages_before(start + key_states.shape[2], shifts)
         froms = firsts if ring_pages is None else [max(first, end - ring_pages) for first, end in zip(firsts, ends)]
@@ -111,6 +119,24 @@ class KeyPages:
         self.partial[layer_in_group] = partial.masked_fill(~keep.view(batch, 1, page_size, 1), 0)
         self.written[layer_in_group] = end = start + key_states.shape[2]
         self.encoded = end - end % page_size
+
+    def _write_in_place(self, layer_in_group: int, start: int, key_states: torch.Tensor, shifts: list[int]) -> bool:
+        """A decode step's key put in its slot of each row's page still filling, if no row's page fills (one op:
+        ``write``'s general path encodes a page that fills). ``False``: not such a step, nothing written."""
+        partial = self.partial.get(layer_in_group)
+        batch, heads, num_new, head_dim = key_states.shape
+        if num_new != 1 or partial is None or partial.shape[0] != batch or self.written.get(layer_in_group) != start:
+            return False
+        key = (start, tuple(shifts), heads, head_dim)
+        if self._step_slot is None or self._step_slot[0] != key:
+            offsets = [start - shift for shift in shifts]
+            if min(offsets) < 0 or any(offset % self.page_size == self.page_size - 1 for offset in offsets):
+                return False  # a row before its first token, or a page that fills: the general path
+            slot = torch.tensor([offset % self.page_size for offset in offsets], device=partial.device)
+            self._step_slot = (key, slot.view(batch, 1, 1, 1).expand(batch, heads, 1, head_dim))
+        partial.scatter_(2, self._step_slot[1], key_states.to(partial.dtype))
+        self.written[layer_in_group] = start + 1
+        return True
 
     def attended(self, layer_in_group: int, start: int, key_states: torch.Tensor, shifts: list[int]) -> torch.Tensor:
         """A step's new keys ``[batch, heads, n, head_dim]`` as attention reads them once stored (for a step that
@@ -200,10 +226,14 @@ class KeyPages:
         fmt, quant = self.format, self.quant
         heads, num_pages, page_size, head_dim = fmt.num_kv_heads, storage.num_pages, self.page_size, fmt.head_dim
         batch, m = page_ids.shape
-        rows = (torch.arange(heads, device=page_ids.device).view(-1, 1) * num_pages + page_ids.reshape(1, -1)).view(-1)
+        kept = self._gather_rows
+        if kept is None or kept[0][0] is not page_ids or kept[0][1] != num_pages:  # once per table and storage
+            heads_first = torch.arange(heads, device=page_ids.device).view(-1, 1) * num_pages
+            self._gather_rows = kept = ((page_ids, num_pages), (heads_first + page_ids.reshape(1, -1)).view(-1))
+        rows = kept[1]
 
         def gather(tensor: torch.Tensor) -> torch.Tensor:  # [heads * batch * m, a page's numbers]
-            return tensor[layer_in_group].view(heads * num_pages, -1).index_select(0, rows)
+            return storage.pages(tensor, layer_in_group).index_select(0, rows)
 
         shape = (heads, batch * m, page_size, head_dim)
         out = self._buffer("keys", shape, dtype)  # [heads, batch * m, page_size, head_dim]
@@ -217,7 +247,10 @@ class KeyPages:
             codes = gather(storage.keys).view(heads, batch * m, page_size, quant.code_dim)
             scales = gather(storage.key_scales).view(heads, batch * m, page_size, -1)
             groups = quant.num_scale_groups
-            spread = self._buffer("key_spread", (2, *codes.shape), torch.int16) if quant.bits == 4 else None
+            spread = None
+            if quant.bits == 4:
+                pair = ("key_spread", "key_high")
+                spread = tuple(self._buffer(name, codes.shape, torch.int16) for name in pair)
             dequantize_into(out, codes, scales[..., :groups], scales[..., groups:], quant, work, spread)
         return out.view(heads, batch, m * page_size, head_dim)
 
@@ -237,9 +270,20 @@ class KeyPages:
         """
         keys = self.decode(layer_in_group, storage, page_ids, dtype)  # [heads, batch, m * page_size, head_dim]
         partial = self.partial.get(layer_in_group)
-        if partial is not None and partial.shape[0] == page_ids.shape[0]:
+        written = self.written.get(layer_in_group, 0)
+        if partial is not None and partial.shape[0] == page_ids.shape[0] and ring_pages is None and not any(shifts):
+            # Rows counted from 0: the page still filling is page written // page_size of every row, and its
+            # slots past the tokens held lie past the tokens read. One op puts it over its decoded slots.
+            if written % self.page_size:
+                batch, m = page_ids.shape
+                key = (batch, m, written // self.page_size)
+                if self._filling is None or self._filling[0] != key:
+                    self._filling = (key, torch.arange(batch, device=keys.device) * m + key[2])
+                pages = keys.view(keys.shape[0], batch * m, self.page_size, keys.shape[-1])
+                pages.index_copy_(1, self._filling[1], partial.transpose(0, 1).to(dtype))
+        elif partial is not None and partial.shape[0] == page_ids.shape[0]:
             row_shifts = torch.tensor(shifts, device=keys.device)  # [batch]
-            page, held = self._filled(self.written.get(layer_in_group, 0), row_shifts)
+            page, held = self._filled(written, row_shifts)
             slots = self._position(page, ring_pages) * self.page_size  # [batch]
             offsets = torch.arange(self.page_size, device=keys.device)
             index = (slots.unsqueeze(1) + offsets).clamp(max=keys.shape[2] - 1)  # [batch, page_size]
@@ -348,3 +392,4 @@ class KeyPages:
         self.partial.clear()
         self.written.clear()
         self.encoded = 0
+        self._step_slot = self._gather_rows = self._filling = None

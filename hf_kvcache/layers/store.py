@@ -60,6 +60,7 @@ class ResidualValues:
         self.length = length
         self.first = 0
         self.buffers: dict[int, torch.Tensor] = {}
+        self._kept: dict[tuple[int, int], torch.Tensor] = {}  # _positions of a step's write and read
 
     def write(self, layer_in_group: int, start: int, value_states: torch.Tensor) -> None:
         """Keeps the newest of tokens ``[start, start + n)``, given as ``[batch, heads, n, head_dim]`` states."""
@@ -71,8 +72,7 @@ class ResidualValues:
             self.first = 0
         keep = min(num_new, self.length)
         end = start + num_new
-        index = torch.arange(end - keep, end, device=buffer.device) % self.length  # [keep]
-        buffer.index_copy_(2, index, value_states[:, :, num_new - keep :])
+        buffer.index_copy_(2, self._positions(end - keep, end, buffer.device), value_states[:, :, num_new - keep :])
         self.first = max(self.first, end - self.length)
 
     def overlay(self, layer_in_group: int, values: torch.Tensor, end: int, limit: int, newest: int) -> None:
@@ -86,8 +86,17 @@ class ResidualValues:
         count = min(end - max(self.first, newest - self.length), limit)
         if count <= 0 or layer_in_group not in self.buffers:
             return
-        index = torch.arange(end - count, end, device=values.device) % self.length  # [count]
-        values[:, :, values.shape[2] - count :] = self.buffers[layer_in_group].index_select(2, index)
+        newest_values = self.buffers[layer_in_group].index_select(2, self._positions(end - count, end, values.device))
+        values[:, :, values.shape[2] - count :] = newest_values
+
+    def _positions(self, first: int, end: int, device: torch.device) -> torch.Tensor:
+        """Where tokens ``[first, end)`` lie in the buffers, ``[end - first]``. The two last asked are kept: a step's
+        layers ask for its write's and its read's."""
+        kept = self._kept.get((first, end))
+        if kept is None:
+            kept = torch.arange(first, end, device=device) % self.length
+            self._kept = {**dict(list(self._kept.items())[-1:]), (first, end): kept}
+        return kept
 
     def take(self, layer_in_group: int, first: int, end: int) -> torch.Tensor:
         """The held tokens ``[first, end)`` as ``[batch, heads, end - first, head_dim]`` (all within the window)."""
@@ -177,6 +186,7 @@ class SlotStore:
         self.by_page = values_by_page and self.residual is not None and residual_length >= pool.format.page_size
         self.coded = 0  # by page: tokens of every row whose value codes are in the pool, in every layer
         self._buffers: dict[str, torch.Tensor] = {}  # flat, reused for dequantized values (and float32 work)
+        self._views: dict[str, tuple[tuple, torch.Tensor]] = {}  # name -> (shape, dtype, inference mode), its view
         self.keys = KeyPages(pool.format, self._buffer) if pool.format.key_format is not None else None
         self.sink = ExactSink(exact_tokens) if exact_tokens and pool.format.encodes else None
 
@@ -323,9 +333,9 @@ class SlotStore:
         """Keeps the full-precision values of tokens ``[start, start + n)`` for the residual window, and with
         ``key_states`` (rows that keep every page) the first tokens' keys and values for the exact sink."""
         if self.residual is not None:
-            self.residual.write(layer_in_group, start, value_states.detach())
+            self.residual.write(layer_in_group, start, _detached(value_states))
         if self.sink is not None and key_states is not None:
-            self.sink.write(layer_in_group, start, key_states.detach(), value_states.detach())
+            self.sink.write(layer_in_group, start, _detached(key_states), _detached(value_states))
 
     def read(
         self,
@@ -419,7 +429,9 @@ class SlotStore:
     def _dequantize(self, out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
         """``dequantize_into`` with the joined scales of ``join_scales`` and reused work buffers."""
         work = None if out.dtype == torch.float32 else self._buffer("work", tuple(out.shape), torch.float32)
-        spread = self._buffer("spread", (2, *codes.shape), torch.int16) if self.quant.bits == 4 else None
+        spread = None
+        if self.quant.bits == 4:
+            spread = (self._buffer("spread", codes.shape, torch.int16), self._buffer("high", codes.shape, torch.int16))
         groups = self.quant.num_scale_groups
         dequantize_into(out, codes, scales[..., :groups], scales[..., groups:], self.quant, work, spread)
 
@@ -436,12 +448,18 @@ class SlotStore:
 
     def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A contiguous ``shape`` view of a flat buffer kept under ``name`` and grown (doubling) as needed."""
+        key = (shape, dtype, torch.is_inference_mode_enabled())
+        kept = self._views.get(name)
+        if kept is not None and kept[0] == key:  # a step's layers ask for the same view: no op to make it again
+            return kept[1]
         buffer = self._buffers.get(name)
         size = math.prod(shape)
         if buffer is None or buffer.dtype != dtype or buffer.numel() < size:
             capacity = max(size, 2 * buffer.numel() if buffer is not None else 0)
             buffer = self._buffers[name] = torch.empty(capacity, dtype=dtype, device=self.pool.device)
-        return buffer[:size].view(shape)
+        view = buffer[:size].view(shape)
+        self._views[name] = (key, view)
+        return view
 
     def select_rows(self, indices: list[int]) -> None:
         if self.residual is not None:
@@ -475,3 +493,4 @@ class SlotStore:
         if self.sink is not None:
             self.sink.release()
         self._buffers.clear()
+        self._views.clear()
