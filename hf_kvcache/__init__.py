@@ -4,11 +4,11 @@
 """
 
 from hf_kvcache.caches import PagedCache, QuantizedKVCache, QuantizedValueCache, SlidingRingCache
-from hf_kvcache.config import PageFormat
 from hf_kvcache.errors import IncompatibleModelError, MissingExtraError, PoolExhaustedError
-from hf_kvcache.integration import is_registered, register, unregister
-from hf_kvcache.pool import KVPool
-from hf_kvcache.warmup import WarmedShape, warmup
+from hf_kvcache.integration.seams import is_registered, register, unregister
+from hf_kvcache.integration.warmup import WarmedShape, warmup
+from hf_kvcache.memory.format import PageFormat
+from hf_kvcache.memory.pool import KVPool
 
 __all__ = [
     "IncompatibleModelError",

@@ -20,7 +20,7 @@ Reads:
 - ``tensor_parallel_group``: the ``"tp"`` axis of ``model._device_mesh``, the process group of a tensor-parallel
   model's ranks.
 
-Writes (only ``hf_kvcache.integration`` and ``hf_kvcache.bundled.model`` call these):
+Writes (only ``hf_kvcache.integration.seams`` and ``hf_kvcache.bundled.model`` call these):
 
 - ``cache_implementations`` / ``set_cache_implementations``: ``transformers.generation.configuration_utils.
   ALL_CACHE_IMPLEMENTATIONS``, the tuple ``GenerationConfig.validate`` reads;

@@ -17,7 +17,7 @@ from hf_kvcache.bench.measure import OtherCpuUse, add_machine_args, machine_sett
 from hf_kvcache.bench.prefix import PrefixBenchConfig, markdown_table, results_record, run_prefix_benchmark
 from hf_kvcache.bundled import BUNDLED_MODEL, load_bundled_model
 from hf_kvcache.eval import environment
-from hf_kvcache.registry import REGISTRY
+from hf_kvcache.integration.registry import REGISTRY
 
 
 def parse_args() -> argparse.Namespace:

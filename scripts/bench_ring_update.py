@@ -23,8 +23,8 @@ from hf_kvcache.bench.ring_update import (
     run_ring_update_benchmark,
 )
 from hf_kvcache.bundled import BUNDLED_MODEL, bundled_model_path
-from hf_kvcache.config import PageFormat
 from hf_kvcache.eval import environment
+from hf_kvcache.memory.format import PageFormat
 
 
 def parse_args() -> argparse.Namespace:

@@ -61,7 +61,7 @@ def check_generate() -> None:
 
     import hf_kvcache
     from hf_kvcache.errors import MissingExtraError
-    from hf_kvcache.registry import REGISTRY
+    from hf_kvcache.integration.registry import REGISTRY
     from hf_kvcache.testing import tiny_gemma3, tiny_llama
 
     here = Path(hf_kvcache.__file__).resolve()

@@ -16,7 +16,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_kvcache import KVPool
 from hf_kvcache.bundled import load_bundled_model
-from hf_kvcache.registry import REGISTRY
+from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.testing import tiny_gemma3, tiny_llama, tiny_mistral
 
 PoolFactory = Callable[..., KVPool]

@@ -2,11 +2,11 @@
 generations.
 
 A working ``cache_config`` per cache name is its registry entry's ``example_config``
-(``hf_kvcache.registry.REGISTRY``); ``conftest.py`` has the ``cache_name`` and ``make_pool`` fixtures."""
+(``hf_kvcache.integration.registry.REGISTRY``); ``conftest.py`` has the ``cache_name`` and ``make_pool`` fixtures."""
 
 import torch
 
-from hf_kvcache.registry import REGISTRY
+from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.testing import random_padded_batch
 
 

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_kvcache.allocator import NULL_PAGE, PageAllocator
 from hf_kvcache.errors import PoolExhaustedError
+from hf_kvcache.memory.allocator import NULL_PAGE, PageAllocator
 
 operations = st.lists(
     st.tuples(

@@ -26,7 +26,7 @@ from hf_kvcache.eval.caches import CacheSpec
 from hf_kvcache.eval.command import reproduce_command
 from hf_kvcache.eval.report import EvalReport
 from hf_kvcache.eval.runner import EvalConfig
-from hf_kvcache.registry import REGISTRY
+from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.testing import tiny_llama
 
 ROOT = Path(__file__).parents[1]

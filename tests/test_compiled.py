@@ -14,9 +14,9 @@ from transformers import CompileConfig
 
 from hf_kvcache import KVPool
 from hf_kvcache.caches.paged import PagedCache
-from hf_kvcache.integration import build_cache
+from hf_kvcache.integration.registry import REGISTRY
+from hf_kvcache.integration.seams import build_cache
 from hf_kvcache.layers.plan import capacity_bucket
-from hf_kvcache.registry import REGISTRY
 from hf_kvcache.testing import random_padded_batch, tiny_gemma3, tiny_llama, tiny_mistral
 from tests.helpers import random_ids
 
@@ -438,7 +438,7 @@ WINDOW_8 = {"bits": 4, "group_size": 16, "residual_length": 8}
 @pytest.fixture
 def in_place_model(monkeypatch):
     """Tiny Llama under ``attn_implementation="hf_kvcache"``, with every planned step long enough to read in place."""
-    from hf_kvcache import flex
+    from hf_kvcache.attention import flex
 
     monkeypatch.setattr(flex, "MIN_IN_PLACE_TOKENS", 0)
     model = tiny_llama()
@@ -452,7 +452,7 @@ def test_compiled_steps_read_their_pages_in_place(compile_config, in_place_model
     """Under ``attn_implementation="hf_kvcache"`` a compiled step hands attention the pool's storage and the step's
     mask (``StepPlan.mask``): FlexAttention reads the rows' pages where they lie, nothing is gathered (quantized
     values: dequantized into a buffer laid out as the pool, as eager steps read them)."""
-    from hf_kvcache import flex
+    from hf_kvcache.attention import flex
 
     ids, kwargs = prompt(batch)
     kwargs["max_new_tokens"] = 24
@@ -497,7 +497,7 @@ def test_compiled_in_place_steps_compute_what_eager_steps_do(in_place_model, nam
 
 @pytest.mark.parametrize("name", ["paged_pool", "quantized_values"])
 def test_a_compiled_step_that_cannot_compile_flex_attention_gathers(compile_config, in_place_model, monkeypatch, name):
-    from hf_kvcache import flex
+    from hf_kvcache.attention import flex
 
     ids = random_ids(2, 21)
     if name == "paged_pool":
@@ -505,14 +505,14 @@ def test_a_compiled_step_that_cannot_compile_flex_attention_gathers(compile_conf
     else:
         reference = generate(in_place_model, ids, name, max_new_tokens=12, cache_config=WINDOW_8)
     monkeypatch.setattr(flex, "MAX_SHAPE_KEYS", 0)  # every in-place shape is past the limit: the op gathers
-    monkeypatch.setattr(flex, "_READY", set())  # as if no shape were compiled yet in this process
+    monkeypatch.setattr(flex, "KERNELS", flex.CompiledKernels())  # as if no shape were compiled yet in this process
     config = {"cache_config": WINDOW_8} if name == "quantized_values" else {}
     out = generate(in_place_model, ids, name, compile_config, max_new_tokens=12, **config)
     assert torch.equal(out, reference)
 
 
 def test_a_mask_that_hides_more_than_padding_is_not_read_in_place():
-    from hf_kvcache.caches.base import _hides_padding_only
+    from hf_kvcache.caches.planned import _hides_padding_only
 
     assert _hides_padding_only(None, None, 5)
     assert not _hides_padding_only(None, [2, 0], 5)  # padding the mask does not show

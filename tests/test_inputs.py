@@ -8,8 +8,8 @@ import torch
 from helpers import assert_same_generation, exact_config, example_config, padded_batch, run
 
 import hf_kvcache  # noqa: F401  (registers the names)
-from hf_kvcache.attention import ATTENTION_NAME, model_attention
-from hf_kvcache.registry import REGISTRY
+from hf_kvcache.attention.interface import ATTENTION_NAME, model_attention
+from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.testing import tiny_gemma3, tiny_llama, tiny_mistral
 
 

@@ -9,9 +9,9 @@ from transformers import AttentionInterface, AttentionMaskInterface, DynamicCach
 
 import hf_kvcache
 from hf_kvcache import KVPool, PagedCache
-from hf_kvcache.attention import ATTENTION_NAME, banded_sdpa_attention
-from hf_kvcache.integration import check_transformers_version
-from hf_kvcache.registry import REGISTRY
+from hf_kvcache.attention.interface import ATTENTION_NAME, banded_sdpa_attention
+from hf_kvcache.integration.registry import REGISTRY
+from hf_kvcache.integration.seams import check_transformers_version
 from hf_kvcache.transformers_internals import (
     cache_implementations,
     prepare_cache_method,

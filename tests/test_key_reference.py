@@ -1,6 +1,6 @@
 """quantized_kv decodes what its documented scheme promises, and loses no more than the math of that scheme.
 
-The slow twin here is plain torch, written from the documentation (``hf_kvcache.quant``'s module docstring), not
+The slow twin here is plain torch, written from the documentation (``hf_kvcache.memory.quant``'s module docstring), not
 from the library: int4 keys per channel over each full 16-token page (scale ``range / 15`` to 7 mantissa bits,
 zero to 1/16 of a step), int8 keys and int4/int8 values per token and group (a float16 scale rounded up, a float16
 zero rounded down), the page still filling and the newest ``residual_length`` values exact. The cache's keys and

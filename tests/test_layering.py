@@ -1,7 +1,9 @@
-"""Data flows one way (see GUIDE.md): the allocator and page table import no torch, nothing below
-``transformers_internals`` imports transformers, lower modules never import higher ones, the core never imports
-the tools (testing, bundled, eval, bench, cards), and only ``transformers_internals`` reaches past transformers'
-top-level names."""
+"""Data flows one way (see GUIDE.md). The core is one package per layer, lowest first: ``memory`` (pages and who
+holds them), ``attention`` (reading pages for transformers' attention), ``layers``, ``caches``, ``integration`` (the
+glue ``generate`` sees); beneath them ``errors``, and ``transformers_internals``, the one module that reaches past
+transformers' top-level names. A package imports only packages before it, and inside a package a module imports
+only the modules before it. ``memory`` imports no transformers; the allocator, page table, prefix index and
+errors import no torch. The core never imports the tools (testing, bundled, eval, bench, cards)."""
 
 import ast
 from pathlib import Path
@@ -9,27 +11,32 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).parents[1] / "hf_kvcache"
-ORDER = [
-    "errors",
-    "quant",
-    "config",
-    "placement",
-    "device_memory",
-    "prefix_index",
-    "allocator",
-    "page_table",
-    "pool",
-    "kernels",
-    "flex",
-    "transformers_internals",
-    "layers",
-    "attention",
-    "caches",
-    "registry",
-    "integration",
-    "warmup",
-]
-"""The core, lowest first: a module imports only modules before it."""
+ORDER = ["errors", "memory", "transformers_internals", "attention", "layers", "caches", "integration"]
+"""The core's packages (and two modules), lowest first: each imports only those before it."""
+INSIDE = {
+    "memory": [
+        *("quant", "format", "device_memory", "prefix_index", "allocator", "page_table", "placement"),
+        *("storage", "pools", "stats", "pool"),
+    ],
+    "attention": ["kernels", "block_mask", "flex", "reads", "interface"],
+    "layers": ["plan", "window", "identical", "exact", "keys", "store", "planned", "rows", "paged", "ring"],
+    "caches": [
+        "options",
+        "policy",
+        "prefix",
+        "binder",
+        "planned",
+        "base",
+        "entry",
+        "paged",
+        "quantized",
+        "quantized_kv",
+        "ring",
+    ],
+    "integration": ["registry", "seams", "warmup"],
+}
+"""Each core package's modules, lowest first: a module imports only the modules before it in its package."""
+NO_TORCH = ["errors", "memory/allocator", "memory/page_table", "memory/prefix_index"]
 TOOLS = ["testing", "bundled", "eval", "bench", "cards"]
 """Library code on top of the core; each may import the core and the tools it lists in ``TOOL_IMPORTS``."""
 TOOL_IMPORTS = {
@@ -59,8 +66,10 @@ def imports_of(module: str) -> set[str]:
                 names |= {alias.name for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module:
                 names.add(node.module)
-                if node.module == "hf_kvcache":  # from hf_kvcache import caches
-                    names |= {f"hf_kvcache.{alias.name}" for alias in node.names}
+                folder = PACKAGE.parent.joinpath(*node.module.split("."))
+                # from hf_kvcache import caches; from hf_kvcache.memory import pool: modules, not names
+                names |= {f"{node.module}.{a.name}" for a in node.names if (folder / f"{a.name}.py").exists()}
+                names |= {f"{node.module}.{a.name}" for a in node.names if (folder / a.name).is_dir()}
     return names
 
 
@@ -72,17 +81,40 @@ def ours(names: set[str]) -> set[str]:
 def test_every_module_is_placed():
     found = {path.stem for path in PACKAGE.glob("*.py")} | {path.name for path in PACKAGE.iterdir() if path.is_dir()}
     assert found - {"__init__", "__pycache__"} == set(ORDER) | set(TOOLS)
+    for package, modules in INSIDE.items():
+        inside = {path.stem for path in (PACKAGE / package).glob("*.py")} - {"__init__"}
+        assert inside == set(modules), f"{package}: {sorted(inside)} against INSIDE's {sorted(modules)}"
+
+
+@pytest.mark.parametrize("package", INSIDE)
+def test_every_core_package_says_what_each_of_its_modules_owns(package):
+    docstring = ast.get_docstring(ast.parse((PACKAGE / package / "__init__.py").read_text())) or ""
+    unnamed = [module for module in INSIDE[package] if f"``{module}``" not in docstring]
+    assert not unnamed, f"hf_kvcache/{package}/__init__.py's docstring does not name {unnamed}"
 
 
 @pytest.mark.parametrize("module", ORDER)
 def test_imports_flow_one_way(module):
     names = imports_of(module)
     higher = set(ORDER[ORDER.index(module) + 1 :])
-    assert not ours(names) & higher, f"{module} imports higher modules {ours(names) & higher}"
+    assert not ours(names) & higher, f"{module} imports higher packages {ours(names) & higher}"
     if ORDER.index(module) < ORDER.index("transformers_internals"):
         assert not any(name.startswith("transformers") for name in names), f"{module} imports transformers"
-    if module in ("allocator", "page_table", "errors", "prefix_index"):
-        assert not any(name.startswith("torch") for name in names), f"{module} imports torch"
+
+
+@pytest.mark.parametrize(
+    "package, module", [(package, module) for package, modules in INSIDE.items() for module in modules]
+)
+def test_inside_a_package_imports_flow_one_way(package, module):
+    names = {name for name in imports_of(f"{package}/{module}") if name.startswith(f"hf_kvcache.{package}.")}
+    higher = set(INSIDE[package][INSIDE[package].index(module) + 1 :])
+    used = {name.split(".")[2] for name in names}
+    assert not used & higher, f"{package}.{module} imports {sorted(used & higher)}, after it in INSIDE"
+
+
+@pytest.mark.parametrize("module", NO_TORCH)
+def test_the_bookkeeping_imports_no_torch(module):
+    assert not any(name.startswith("torch") for name in imports_of(module)), f"{module} imports torch"
 
 
 @pytest.mark.parametrize("module", ORDER)
@@ -157,4 +189,4 @@ def test_only_integration_and_the_bundled_model_change_transformers():
         for node in ast.walk(ast.parse(file.read_text()))
         if isinstance(node, ast.Name | ast.Attribute) and getattr(node, "id", getattr(node, "attr", None)) in writes
     }
-    assert callers == {"integration.py", "bundled/model.py"}
+    assert callers == {"integration/seams.py", "bundled/model.py"}

@@ -1,5 +1,5 @@
 """Multi-device models: tensor parallel under ``torchrun`` (the real engine, 2 CPU ranks over gloo), and where a
-tensor-parallel rank's or a split model's KV lives (``hf_kvcache.placement``).
+tensor-parallel rank's or a split model's KV lives (``hf_kvcache.memory.placement``).
 
 The tensor-parallel tests share one ``torchrun`` launch that runs every case (``torchrun_worker.py``) and check,
 per model and registered cache, that both ranks generate the unsharded model's tokens (and DynamicCache's where the
@@ -25,10 +25,10 @@ import hf_kvcache
 from hf_kvcache import KVPool, PagedCache, PoolExhaustedError
 from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.errors import IncompatibleModelError
-from hf_kvcache.integration import placement_of
-from hf_kvcache.placement import Placement, agree, kv_heads_per_rank, layer_devices_from_map
-from hf_kvcache.pool import DEFAULT_MAX_MEMORY_FRACTION
-from hf_kvcache.registry import REGISTRY
+from hf_kvcache.integration.registry import REGISTRY
+from hf_kvcache.integration.seams import placement_of
+from hf_kvcache.memory.placement import Placement, agree, kv_heads_per_rank, layer_devices_from_map
+from hf_kvcache.memory.pools import DEFAULT_MAX_MEMORY_FRACTION
 
 REPO = Path(__file__).parents[1]
 TORCHRUN_TIMEOUT_S = 300

@@ -183,7 +183,7 @@ def test_the_core_and_a_cards_runtime_import_without_any_extra():
     code = (
         f"import sys\nfor name in {blocked!r}: sys.modules[name] = None\n"
         "import hf_kvcache, hf_kvcache.testing\nfrom hf_kvcache.cards import generate_with_cache\n"
-        "print(sorted(hf_kvcache.registry.REGISTRY))"
+        "print(sorted(hf_kvcache.integration.registry.REGISTRY))"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]

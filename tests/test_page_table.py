@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_kvcache.allocator import PageAllocator
 from hf_kvcache.errors import PoolExhaustedError
-from hf_kvcache.page_table import PageTable
+from hf_kvcache.memory.allocator import PageAllocator
+from hf_kvcache.memory.page_table import PageTable
 
 table_operations = st.lists(
     st.tuples(

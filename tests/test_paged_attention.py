@@ -1,4 +1,4 @@
-"""In-place paged decode attention (``hf_kvcache.flex``) against its slow twin (gathered pages) and DynamicCache.
+"""In-place paged decode attention (``attention.flex``) against its slow twin (gathered pages) and DynamicCache.
 
 Compiling costs 15-100 s per shape key (batch, the pool's storage, dtype) on a 2-core CPU, so these tests share
 few: batches of 3 rows (3 prompts, or 3 beams, or 3 returned sequences of one prompt) on the default pools,
@@ -15,10 +15,11 @@ import torch
 from helpers import assert_same_generation, padded_batch, random_ids, run, teacher_forced_logits
 from transformers import DynamicCache
 
-from hf_kvcache import KVPool, PagedCache, flex
-from hf_kvcache import pool as pool_module
-from hf_kvcache.attention import ATTENTION_NAME, mask_hides_padding_only, model_attention
+from hf_kvcache import KVPool, PagedCache
+from hf_kvcache.attention import block_mask, flex
+from hf_kvcache.attention.interface import ATTENTION_NAME, mask_hides_padding_only, model_attention
 from hf_kvcache.layers import store as store_module
+from hf_kvcache.memory import pools as pool_module
 
 pytestmark = pytest.mark.skipif(flex.unavailable(torch.device("cpu")) is not None, reason="no compiled FlexAttention")
 
@@ -142,12 +143,12 @@ def test_a_fresh_default_pool_grows_to_keep_rows_in_place(tiny_llama_model, in_p
 )
 def test_attention_reads_a_view_that_grows_with_the_rows_pages(tiny_llama_model, in_place, settings, monkeypatch):
     """Attention gets the storage's first pages only, a power of two extents holding all the rows' pages
-    (``flex.view_pages``, here from one extent up): on a fresh default pool three rows of 120 tokens hold extents
+    (``block_mask.view_pages``, here from one extent up): on a fresh default pool three rows of 120 tokens hold extents
     1-3 (a view of 4 extents, 32 pages), cross into extents 4-6 at their 129th token (a view of 8) and read the
     same tokens as gathered, the residual window of quantized values included."""
     monkeypatch.setattr(pool_module, "_DEFAULT_POOLS", {})
     monkeypatch.setattr(pool_module, "_DEFAULT_BUDGETS", {})
-    monkeypatch.setattr(flex, "MIN_VIEW_EXTENTS", 1)
+    monkeypatch.setattr(block_mask, "MIN_VIEW_EXTENTS", 1)
     views = []
     decode_attention = flex.decode_attention
 
@@ -248,7 +249,7 @@ def test_smollm2_padded_batch_and_beams_in_place(bundled, in_place):
 def test_gathers_with_one_log_line_where_it_cannot_compile(tiny_llama_model, in_place, monkeypatch, caplog):
     """No compiler (or an old torch, no FlexAttention): the gather path, said once on the ``hf_kvcache`` logger."""
     monkeypatch.setattr(flex, "unavailable", lambda device: "torch.compile needs a C++ compiler on the CPU (test)")
-    monkeypatch.setattr(flex, "_LOGGED", set())
+    monkeypatch.setattr(flex, "KERNELS", flex.CompiledKernels())  # nothing said yet in this process
     ids, mask = padded_batch([23, 16, 17], seed=1)
     reference = run(tiny_llama_model, ids, mask, max_new_tokens=6)
     with caplog.at_level(logging.INFO, logger="hf_kvcache"):
@@ -276,14 +277,13 @@ def test_mask_check_accepts_only_leading_padding():
 def test_gathers_past_the_shape_key_limit(tiny_llama_model, in_place, monkeypatch, caplog):
     """A shape past ``MAX_SHAPE_KEYS`` is not compiled: that step's attention gathers the same keys instead."""
     monkeypatch.setattr(flex, "MAX_SHAPE_KEYS", 0)
-    monkeypatch.setattr(flex, "_LOGGED", set())
-    monkeypatch.setattr(flex, "_READY", set())  # as if no shape were compiled yet in this process
+    monkeypatch.setattr(flex, "KERNELS", flex.CompiledKernels())  # as if nothing were compiled or said yet
     ids, mask = padded_batch([11, 7], seed=9)
     reference = run(tiny_llama_model, ids, mask, max_new_tokens=6)
     with caplog.at_level(logging.INFO, logger="hf_kvcache"):
         assert_same_generation(reference, paged(tiny_llama_model, ids, mask, ATTENTION_NAME, max_new_tokens=6))
     assert in_place["calls"] == 5 * 2  # tried, and gathered
-    said = [record for record in caplog.records if "hf_kvcache.flex.MAX_SHAPE_KEYS" in record.message]
+    said = [record for record in caplog.records if "hf_kvcache.attention.flex.MAX_SHAPE_KEYS" in record.message]
     assert [record.levelno for record in said] == [logging.WARNING]  # once, not silently, with the knob
 
 

@@ -8,8 +8,9 @@ from helpers import assert_beams_and_sampling_match, assert_same_generation, pad
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 import hf_kvcache  # noqa: F401  (registers "paged_pool")
-from hf_kvcache import KVPool, PagedCache, PoolExhaustedError, flex
-from hf_kvcache.attention import ATTENTION_NAME, model_attention
+from hf_kvcache import KVPool, PagedCache, PoolExhaustedError
+from hf_kvcache.attention import flex
+from hf_kvcache.attention.interface import ATTENTION_NAME, model_attention
 from hf_kvcache.bench.catalogue import interleaved_extents, with_attention
 from hf_kvcache.layers.rows import run_read_count
 from hf_kvcache.testing import tiny_llama

@@ -11,9 +11,10 @@ import torch
 from helpers import random_ids
 
 import hf_kvcache  # noqa: F401
-from hf_kvcache import KVPool, PagedCache, PageFormat, PoolExhaustedError, device_memory
-from hf_kvcache import pool as pool_module
-from hf_kvcache.placement import normalize_device
+from hf_kvcache import KVPool, PagedCache, PageFormat, PoolExhaustedError
+from hf_kvcache.memory import device_memory
+from hf_kvcache.memory import pools as pool_module
+from hf_kvcache.memory.placement import normalize_device
 
 FORMAT = PageFormat(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32, page_size=16)
 

@@ -13,7 +13,7 @@ import torch
 
 from hf_kvcache import KVPool
 from hf_kvcache.caches import prefix as prefix_module
-from hf_kvcache.registry import REGISTRY
+from hf_kvcache.integration.registry import REGISTRY
 from tests.helpers import random_ids
 
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}

@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_kvcache import KVPool
-from hf_kvcache.allocator import PageAllocator
-from hf_kvcache.config import PageFormat
 from hf_kvcache.errors import PoolExhaustedError
-from hf_kvcache.prefix_index import KEY_BYTES, chain_keys, root_key
+from hf_kvcache.memory.allocator import PageAllocator
+from hf_kvcache.memory.format import PageFormat
+from hf_kvcache.memory.prefix_index import KEY_BYTES, chain_keys, root_key
 
 
 def test_chain_keys_depend_on_every_earlier_token_and_the_position():

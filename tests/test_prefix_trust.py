@@ -12,7 +12,7 @@ import torch
 
 from hf_kvcache import KVPool
 from hf_kvcache.caches import prefix as prefix_module
-from hf_kvcache.registry import REGISTRY
+from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.testing import tiny_gemma3, tiny_llama, tiny_mistral
 from tests.helpers import random_ids
 from tests.test_prefix_caching import PAGE_SIZE, assert_same_tokens_close_logits, greedy, prefix_pool
@@ -218,7 +218,7 @@ def test_a_four_dimensional_attention_mask_neither_looks_up_nor_publishes():
 
 
 def pool_cache(model, pool):
-    from hf_kvcache.integration import build_cache
+    from hf_kvcache.integration.seams import build_cache
 
     return build_cache("paged_pool", model, {"pool": pool})
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_kvcache.quant import (
+from hf_kvcache.memory.quant import (
     QuantFormat,
     compact_scale_and_base,
     dequantize,
@@ -82,7 +82,7 @@ def stored_scale_and_base(scale: torch.Tensor, zero: torch.Tensor, fmt: QuantFor
 
 
 COMPACT_SLACK = 2**-14
-"""Absolute error a compact scale below float16's normal range may add (module docstring of hf_kvcache.quant)."""
+"""Absolute error a compact scale below float16's normal range may add (module docstring of hf_kvcache.memory.quant)."""
 
 
 @FAST

@@ -11,7 +11,7 @@ import hf_kvcache  # noqa: F401  (registers "quantized_values")
 from hf_kvcache import IncompatibleModelError, KVPool, PagedCache, QuantizedValueCache
 from hf_kvcache.layers import RingLayer
 from hf_kvcache.layers.rows import PagedRows
-from hf_kvcache.quant import QuantFormat, dequantize, quantize
+from hf_kvcache.memory.quant import QuantFormat, dequantize, quantize
 from hf_kvcache.testing import tiny_llama
 from hf_kvcache.transformers_internals import DummyLayer
 

@@ -7,9 +7,9 @@ from transformers import DynamicCache
 
 import hf_kvcache  # noqa: F401  (registers "quantized_kv")
 from hf_kvcache import KVPool, PageFormat, PoolExhaustedError, QuantizedKVCache
+from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.layers import RingLayer
-from hf_kvcache.quant import QuantFormat, dequantize, quantize
-from hf_kvcache.registry import REGISTRY
+from hf_kvcache.memory.quant import QuantFormat, dequantize, quantize
 
 MODELS = ["tiny_llama_model", "tiny_mistral_model", "tiny_gemma3_model"]
 

@@ -13,8 +13,8 @@ from helpers import assert_same_generation, example_config, padded_batch, run
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from hf_kvcache import KVPool, PageFormat, PoolExhaustedError
-from hf_kvcache.layers.ring import ring_num_slots
-from hf_kvcache.registry import REGISTRY
+from hf_kvcache.integration.registry import REGISTRY
+from hf_kvcache.layers.window import ring_num_slots
 
 WAIT_SECONDS = 120  # a generous bound on how long a thread waits for another; only reached if one hangs
 

@@ -20,7 +20,7 @@ from transformers import (
 
 from hf_kvcache import IncompatibleModelError
 from hf_kvcache.bench.soak import run_soak
-from hf_kvcache.registry import REGISTRY
+from hf_kvcache.integration.registry import REGISTRY
 
 MIB = 2**20
 

@@ -20,11 +20,11 @@ from transformers import DynamicCache
 
 import hf_kvcache  # noqa: F401  (registers "sliding_ring")
 from hf_kvcache import KVPool, PagedCache, SlidingRingCache
-from hf_kvcache.attention import ATTENTION_NAME, banded_sdpa_attention, model_attention
+from hf_kvcache.attention.interface import ATTENTION_NAME, banded_sdpa_attention, model_attention
+from hf_kvcache.attention.reads import LAYOUT_ATTRIBUTE, KeyLayout
 from hf_kvcache.caches.base import ATTENTION_LAYER_TYPES
-from hf_kvcache.config import layer_groups, layer_types
 from hf_kvcache.layers import PagedLayer, RingLayer, RingRows
-from hf_kvcache.layers.ring import LAYOUT_ATTRIBUTE, KeyLayout
+from hf_kvcache.memory.format import layer_groups, layer_types
 
 SLIDING_MODELS = ["tiny_mistral_model", "tiny_gemma3_model"]  # window 8
 

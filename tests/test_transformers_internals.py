@@ -17,7 +17,7 @@ from transformers import (
 
 import hf_kvcache
 from hf_kvcache import transformers_internals as internals
-from hf_kvcache.placement import kv_heads_per_rank
+from hf_kvcache.memory.placement import kv_heads_per_rank
 from hf_kvcache.testing import tiny_gemma3, tiny_llama
 
 
@@ -158,7 +158,7 @@ def test_a_model_loaded_without_tensor_parallelism_has_no_device_mesh():
 
 
 def test_kv_heads_per_rank_is_transformers_rule():
-    """``hf_kvcache.placement.kv_heads_per_rank`` mirrors ``get_kv_heads_per_rank`` (which sizes transformers' own
+    """``memory.placement.kv_heads_per_rank`` mirrors ``get_kv_heads_per_rank`` (which sizes transformers' own
     StaticCache under tensor parallelism) on the plans of the tiny models, where an even split is possible."""
     from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
 

@@ -18,10 +18,11 @@ from helpers import exact_config, example_config
 from transformers import AutoModelForCausalLM, PreTrainedModel, StoppingCriteria
 
 import hf_kvcache
-from hf_kvcache import KVPool, PoolExhaustedError, device_memory
-from hf_kvcache import pool as pool_module
-from hf_kvcache.attention import model_attention
-from hf_kvcache.registry import REGISTRY
+from hf_kvcache import KVPool, PoolExhaustedError
+from hf_kvcache.attention.interface import model_attention
+from hf_kvcache.integration.registry import REGISTRY
+from hf_kvcache.memory import device_memory
+from hf_kvcache.memory import pools as pool_module
 from hf_kvcache.testing import tiny_gemma3, tiny_llama
 from hf_kvcache.transformers_internals import tensor_parallel_group
 

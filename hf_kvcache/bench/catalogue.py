@@ -41,12 +41,12 @@ from dataclasses import dataclass
 import torch
 from transformers import Cache, DynamicCache, PreTrainedConfig, PreTrainedModel, StaticCache
 
-from hf_kvcache.attention import ATTENTION_NAME
+from hf_kvcache.attention.interface import ATTENTION_NAME
 from hf_kvcache.caches import SlidingRingCache
-from hf_kvcache.config import KV_BLOCK_TOKENS, PageFormat
 from hf_kvcache.eval import CacheSpec, installed_quantized_backends, sliding_window_config
-from hf_kvcache.pool import KVPool
-from hf_kvcache.registry import REGISTRY
+from hf_kvcache.integration.registry import REGISTRY
+from hf_kvcache.memory.format import KV_BLOCK_TOKENS, PageFormat
+from hf_kvcache.memory.pool import KVPool
 
 BASELINE = "dynamic"
 """The baseline of every run: ratios of every cache and the token checks of full caches."""

@@ -33,13 +33,13 @@ import torch
 import torch._dynamo
 from transformers import CompileConfig, DynamicCache, LogitsProcessor, PreTrainedModel, StaticCache
 
-from hf_kvcache.attention import ATTENTION_NAME, model_attention
+from hf_kvcache.attention.interface import ATTENTION_NAME, model_attention
 from hf_kvcache.bench import measure
 from hf_kvcache.bench.decode import _prefill_rows
 from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.eval import kv_bytes
-from hf_kvcache.integration import build_cache
-from hf_kvcache.registry import REGISTRY
+from hf_kvcache.integration.registry import REGISTRY
+from hf_kvcache.integration.seams import build_cache
 
 logger = logging.getLogger("hf_kvcache.bench")
 

@@ -42,8 +42,8 @@ from typing import Any
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from hf_kvcache import flex
-from hf_kvcache.attention import model_attention
+from hf_kvcache.attention import flex
+from hf_kvcache.attention.interface import model_attention
 from hf_kvcache.bench import measure
 from hf_kvcache.bench.catalogue import (
     BASELINE,

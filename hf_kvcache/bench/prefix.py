@@ -30,8 +30,8 @@ import torch
 from transformers import PreTrainedModel
 
 from hf_kvcache.bench import measure
-from hf_kvcache.pool import KVPool
-from hf_kvcache.registry import REGISTRY
+from hf_kvcache.integration.registry import REGISTRY
+from hf_kvcache.memory.pool import KVPool
 
 MODES = ("without_index", "with_index")
 

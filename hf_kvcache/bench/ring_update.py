@@ -32,7 +32,7 @@ from hf_kvcache.bench.catalogue import (
     ring_pool,
     with_attention,
 )
-from hf_kvcache.config import PageFormat
+from hf_kvcache.memory.format import PageFormat
 
 UPDATE_WINDOWS = (256, 512, 1024, 2048, 4096, 8192)
 TIMED_LAYERS = (0, 1)

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from hf_kvcache.bench.measure import rss_bytes
-from hf_kvcache.config import PageFormat
 from hf_kvcache.errors import PoolExhaustedError
-from hf_kvcache.pool import KVPool
-from hf_kvcache.registry import REGISTRY
+from hf_kvcache.integration.registry import REGISTRY
+from hf_kvcache.memory.format import PageFormat
+from hf_kvcache.memory.pool import KVPool
 from hf_kvcache.testing import random_padded_batch
 
 

@@ -1,5 +1,13 @@
-"""Our ``transformers.Cache`` subclasses, one file per cache over ``base.PoolCache``, each with its registry
-``ENTRY`` (``entry.CacheEntry``; collected in ``hf_kvcache.registry``)."""
+"""Our ``transformers.Cache`` subclasses, one file per cache over ``base.PoolCache``.
+
+- ``options``: the ``cache_config`` keys every cache takes (``CacheOptions``);
+- ``policy``: which tokens a layer group keeps (``RowPolicy``); ``prefix``: a cache's side of prompt reuse;
+- ``binder``: the pool a cache's layers write to, found once per device, and its pages returned (``PoolBinder``);
+- ``planned``: compiled decoding, each decode step planned before the forward pass (``PlannedDecoding``);
+- ``base``: ``PoolCache``, a cache whose layers draw pages from a pool;
+- ``entry``: what the registry knows of a cache (``CacheEntry``; collected in ``hf_kvcache.integration.registry``);
+- ``paged``, ``quantized``, ``quantized_kv``, ``ring``: the four caches, each with its ``ENTRY``.
+"""
 
 from hf_kvcache.caches.paged import PagedCache
 from hf_kvcache.caches.quantized import QuantizedValueCache

@@ -1,4 +1,4 @@
-"""``CacheEntry``: what the registry (``hf_kvcache.registry``) knows of one cache name.
+"""``CacheEntry``: what the registry (``hf_kvcache.integration.registry``) knows of one cache name.
 
 Each cache module declares its entry next to its class; the tests, the soak, the evaluation and the
 benchmarks take the settings they run a cache with from here, so a new cache is covered by all of them
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hf_kvcache.config import PageFormat
+from hf_kvcache.memory.format import PageFormat
 
 POOL_FORMAT_KEYS = ("value_bits", "value_group_size", "key_bits", "key_group_size", "scale_dtype")
 """The ``PageFormat`` fields a cache's settings choose, beyond the model's geometry (``KVPool.for_model`` keywords)."""

@@ -1,6 +1,6 @@
-"""Prompt reuse across ``generate`` calls: a cache's side of its pool's prefix index (``hf_kvcache.prefix_index``).
+"""Prompt reuse across ``generate`` calls: a cache's side of its pool's prefix index (``memory.prefix_index``).
 
-``generate`` never shows a cache its token ids; ``hf_kvcache.integration`` hands them over from
+``generate`` never shows a cache its token ids; ``hf_kvcache.integration.seams`` hands them over from
 ``prepare_inputs_for_generation``: the whole prompt before the first forward pass, then the ids each forward pass
 feeds. A ``PrefixTracker`` keeps them (``[rows, tokens]``, CPU) with each row's chain keys, and
 
@@ -44,19 +44,17 @@ held pages across a reset publishes nothing more (``epoch``).
 
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from hf_kvcache.attention import ATTENTION_NAME
+from hf_kvcache.attention.interface import ATTENTION_NAME
+from hf_kvcache.caches.policy import RowPolicy
 from hf_kvcache.errors import PoolExhaustedError
 from hf_kvcache.layers import PagedRows, RingRows
-from hf_kvcache.pool import KVPool
-from hf_kvcache.prefix_index import PageKey, chain_keys, root_key
+from hf_kvcache.memory.pool import KVPool
+from hf_kvcache.memory.prefix_index import PageKey, chain_keys, root_key
 from hf_kvcache.transformers_internals import attn_implementation
-
-if TYPE_CHECKING:  # base imports this module
-    from hf_kvcache.caches.base import RowPolicy
 
 logger = logging.getLogger("hf_kvcache")
 
@@ -135,7 +133,7 @@ class PrefixTracker:
         namespace: ``CacheOptions.prefix_namespace``: pages are published and found under it only.
     """
 
-    def __init__(self, pool: KVPool, policies: "list[RowPolicy]", namespace: str = "") -> None:
+    def __init__(self, pool: KVPool, policies: list[RowPolicy], namespace: str = "") -> None:
         self.pool = pool
         self.namespace = namespace
         self.page_size = pool.format.page_size

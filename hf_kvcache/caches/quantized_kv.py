@@ -13,8 +13,10 @@ from typing import Any
 import torch
 from transformers import PreTrainedConfig
 
-from hf_kvcache.caches.base import PoolCache, RowPolicy
+from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.caches.entry import CacheEntry
+from hf_kvcache.caches.options import CacheOptions
+from hf_kvcache.caches.policy import RowPolicy
 from hf_kvcache.caches.quantized import (
     DEFAULT_RESIDUAL_LENGTH,
     check_quant_options,
@@ -22,9 +24,9 @@ from hf_kvcache.caches.quantized import (
     refuse_kv_reuse,
     residual_row_policy,
 )
-from hf_kvcache.config import DEFAULT_PAGE_SIZE, CacheOptions, PageFormat
-from hf_kvcache.placement import Placement
-from hf_kvcache.pool import KVPool
+from hf_kvcache.memory.format import DEFAULT_PAGE_SIZE, PageFormat
+from hf_kvcache.memory.placement import Placement
+from hf_kvcache.memory.pool import KVPool
 
 DEFAULT_SINK_TOKENS = 0
 """First tokens of a row kept in full precision by default."""
@@ -32,7 +34,7 @@ DEFAULT_SINK_TOKENS = 0
 
 def scale_dtype_for(dtype: torch.dtype) -> torch.dtype:
     """Scales in 2 bytes: the model's dtype where it has 2 bytes, else float16 (inputs up to 32,752 in magnitude keep
-    the error bound of ``hf_kvcache.quant``; larger ones stay finite)."""
+    the error bound of ``hf_kvcache.memory.quant``; larger ones stay finite)."""
     return dtype if dtype.itemsize == 2 else torch.float16
 
 

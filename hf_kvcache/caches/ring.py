@@ -7,13 +7,15 @@ from typing import Any
 import torch
 from transformers import PreTrainedConfig
 
-from hf_kvcache.attention import ATTENTION_NAME
-from hf_kvcache.caches.base import PoolCache, RowPolicy
+from hf_kvcache.attention.interface import ATTENTION_NAME
+from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.caches.entry import CacheEntry
-from hf_kvcache.config import DEFAULT_PAGE_SIZE, CacheOptions
+from hf_kvcache.caches.options import CacheOptions
+from hf_kvcache.caches.policy import RowPolicy
 from hf_kvcache.layers import RingLayer
-from hf_kvcache.placement import Placement
-from hf_kvcache.pool import KVPool
+from hf_kvcache.memory.format import DEFAULT_PAGE_SIZE
+from hf_kvcache.memory.placement import Placement
+from hf_kvcache.memory.pool import KVPool
 from hf_kvcache.transformers_internals import attn_implementation, layer_types_and_kwargs
 
 

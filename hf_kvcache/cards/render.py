@@ -12,7 +12,7 @@ from hf_kvcache import __version__
 from hf_kvcache.bundled import BUNDLED_MODEL
 from hf_kvcache.cards.settings import CardSetting
 from hf_kvcache.eval import CacheResult, EvalReport, change_by_bucket
-from hf_kvcache.integration import SUPPORTED_TRANSFORMERS
+from hf_kvcache.integration.seams import SUPPORTED_TRANSFORMERS
 
 CUSTOM_GENERATE_DIR = "custom_generate"
 CARD_FILES = (

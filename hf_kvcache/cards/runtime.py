@@ -4,8 +4,8 @@
 from typing import Any
 
 from hf_kvcache import __version__
-from hf_kvcache.integration import is_registered
-from hf_kvcache.registry import REGISTRY
+from hf_kvcache.integration.registry import REGISTRY
+from hf_kvcache.integration.seams import is_registered
 
 
 def require_registered(name: str) -> None:

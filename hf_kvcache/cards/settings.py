@@ -5,7 +5,7 @@ from typing import Any
 
 from hf_kvcache.bundled import BUNDLED_MODEL
 from hf_kvcache.errors import MissingExtraError
-from hf_kvcache.registry import REGISTRY
+from hf_kvcache.integration.registry import REGISTRY
 
 try:  # rendering, validating and publishing cards read eval reports: the cards extra (the published cards' runtime,
     # hf_kvcache.cards.generate_with_cache, needs only the core)

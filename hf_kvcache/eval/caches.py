@@ -14,7 +14,7 @@ from typing import Any
 
 from transformers import Cache, DynamicCache, PreTrainedConfig, PreTrainedModel, QuantizedCache, StaticCache
 
-from hf_kvcache.registry import REGISTRY
+from hf_kvcache.integration.registry import REGISTRY
 
 TRANSFORMERS_KINDS = ("dynamic", "static", "quantized", "sliding")
 """``dynamic``: DynamicCache (the baseline). ``static``: StaticCache. ``quantized``: QuantizedCache

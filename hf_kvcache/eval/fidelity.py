@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import Cache, PreTrainedModel
 
-from hf_kvcache.attention import model_attention
+from hf_kvcache.attention.interface import model_attention
 from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.eval.caches import CacheSpec
 from hf_kvcache.transformers_internals import cache_layer_state

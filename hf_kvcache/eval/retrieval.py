@@ -36,7 +36,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from hf_kvcache.attention import model_attention
+from hf_kvcache.attention.interface import model_attention
 from hf_kvcache.eval.caches import CacheSpec
 from hf_kvcache.eval.data import load_essays, load_ruler_essays
 from hf_kvcache.eval.qa import QAItem, load_qa, qa_distractor_pool

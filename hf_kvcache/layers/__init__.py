@@ -1,4 +1,13 @@
-"""Cache layers on the shared pool: one small file per policy over ``rows.PagedRows``."""
+"""The layers: one layer group's rows of a cache on the shared pool, one small file per policy.
+
+- ``plan``: a decode step planned before the forward pass (``StepPlan``), what a compiled graph reads;
+- ``window``: the ring's arithmetic; ``identical``: a prefill's identical rows, which share their pages;
+- ``exact``: what a quantized pool's layers keep in full precision (the residual window, the exact sink);
+- ``keys``: keys stored as codes a page at a time; ``store``: writing and reading a layer group's slots;
+- ``planned``: the rows' planned steps (``PlannedRows``); ``rows``: ``PagedRows``, the page table and the index
+  tensors attention needs, in place or gathered;
+- ``paged``: a layer that keeps every token; ``ring``: the sliding ring, a fixed set of pages per row.
+"""
 
 from hf_kvcache.layers.paged import PagedLayer
 from hf_kvcache.layers.ring import RingLayer, RingRows

@@ -2,7 +2,7 @@
 
 A row's tokens fill its pages in order. The page still filling is held here in full precision (``partial``, one
 page per row and layer, counted in ``memory_stats()``) and its slots in the pool stay unwritten; when its last slot
-is written the whole page is encoded (``hf_kvcache.quant``: per token at 8 bits, per channel over the page's tokens
+is written the whole page is encoded (``memory.quant``: per token at 8 bits, per channel over the page's tokens
 at 4) and its codes written to the pool, once: they never change while the page stays full. Attention gets every
 page decoded into a buffer reused from layer to layer, with the page still filling put over its slots.
 
@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from hf_kvcache.allocator import NULL_PAGE
-from hf_kvcache.config import PageFormat
-from hf_kvcache.pool import PoolStorage
-from hf_kvcache.quant import dequantize, dequantize_channels_into, dequantize_into, join_scales, quantize
+from hf_kvcache.memory.allocator import NULL_PAGE
+from hf_kvcache.memory.format import PageFormat
+from hf_kvcache.memory.quant import dequantize, dequantize_channels_into, dequantize_into, join_scales, quantize
+from hf_kvcache.memory.storage import PoolStorage
 
 Buffer = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
 """A reused buffer by name, shape and dtype (``SlotStore._buffer``)."""

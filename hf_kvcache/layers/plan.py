@@ -38,7 +38,7 @@ class StepPlan:
         filling_index / filling_held / filling_coded: keys coded a page at a time: ``[num_keys]`` each key's slot in
             the page still filling, ``[1, 1, num_keys, 1]`` whether attention takes it from there rather than from
             the codes, and ``[1, 1, 1, 1]`` whether the step fills the page (then it is read through its encoding).
-        mask: a ``flex.PagedBlockMask`` where attention reads the pages in place (FlexAttention over the storage, in
+        mask: a ``PagedBlockMask`` where attention reads the pages in place (FlexAttention over the storage, in
             the graph), refilled before each step; ``None``: the step gathers ``pages``.
         value_extents: quantized values read in place: ``[n]`` the extents the mask visits (padded with the last
             one to a fixed count), whose codes are dequantized into ``value_buffer``.

@@ -30,7 +30,7 @@ choices put a real, earlier token under a real, earlier column of the model's ma
 (``sdpa``, ``eager``) masks a padded row exactly as the row alone.
 
 Attention may also be handed a ``KeyLayout`` with the keys (``layout_of(keys)``), read by
-``attn_implementation="hf_kvcache"`` (``hf_kvcache.attention``):
+``attn_implementation="hf_kvcache"`` (``hf_kvcache.attention.interface``):
 
 - a step of several new tokens carries its *band* ``[batch, n, num_keys]``: which key each new token may
   see, itself and the ``window - 1`` before it plus the sinks. On a model's sliding layer the
@@ -43,110 +43,19 @@ Attention may also be handed a ``KeyLayout`` with the keys (``layout_of(keys)``)
   ``get_mask_sizes``). The update is then only the write: O(1) per token.
 """
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hf_kvcache.allocator import NULL_PAGE
-from hf_kvcache.kernels import page_slot_rows, read_slots, slot_rows
+from hf_kvcache.attention.kernels import page_slot_rows, read_slots, slot_rows
+from hf_kvcache.attention.reads import LAYOUT_ATTRIBUTE, KeyLayout
 from hf_kvcache.layers.paged import PagedLayer
 from hf_kvcache.layers.rows import PagedRows
-from hf_kvcache.pool import KVPool, PoolStorage
-
-LAYOUT_ATTRIBUTE = "hf_kvcache_layout"
-
-
-@dataclass(frozen=True)
-class KeyLayout:
-    """What attention must know of the keys a ring returned, beyond the model's mask.
-
-    Attributes:
-        band: ``[batch, num_new, num_keys]``, true where a new token of a row may see a key (causality, window and
-            the row's sinks; false for a slot that holds no token the step may see).
-        mask_columns: ``[batch, num_keys]``, the column of the model's mask (built for the visible tokens in time
-            order) that applies to each key of a row; ``None`` when the keys come in that order.
-    """
-
-    band: torch.Tensor
-    mask_columns: torch.Tensor | None = None
-
-
-def layout_of(keys: torch.Tensor) -> KeyLayout | None:
-    """The layout a ring attached to the keys it returned (``None``: attend as the model's mask says)."""
-    return getattr(keys, LAYOUT_ATTRIBUTE, None)
-
-
-def band(
-    tokens: torch.Tensor, start: int, num_new: int, window: int, sink_tokens: int, pad_lengths: torch.Tensor
-) -> torch.Tensor:
-    """``[batch, num_new, n]``: may new token ``start + i`` of row ``b`` see token ``tokens[b, j]``?
-
-    A row sees its window and its own sinks (its first ``sink_tokens`` real tokens), never padding; ``-1`` in
-    ``tokens`` marks a slot that holds no token. A padding query is left to the model's mask.
-
-    Args:
-        tokens: ``[batch, n]`` the token each key holds.
-        pad_lengths: ``[batch]`` leading padding tokens of each row.
-    """
-    query = torch.arange(start, start + num_new, device=tokens.device).view(1, -1, 1)  # [1, num_new, 1]
-    keys = tokens.unsqueeze(1)  # [batch, 1, n]
-    pads = pad_lengths.view(-1, 1, 1)  # [batch, 1, 1]
-    seen = (keys <= query) & ((keys > query - window) | (keys - pads < sink_tokens))
-    return (seen & (keys >= pads)) | (query < pads)
-
-
-def visible_span(start: int, num_new: int, window: int, sink_tokens: int) -> tuple[int, int]:
-    """``(num_sinks, first)``: attention sees tokens ``[0, num_sinks)`` and ``[first, start + num_new)``."""
-    first = max(0, start - window + 1)
-    if first <= sink_tokens:  # the window reaches back to the sinks: one contiguous span
-        return 0, 0
-    return sink_tokens, first
-
-
-def ring_num_slots(window: int, sink_tokens: int, page_size: int) -> int:
-    """Logical slots of one row of a ring: the sinks plus the window, rounded up to whole pages, plus a spare page."""
-    return page_size * (math.ceil((sink_tokens + window - 1) / page_size) + 1)
-
-
-@dataclass(frozen=True)
-class RingStep:
-    """Where one step's tokens ``[start, start + num_new)`` are written and read, in every layer of a layer group.
-
-    Built by the layer group's first layer of the step and reused by the others. A step either reads the rows'
-    pages in place (``write_rows`` set; attention gets every slot in slot order, as ``layout`` says) or gathers
-    the visible tokens in time order (``write_index`` and ``read`` set). Every new token is written; those a row
-    keeps nowhere (its padding, and in a step longer than the ring the tokens it overwrites itself, between the
-    row's sinks and its last ``ring_slots`` tokens) go to the null page.
-
-    Attributes:
-        start / num_new: the step's first token and its number of new tokens.
-        layout: what attention must know beyond the model's mask; ``None`` for a single new token read in time
-            order (it sees every key).
-        storage_pages: the page count of the storage the indices below are built for (``PoolStorage``).
-        write_rows: in place only: ``[batch * heads * num_new]`` rows of the storage's flattened layer view the
-            new states go to, in ``(batch, head, token)`` order.
-        write_index: gathered only: ``[batch, heads, num_new]`` the new tokens' slot rows (``kernels.slot_rows``).
-        read: gathered only: ``[batch * heads * n]`` the visible tokens' slot rows, in time order (flattened
-            ``[batch, heads, n]``: ``kernels.read_slots``).
-        read_slots: gathered only: ``[batch, n]`` their logical slots (``-1``: none), for keys decoded a page at a time.
-    """
-
-    start: int
-    num_new: int
-    layout: KeyLayout | None
-    storage_pages: int
-    write_rows: torch.Tensor | None = None
-    write_index: torch.Tensor | None = None
-    read: torch.Tensor | None = None
-    read_slots: torch.Tensor | None = None
-
-    @property
-    def in_place(self) -> bool:
-        """Attention reads the rows' pages themselves, in slot order."""
-        return self.write_rows is not None
+from hf_kvcache.layers.window import RingStep, band, ring_num_slots, visible_span
+from hf_kvcache.memory.allocator import NULL_PAGE
+from hf_kvcache.memory.pool import KVPool
+from hf_kvcache.memory.storage import PoolStorage
 
 
 class RingRows(PagedRows):

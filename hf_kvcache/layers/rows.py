@@ -17,27 +17,28 @@ Attention gets a layer's keys and values in one of three ways (``attend``):
   ``batch x tokens`` reaches ``flex.MIN_IN_PLACE_TOKENS``): the layer's whole storage as
   ``[1, heads, pages * page_size, head_dim]`` views,
   the keys carrying a ``PagedRead`` with the step's ``PagedBlockMask`` (built once per step by the layer group's
-  first layer, shared by the rest) that ``hf_kvcache.attention`` hands to compiled FlexAttention. Quantized values
+  first layer, shared by the rest) that ``attention.interface`` hands to compiled FlexAttention. Quantized values
   cannot be read as they lie: the pages the mask visits are dequantized into a buffer of the storage's layout
   (``SlotStore.values_in_place``), while the keys are read in place.
 """
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hf_kvcache import flex
-from hf_kvcache.allocator import NULL_PAGE
-from hf_kvcache.kernels import page_slot_rows, read_planned, read_slots, run_view, slot_rows, write_planned
+from hf_kvcache.attention import block_mask, flex
+from hf_kvcache.attention.kernels import page_slot_rows, read_slots, run_view, slot_rows
+from hf_kvcache.attention.reads import PAGED_ATTRIBUTE, PagedRead
+from hf_kvcache.layers.identical import find_identical_rows
 from hf_kvcache.layers.plan import StepPlan
+from hf_kvcache.layers.planned import PlannedRows
 from hf_kvcache.layers.store import SlotStore, extent_runs
-from hf_kvcache.placement import agree
-from hf_kvcache.pool import KVPool, PoolStorage
+from hf_kvcache.memory.placement import agree
+from hf_kvcache.memory.pool import KVPool
+from hf_kvcache.memory.storage import PoolStorage
 
-PAGED_ATTRIBUTE = "hf_kvcache_paged"
 GATHER, RUN, IN_PLACE = "gather", "run", "in place"
 """How a step's attention reads a layer's pages (``PagedRows.attend``)."""
 _RUN_READS = [0]  # layers read as a run in this process (benchmarks report the path each row took)
@@ -48,78 +49,19 @@ def run_read_count() -> int:
     return _RUN_READS[0]
 
 
-@dataclass(frozen=True)
-class PagedRead:
-    """What attention needs to read one layer's keys and values where they lie (handed over on the keys).
-
-    Attributes:
-        mask: the step's mask over the pool's storage (one decode token per row).
-        pads: ``[batch]`` leading padding tokens of each row, which the mask hides.
-        num_tokens: tokens per row, the step's new one included.
-        gather: the same keys and values gathered, ``[batch, heads, num_tokens, head_dim]`` (the slow twin, for a
-            step attention cannot read in place after all).
-    """
-
-    mask: "flex.PagedBlockMask"
-    pads: torch.Tensor
-    num_tokens: int
-    gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]
-
-
-def paged_read_of(keys: torch.Tensor) -> PagedRead | None:
-    """The ``PagedRead`` a paged layer attached to the keys it returned (``None``: the keys are gathered)."""
-    return getattr(keys, PAGED_ATTRIBUTE, None)
-
-
-def _fresh_copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    """A copy with the strides of a new tensor (a compiled graph guards on them): ``clone()`` keeps a view's strides,
-    even along dimensions of size 1."""
-    if tensor is None:
-        return None
-    return torch.empty_like(tensor, memory_format=torch.contiguous_format).copy_(tensor)
-
-
-def _shapes(tensors: tuple[torch.Tensor | None, ...]) -> list[torch.Size | None]:
-    return [None if tensor is None else tensor.shape for tensor in tensors]
-
-
-def find_identical_rows(key_states: torch.Tensor, value_states: torch.Tensor) -> list[int] | None:
-    """For each row, the first row with identical keys and values (``None`` if all rows differ).
-
-    Args:
-        key_states / value_states: ``[batch, heads, seq_len, head_dim]``.
-    """
-    batch = key_states.shape[0]
-    if batch == 1:
-        return None
-    signature = (key_states.flatten(1).sum(1) + value_states.flatten(1).sum(1)).tolist()  # [batch]
-    firsts = list(range(batch))
-    for row in range(1, batch):
-        for first in range(row):
-            if (
-                firsts[first] == first
-                and signature[first] == signature[row]
-                and torch.equal(key_states[first], key_states[row])
-                and torch.equal(value_states[first], value_states[row])
-            ):
-                firsts[row] = first
-                break
-    return firsts if firsts != list(range(batch)) else None
-
-
-class PagedRows:
+class PagedRows(PlannedRows):
     """Page table of one layer group of a cache on one pool, with cached read/write indices.
 
     Args:
         pool: where the pages live.
         residual_length: newest tokens whose values attention gets in full precision (quantized pools only).
         row_extents: place each row's pages in aligned extents (``PageTable``), so attention can read them in
-            place in blocks of an extent (``hf_kvcache.flex``).
+            place in blocks of an extent (``hf_kvcache.attention.flex``).
         reads_in_place: whether the model's attention reads a ``PagedRead`` (``attn_implementation="hf_kvcache"``),
             asked once per step.
         query_group: query heads per KV head (the packed query rows of a decode step).
         group: the process group of a tensor-parallel model's ranks, whose tables must stay alike: their page
-            allocations and the sharing of identical rows are agreed over it (``hf_kvcache.placement``).
+            allocations and the sharing of identical rows are agreed over it (``hf_kvcache.memory.placement``).
         exact_tokens: first tokens of a row whose keys and values attention gets in full precision (quantized pools).
 
     Index tensors depend on the table and on the storage's page count (``PoolStorage``): they are rebuilt when
@@ -150,7 +92,7 @@ class PagedRows:
         self._pads: torch.Tensor | None = None  # ``pad_lengths`` as a [batch] tensor, see _pad_tensor
         self._reads_in_place = reads_in_place
         self._query_group = query_group
-        self._mask: flex.PagedBlockMask | None = None  # reused from step to step, refilled in place
+        self._mask: block_mask.PagedBlockMask | None = None  # reused from step to step, refilled in place
         self._mask_fresh = False  # the mask matches the table and the pads (else: update before use)
         self._mask_usable = False  # the visited extents hold nothing but the rows' pages and zeros
         self._mode: tuple[int, int, str] | None = None  # (num_tokens, num_new, mode) of the current step (_step_mode)
@@ -194,207 +136,6 @@ class PagedRows:
                 self.store.write_value_pages(layer_in_group, storage, rows, first, start, values)
         self.store.remember(layer_in_group, start, value_states, key_states)
         self.end_step(layer_in_group, start + key_states.shape[-2])
-
-    # ----- planned decode steps (compiled) -----------------------------------------------------
-
-    @property
-    def plannable(self) -> bool:
-        """Whether a decode step can be planned: no exact sink, keys coded a page at a time only in rows that keep
-        every page (a ring's wrap into a page still filling is not planned), on a storage that never moves."""
-        keys_plannable = self.store.keys is None or self.ring_pages is None
-        return keys_plannable and self.store.sink is None and self.pool.storage_is_fixed
-
-    def plan_decode(self, start: int, batch: int, capacity_pages: int, padding_only: bool = True) -> StepPlan:
-        """Before a decode step of one new token per row at ``start``: grows the table (page allocation,
-        copy-on-write) and writes the step's slots and what attention reads into the ``step_plan`` tensors, in place
-        where the batch and the number of reads are the same as the last step's.
-
-        Args:
-            capacity_pages: pages read per row (``capacity_bucket``; a ring reads its visible tokens instead).
-            padding_only: the model's mask hides nothing but each row's leading padding and the keys past its tokens
-                (then attention may read the pages in place: ``StepPlan.mask``).
-
-        Raises:
-            ValueError: the batch is not the cache's.
-        """
-        if self.table.num_rows and batch != self.table.num_rows:
-            raise ValueError(
-                f"The cache holds {self.table.num_rows} rows but a step feeds {batch}. A cache serves one batch at a "
-                "time: reset() it, or use a new cache, before a batch of another size."
-            )
-        if start != self.num_tokens:
-            raise RuntimeError(f"A decode step writes from token {start}; the cache holds {self.num_tokens}.")
-        self.written = start  # the steps before have run: every layer holds their tokens
-        self._grow(batch, start, 1, None)
-        pages, offsets, tokens, kv_offset = self._planned_reads(start, batch, capacity_pages)
-        write_pages, write_offsets = self._planned_write(start, batch)
-        residual = self._plan_values(start, tokens) if self.store.quant is not None else (None, None, None)
-        filling = (None, None, None)
-        if self.store.keys is not None:
-            with self.pool.lock:
-                filling = self.store.keys.plan_decode(self.pool.storage, start, self._page_ids(), tokens.shape[-1])
-        mask = self._planned_mask(start, batch, capacity_pages, padding_only)
-        in_place_values = (None, None, None)
-        if mask is not None and self.store.quant is not None:
-            in_place_values = self._plan_values_in_place(start, batch, capacity_pages)
-            mask = mask if in_place_values[0] is not None else None
-        plan = self.step_plan
-        fresh = plan is None or plan.pages.shape != pages.shape or (plan.offsets is None) != (offsets is None)
-        fresh = fresh or _shapes(plan.in_place_values) != _shapes(in_place_values)
-        if fresh:
-            device = pages.device
-            fmt = self.pool.format
-            self.step_plan = plan = StepPlan(
-                _fresh_copy(pages),
-                _fresh_copy(offsets),
-                _fresh_copy(write_pages),
-                _fresh_copy(write_offsets),
-                torch.arange(fmt.num_kv_heads, device=device).view(1, -1, 1),
-                tuple(torch.full((1, 1, 1), layer, device=device) for layer in range(fmt.num_layers)),
-                tokens.shape[-1],
-                kv_offset,
-                torch.arange(batch, device=device).view(-1, 1, 1),
-                *(_fresh_copy(tensor) for tensor in residual),
-                *(_fresh_copy(tensor) for tensor in filling),
-            )
-            plan.value_extents, plan.window_pages, plan.window_offsets = map(_fresh_copy, in_place_values)
-            kept = (plan.pages, plan.offsets, plan.write_pages, plan.write_offsets, *plan.residual, *plan.filling)
-            kept = (*kept, *plan.in_place_values)
-            window = self.store.residual.buffers.values() if self.store.residual is not None else ()
-            for tensor in (*kept, *self.pool.storage.tensors, *window):
-                if tensor is not None:
-                    torch._dynamo.mark_static_address(tensor)  # CUDA graphs read them where they lie
-        else:
-            planned = (pages, offsets, write_pages, write_offsets, *residual, *filling, *in_place_values)
-            kept = (plan.pages, plan.offsets, plan.write_pages, plan.write_offsets, *plan.residual, *plan.filling)
-            kept = (*kept, *plan.in_place_values)
-            for into, tensor in zip(kept, planned):
-                if into is not None:
-                    into.copy_(tensor)
-            plan.num_keys, plan.kv_offset = tokens.shape[-1], kv_offset
-        plan.mask = mask
-        plan.value_buffer = self._value_buffer() if in_place_values[0] is not None else None
-        return plan
-
-    def _planned_mask(
-        self, start: int, batch: int, capacity_pages: int, padding_only: bool
-    ) -> "flex.PagedBlockMask | None":
-        """The mask of a planned step that reads its pages where they lie (``StepPlan.mask``), or ``None``: it
-        gathers them. In place takes rows that keep every page with full-precision keys, under
-        ``attn_implementation="hf_kvcache"``, where the step's reads (``batch x capacity``) reach
-        ``flex.MIN_IN_PLACE_TOKENS`` (a constant of the graph: the capacity, not the length, decides) and the model's
-        mask hides only padding (FlexAttention applies the mask's rule, not the model's mask)."""
-        reads = batch * capacity_pages * self.pool.format.page_size
-        wanted = (
-            padding_only
-            and self.ring_pages is None
-            and self.store.keys is None
-            and reads >= flex.MIN_IN_PLACE_TOKENS
-            and self._reads_in_place()
-            and flex.unavailable(self.pool.device) is None
-        )
-        return self._mask if wanted and self._refresh_mask(batch, start + 1) else None
-
-    def _plan_values_in_place(
-        self, start: int, batch: int, capacity_pages: int
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """Quantized values of a step read in place at ``start`` (``StepPlan.in_place_values``): the extents the
-        mask visits, padded with the last to ``batch x (capacity extents + 1)`` so that their count is a constant of
-        the graph (``None`` each where they are more: the step gathers), and the residual window's slots."""
-        fmt = self.pool.format
-        extents = self._extents[0]
-        count = min(self._mask.num_pages // fmt.extent_pages, batch * (-(-capacity_pages // fmt.extent_pages) + 1))
-        if extents.numel() > count:
-            return None, None, None
-        extents = torch.cat([extents, extents[-1:].expand(count - extents.numel())])
-        window = self.store.residual
-        if window is None:
-            return extents, None, None
-        slots = torch.arange(window.length, device=extents.device)
-        tokens = start - (start - slots) % window.length  # the newest token up to start each slot holds
-        held = tokens >= max(window.first, 0)
-        pages = torch.where(held, self._page_ids()[:, tokens.clamp(min=0) // fmt.page_size], NULL_PAGE)
-        offsets = torch.where(held, tokens % fmt.page_size, 0).expand_as(pages)
-        return extents, pages.unsqueeze(1), offsets.unsqueeze(1)
-
-    def _value_buffer(self) -> torch.Tensor:
-        """``StepPlan.value_buffer`` for the current mask's view, kept while the view stays; zeros where no step
-        wrote (a gather of the null page's slots, hidden by the mask, must not read NaN: 0 x NaN is NaN)."""
-        fmt = self.pool.format
-        shape = (fmt.num_kv_heads, self._mask.num_pages * fmt.page_size, fmt.head_dim)
-        if self._planned_values is None or self._planned_values.shape != shape:
-            self._planned_values = torch.zeros(shape, dtype=self.pool.storage.keys.dtype, device=self.pool.device)
-            torch._dynamo.mark_static_address(self._planned_values)
-        return self._planned_values
-
-    def _plan_values(self, start: int, tokens: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        """Quantized values: codes every value the eager steps left uncoded (a page's tokens still filling: eager
-        codes them when the page fills, a planned step codes its own token), then plans the residual window
-        (``SlotStore.plan_residual``)."""
-        store = self.store
-        if store.by_page and store.coded < start:
-            with self.pool.lock:
-                storage = self.pool.storage
-                rows = self._slot_index(store.coded, start - store.coded, storage)
-                for layer_in_group in range(self.pool.format.num_layers):
-                    store.code_window(layer_in_group, storage, rows, store.coded, start)
-        store.coded = start + 1  # the step codes its token
-        return store.plan_residual(start, tokens)
-
-    def _planned_reads(
-        self, start: int, batch: int, capacity_pages: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int]:
-        """What a planned step at ``start`` reads: ``(pages [batch, 1, reads], offsets or None, tokens, kv_offset)``
-        (``StepPlan``), ``tokens [batch or 1, num_keys]`` the token of each key attention gets (``-1``: none). Rows
-        that keep every token read their pages, then the null page up to ``capacity_pages``."""
-        ids = self._page_ids()  # [batch, pages]
-        if ids.shape[1] > capacity_pages:
-            raise ValueError(f"Rows of {ids.shape[1]} pages do not fit a step planned for {capacity_pages}.")
-        padded = torch.full((batch, 1, capacity_pages), NULL_PAGE, dtype=torch.long, device=ids.device)
-        padded[:, 0, : ids.shape[1]] = ids  # [batch, 1, capacity_pages]
-        tokens = torch.arange(capacity_pages * self.pool.format.page_size, device=ids.device).unsqueeze(0)
-        return padded, None, tokens, 0
-
-    def _planned_write(self, start: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[batch, 1, 1]`` the page and the slot in it where a planned step's new token at ``start`` goes."""
-        page_size = self.pool.format.page_size
-        pages = self._page_ids()[:, start // page_size].view(batch, 1, 1)
-        return pages, torch.full_like(pages, start % page_size)
-
-    def end_planning(self) -> None:
-        """The next step is not a planned one (a prefill, a crop): written catches up, the plan is dropped."""
-        if self.step_plan is not None:
-            self.written = self.num_tokens
-            self.step_plan = None
-
-    def write_planned(self, layer_in_group: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Stores a planned step's ``[batch, heads, 1, head_dim]`` states at its slots: tensor operations only."""
-        storage, plan = self.pool.storage, self.step_plan
-        if self.store.keys is None:
-            write_planned(storage.keys, plan, layer_in_group, key_states)
-        else:
-            self.store.keys.write_planned(layer_in_group, plan, key_states)
-        if self.store.quant is None:
-            write_planned(storage.values, plan, layer_in_group, value_states)
-        else:
-            self.store.write_planned_values(layer_in_group, storage, plan, value_states)
-
-    def read_planned(self, layer_in_group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """A planned step's keys and values, ``[batch, heads, num_keys, head_dim]`` each (``StepPlan``): the rows'
-        tokens in order, then the null page's slots (hidden by the model's mask, as ``StaticCache``'s empty slots)."""
-        storage, plan = self.pool.storage, self.step_plan
-        if plan.mask is not None:  # in place: the storage's first pages, which attention reads through the mask
-            keys = self._storage_view(storage.keys, layer_in_group)
-            if self.store.quant is None:
-                return keys, self._storage_view(storage.values, layer_in_group)
-            return keys, self.store.read_planned_in_place(layer_in_group, storage, plan)
-        if self.store.keys is None:
-            keys = read_planned(storage.keys, plan, layer_in_group)
-        else:
-            keys = self.store.keys.read_planned(layer_in_group, storage, plan, dtype)
-        if self.store.quant is None:
-            return keys, read_planned(storage.values, plan, layer_in_group)
-        return keys, self.store.read_planned_values(layer_in_group, storage, plan, keys.dtype)
 
     def key_shifts(self, batch: int) -> list[int]:
         """The token each row counts its pages from (``KeyPages``): paged rows store padding too, from 0."""
@@ -507,9 +248,9 @@ class PagedRows:
             self._mask.advance(num_tokens)
         else:
             held = {page for row in self.table.rows for page in row}
-            num_pages = flex.view_pages(1 + max(held), fmt.extent_pages, pool.storage.num_pages)
+            num_pages = block_mask.view_pages(1 + max(held), fmt.extent_pages, pool.storage.num_pages)
             if self._mask is None or self._mask.batch != batch or self._mask.num_pages < num_pages:
-                self._mask = flex.PagedBlockMask(
+                self._mask = block_mask.PagedBlockMask(
                     batch, num_pages, fmt.page_size, fmt.extent_pages, self._query_group, pool.device
                 )
             extents = self._mask.update(self._page_ids(), num_tokens, self._pad_tensor(batch))

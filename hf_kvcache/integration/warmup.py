@@ -19,8 +19,8 @@ import torch
 import torch._dynamo
 from transformers import CompileConfig, StoppingCriteria, StoppingCriteriaList
 
+from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.layers.plan import capacity_bucket
-from hf_kvcache.registry import REGISTRY
 
 logger = logging.getLogger("hf_kvcache")
 

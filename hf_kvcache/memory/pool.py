@@ -18,7 +18,7 @@ each with its own page table, so a page id serves one layer group)::
                   codes as [page_size // 2, head_dim]: byte (i, c) holds tokens 2i (low nibble) and 2i + 1 of channel c
     key_scales:   [num_layers, num_kv_heads, num_storage_pages, head_dim]   int16: a channel's compact scale word
     key_zeros:    [num_layers, num_kv_heads, num_storage_pages, head_dim]   int8: the high bits of its zero
-                  (hf_kvcache.quant, compact_params: 3 bytes per channel and page)
+                  (hf_kvcache.memory.quant, compact_params: 3 bytes per channel and page)
 
     Scales and float zeros are in format.scale_dtype (default: the dtype). Encoded keys are written a page at a
     time, when the page's last slot is (hf_kvcache.layers.keys); until then a cache holds them in full precision.
@@ -27,7 +27,7 @@ each with its own page table, so a page id serves one layer group)::
     row r, token t  ->  slot t % page_size of page rows[r][t // page_size] of its layer group's page table
                         (a ring maps token t to a logical slot first: hf_kvcache.layers.ring)
     extent e        =   pages [e * extent_pages, (e + 1) * extent_pages): what attention reads in place as one
-                        block of extent_pages * page_size tokens (hf_kvcache.allocator, hf_kvcache.flex)
+                        block of extent_pages * page_size tokens (memory.allocator, attention.flex)
 
 Page 0 is the null page. A pool *opens* page ids as it needs them: a fixed pool all at once; a growable one
 (the default pools) ``DEFAULT_INITIAL_TOKENS`` worth first, then doubling up to its cap, all or nothing (a
@@ -43,101 +43,34 @@ place reads nothing but zeros and the pages of live rows outside a row's own (an
 values, NaN or inf, would poison it: 0 x NaN is NaN). Cached pages keep their contents: they count as other rows'.
 
 Bookkeeping is delegated to a ``PageAllocator`` (ids, reference counts, placement in extents, and with
-``prefix_caching`` the prefix index of published pages: ``hf_kvcache.prefix_index``) and to the ``PageTable`` of
+``prefix_caching`` the prefix index of published pages: ``hf_kvcache.memory.prefix_index``) and to the ``PageTable`` of
 each cache's layer group; the pool serializes them with one lock, so threads running ``generate`` on different
 caches can share a pool (and find each other's published pages). It also keeps live statistics and fires alerts
 when the share of pages held crosses a threshold.
 """
 
-import dataclasses
 import logging
 import threading
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from hf_kvcache import device_memory
-from hf_kvcache.allocator import PageAllocator
-from hf_kvcache.config import DEFAULT_PAGE_SIZE, PageFormat
-from hf_kvcache.device_memory import MemoryBudget, commits_lazily
 from hf_kvcache.errors import PoolExhaustedError
-from hf_kvcache.page_table import Allocator, PageTable
-from hf_kvcache.placement import agree, kv_heads_per_rank, normalize_device
-from hf_kvcache.prefix_index import PageKey
+from hf_kvcache.memory.allocator import PageAllocator
+from hf_kvcache.memory.device_memory import MemoryBudget, commits_lazily
+from hf_kvcache.memory.format import PageFormat
+from hf_kvcache.memory.page_table import Allocator, PageTable
+from hf_kvcache.memory.placement import AgreedPages, normalize_device
+from hf_kvcache.memory.pools import PoolFactories, register_name
+from hf_kvcache.memory.prefix_index import PageKey
+from hf_kvcache.memory.stats import AlertCallback, PoolAlerts, check_integrity, pool_stats
+from hf_kvcache.memory.storage import PoolStorage
 
 logger = logging.getLogger("hf_kvcache")
 
-AlertCallback = Callable[[float, dict[str, Any]], None]
 
-DEFAULT_INITIAL_TOKENS = 4096
-"""A default pool opens room for this many tokens first, then doubles as needed."""
-DEFAULT_MAX_MEMORY_FRACTION = 0.5
-"""The default pools of one device grow, together, up to this fraction of the memory (CPU: the RAM, or the
-container's limit where lower; CUDA: the free memory when the first of them was made)."""
-DEFAULT_MAX_POOL_PAGES = 1 << 16
-"""A default pool holds at most this many pages (a million tokens of pages of 16): attention reads its storage
-in place with tables of one entry per page and row (``hf_kvcache.flex``), which this keeps small."""
-_NAMED_POOLS: "weakref.WeakValueDictionary[str, KVPool]" = weakref.WeakValueDictionary()
-_DEFAULT_POOLS: dict[tuple[PageFormat, torch.device], "KVPool"] = {}
-_BUDGET_POOLS: dict[tuple[PageFormat, torch.device, int], "KVPool"] = {}
-_DEFAULT_BUDGETS: dict[torch.device, MemoryBudget] = {}
-_REGISTRY_LOCK = threading.Lock()
-
-
-@dataclass(frozen=True)
-class PoolStorage:
-    """The pool's storage tensors at one time (a growth that moves pages makes a new one).
-
-    Indices into the storage depend on its page count, so code that writes or reads takes one snapshot
-    (``KVPool.storage``; writers under ``KVPool.lock``) and uses indices built for it with it: pages written
-    before a growth are in the new storage too, and the old one stays valid for reading them.
-
-    Attributes:
-        keys / values / value_scales / key_scales / key_zeros: see the module docstring; ``value_scales`` is ``None``
-            unless values are quantized, ``key_scales`` unless keys are, ``key_zeros`` unless per channel.
-    """
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    value_scales: torch.Tensor | None
-    key_scales: torch.Tensor | None = None
-    key_zeros: torch.Tensor | None = None
-    _slot_views: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-
-    @property
-    def num_pages(self) -> int:
-        """Page ids the tensors hold (the null page and pages never opened included)."""
-        return self.keys.shape[2]
-
-    @property
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        tensors = (self.keys, self.values, self.value_scales, self.key_scales, self.key_zeros)
-        return tuple(tensor for tensor in tensors if tensor is not None)
-
-    def slots(self, tensor: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        """One layer of ``tensor`` (one of ``tensors``) as ``[heads * pages * page_size, last_dim]`` slots, the view
-        ``kernels.read_slots`` and ``kernels.write_slots`` index with ``kernels.slot_rows``; kept, so that a step's
-        layers dispatch no op to make it."""
-        key = (id(tensor), layer_idx, torch.is_inference_mode_enabled())
-        view = self._slot_views.get(key)
-        if view is None:
-            view = self._slot_views[key] = tensor[layer_idx].view(-1, tensor.shape[-1])
-        return view
-
-    def pages(self, tensor: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        """One layer of ``tensor`` as ``[heads * pages, a page's numbers]``: a row per page of each head (encoded
-        keys are gathered a page at a time); kept, as ``slots`` is."""
-        key = (id(tensor), layer_idx, torch.is_inference_mode_enabled(), "pages")
-        view = self._slot_views.get(key)
-        if view is None:
-            view = self._slot_views[key] = tensor[layer_idx].view(tensor.shape[1] * tensor.shape[2], -1)
-        return view
-
-
-class KVPool:
+class KVPool(PoolFactories):
     """Pages of KV memory for one model geometry (``PageFormat``) on one device.
 
     Args:
@@ -172,8 +105,7 @@ class KVPool:
             raise ValueError(f"num_pages={num_pages} is too small: a pool needs the null page plus at least one page.")
         if max_pages is not None and max_pages < num_pages:
             raise ValueError(f"max_pages={max_pages} is below num_pages={num_pages}.")
-        if any(not 0 < threshold <= 1 for threshold in alert_thresholds):
-            raise ValueError(f"alert_thresholds must lie in (0, 1], got {alert_thresholds}.")
+        alerts = PoolAlerts(alert_thresholds)
         self.format = page_format
         self.device = normalize_device(device)
         self.max_pages = max_pages or num_pages
@@ -186,14 +118,9 @@ class KVPool:
         self.storage = self._reserve_storage(num_pages)
         self._zero_range(0, self._storage_pages(num_pages))
         self._tables: weakref.WeakSet[PageTable] = weakref.WeakSet()
-        self._thresholds = sorted(alert_thresholds)
-        self._armed = [True] * len(self._thresholds)
-        self._callbacks: list[AlertCallback] = []
+        self._alerts = alerts
         if name is not None:
-            with _REGISTRY_LOCK:
-                if name in _NAMED_POOLS:
-                    raise ValueError(f"A pool named {name!r} already exists; choose another name.")
-                _NAMED_POOLS[name] = self
+            register_name(name, self)
 
     def __repr__(self) -> str:
         stats = self.stats()
@@ -279,151 +206,6 @@ class KVPool:
     def _zero_range(self, start: int, end: int) -> None:
         for tensor in self.storage.tensors:
             tensor[:, :, start:end].zero_()
-
-    # ----- construction -------------------------------------------------------------------
-
-    @classmethod
-    def for_model(
-        cls,
-        model: torch.nn.Module,
-        *,
-        max_tokens: int | None = None,
-        max_bytes: int | None = None,
-        memory_fraction: float | None = None,
-        page_size: int = DEFAULT_PAGE_SIZE,
-        dtype: torch.dtype | None = None,
-        device: str | torch.device | None = None,
-        name: str | None = None,
-        alert_thresholds: tuple[float, ...] = (0.9,),
-        value_bits: int | None = None,
-        value_group_size: int = 64,
-        key_bits: int | None = None,
-        key_group_size: int = 64,
-        scale_dtype: torch.dtype | None = None,
-        prefix_caching: bool = False,
-    ) -> "KVPool":
-        """A fixed-budget pool for ``model``, sized by exactly one of the three budgets.
-
-        On a tensor-parallel model (``from_pretrained(..., tp_plan="auto")`` under ``torchrun``), the pool is this
-        rank's: cut for the KV heads it holds (``model.tp_plan`` and ``model.tp_size``, ``kv_heads_per_rank``).
-
-        Args:
-            model: a transformers causal LM (its config gives the geometry).
-            max_tokens: token slots to hold (summed over all sequences; rounded up to whole pages).
-            max_bytes: bytes of page storage.
-            memory_fraction: fraction of the device's free memory (CUDA only).
-            page_size: token slots per page.
-            dtype / device: default to the model's.
-            value_bits / value_group_size: store values as int8/int4 codes (for ``QuantizedValueCache``).
-            key_bits / key_group_size / scale_dtype: store keys as codes too, and scales in ``scale_dtype`` (for
-                ``QuantizedKVCache``; ``PageFormat``).
-            prefix_caching: keep a prefix index: caches on the pool reuse each other's prompt pages.
-        """
-        budgets = {"max_tokens": max_tokens, "max_bytes": max_bytes, "memory_fraction": memory_fraction}
-        given = [key for key, value in budgets.items() if value is not None]
-        if len(given) != 1:
-            raise ValueError(f"Give exactly one of {list(budgets)} to size the pool; got {given or 'none'}.")
-        dtype = dtype or model.dtype
-        device = normalize_device(device if device is not None else model.device)
-        page_format = PageFormat.from_model_config(model.config, dtype, page_size)
-        tp_size = getattr(model, "tp_size", None) or 1  # transformers' public properties, set on every model
-        num_kv_heads = kv_heads_per_rank(page_format.num_kv_heads, getattr(model, "tp_plan", None), tp_size)
-        page_format = dataclasses.replace(
-            page_format,
-            num_kv_heads=num_kv_heads,
-            value_bits=value_bits,
-            value_group_size=value_group_size,
-            key_bits=key_bits,
-            key_group_size=key_group_size,
-            scale_dtype=scale_dtype,
-        )
-        if max_tokens is not None:
-            if max_tokens < 1:
-                raise ValueError(f"max_tokens must be >= 1, got {max_tokens}.")
-            num_pages = page_format.pages_for_tokens(max_tokens) + 1
-            device_memory.check_fits(f"max_tokens={max_tokens}", num_pages * page_format.page_bytes, device)
-        else:
-            if memory_fraction is not None:
-                if device.type != "cuda":
-                    raise ValueError(f"memory_fraction sizes a CUDA pool; device is {device}. Use max_bytes instead.")
-                if not 0 < memory_fraction <= 1:
-                    raise ValueError(f"memory_fraction must lie in (0, 1], got {memory_fraction}.")
-                max_bytes = int(torch.cuda.mem_get_info(device)[0] * memory_fraction)
-            num_pages = max_bytes // page_format.page_bytes
-            device_memory.check_fits(f"max_bytes={max_bytes}", num_pages * page_format.page_bytes, device)
-            if num_pages < 2:
-                raise ValueError(
-                    f"max_bytes={max_bytes} holds fewer than 2 pages of {page_format.page_bytes} bytes; raise it."
-                )
-        return cls(
-            page_format, num_pages, device, name=name, alert_thresholds=alert_thresholds, prefix_caching=prefix_caching
-        )
-
-    @classmethod
-    def named(cls, name: str) -> "KVPool":
-        """The live pool registered under ``name``."""
-        pool = _NAMED_POOLS.get(name)
-        if pool is None:
-            raise ValueError(f"No pool named {name!r}; live pools: {sorted(_NAMED_POOLS)}.")
-        return pool
-
-    @classmethod
-    def default(cls, page_format: PageFormat, device: str | torch.device, group: Any = None) -> "KVPool":
-        """The shared growable pool for this format and device, made on first use.
-
-        It opens room for ``DEFAULT_INITIAL_TOKENS`` tokens first and doubles when full, up to
-        ``DEFAULT_MAX_POOL_PAGES`` pages. The default pools of one device share one ``MemoryBudget``: together they
-        open at most ``DEFAULT_MAX_MEMORY_FRACTION`` of the RAM (CPU; the container's limit where lower,
-        ``memory_limit_bytes``) or of the free memory (CUDA). On the CPU the pool reserves its cap once, without
-        committing it (``commits_lazily``): its storage never changes shape. On CUDA, where reserved memory is
-        committed, it holds what it has opened and a growth moves the pages to a storage twice the size.
-
-        Args:
-            group: the process group of a tensor-parallel model's ranks: the budget is then the smallest of theirs
-                (their RAM or free memory differ), so every rank's default pools can hold as many pages. A
-                collective: every rank of the group calls it, at each call.
-        """
-        device = normalize_device(device)
-        with _REGISTRY_LOCK:
-            budget = _DEFAULT_BUDGETS.get(device)
-            if budget is None:
-                if device.type == "cuda":
-                    memory = torch.cuda.mem_get_info(device)[0]
-                else:
-                    memory = device_memory.memory_limit_bytes()
-                budget = _DEFAULT_BUDGETS[device] = MemoryBudget(int(memory * DEFAULT_MAX_MEMORY_FRACTION))
-        if group is not None:  # outside the lock: the other ranks may take a while to get here
-            budget.limit_to(agree([budget.total_bytes], group, device)[0])
-        with _REGISTRY_LOCK:
-            pool = _DEFAULT_POOLS.get((page_format, device))
-            if pool is None:
-                max_pages = max(2, min(DEFAULT_MAX_POOL_PAGES, budget.total_bytes // page_format.page_bytes))
-                # What the other formats' default pools left of the budget, at least the null page and one more.
-                room = max(2, budget.free_bytes // page_format.page_bytes)
-                num_pages = min(max_pages, room, page_format.pages_for_tokens(DEFAULT_INITIAL_TOKENS) + 1)
-                budget.reserve(num_pages * page_format.page_bytes)
-                pool = cls(page_format, num_pages, device, max_pages=max_pages, budget=budget)
-                _DEFAULT_POOLS[(page_format, device)] = pool
-            return pool
-
-    @classmethod
-    def for_budget(cls, page_format: PageFormat, device: str | torch.device, max_tokens: int) -> "KVPool":
-        """The shared fixed pool of ``max_tokens`` tokens with a prefix index for this format and device, made on
-        first use and kept for the process as the default pools are: how ``cache_config={"max_tokens": N,
-        "prefix_caching": True}`` reuses prompts across calls.
-
-        Raises:
-            ValueError: the device could never hold ``max_tokens`` tokens.
-        """
-        device = normalize_device(device)
-        num_pages = page_format.pages_for_tokens(max_tokens) + 1
-        device_memory.check_fits(f"max_tokens={max_tokens}", num_pages * page_format.page_bytes, device)
-        with _REGISTRY_LOCK:
-            pool = _BUDGET_POOLS.get((page_format, device, num_pages))
-            if pool is None:
-                pool = cls(page_format, num_pages, device, prefix_caching=True)
-                _BUDGET_POOLS[(page_format, device, num_pages)] = pool
-            return pool
 
     def _growth_room(self) -> int:
         """Page ids the pool can still open: up to ``max_pages``, and within its memory budget if it has one."""
@@ -639,161 +421,22 @@ class KVPool:
     # ----- statistics -----------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """Live statistics as a plain dict.
-
-        Pages are counted as handed out: ``pages_total`` is the pages the pool has opened (a default pool opens
-        more as it grows, up to ``max_pages``, within its memory budget), ``pages_used`` those not free: held by
-        page tables, and ``pages_cached``, published pages only the prefix index holds (evicted when room is needed:
-        a request can take ``pages_free + pages_cached``). ``bytes_total`` is the memory of the opened pages, which
-        is what the pool has committed: opened pages are zeroed, and the rest of a reserved storage
-        (``bytes_reserved``, a CPU default pool's cap) is never touched. ``pages_unfilled`` counts pages held that no
-        token has been written to yet (a ring takes its planned pages at its first write); rows of paged layers
-        place their pages in extents but never hold one ahead. ``utilization`` is the bytes of the tokens held
-        divided by the bytes of the pages caches hold (1.0 when every held page is full; shared pages count once).
-        ``live_tables`` counts the page tables of caches not yet garbage collected (0 again once every cache is
-        gone). The prefix index's counts are in rows (one prompt each): ``prefix_lookups`` rows looked up,
-        ``prefix_hits`` rows that reused at least a page, ``prefix_tokens_reused`` prompt tokens not prefilled,
-        ``prefix_hit_rate`` the share of looked-up prompt tokens that were reused.
-        """
+        """Live statistics as a plain dict (``hf_kvcache.memory.stats.pool_stats`` says what each count is)."""
         with self.lock:
-            filled: dict[int, int] = {}
-            for table in list(self._tables):
-                filled.update(table.filled_slots())
-            used, cached = self._allocator.num_used, self._allocator.num_cached
-            page_bytes = self.format.page_bytes
-            tokens = sum(filled.values())
-            index = self._allocator.index
-            queried = index.tokens_queried if index is not None else 0
-            return {
-                "pages_total": self._allocator.num_pages,
-                "extent_pages": self.format.extent_pages,
-                "pages_unfilled": sum(1 for count in filled.values() if count == 0),
-                "pages_used": used,
-                "pages_free": self._allocator.num_free,
-                "pages_cached": cached,
-                "max_pages": self._allocator.num_pages + self._growth_room(),
-                "high_water_pages": self._allocator.high_water,
-                "page_size": self.format.page_size,
-                "page_bytes": page_bytes,
-                "bytes_total": (self._allocator.num_pages + 1) * page_bytes,
-                "bytes_reserved": self.storage.num_pages * page_bytes,
-                "bytes_used": used * page_bytes,
-                "tokens_held": tokens,
-                "live_tables": len(self._tables),
-                "utilization": tokens / ((used - cached) * self.format.page_size) if used > cached else 0.0,
-                "device": str(self.device),
-                "dtype": str(self.format.dtype).removeprefix("torch."),
-                "prefix_caching": index is not None,
-                "prefix_lookups": index.lookups if index is not None else 0,
-                "prefix_hits": index.hits if index is not None else 0,
-                "prefix_tokens_reused": index.tokens_reused if index is not None else 0,
-                "prefix_hit_rate": index.tokens_reused / queried if queried else 0.0,
-            }
+            max_pages = self._allocator.num_pages + self._growth_room()
+            return pool_stats(self._allocator, list(self._tables), self.format, self.storage, max_pages, self.device)
 
     def add_alert_callback(self, callback: AlertCallback) -> None:
         """Calls ``callback(threshold, stats)`` each time use crosses an alert threshold upwards."""
-        self._callbacks.append(callback)
+        self._alerts.callbacks.append(callback)
 
     def _check_alerts(self) -> None:
         held = self._allocator.num_used - self._allocator.num_cached  # cached pages are as good as free
-        fraction = held / (self._allocator.num_pages + self._growth_room())
-        for i, threshold in enumerate(self._thresholds):
-            if fraction < threshold:
-                self._armed[i] = True
-            elif self._armed[i]:
-                self._armed[i] = False
-                stats = self.stats()
-                logger.warning(
-                    "KV pool on %s is %.0f%% full (%d of %d pages), past the %.0f%% alert threshold.",
-                    self.device,
-                    100 * fraction,
-                    stats["pages_used"],
-                    stats["max_pages"],
-                    100 * threshold,
-                )
-                for callback in self._callbacks:
-                    callback(threshold, stats)
+        capacity = self._allocator.num_pages + self._growth_room()
+        self._alerts.check(held, capacity, self.stats, self.device)
 
     def check_integrity(self) -> None:
         """Raises ``AssertionError`` if the allocator, its prefix index or any live page table is inconsistent: each
         page's refcount is its page-table references plus one if it is published."""
         with self.lock:
-            self._allocator.check_integrity()
-            references: dict[int, int] = {}
-            for table in list(self._tables):
-                table.check_integrity()
-                for row in table.rows:
-                    for page in row:
-                        references[page] = references.get(page, 0) + 1
-            index = self._allocator.index
-            published = {page for page in references if index is not None and index.is_published(page)}
-            for page, count in references.items():
-                expected = count + (page in published)
-                assert self._allocator.refcount(page) == expected, f"page {page}: refcount != {expected} references"
-            num_published = len(index) if index is not None else 0
-            num_held = len(references) + num_published - len(published)
-            assert self._allocator.num_used == num_held, "pages used that no live table or index holds (a leak)"
-            assert self.storage.num_pages >= self._allocator.num_pages + 1, "page ids past the storage"
-
-
-class AgreedPages:
-    """A pool's pages as the ``Allocator`` of a page table whose allocations the ranks of a process group make together.
-
-    The ranks of a tensor-parallel model each hold a shard of the same rows, so their tables ask for as many pages
-    at the same steps. A table makes sure of its pages (``ensure_free``) before it takes any, and there the ranks
-    agree on whether every one of them can (one small collective per allocation, i.e. per new page of a layer
-    group or copy on write, beside the model's two per layer and token): if one cannot (its pool at its cap, its
-    device out of memory), every rank raises ``PoolExhaustedError``, naming the fewest pages any rank had, with
-    nothing taken. No rank goes on alone into the model's next collective, where it would wait for the others
-    until the group's timeout.
-
-    The prefix index's operations (``publish``, ``lookup``, and the ``share``/``allocate`` of a reused prefix) are
-    not agreed: a rank's index could find a prefix of another length than the others', so prompt reuse is refused
-    under tensor parallelism (``ValueError`` when a cache binds a prefix-caching pool with a process group).
-
-    Args:
-        pool: this rank's pool.
-        group: the ``torch.distributed`` process group of the ranks.
-    """
-
-    def __init__(self, pool: KVPool, group: Any) -> None:
-        self.pool = pool
-        self.group = group
-
-    def ensure_free(self, num: int) -> None:
-        """Makes sure ``num`` pages are free on every rank (a page table asks before it takes any)."""
-        if not num:  # every rank asks for as many pages: no need to agree on none
-            return
-        pool = self.pool
-        available = pool.num_available_pages
-        try:
-            pool.ensure_free(num)
-            ready = True
-        except PoolExhaustedError:
-            ready = False
-        everyone, fewest = agree([int(ready), available], self.group, pool.device)
-        if everyone:
-            return
-        raise PoolExhaustedError(
-            num,
-            fewest,
-            pool.capacity_pages,
-            f"Pages hold {pool.format.page_size} tokens; the free pages are the fewest of any tensor-parallel rank, "
-            "and every rank stops here alike. Give the pools more room (cache_config max_tokens), or lower the batch "
-            "size or max_new_tokens.",
-        )
-
-    def allocate(self, num: int) -> list[int]:  # after ensure_free: cannot fail
-        return self.pool.allocate(num)
-
-    def extend(self, anchor: int | None, num: int) -> list[int]:  # after ensure_free: cannot fail
-        return self.pool.extend(anchor, num)
-
-    def share(self, pages: list[int]) -> None:
-        self.pool.share(pages)
-
-    def free(self, pages: list[int]) -> list[int]:
-        return self.pool.free(pages)
-
-    def refcount(self, page: int) -> int:
-        return self.pool.refcount(page)
+            check_integrity(self._allocator, list(self._tables), self.storage)

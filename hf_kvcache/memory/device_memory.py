@@ -3,7 +3,7 @@
 On the CPU a process may use the physical memory, or its container's cgroup limit where that is lower
 (``memory_limit_bytes``), and memory reserved there is committed only where it is touched (``commits_lazily``):
 a default pool reserves its cap once and touches only the pages it opens. The default pools of one device share
-one ``MemoryBudget`` of bytes, whatever their page formats (``hf_kvcache.pool``).
+one ``MemoryBudget`` of bytes, whatever their page formats (``hf_kvcache.memory.pool``).
 """
 
 import os

@@ -1,23 +1,20 @@
-"""Specs: the page format a pool is cut into, and the options a cache is built from.
-
-Both are frozen dataclasses that check themselves on construction and name the setting to change.
+"""The page format a pool is cut into (``PageFormat``), read from a model config: a frozen dataclass that checks
+itself on construction and names the setting to change.
 """
 
-import dataclasses
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Self
 
 import torch
 
 from hf_kvcache.errors import IncompatibleModelError
-from hf_kvcache.quant import QuantFormat
+from hf_kvcache.memory.quant import QuantFormat
 
 DEFAULT_PAGE_SIZE = 16
 MAX_PAGE_SIZE = 4096
 KV_BLOCK_TOKENS = 128
-"""Tokens attention reads in place as one block (``hf_kvcache.flex``): rows take their pages in aligned extents of
+"""Tokens attention reads in place as one block (``attention.flex``): rows take their pages in aligned extents of
 ``KV_BLOCK_TOKENS // page_size`` pages. Compiled FlexAttention on CPU pays a fixed cost per block: at 4,096 tokens
 x batch 8 (SmolLM2's heads, one layer) 16-token blocks ran at 0.57x StaticCache's attention, 64 at 0.91x, 128 at
 0.99x, 256 at 1.05x; 128 keeps a row's last block small."""
@@ -75,7 +72,7 @@ class PageFormat:
     A model whose layers are all of one type is one layer group (``num_layer_groups == 1``); a hybrid
     model (sliding and full layers) has ``num_layer_groups`` groups of ``num_layers`` layers (``layer_groups``).
     Keys are stored in ``dtype``; values too, or, with ``value_bits`` set, as int8/int4 codes plus a
-    scale and zero per scale group of ``value_group_size`` channels (``hf_kvcache.quant``). With ``key_bits`` set,
+    scale and zero per scale group of ``value_group_size`` channels (``memory.quant``). With ``key_bits`` set,
     keys are stored as codes too, a page at a time (encoded once, when the page's last slot is written):
 
     - ``key_bits=8``: per token, a scale and zero per scale group of ``key_group_size`` channels;
@@ -198,78 +195,3 @@ class PageFormat:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         groups = layer_groups(layer_types(config))
         return cls(len(groups[0]), num_kv_heads, head_dim, dtype, page_size, len(groups))
-
-
-@dataclass(frozen=True)
-class CacheOptions:
-    """The ``cache_config`` keys of a paged cache.
-
-    Subclasses add their own keys after these; build options by keyword.
-
-    Attributes:
-        page_size: token slots per page (used when the cache builds its own pool).
-        pool: a ``KVPool``, or the name of one, to draw pages from; ``None`` for the default pool.
-        max_tokens: give this cache a fixed-budget pool of its own holding this many tokens.
-        admission_check: before any compute, ``generate`` refuses a request whose worst-case page need
-            (rows x pages for prompt + ``max_new_tokens``) exceeds what the pool has free or can still grow
-            into, with a ``PoolExhaustedError``. A check, not a reservation: requests running at the same
-            time may still take the pages, and a request that passes can then fail mid-generation.
-        prefix_caching: reuse prompt pages across ``generate`` calls through the pool's prefix index
-            (``hf_kvcache.caches.prefix``). ``True``: the default pool or ``max_tokens`` pool the cache draws from
-            keeps one (a given ``pool`` must have been built with ``prefix_caching=True``); ``None``: only where a
-            given ``pool`` keeps one; ``False``: never.
-        prefix_namespace: a name the cache's pages are published and found under, besides the model and the
-            cache's attention: caches of other namespaces (tenants, experiments) never share pages on one pool.
-    """
-
-    page_size: int = DEFAULT_PAGE_SIZE
-    pool: Any = None
-    max_tokens: int | None = None
-    admission_check: bool = False
-    prefix_caching: bool | None = None
-    prefix_namespace: str = ""
-
-    def __post_init__(self) -> None:
-        check_page_size(self.page_size)
-        if self.max_tokens is not None:
-            if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-                raise TypeError(
-                    f"max_tokens must be an int, got {self.max_tokens!r} ({type(self.max_tokens).__name__})."
-                )
-            if self.max_tokens < 1:
-                raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}.")
-            if self.pool is not None:
-                raise ValueError("Set either pool or max_tokens in cache_config, not both.")
-        if not isinstance(self.admission_check, bool):
-            raise TypeError(
-                f"admission_check must be True or False, got {self.admission_check!r} "
-                f"({type(self.admission_check).__name__})."
-            )
-        if self.prefix_caching is not None and not isinstance(self.prefix_caching, bool):
-            raise TypeError(
-                f"prefix_caching must be True, False or None, got {self.prefix_caching!r} "
-                f"({type(self.prefix_caching).__name__})."
-            )
-        if not isinstance(self.prefix_namespace, str):
-            raise TypeError(
-                f"prefix_namespace must be a str, got {self.prefix_namespace!r} "
-                f"({type(self.prefix_namespace).__name__})."
-            )
-
-    def page_format(self, config: Any, dtype: torch.dtype) -> PageFormat:
-        """The format of the pool a cache with these options draws from, for a model config and dtype."""
-        return PageFormat.from_model_config(config, dtype, self.page_size)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any] | None) -> Self:
-        """Builds options from a ``cache_config`` dict, rejecting unknown keys with the list of valid ones."""
-        valid = [field.name for field in dataclasses.fields(cls)]
-        if values is not None and not isinstance(values, Mapping):
-            raise TypeError(
-                f"cache_config must be a dict of {cls.__name__} keys {valid}, got {values!r} ({type(values).__name__})."
-            )
-        values = dict(values or {})
-        unknown = sorted(set(values) - set(valid))
-        if unknown:
-            raise ValueError(f"Unknown cache_config keys {unknown} for {cls.__name__}; valid keys are {valid}.")
-        return cls(**values)

@@ -7,7 +7,7 @@ own: ``KVPool`` serializes calls.
 
 Placement. Page ids are grouped in aligned *extents* of ``extent_pages`` pages (extent ``e`` holds
 pages ``[e * extent_pages, (e + 1) * extent_pages)``), so that attention can read a row's pages in
-blocks of ``extent_pages * page_size`` tokens (``hf_kvcache.flex``). Two kinds of requests:
+blocks of ``extent_pages * page_size`` tokens (``hf_kvcache.attention.flex``). Two kinds of requests:
 
 - ``extend(anchor, num)``: the next ``num`` pages of one row whose last page is ``anchor``. Each comes
   right after the previous one while that stays inside its extent and is free, else as the first page
@@ -23,7 +23,7 @@ Extents are claimed softly: the free pages after a row's last page stay free (co
 anyone) and are handed to another request only when nothing else is left, so a request fails only when
 the pool has fewer free pages than it needs.
 
-Cached pages. With a prefix index (``hf_kvcache.prefix_index``), a published page holds one more reference, the
+Cached pages. With a prefix index (``hf_kvcache.memory.prefix_index``), a published page holds one more reference, the
 index's. A published page that only the index holds is *cached*: not free (it keeps its contents, so attention
 that reads extents in place treats it as another request's page), but *available*: ``ensure_free`` evicts cached
 pages, least recently used first, back to the free pages (into the extent counts and heaps exactly as a freed
@@ -35,7 +35,7 @@ import heapq
 from collections import Counter
 
 from hf_kvcache.errors import PoolExhaustedError
-from hf_kvcache.prefix_index import PageKey, PrefixIndex
+from hf_kvcache.memory.prefix_index import PageKey, PrefixIndex
 
 NULL_PAGE = 0
 

@@ -16,7 +16,7 @@ its query rows (``packed_decode_attention``: its keys and values read once, not 
 
 The paged layers (``PagedRows.attend``) hand a decode step's keys over as the pool's storage itself, with a
 ``PagedRead``: this attention then runs compiled FlexAttention over the pages where they lie
-(``hf_kvcache.flex``), after checking that the model's mask hides exactly each row's leading padding; anything it
+(``attention.flex``), after checking that the model's mask hides exactly each row's leading padding; anything it
 cannot do in place (a mask with holes, softcapping, attention sinks, training, a shape that does not compile) it
 does on the same keys gathered, the slow twin. A single row on consecutive pages comes as a plain view of them
 (``kernels.run_view``, no ``PagedRead``) and takes the sdpa path like any keys. Load the model with it, or switch an
@@ -31,16 +31,14 @@ existing one::
 
 import contextlib
 import logging
-import weakref
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
-from hf_kvcache import flex
-from hf_kvcache.kernels import read_planned_view
-from hf_kvcache.layers.ring import layout_of
-from hf_kvcache.layers.rows import PagedRead, paged_read_of
+from hf_kvcache.attention import flex
+from hf_kvcache.attention.kernels import read_planned_view
+from hf_kvcache.attention.reads import PagedRead, layout_of, paged_read_of
 from hf_kvcache.transformers_internals import attn_implementation, sdpa_attention_forward
 
 ATTENTION_NAME = "hf_kvcache"
@@ -48,9 +46,6 @@ PLANNED_READS = "hf_kvcache_planned_reads"
 """The forward argument a planned decode step (``PoolCache.start_planned``) hands the step's ``StepPlan`` of each layer
 that returns the pool's storage for attention to read in place (``None`` for the others) on, through the model's
 ``**kwargs`` (as continuous batching hands its paged cache to its attention)."""
-
-_CHECKED: "weakref.WeakKeyDictionary[flex.PagedBlockMask, tuple]" = weakref.WeakKeyDictionary()
-"""Per step mask: the last (model mask, pads, tokens) checked and the verdict; every layer of a step shares them."""
 
 
 @contextlib.contextmanager
@@ -218,11 +213,11 @@ def _extras(kwargs: dict) -> str | None:
 
 def _hides_padding_only(read: PagedRead, attention_mask: torch.Tensor | None) -> bool:
     """``mask_hides_padding_only`` for the read, checked once per step: the layers after the first find the verdict."""
-    last = _CHECKED.get(read.mask)
+    last = read.mask.padding_check
     if last is not None and last[0] is attention_mask and last[1] is read.pads and last[2] == read.num_tokens:
         return last[3]
     verdict = mask_hides_padding_only(attention_mask, read.pads, read.num_tokens)
-    _CHECKED[read.mask] = (attention_mask, read.pads, read.num_tokens, verdict)
+    read.mask.padding_check = (attention_mask, read.pads, read.num_tokens, verdict)
     return verdict
 
 

@@ -2,7 +2,7 @@
 
 The only module that changes transformers, through exactly three seams (plus one public registry,
 ``AttentionInterface``/``AttentionMaskInterface``, where ``attn_implementation="hf_kvcache"`` is added: see
-``hf_kvcache.attention``), all reached through ``hf_kvcache.transformers_internals``:
+``hf_kvcache.attention.interface``), all reached through ``hf_kvcache.transformers_internals``:
 
 1. ``transformers.generation.configuration_utils.ALL_CACHE_IMPLEMENTATIONS``, the tuple that
    ``GenerationConfig.validate`` reads: our names are appended, so configs naming them validate,
@@ -15,7 +15,7 @@ The only module that changes transformers, through exactly three seams (plus one
    and ``generate`` feeds only the rest; before every forward pass it records the ids fed, to publish full pages.
    Any other cache goes to the original method untouched.
 
-Our names are those of ``hf_kvcache.registry.REGISTRY``. ``register()`` is idempotent and ``unregister()`` puts
+Our names are those of ``integration.registry.REGISTRY``. ``register()`` is idempotent and ``unregister()`` puts
 all four back exactly as they were.
 """
 
@@ -29,12 +29,12 @@ from packaging.version import Version
 from transformers import AttentionInterface, AttentionMaskInterface, Cache
 from transformers import __version__ as transformers_version
 
-from hf_kvcache.attention import ATTENTION_NAME, banded_sdpa_attention
+from hf_kvcache.attention.interface import ATTENTION_NAME, banded_sdpa_attention
 from hf_kvcache.caches.base import PoolCache
-from hf_kvcache.config import PageFormat
 from hf_kvcache.errors import IncompatibleModelError
-from hf_kvcache.placement import Placement, kv_heads_per_rank, layer_devices_from_map
-from hf_kvcache.registry import REGISTRY
+from hf_kvcache.integration.registry import REGISTRY
+from hf_kvcache.memory.format import PageFormat
+from hf_kvcache.memory.placement import Placement, kv_heads_per_rank, layer_devices_from_map
 from hf_kvcache.transformers_internals import (
     cache_implementations,
     prepare_cache_method,

@@ -1,15 +1,15 @@
 """Moving keys/values between attention's tensors and pool pages (pure torch): the gather path.
 
 A pool's storage holds keys or values as ``[num_layers, num_kv_heads, num_pages, page_size, last_dim]``
-(``hf_kvcache.pool``). Inside one layer a (head, slot) pair is one row of ``last_dim`` numbers
+(``hf_kvcache.memory.pool``). Inside one layer a (head, slot) pair is one row of ``last_dim`` numbers
 (``PoolStorage.slots``, a view kept from step to step), so reading slots is one index op whose result
 ``[batch, num_kv_heads, n, last_dim]`` is what attention takes, and writing them one ``index_put_``: a step's layer
 dispatches as many ops as ``DynamicCache``'s two ``cat``. Row indices depend on the storage's page count: build
-them for the storage they are used with (``hf_kvcache.pool.PoolStorage``).
+them for the storage they are used with (``hf_kvcache.memory.pool.PoolStorage``).
 
 Where a single row's pages are one run of consecutive ids in order, its tokens are consecutive slots of each head
 and ``run_view`` hands them over as a strided view, no copy at all. The in-place path for rows scattered over the
-pool is ``hf_kvcache.flex``; ``read_slots`` is the slow twin of both.
+pool is ``hf_kvcache.attention.flex``; ``read_slots`` is the slow twin of both.
 """
 
 from typing import Any

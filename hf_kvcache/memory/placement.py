@@ -11,7 +11,7 @@ transformers runs a model over several devices in two ways, and a cache follows 
 - **Split models** (``device_map`` over several devices, accelerate): each layer runs on one device
   (``layer_devices``), and each device gets one pool, cut for the layers placed on it only.
 
-Nothing here imports transformers: ``hf_kvcache.integration.placement_of`` reads a model's plan and map.
+Nothing here imports transformers: ``hf_kvcache.integration.seams.placement_of`` reads a model's plan and map.
 """
 
 from collections.abc import Mapping
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hf_kvcache.errors import IncompatibleModelError
+from hf_kvcache.errors import IncompatibleModelError, PoolExhaustedError
 
 KEY_PROJECTIONS = ("k_proj", "qkv_proj", "query_key_value")
 """Modules whose output holds a layer's keys (plain or fused): a plain ``colwise`` rule on one shards the heads."""
@@ -150,3 +150,66 @@ def agree(values: list[int], group: Any, device: torch.device, op: str = "min") 
     tensor = torch.tensor(values, dtype=torch.long, device=device)  # [len(values)]
     torch.distributed.all_reduce(tensor, op=reduce_op, group=group)
     return tensor.tolist()
+
+
+class AgreedPages:
+    """A pool's pages as the ``Allocator`` of a page table whose allocations the ranks of a process group make together.
+
+    The ranks of a tensor-parallel model each hold a shard of the same rows, so their tables ask for as many pages
+    at the same steps. A table makes sure of its pages (``ensure_free``) before it takes any, and there the ranks
+    agree on whether every one of them can (one small collective per allocation, i.e. per new page of a layer
+    group or copy on write, beside the model's two per layer and token): if one cannot (its pool at its cap, its
+    device out of memory), every rank raises ``PoolExhaustedError``, naming the fewest pages any rank had, with
+    nothing taken. No rank goes on alone into the model's next collective, where it would wait for the others
+    until the group's timeout.
+
+    The prefix index's operations (``publish``, ``lookup``, and the ``share``/``allocate`` of a reused prefix) are
+    not agreed: a rank's index could find a prefix of another length than the others', so prompt reuse is refused
+    under tensor parallelism (``ValueError`` when a cache binds a prefix-caching pool with a process group).
+
+    Args:
+        pool: this rank's pool (a ``KVPool``).
+        group: the ``torch.distributed`` process group of the ranks.
+    """
+
+    def __init__(self, pool: Any, group: Any) -> None:
+        self.pool = pool
+        self.group = group
+
+    def ensure_free(self, num: int) -> None:
+        """Makes sure ``num`` pages are free on every rank (a page table asks before it takes any)."""
+        if not num:  # every rank asks for as many pages: no need to agree on none
+            return
+        pool = self.pool
+        available = pool.num_available_pages
+        try:
+            pool.ensure_free(num)
+            ready = True
+        except PoolExhaustedError:
+            ready = False
+        everyone, fewest = agree([int(ready), available], self.group, pool.device)
+        if everyone:
+            return
+        raise PoolExhaustedError(
+            num,
+            fewest,
+            pool.capacity_pages,
+            f"Pages hold {pool.format.page_size} tokens; the free pages are the fewest of any tensor-parallel rank, "
+            "and every rank stops here alike. Give the pools more room (cache_config max_tokens), or lower the batch "
+            "size or max_new_tokens.",
+        )
+
+    def allocate(self, num: int) -> list[int]:  # after ensure_free: cannot fail
+        return self.pool.allocate(num)
+
+    def extend(self, anchor: int | None, num: int) -> list[int]:  # after ensure_free: cannot fail
+        return self.pool.extend(anchor, num)
+
+    def share(self, pages: list[int]) -> None:
+        self.pool.share(pages)
+
+    def free(self, pages: list[int]) -> list[int]:
+        return self.pool.free(pages)
+
+    def refcount(self, page: int) -> int:
+        return self.pool.refcount(page)

@@ -1,0 +1,274 @@
+"""Finding the pool a cache's layers write to, once per device, and returning its pages (``PoolBinder``); kept
+apart from the cache so that layers and the cache's finalizer hold it without a reference cycle back to the cache.
+"""
+
+import dataclasses
+import functools
+import threading
+
+import torch
+from transformers import PreTrainedConfig
+
+from hf_kvcache.caches.options import CacheOptions
+from hf_kvcache.caches.policy import RowPolicy, reads_key_layouts
+from hf_kvcache.caches.prefix import PrefixTracker, log_once
+from hf_kvcache.errors import IncompatibleModelError
+from hf_kvcache.layers import PagedRows
+from hf_kvcache.memory.device_memory import check_fits
+from hf_kvcache.memory.format import PageFormat
+from hf_kvcache.memory.placement import Placement
+from hf_kvcache.memory.pool import KVPool
+
+
+class PoolBinder:
+    """Finds (once per device) the pool a cache's layers write to, and each layer group's rows on it.
+
+    Kept apart from the cache so that layers and the cache's finalizer can hold it without a
+    reference cycle back to the cache.
+
+    Args:
+        config: the model's decoder config.
+        options: the cache's options.
+        policies: the row policy of each layer group.
+        placement: where the model's KV lives (a tensor-parallel rank's share of the heads, a split model's layers).
+        layer_groups: the layers of each layer group (``config.layer_groups``, per device for a split model).
+        layer_group_devices: the device each layer group's layers are placed on; ``None``: learnt at the first
+            write, and the pool of every device the cache writes on is cut for all layer groups.
+    """
+
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        options: CacheOptions,
+        policies: list[RowPolicy],
+        placement: Placement,
+        layer_groups: list[list[int]],
+        layer_group_devices: list[torch.device | None],
+    ) -> None:
+        self.config = config
+        self.options = options
+        self.policies = policies
+        self.placement = placement
+        self.layer_groups = layer_groups
+        self.layer_group_devices = layer_group_devices
+        self.pools: dict[torch.device, KVPool] = {}
+        self.rows: dict[tuple[torch.device, int], PagedRows] = {}
+        self.planned_tokens = 0  # see PoolCache.plan
+        self.pad_lengths: list[int] | None = None  # see PoolCache.plan
+        self.prefix: PrefixTracker | None = None  # made when the pool is bound, if the cache reuses prompts
+        self.pool = KVPool.named(options.pool) if isinstance(options.pool, str) else options.pool
+        if self.pool is not None and not isinstance(self.pool, KVPool):
+            raise TypeError(f"cache_config pool must be a KVPool or a pool's name, got {type(self.pool).__name__}.")
+
+    def layer_groups_on(self, device: torch.device) -> list[int]:
+        """The layer groups whose pages live on ``device``: those placed there, or all when none is placed."""
+        placed = [idx for idx, at in enumerate(self.layer_group_devices) if at == device]
+        return placed or [idx for idx, at in enumerate(self.layer_group_devices) if at is None]
+
+    def rows_for(self, layer_group_idx: int, key_states: torch.Tensor) -> PagedRows:
+        """The rows of layer group ``layer_group_idx`` on the device of ``key_states`` (made on first use).
+
+        Raises:
+            IncompatibleModelError: the states come on another device than the layer group was placed on, or do
+                not have the geometry of the pool (its heads come from the tensor-parallel plan, or the config).
+        """
+        device = key_states.device
+        rows = self.rows.get((device, layer_group_idx))
+        if rows is None:
+            placed = self.layer_group_devices[layer_group_idx]
+            if placed is not None and device != placed:
+                raise IncompatibleModelError(
+                    f"Layers {self.layer_groups[layer_group_idx]} were placed on {placed} (the model's "
+                    f"hf_device_map) but write their states on {device}. Build the cache for the model as it runs: "
+                    "generate(cache_implementation=...) reads the placement when generate starts."
+                )
+            pool = self.bind(device, key_states.dtype)
+            seen = (key_states.shape[1], key_states.shape[-1])  # [batch, heads, n, head_dim]
+            if seen != (pool.format.num_kv_heads, pool.format.head_dim):
+                source = "the tensor-parallel plan" if self.placement.num_kv_heads is not None else "the config"
+                raise IncompatibleModelError(
+                    f"The model writes {seen[0]} KV heads of size {seen[1]}, but the pool on {device} holds "
+                    f"{pool.format.num_kv_heads} of size {pool.format.head_dim} (from {source}). A tensor-parallel "
+                    "rank holds its share of the heads: let generate build the cache (cache_implementation=...), or "
+                    "build it with placement=hf_kvcache.integration.seams.placement_of(model) and its pool with "
+                    "KVPool.for_model(model, ...). Mixed layer geometries are not supported."
+                )
+            rows = self.rows_on(layer_group_idx, device, key_states.dtype)
+        return rows
+
+    def rows_on(self, layer_group_idx: int, device: torch.device, dtype: torch.dtype) -> PagedRows:
+        """The rows of layer group ``layer_group_idx`` on ``device`` (made on first use, binding the pool)."""
+        rows = self.rows.get((device, layer_group_idx))
+        if rows is None:
+            pool = self.bind(device, dtype)
+            reads_slots = functools.partial(reads_key_layouts, self.config)  # not a method: rows must not hold self
+            policy = self.policies[layer_group_idx]
+            config = self.config
+            heads = getattr(config, "num_attention_heads", 1)
+            query_group = max(1, heads // (getattr(config, "num_key_value_heads", None) or heads))  # rank-invariant
+            rows = policy.make_rows(pool, reads_slots, query_group, self.placement.group)
+            self.rows[(device, layer_group_idx)] = rows
+            rows.set_plan(self.planned_tokens, self.pad_lengths)
+        return rows
+
+    def page_format(self, device: torch.device, dtype: torch.dtype) -> PageFormat:
+        """The format of the pool on ``device``: the config's, cut for the heads this rank holds and the layers
+        placed on ``device``.
+
+        Raises:
+            IncompatibleModelError: no layer is placed on ``device``.
+        """
+        layer_groups = [self.layer_groups[idx] for idx in self.layer_groups_on(device)]
+        if not layer_groups:
+            raise IncompatibleModelError(
+                f"No layer of this cache is placed on {device}; its layers are on {self.placement.devices}."
+            )
+        page_format = self.options.page_format(self.config, dtype)
+        return dataclasses.replace(
+            page_format,
+            num_kv_heads=self.placement.num_kv_heads or page_format.num_kv_heads,
+            num_layers=len(layer_groups[0]),
+            num_layer_groups=len(layer_groups),
+        )
+
+    def bind(self, device: torch.device, dtype: torch.dtype) -> KVPool:
+        """The pool on ``device``, resolved on first use.
+
+        Raises:
+            IncompatibleModelError: the given pool does not match the model's geometry.
+        """
+        pool = self.pools.get(device)
+        if pool is not None:
+            return pool
+        pool = self._pool_for(self.page_format(device, dtype), device)
+        if self.pools and self.prefix is not None:
+            log_once("the cache spans several devices; prompts are reused on a cache with one pool.")
+            self.prefix.active = False
+        elif pool.prefix_caching and self._uses_prefix_index():
+            self._check_prefix_placement()
+            self.prefix = PrefixTracker(pool, self.policies, self.options.prefix_namespace)
+        self.pools[device] = pool
+        return pool
+
+    def _uses_prefix_index(self) -> bool:
+        """``prefix_caching`` True, or None on a pool given to the cache (another cache may have started the default
+        pool's index: that is not this cache's asking)."""
+        return bool(self.options.prefix_caching) or (self.options.prefix_caching is None and self.pool is not None)
+
+    def _check_prefix_placement(self) -> None:
+        """Refuses prompt reuse where the ranks or devices would have to agree on it.
+
+        Raises:
+            ValueError: the model is tensor parallel (each rank's pool keeps its own index, whose lookups could find
+                prefixes of different lengths on different ranks, which would then feed different tokens into the
+                model's collectives), or split over several devices (one pool per device, each with a part of the
+                layer groups, none of which holds a whole prefix).
+        """
+        if self.placement.group is not None:
+            raise ValueError(
+                "Prefix caching is not supported under tensor parallelism: the ranks' prefix indexes are not agreed, "
+                "so they could reuse prefixes of different lengths. Leave cache_config prefix_caching unset, and "
+                "give the cache a pool without one (KVPool.for_model(..., prefix_caching=False))."
+            )
+        if len({device for device in self.layer_group_devices if device is not None}) > 1:
+            raise ValueError(
+                "Prefix caching is not supported on a model split over several devices (one pool per device, none "
+                "holding a whole prefix). Leave cache_config prefix_caching unset, or load the model on one device."
+            )
+
+    def layer_group_rows(self, device: torch.device, create: bool = False) -> dict[int, PagedRows]:
+        """The rows of each layer group on ``device`` (those made so far, or all of them with ``create``)."""
+        if create:
+            pool = self.pools[device]
+            return {idx: self.rows_on(idx, device, pool.format.dtype) for idx in range(len(self.policies))}
+        return {idx: rows for (rows_device, idx), rows in self.rows.items() if rows_device == device}
+
+    def _pool_for(self, page_format: PageFormat, device: torch.device) -> KVPool:
+        options = self.options
+        prefix_caching = bool(options.prefix_caching)
+        if prefix_caching:
+            self._check_prefix_placement()
+        if options.max_tokens is not None:
+            if prefix_caching:  # kept for the process, so that its index outlives the call
+                return KVPool.for_budget(page_format, device, options.max_tokens)
+            num_pages = page_format.pages_for_tokens(options.max_tokens) + 1
+            check_fits(f"max_tokens={options.max_tokens}", num_pages * page_format.page_bytes, device)
+            return KVPool(page_format, num_pages, device)
+        pool = self.pool
+        if pool is None:
+            pool = KVPool.default(page_format, device, self.placement.group)
+            if prefix_caching:
+                pool.enable_prefix_caching()
+            return pool
+        if prefix_caching and not pool.prefix_caching:
+            raise ValueError(
+                "cache_config prefix_caching=True, but the given pool keeps no prefix index: build it with "
+                "KVPool.for_model(model, ..., prefix_caching=True), or leave prefix_caching unset."
+            )
+        theirs, ours = pool.format, page_format
+        mismatches = [
+            f"{name} {getattr(theirs, name)} vs {getattr(ours, name)}"
+            for name in (
+                "num_layers",
+                "num_layer_groups",
+                "num_kv_heads",
+                "head_dim",
+                "dtype",
+                "value_bits",
+                "value_group_size",
+                "key_bits",
+                "key_group_size",
+                "scale_dtype",
+            )
+            if getattr(theirs, name) != getattr(ours, name)
+        ]
+        if pool.device != device:
+            mismatches.append(f"device {pool.device} vs {device}")
+        if mismatches:
+            raise IncompatibleModelError(
+                f"The pool was built for another model or placement ({', '.join(mismatches)}, pool vs model). "
+                "Build it with KVPool.for_model(model, ...) for this model, dtype and device; a model split over "
+                "several devices takes one pool per device (cache_config max_tokens, or the default pools)."
+            )
+        return pool
+
+    def release(self) -> None:
+        """Publishes what the prefix index still lacks (if the cache reuses prompts), then returns every page."""
+        for rows in self.rows.values():
+            rows.end_planning()
+        if self.prefix is not None:
+            self.prefix.publish(self.layer_group_rows(self.prefix.pool.device))
+            self.prefix.reset()
+        for rows in self.rows.values():
+            rows.release()
+
+
+_DEFERRED: list[PoolBinder] = []  # binders of caches collected while torch.compile traced (release_when_safe)
+_DEFERRED_LOCK = threading.Lock()
+
+
+def _tracing() -> bool:
+    """Whether torch.compile (or export) is tracing now: tensors are fake, a write to the pool would be lost."""
+    keys = torch._C._TorchDispatchModeKey
+    return any(torch._C._get_dispatch_mode(key) is not None for key in (keys.FAKE, keys.PROXY, keys.FUNCTIONAL))
+
+
+def release_when_safe(binder: PoolBinder) -> None:
+    """Releases a collected cache's pages, or, when the garbage collector ran it while torch.compile traced (where
+    zeroing freed pages would act on fake tensors and fail), at the next ``release_deferred``."""
+    if _tracing():
+        with _DEFERRED_LOCK:
+            _DEFERRED.append(binder)
+        return
+    binder.release()
+
+
+def release_deferred() -> None:
+    """Releases the caches collected while torch.compile traced (``release_when_safe``)."""
+    if not _DEFERRED or _tracing():
+        return
+    with _DEFERRED_LOCK:
+        binders = _DEFERRED[:]
+        _DEFERRED.clear()
+    for binder in binders:
+        binder.release()

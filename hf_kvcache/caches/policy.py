@@ -1,0 +1,67 @@
+"""Which tokens a layer group keeps (``RowPolicy``): every token, or a ring of the last ``window``; and the rows
+that keep them."""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedConfig
+
+from hf_kvcache.attention.interface import ATTENTION_NAME
+from hf_kvcache.layers import PagedRows, RingRows
+from hf_kvcache.layers.window import ring_num_slots
+from hf_kvcache.memory.pool import KVPool
+from hf_kvcache.transformers_internals import attn_implementation
+
+
+@dataclass(frozen=True)
+class RowPolicy:
+    """Which tokens a layer group keeps: all of them (``window=None``), or a ring of the last ``window``.
+
+    Attributes:
+        window: tokens each query attends to, itself included; ``None`` keeps every token.
+        sink_tokens: first tokens of a row a ring keeps for good.
+        is_sliding: the model's own mask applies the window (a sliding layer of the model).
+        residual_length: newest tokens whose values stay in full precision (quantized pools only).
+        exact_tokens: first tokens of a row whose keys and values attention gets in full precision over their codes
+            (quantized pools, rows that keep every page).
+    """
+
+    window: int | None = None
+    sink_tokens: int = 0
+    is_sliding: bool = False
+    residual_length: int = 0
+    exact_tokens: int = 0
+
+    def max_pages_per_row(self, num_tokens: int, page_size: int) -> int:
+        """Most pages one row holds with ``num_tokens`` tokens: all of them, or at most a ring's worth."""
+        if self.window is not None:
+            num_tokens = min(num_tokens, ring_num_slots(self.window, self.sink_tokens, page_size))
+        return math.ceil(num_tokens / page_size)
+
+    def make_rows(
+        self, pool: KVPool, reads_slots: Callable[[], bool], query_group: int = 1, group: Any = None
+    ) -> PagedRows:
+        """The rows of a layer group on ``pool``.
+
+        Args:
+            reads_slots: does the model's attention read a ``KeyLayout`` (and a ``PagedRead``).
+            query_group: query heads per KV head.
+            group: the process group of a tensor-parallel model's ranks (``Placement.group``).
+        """
+        if self.window is None:
+            return PagedRows(
+                pool,
+                self.residual_length,
+                reads_in_place=reads_slots,
+                query_group=query_group,
+                group=group,
+                exact_tokens=self.exact_tokens,
+            )
+        return RingRows(pool, self.window, self.sink_tokens, self.residual_length, reads_slots, group)
+
+
+def reads_key_layouts(config: PreTrainedConfig) -> bool:
+    """Whether the model attends with ``attn_implementation="hf_kvcache"``, which reads a ring's ``KeyLayout``."""
+    return attn_implementation(config) == ATTENTION_NAME

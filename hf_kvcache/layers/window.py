@@ -1,0 +1,80 @@
+"""The ring's arithmetic (``hf_kvcache.layers.ring`` tells the whole layout): which keys a step's tokens may see
+(``band``, ``visible_span``), how many slots a ring holds (``ring_num_slots``), and a step's slot indices
+(``RingStep``)."""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from hf_kvcache.attention.reads import KeyLayout
+
+
+def band(
+    tokens: torch.Tensor, start: int, num_new: int, window: int, sink_tokens: int, pad_lengths: torch.Tensor
+) -> torch.Tensor:
+    """``[batch, num_new, n]``: may new token ``start + i`` of row ``b`` see token ``tokens[b, j]``?
+
+    A row sees its window and its own sinks (its first ``sink_tokens`` real tokens), never padding; ``-1`` in
+    ``tokens`` marks a slot that holds no token. A padding query is left to the model's mask.
+
+    Args:
+        tokens: ``[batch, n]`` the token each key holds.
+        pad_lengths: ``[batch]`` leading padding tokens of each row.
+    """
+    query = torch.arange(start, start + num_new, device=tokens.device).view(1, -1, 1)  # [1, num_new, 1]
+    keys = tokens.unsqueeze(1)  # [batch, 1, n]
+    pads = pad_lengths.view(-1, 1, 1)  # [batch, 1, 1]
+    seen = (keys <= query) & ((keys > query - window) | (keys - pads < sink_tokens))
+    return (seen & (keys >= pads)) | (query < pads)
+
+
+def visible_span(start: int, num_new: int, window: int, sink_tokens: int) -> tuple[int, int]:
+    """``(num_sinks, first)``: attention sees tokens ``[0, num_sinks)`` and ``[first, start + num_new)``."""
+    first = max(0, start - window + 1)
+    if first <= sink_tokens:  # the window reaches back to the sinks: one contiguous span
+        return 0, 0
+    return sink_tokens, first
+
+
+def ring_num_slots(window: int, sink_tokens: int, page_size: int) -> int:
+    """Logical slots of one row of a ring: the sinks plus the window, rounded up to whole pages, plus a spare page."""
+    return page_size * (math.ceil((sink_tokens + window - 1) / page_size) + 1)
+
+
+@dataclass(frozen=True)
+class RingStep:
+    """Where one step's tokens ``[start, start + num_new)`` are written and read, in every layer of a layer group.
+
+    Built by the layer group's first layer of the step and reused by the others. A step either reads the rows'
+    pages in place (``write_rows`` set; attention gets every slot in slot order, as ``layout`` says) or gathers
+    the visible tokens in time order (``write_index`` and ``read`` set). Every new token is written; those a row
+    keeps nowhere (its padding, and in a step longer than the ring the tokens it overwrites itself, between the
+    row's sinks and its last ``ring_slots`` tokens) go to the null page.
+
+    Attributes:
+        start / num_new: the step's first token and its number of new tokens.
+        layout: what attention must know beyond the model's mask; ``None`` for a single new token read in time
+            order (it sees every key).
+        storage_pages: the page count of the storage the indices below are built for (``PoolStorage``).
+        write_rows: in place only: ``[batch * heads * num_new]`` rows of the storage's flattened layer view the
+            new states go to, in ``(batch, head, token)`` order.
+        write_index: gathered only: ``[batch, heads, num_new]`` the new tokens' slot rows (``kernels.slot_rows``).
+        read: gathered only: ``[batch * heads * n]`` the visible tokens' slot rows, in time order (flattened
+            ``[batch, heads, n]``: ``kernels.read_slots``).
+        read_slots: gathered only: ``[batch, n]`` their logical slots (``-1``: none), for keys decoded a page at a time.
+    """
+
+    start: int
+    num_new: int
+    layout: KeyLayout | None
+    storage_pages: int
+    write_rows: torch.Tensor | None = None
+    write_index: torch.Tensor | None = None
+    read: torch.Tensor | None = None
+    read_slots: torch.Tensor | None = None
+
+    @property
+    def in_place(self) -> bool:
+        """Attention reads the rows' pages themselves, in slot order."""
+        return self.write_rows is not None

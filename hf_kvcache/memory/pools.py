@@ -1,0 +1,188 @@
+"""How pools are made and found (``PoolFactories``, which ``KVPool`` takes its constructors from): for a model's
+geometry under a budget, by name, the shared default pool of a format and device (growing within one memory budget
+per device), and the shared fixed pool of a ``max_tokens`` budget. The registries of named and shared pools live
+here, under one lock."""
+
+import dataclasses
+import logging
+import threading
+import weakref
+from typing import Any, Self
+
+import torch
+
+from hf_kvcache.memory import device_memory
+from hf_kvcache.memory.device_memory import MemoryBudget
+from hf_kvcache.memory.format import DEFAULT_PAGE_SIZE, PageFormat
+from hf_kvcache.memory.placement import agree, kv_heads_per_rank, normalize_device
+
+logger = logging.getLogger("hf_kvcache")
+
+DEFAULT_INITIAL_TOKENS = 4096
+"""A default pool opens room for this many tokens first, then doubles as needed."""
+DEFAULT_MAX_MEMORY_FRACTION = 0.5
+"""The default pools of one device grow, together, up to this fraction of the memory (CPU: the RAM, or the
+container's limit where lower; CUDA: the free memory when the first of them was made)."""
+DEFAULT_MAX_POOL_PAGES = 1 << 16
+"""A default pool holds at most this many pages (a million tokens of pages of 16): attention reads its storage
+in place with tables of one entry per page and row (``hf_kvcache.attention.flex``), which this keeps small."""
+_NAMED_POOLS: "weakref.WeakValueDictionary[str, PoolFactories]" = weakref.WeakValueDictionary()
+_DEFAULT_POOLS: dict[tuple[PageFormat, torch.device], "PoolFactories"] = {}
+_BUDGET_POOLS: dict[tuple[PageFormat, torch.device, int], "PoolFactories"] = {}
+_DEFAULT_BUDGETS: dict[torch.device, MemoryBudget] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def register_name(name: str, pool: "Any") -> None:
+    """Registers ``pool`` under ``name`` (``KVPool(name=...)``), refusing a name a live pool holds."""
+    with _REGISTRY_LOCK:
+        if name in _NAMED_POOLS:
+            raise ValueError(f"A pool named {name!r} already exists; choose another name.")
+        _NAMED_POOLS[name] = pool
+
+
+class PoolFactories:
+    """``KVPool``'s constructors beyond ``__init__``: each makes or finds a ``cls`` (the pool class)."""
+
+    @classmethod
+    def for_model(
+        cls,
+        model: torch.nn.Module,
+        *,
+        max_tokens: int | None = None,
+        max_bytes: int | None = None,
+        memory_fraction: float | None = None,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        name: str | None = None,
+        alert_thresholds: tuple[float, ...] = (0.9,),
+        value_bits: int | None = None,
+        value_group_size: int = 64,
+        key_bits: int | None = None,
+        key_group_size: int = 64,
+        scale_dtype: torch.dtype | None = None,
+        prefix_caching: bool = False,
+    ) -> Self:
+        """A fixed-budget pool for ``model``, sized by exactly one of the three budgets.
+
+        On a tensor-parallel model (``from_pretrained(..., tp_plan="auto")`` under ``torchrun``), the pool is this
+        rank's: cut for the KV heads it holds (``model.tp_plan`` and ``model.tp_size``, ``kv_heads_per_rank``).
+
+        Args:
+            model: a transformers causal LM (its config gives the geometry).
+            max_tokens: token slots to hold (summed over all sequences; rounded up to whole pages).
+            max_bytes: bytes of page storage.
+            memory_fraction: fraction of the device's free memory (CUDA only).
+            page_size: token slots per page.
+            dtype / device: default to the model's.
+            value_bits / value_group_size: store values as int8/int4 codes (for ``QuantizedValueCache``).
+            key_bits / key_group_size / scale_dtype: store keys as codes too, and scales in ``scale_dtype`` (for
+                ``QuantizedKVCache``; ``PageFormat``).
+            prefix_caching: keep a prefix index: caches on the pool reuse each other's prompt pages.
+        """
+        budgets = {"max_tokens": max_tokens, "max_bytes": max_bytes, "memory_fraction": memory_fraction}
+        given = [key for key, value in budgets.items() if value is not None]
+        if len(given) != 1:
+            raise ValueError(f"Give exactly one of {list(budgets)} to size the pool; got {given or 'none'}.")
+        dtype = dtype or model.dtype
+        device = normalize_device(device if device is not None else model.device)
+        page_format = PageFormat.from_model_config(model.config, dtype, page_size)
+        tp_size = getattr(model, "tp_size", None) or 1  # transformers' public properties, set on every model
+        num_kv_heads = kv_heads_per_rank(page_format.num_kv_heads, getattr(model, "tp_plan", None), tp_size)
+        page_format = dataclasses.replace(
+            page_format,
+            num_kv_heads=num_kv_heads,
+            value_bits=value_bits,
+            value_group_size=value_group_size,
+            key_bits=key_bits,
+            key_group_size=key_group_size,
+            scale_dtype=scale_dtype,
+        )
+        if max_tokens is not None:
+            if max_tokens < 1:
+                raise ValueError(f"max_tokens must be >= 1, got {max_tokens}.")
+            num_pages = page_format.pages_for_tokens(max_tokens) + 1
+            device_memory.check_fits(f"max_tokens={max_tokens}", num_pages * page_format.page_bytes, device)
+        else:
+            if memory_fraction is not None:
+                if device.type != "cuda":
+                    raise ValueError(f"memory_fraction sizes a CUDA pool; device is {device}. Use max_bytes instead.")
+                if not 0 < memory_fraction <= 1:
+                    raise ValueError(f"memory_fraction must lie in (0, 1], got {memory_fraction}.")
+                max_bytes = int(torch.cuda.mem_get_info(device)[0] * memory_fraction)
+            num_pages = max_bytes // page_format.page_bytes
+            device_memory.check_fits(f"max_bytes={max_bytes}", num_pages * page_format.page_bytes, device)
+            if num_pages < 2:
+                raise ValueError(
+                    f"max_bytes={max_bytes} holds fewer than 2 pages of {page_format.page_bytes} bytes; raise it."
+                )
+        return cls(
+            page_format, num_pages, device, name=name, alert_thresholds=alert_thresholds, prefix_caching=prefix_caching
+        )
+
+    @classmethod
+    def named(cls, name: str) -> Self:
+        """The live pool registered under ``name``."""
+        pool = _NAMED_POOLS.get(name)
+        if pool is None:
+            raise ValueError(f"No pool named {name!r}; live pools: {sorted(_NAMED_POOLS)}.")
+        return pool
+
+    @classmethod
+    def default(cls, page_format: PageFormat, device: str | torch.device, group: Any = None) -> Self:
+        """The shared growable pool for this format and device, made on first use.
+
+        It opens room for ``DEFAULT_INITIAL_TOKENS`` tokens first and doubles when full, up to
+        ``DEFAULT_MAX_POOL_PAGES`` pages. The default pools of one device share one ``MemoryBudget``: together they
+        open at most ``DEFAULT_MAX_MEMORY_FRACTION`` of the RAM (CPU; the container's limit where lower,
+        ``memory_limit_bytes``) or of the free memory (CUDA). On the CPU the pool reserves its cap once, without
+        committing it (``commits_lazily``): its storage never changes shape. On CUDA, where reserved memory is
+        committed, it holds what it has opened and a growth moves the pages to a storage twice the size.
+
+        Args:
+            group: the process group of a tensor-parallel model's ranks: the budget is then the smallest of theirs
+                (their RAM or free memory differ), so every rank's default pools can hold as many pages. A
+                collective: every rank of the group calls it, at each call.
+        """
+        device = normalize_device(device)
+        with _REGISTRY_LOCK:
+            budget = _DEFAULT_BUDGETS.get(device)
+            if budget is None:
+                if device.type == "cuda":
+                    memory = torch.cuda.mem_get_info(device)[0]
+                else:
+                    memory = device_memory.memory_limit_bytes()
+                budget = _DEFAULT_BUDGETS[device] = MemoryBudget(int(memory * DEFAULT_MAX_MEMORY_FRACTION))
+        if group is not None:  # outside the lock: the other ranks may take a while to get here
+            budget.limit_to(agree([budget.total_bytes], group, device)[0])
+        with _REGISTRY_LOCK:
+            pool = _DEFAULT_POOLS.get((page_format, device))
+            if pool is None:
+                max_pages = max(2, min(DEFAULT_MAX_POOL_PAGES, budget.total_bytes // page_format.page_bytes))
+                # What the other formats' default pools left of the budget, at least the null page and one more.
+                room = max(2, budget.free_bytes // page_format.page_bytes)
+                num_pages = min(max_pages, room, page_format.pages_for_tokens(DEFAULT_INITIAL_TOKENS) + 1)
+                budget.reserve(num_pages * page_format.page_bytes)
+                pool = cls(page_format, num_pages, device, max_pages=max_pages, budget=budget)
+                _DEFAULT_POOLS[(page_format, device)] = pool
+            return pool
+
+    @classmethod
+    def for_budget(cls, page_format: PageFormat, device: str | torch.device, max_tokens: int) -> Self:
+        """The shared fixed pool of ``max_tokens`` tokens with a prefix index for this format and device, made on
+        first use and kept for the process as the default pools are: how ``cache_config={"max_tokens": N,
+        "prefix_caching": True}`` reuses prompts across calls.
+
+        Raises:
+            ValueError: the device could never hold ``max_tokens`` tokens.
+        """
+        device = normalize_device(device)
+        num_pages = page_format.pages_for_tokens(max_tokens) + 1
+        device_memory.check_fits(f"max_tokens={max_tokens}", num_pages * page_format.page_bytes, device)
+        with _REGISTRY_LOCK:
+            pool = _BUDGET_POOLS.get((page_format, device, num_pages))
+            if pool is None:
+                pool = cls(page_format, num_pages, device, prefix_caching=True)
+                _BUDGET_POOLS[(page_format, device, num_pages)] = pool
+            return pool

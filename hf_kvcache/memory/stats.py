@@ -1,0 +1,134 @@
+"""A pool's live statistics (``pool_stats``), its alerts when the share of pages held crosses a threshold
+(``PoolAlerts``) and its integrity check (``check_integrity``): ``KVPool`` calls them under its lock with its
+allocator, page tables and storage."""
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hf_kvcache.memory.allocator import PageAllocator
+from hf_kvcache.memory.format import PageFormat
+from hf_kvcache.memory.page_table import PageTable
+from hf_kvcache.memory.storage import PoolStorage
+
+logger = logging.getLogger("hf_kvcache")
+
+AlertCallback = Callable[[float, dict[str, Any]], None]
+
+
+def pool_stats(
+    allocator: PageAllocator,
+    tables: list[PageTable],
+    page_format: PageFormat,
+    storage: PoolStorage,
+    max_pages: int,
+    device: torch.device,
+) -> dict[str, Any]:
+    """A pool's live statistics as a plain dict (``KVPool.stats``, under the pool's lock).
+
+    Pages are counted as handed out: ``pages_total`` is the pages the pool has opened (a default pool opens
+    more as it grows, up to ``max_pages``, within its memory budget), ``pages_used`` those not free: held by
+    page tables, and ``pages_cached``, published pages only the prefix index holds (evicted when room is needed:
+    a request can take ``pages_free + pages_cached``). ``bytes_total`` is the memory of the opened pages, which
+    is what the pool has committed: opened pages are zeroed, and the rest of a reserved storage
+    (``bytes_reserved``, a CPU default pool's cap) is never touched. ``pages_unfilled`` counts pages held that no
+    token has been written to yet (a ring takes its planned pages at its first write); rows of paged layers
+    place their pages in extents but never hold one ahead. ``utilization`` is the bytes of the tokens held
+    divided by the bytes of the pages caches hold (1.0 when every held page is full; shared pages count once).
+    ``live_tables`` counts the page tables of caches not yet garbage collected (0 again once every cache is
+    gone). The prefix index's counts are in rows (one prompt each): ``prefix_lookups`` rows looked up,
+    ``prefix_hits`` rows that reused at least a page, ``prefix_tokens_reused`` prompt tokens not prefilled,
+    ``prefix_hit_rate`` the share of looked-up prompt tokens that were reused.
+    """
+    filled: dict[int, int] = {}
+    for table in tables:
+        filled.update(table.filled_slots())
+    used, cached = allocator.num_used, allocator.num_cached
+    page_bytes = page_format.page_bytes
+    tokens = sum(filled.values())
+    index = allocator.index
+    queried = index.tokens_queried if index is not None else 0
+    return {
+        "pages_total": allocator.num_pages,
+        "extent_pages": page_format.extent_pages,
+        "pages_unfilled": sum(1 for count in filled.values() if count == 0),
+        "pages_used": used,
+        "pages_free": allocator.num_free,
+        "pages_cached": cached,
+        "max_pages": max_pages,
+        "high_water_pages": allocator.high_water,
+        "page_size": page_format.page_size,
+        "page_bytes": page_bytes,
+        "bytes_total": (allocator.num_pages + 1) * page_bytes,
+        "bytes_reserved": storage.num_pages * page_bytes,
+        "bytes_used": used * page_bytes,
+        "tokens_held": tokens,
+        "live_tables": len(tables),
+        "utilization": tokens / ((used - cached) * page_format.page_size) if used > cached else 0.0,
+        "device": str(device),
+        "dtype": str(page_format.dtype).removeprefix("torch."),
+        "prefix_caching": index is not None,
+        "prefix_lookups": index.lookups if index is not None else 0,
+        "prefix_hits": index.hits if index is not None else 0,
+        "prefix_tokens_reused": index.tokens_reused if index is not None else 0,
+        "prefix_hit_rate": index.tokens_reused / queried if queried else 0.0,
+    }
+
+
+class PoolAlerts:
+    """Thresholds on the share of a pool's capacity held: each upward crossing logs a warning and calls the
+    callbacks, once per crossing (a threshold re-arms when the share falls back below it).
+
+    Args:
+        thresholds: fractions in ``(0, 1]``.
+    """
+
+    def __init__(self, thresholds: tuple[float, ...]) -> None:
+        if any(not 0 < threshold <= 1 for threshold in thresholds):
+            raise ValueError(f"alert_thresholds must lie in (0, 1], got {thresholds}.")
+        self.thresholds = sorted(thresholds)
+        self.armed = [True] * len(self.thresholds)
+        self.callbacks: list[AlertCallback] = []
+
+    def check(self, held: int, capacity: int, stats: Callable[[], dict[str, Any]], device: torch.device) -> None:
+        """After a change: ``held`` of ``capacity`` pages are held; ``stats`` gives the pool's statistics."""
+        fraction = held / capacity
+        for i, threshold in enumerate(self.thresholds):
+            if fraction < threshold:
+                self.armed[i] = True
+            elif self.armed[i]:
+                self.armed[i] = False
+                snapshot = stats()
+                logger.warning(
+                    "KV pool on %s is %.0f%% full (%d of %d pages), past the %.0f%% alert threshold.",
+                    device,
+                    100 * fraction,
+                    snapshot["pages_used"],
+                    snapshot["max_pages"],
+                    100 * threshold,
+                )
+                for callback in self.callbacks:
+                    callback(threshold, snapshot)
+
+
+def check_integrity(allocator: PageAllocator, tables: list[PageTable], storage: PoolStorage) -> None:
+    """Raises ``AssertionError`` if a pool's allocator, its prefix index or any live page table is inconsistent: each
+    page's refcount is its page-table references plus one if it is published."""
+    allocator.check_integrity()
+    references: dict[int, int] = {}
+    for table in tables:
+        table.check_integrity()
+        for row in table.rows:
+            for page in row:
+                references[page] = references.get(page, 0) + 1
+    index = allocator.index
+    published = {page for page in references if index is not None and index.is_published(page)}
+    for page, count in references.items():
+        expected = count + (page in published)
+        assert allocator.refcount(page) == expected, f"page {page}: refcount != {expected} references"
+    num_published = len(index) if index is not None else 0
+    num_held = len(references) + num_published - len(published)
+    assert allocator.num_used == num_held, "pages used that no live table or index holds (a leak)"
+    assert storage.num_pages >= allocator.num_pages + 1, "page ids past the storage"
