@@ -379,6 +379,44 @@ def test_planned_steps_compute_what_eager_steps_do(case):
             token = reference.argmax(-1, keepdim=True)
 
 
+@pytest.mark.parametrize("case", [case for case in PLANNED_CASES if case.startswith("quantized_kv")])
+@pytest.mark.parametrize("crop", [False, True], ids=["then-eager", "then-crop"])
+def test_eager_steps_after_planned_ones_encode_the_page_the_last_planned_step_filled(case, crop):
+    """Planned steps encode a page one step late (the step that fills it only writes its last key). When the step
+    after the one that filled a page is not planned (a request that stops compiling, a cache reused without
+    compiling), or a crop comes back into that page, the page must still be encoded and nothing may write over it:
+    the same logits as a cache that ran every step eagerly."""
+    # With a crop, no residual window: values coded by page after planned steps and a crop back into the page
+    # just filled still read 4e-2 off (quantized_values too; not the keys' bug this test pins; left open).
+    config = {**PLANNED_CASES[case], "residual_length": 0} if crop else PLANNED_CASES[case]
+    model = tiny_llama()
+    ids = random_ids(2, 21)
+    planned, eager = (
+        generate(model, ids, "quantized_kv", max_new_tokens=2, cache_config=config, return_dict_in_generate=True).cache
+        for _ in range(2)
+    )
+    planned.compiled_decoding, planned.runs_eager = True, False
+    token = generate(model, ids, "quantized_kv", max_new_tokens=2, cache_config=config)[:, -1:]
+    with torch.no_grad():
+        for step in range(16):  # tokens 22 to 37: planned up to token 31, which fills the page [16, 32); then eager
+            planning = step < 10
+            if planning:
+                assert planned.plan_decode(2, 1)
+                inputs = {"input_ids": token, "position_ids": None}
+                planned.start_planned(inputs)
+            else:
+                planned.end_planning()
+                if crop and step == 10:  # back into the page just filled (4 of its tokens dropped), on both caches
+                    planned.crop(-4)
+                    eager.crop(-4)
+                    token = token * 0 + 7
+                inputs = {"input_ids": token}
+            logits = model(**inputs, cache=planned).logits[:, -1]
+            reference = model(input_ids=token, cache=eager).logits[:, -1]
+            assert (logits - reference).abs().max() < 1e-5, (step, planning)
+            token = reference.argmax(-1, keepdim=True)
+
+
 def test_a_cache_collected_while_dynamo_traces_returns_its_pages_afterwards():
     """The garbage collector may finalize a cache in the middle of a trace, where tensors are fake: zeroing its
     freed pages there failed ("Exception ignored") and the pages never came back. They come back at the next

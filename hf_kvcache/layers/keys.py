@@ -45,6 +45,7 @@ class KeyPages:
         self.partial: dict[int, torch.Tensor] = {}  # layer_in_group -> [batch, heads, page_size, head_dim]
         self.written: dict[int, int] = {}  # layer_in_group -> tokens written (padding included)
         self.encoded = 0  # paged rows: tokens whose pages are encoded (planned steps encode a page one step late)
+        self.filled_unencoded: int | None = None  # the end of a page the last planned step filled, not yet encoded
         # Kept for a step's layers: ((start, shifts, heads, head_dim), where its key goes in the pages still filling),
         # ((page table, storage pages), rows to gather), ((batch, pages, page still filling), where it goes in read).
         self._step_slot: tuple[tuple, torch.Tensor] | None = None
@@ -96,6 +97,8 @@ class KeyPages:
         """
         if key_states.requires_grad:
             key_states = key_states.detach()
+        if self.filled_unencoded is not None and self.filled_unencoded == start:  # the step after a planned one
+            self._encode_partial(storage, page_ids, start)  # that filled a page, not planned itself
         if self._write_in_place(layer_in_group, start, key_states, shifts):
             return
         batch, page_size, device = key_states.shape[0], self.page_size, key_states.device
@@ -309,17 +312,25 @@ class KeyPages:
         page_size, device = self.page_size, page_ids.device
         full = start - start % page_size  # the page still filling starts here
         if self.encoded < full:  # [full - page_size, full) filled: encode it from the page still filling
-            targets = page_ids[:, full // page_size - 1 : full // page_size]  # [batch, 1]
-            for layer_in_group, partial in self.partial.items():
-                self._store(layer_in_group, storage, partial.unsqueeze(2), targets)
-                partial.zero_()  # every slot is written again before it is read
-            self.encoded = full
+            self._encode_partial(storage, page_ids, full)
+        self.filled_unencoded = start + 1 if (start + 1) % page_size == 0 else None
         for layer_in_group in self.partial:
             self.written[layer_in_group] = start + 1
         positions = torch.arange(num_keys, device=device)
         held = (positions >= full) & (positions <= start)
         fills = torch.full((1, 1, 1, 1), (start + 1) % page_size == 0, device=device)
         return (positions - full).clamp(0, page_size - 1), held.view(1, 1, -1, 1), fills
+
+    def _encode_partial(self, storage: PoolStorage, page_ids: torch.Tensor, full: int) -> None:
+        """Encodes the page ``[full - page_size, full)`` that every layer's page still filling holds whole (the page
+        a planned step filled: planned steps encode it one step late, the step that filled it only wrote its last
+        key there)."""
+        targets = page_ids[:, full // self.page_size - 1 : full // self.page_size]  # [batch, 1]
+        for layer_in_group, partial in self.partial.items():
+            self._store(layer_in_group, storage, partial.unsqueeze(2), targets)
+            partial.zero_()  # every slot is written again before it is read
+        self.encoded = full
+        self.filled_unencoded = None
 
     def write_planned(self, layer_in_group: int, plan: "Any", key_states: torch.Tensor) -> None:
         """A planned step's new keys ``[batch, heads, 1, head_dim]`` to their slot of the page still filling."""
@@ -370,6 +381,10 @@ class KeyPages:
     ) -> None:
         """Keeps tokens ``[0, num_tokens)``: a row whose page still filling moves back to an encoded page takes that
         page's decoded keys as its page still filling (call it after the page table's crop)."""
+        end = self.filled_unencoded
+        if end is not None and num_tokens >= end - self.page_size and page_ids.numel():
+            self._encode_partial(storage, page_ids, end)  # a page a planned step filled, kept: encoded first
+        self.filled_unencoded = None
         for layer_in_group, partial in self.partial.items():
             written = self.written.get(layer_in_group, 0)
             if self._pages_before(written, shifts) != self._pages_before(num_tokens, shifts) and page_ids.numel():
@@ -392,4 +407,5 @@ class KeyPages:
         self.partial.clear()
         self.written.clear()
         self.encoded = 0
+        self.filled_unencoded = None
         self._step_slot = self._gather_rows = self._filling = None
