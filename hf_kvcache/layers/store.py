@@ -143,7 +143,7 @@ class SlotStore:
         if residual is None:
             return None, None, None
         end = start + 1
-        oldest = max(residual.first, end - residual.length)
+        oldest = residual.first = max(residual.first, end - residual.length)  # the step overwrites what is older
         held = (tokens >= oldest) & (tokens < end)  # tokens >= 0 there
         index = tokens.clamp(min=0) % residual.length
         write = torch.full((1,), start % residual.length, device=tokens.device)
