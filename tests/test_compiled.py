@@ -354,11 +354,9 @@ PLANNED_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(PLANNED_CASES))
-def test_planned_steps_compute_what_eager_steps_do(case):
-    """Planned steps run eagerly (no compiler numerics) against eager steps on a twin cache, past a page filling
-    and a ring wrapping: the same logits to float precision at every step (a plan that reads a key, a code or a
-    window one step off shows here, where greedy tokens of a tiny model may not move)."""
+def planned_and_eager_twins(case: str) -> tuple:
+    """A tiny Llama, two caches of ``PLANNED_CASES[case]`` after the same 21-token prompt and one decode step (the
+    first set to plan its steps, as ``generate`` sets it when it compiles), and the next token to feed."""
     name, config = case.split("-")[0], PLANNED_CASES[case]
     model = tiny_llama()
     ids = random_ids(2, 21)
@@ -366,8 +364,16 @@ def test_planned_steps_compute_what_eager_steps_do(case):
         generate(model, ids, name, max_new_tokens=2, cache_config=config, return_dict_in_generate=True).cache
         for _ in range(2)
     )
-    planned.compiled_decoding, planned.runs_eager = True, False  # as generate sets them when it compiles
-    token = generate(model, ids, name, max_new_tokens=2, cache_config=config)[:, -1:]
+    planned.compiled_decoding, planned.runs_eager = True, False
+    return model, planned, eager, generate(model, ids, name, max_new_tokens=2, cache_config=config)[:, -1:]
+
+
+@pytest.mark.parametrize("case", list(PLANNED_CASES))
+def test_planned_steps_compute_what_eager_steps_do(case):
+    """Planned steps run eagerly (no compiler numerics) against eager steps on a twin cache, past a page filling
+    and a ring wrapping: the same logits to float precision at every step (a plan that reads a key, a code or a
+    window one step off shows here, where greedy tokens of a tiny model may not move)."""
+    model, planned, eager, token = planned_and_eager_twins(case)
     with torch.no_grad():
         for _ in range(20):  # tokens 22 to 41: the page [16, 32) fills, the ring of 12 + 2 wraps
             assert planned.plan_decode(2, 1)
@@ -387,15 +393,7 @@ def test_eager_steps_and_crops_after_planned_ones_compute_what_eager_steps_do(ca
     that stops compiling, a cache reused without compiling), or a crop comes back into that page, the page must
     still be encoded, nothing may write over it, and the window must know which tokens the planned steps overwrote:
     the same logits as a cache that ran every step eagerly."""
-    name, config = case.split("-")[0], PLANNED_CASES[case]
-    model = tiny_llama()
-    ids = random_ids(2, 21)
-    planned, eager = (
-        generate(model, ids, name, max_new_tokens=2, cache_config=config, return_dict_in_generate=True).cache
-        for _ in range(2)
-    )
-    planned.compiled_decoding, planned.runs_eager = True, False
-    token = generate(model, ids, name, max_new_tokens=2, cache_config=config)[:, -1:]
+    model, planned, eager, token = planned_and_eager_twins(case)
     with torch.no_grad():
         for step in range(16):  # tokens 22 to 37: planned up to token 31, which fills the page [16, 32); then eager
             planning = step < 10
