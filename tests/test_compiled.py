@@ -12,7 +12,7 @@ import torch._dynamo
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import CompileConfig
 
-from hf_kvcache import KVPool
+from hf_kvcache import KVPool, PageFormat
 from hf_kvcache.caches.paged import PagedCache
 from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.integration.seams import build_cache
@@ -68,9 +68,12 @@ def test_only_caches_whose_steps_can_be_planned_are_compileable():
     assert build_cache("sliding_ring", llama, dict(REGISTRY["sliding_ring"].example_config)).is_compileable
     for name in ("quantized_values", "quantized_kv"):
         assert build_cache(name, llama, dict(REGISTRY[name].example_config)).is_compileable
-    # Keys coded a page at a time in a ring (a sliding layer) are not planned; exact sinks are not either.
-    assert not build_cache("quantized_kv", mistral, dict(REGISTRY["quantized_kv"].example_config)).is_compileable
-    assert not build_cache("quantized_kv", llama, {"key_bits": 4, "value_bits": 4, "sink_tokens": 16}).is_compileable
+    # Keys coded a page at a time in a ring (a sliding layer) are planned too, and so are exact sinks.
+    assert build_cache("quantized_kv", mistral, dict(REGISTRY["quantized_kv"].example_config)).is_compileable
+    assert build_cache("quantized_kv", llama, {"key_bits": 4, "value_bits": 4, "sink_tokens": 16}).is_compileable
+    # A pool whose storage moves when it grows (CUDA's default) is not: a compiled step would read stale pages.
+    moving = KVPool(PageFormat.from_model_config(llama.config, torch.float32), num_pages=4, max_pages=64, reserve=False)
+    assert not build_cache("paged_pool", llama, {"pool": moving}).is_compileable
 
 
 @pytest.mark.parametrize(
@@ -135,11 +138,12 @@ def test_prefix_reuse_and_crop_under_compile(compile_config):
 
 
 def test_caches_not_compileable_run_eager_under_a_compile_config(compile_config):
-    model = tiny_gemma3()  # its sliding layers are rings, whose keys quantized_kv codes a page at a time
+    model = tiny_llama()
     ids = random_ids(2, 21)
-    config = dict(REGISTRY["quantized_kv"].example_config)
-    eager = generate(model, ids, "quantized_kv", max_new_tokens=8, cache_config=config)
-    compiled = generate(model, ids, "quantized_kv", compile_config, max_new_tokens=8, cache_config=config)
+    pool = KVPool(PageFormat.from_model_config(model.config, torch.float32), num_pages=4, max_pages=64, reserve=False)
+    config = {"pool": pool}  # storage that moves when it grows
+    eager = generate(model, ids, "paged_pool", max_new_tokens=8, cache_config=config)
+    compiled = generate(model, ids, "paged_pool", compile_config, max_new_tokens=8, cache_config=config)
     assert torch.equal(compiled, eager)
     assert graphs() == 0
 
@@ -157,6 +161,11 @@ QUANTIZED_KV = {  # int4 keys per channel over a page, int8 keys per token
     # near-tie of this tiny model's greedy token at step 22 (logits 1e-3 apart). aot_eager traces the same graph
     # (dynamo, fullgraph, functionalized) without inductor's numerics, and gives eager's tokens exactly.
     "k8v4": ({"key_bits": 8, "value_bits": 4, "group_size": 16, "residual_length": 16}, "aot_eager"),
+    # the first 16 tokens' keys and values exact over their codes
+    "k4v4-sink16": (
+        {"key_bits": 4, "value_bits": 4, "group_size": 16, "residual_length": 16, "sink_tokens": 16},
+        "inductor",
+    ),
 }
 
 
@@ -207,6 +216,9 @@ RING_CASES = {  # (model, cache, cache_config, whether the cache keeps what Dyna
     "mistral-sliding_ring": (tiny_mistral, "sliding_ring", {}, True),
     "llama-sliding_ring": (tiny_llama, "sliding_ring", {"window": 16, "sink_tokens": 2}, False),  # the ring drops
     "llama-sliding_ring-no-sinks": (tiny_llama, "sliding_ring", {"window": 12}, False),
+    # keys coded a page at a time in rings of 2 pages (a window of 8), rows padded apart fill their pages apart
+    "mistral-quantized_kv": (tiny_mistral, "quantized_kv", {"key_bits": 4, "value_bits": 4, "group_size": 16}, False),
+    "gemma3-quantized_kv": (tiny_gemma3, "quantized_kv", {"key_bits": 4, "value_bits": 4, "group_size": 16}, False),
 }
 
 
@@ -351,21 +363,42 @@ PLANNED_CASES = {
     "sliding_ring": {"window": 12, "sink_tokens": 2},
     **{f"quantized_values-{name}": config for name, config in QUANTIZED_VALUES.items()},
     **{f"quantized_kv-{name}": config for name, (config, _) in QUANTIZED_KV.items()},
+    # Mistral's sliding layers (window 8): keys coded a page at a time in a ring of 2 pages; padded rows fill apart
+    **{f"quantized_kv-ring-{name}": QUANTIZED_KV[name][0] for name in ("k4v4", "k8v4")},
+    "quantized_kv-ring-padded": QUANTIZED_KV["k4v4"][0],
+    # an exact sink of 24 tokens over the codes, which the first planned steps (tokens 22, 23) still write
+    "quantized_kv-sink24": QUANTIZED_KV["k8v4"][0] | {"sink_tokens": 24},
 }
 
 
 def planned_and_eager_twins(case: str) -> tuple:
-    """A tiny Llama, two caches of ``PLANNED_CASES[case]`` after the same 21-token prompt and one decode step (the
-    first set to plan its steps, as ``generate`` sets it when it compiles), and the next token to feed."""
+    """A tiny Llama (a tiny Mistral for ``ring`` cases), two caches of ``PLANNED_CASES[case]`` after the same
+    21-token prompt (two rows; ``padded``: the second of 14 tokens, left-padded) and one decode step (the first
+    set to plan its steps, as ``generate`` sets it when it compiles), the next token to feed and the attention mask
+    of the step that feeds it."""
     name, config = case.split("-")[0], PLANNED_CASES[case]
-    model = tiny_llama()
-    ids = random_ids(2, 21)
-    planned, eager = (
-        generate(model, ids, name, max_new_tokens=2, cache_config=config, return_dict_in_generate=True).cache
-        for _ in range(2)
-    )
+    model = tiny_mistral() if "-ring" in case else tiny_llama()
+    if case.endswith("padded"):
+        ids, mask = random_padded_batch([21, 14], 128, torch.Generator().manual_seed(1))
+    else:
+        ids, mask = random_ids(2, 21), torch.ones(2, 21, dtype=torch.long)
+    kwargs = {"max_new_tokens": 2, "attention_mask": mask, "cache_config": config}
+    planned, eager = (generate(model, ids, name, return_dict_in_generate=True, **kwargs).cache for _ in range(2))
     planned.compiled_decoding, planned.runs_eager = True, False
-    return model, planned, eager, generate(model, ids, name, max_new_tokens=2, cache_config=config)[:, -1:]
+    token = generate(model, ids, name, **kwargs)[:, -1:]
+    return model, planned, eager, token, torch.cat([mask, torch.ones(2, 2, dtype=torch.long)], dim=1)
+
+
+def decode_step(model, cache, token: torch.Tensor, mask: torch.Tensor, planned: bool = False) -> torch.Tensor:
+    """One decode step of ``token`` under ``mask`` (positions: each row's real tokens), planned before it runs (as
+    generate's seam plans it) or eager; the last logits."""
+    inputs = {"input_ids": token, "attention_mask": mask, "position_ids": mask.sum(-1, keepdim=True) - 1}
+    if planned:
+        assert cache.plan_decode(token.shape[0], 1, mask)
+        cache.start_planned(inputs)
+    else:
+        cache.end_planning()
+    return model(**inputs, cache=cache).logits[:, -1]
 
 
 @pytest.mark.parametrize("case", list(PLANNED_CASES))
@@ -373,16 +406,14 @@ def test_planned_steps_compute_what_eager_steps_do(case):
     """Planned steps run eagerly (no compiler numerics) against eager steps on a twin cache, past a page filling
     and a ring wrapping: the same logits to float precision at every step (a plan that reads a key, a code or a
     window one step off shows here, where greedy tokens of a tiny model may not move)."""
-    model, planned, eager, token = planned_and_eager_twins(case)
+    model, planned, eager, token, mask = planned_and_eager_twins(case)
     with torch.no_grad():
         for _ in range(20):  # tokens 22 to 41: the page [16, 32) fills, the ring of 12 + 2 wraps
-            assert planned.plan_decode(2, 1)
-            inputs = {"input_ids": token, "position_ids": None}
-            planned.start_planned(inputs)
-            logits = model(**inputs, cache=planned).logits[:, -1]
-            reference = model(input_ids=token, cache=eager).logits[:, -1]
+            logits = decode_step(model, planned, token, mask, planned=True)
+            reference = decode_step(model, eager, token, mask)
             assert (logits - reference).abs().max() < 1e-5
             token = reference.argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
 
 
 @pytest.mark.parametrize("case", [case for case in PLANNED_CASES if case.startswith("quantized")])
@@ -393,25 +424,19 @@ def test_eager_steps_and_crops_after_planned_ones_compute_what_eager_steps_do(ca
     that stops compiling, a cache reused without compiling), or a crop comes back into that page, the page must
     still be encoded, nothing may write over it, and the window must know which tokens the planned steps overwrote:
     the same logits as a cache that ran every step eagerly."""
-    model, planned, eager, token = planned_and_eager_twins(case)
+    model, planned, eager, token, mask = planned_and_eager_twins(case)
     with torch.no_grad():
         for step in range(16):  # tokens 22 to 37: planned up to token 31, which fills the page [16, 32); then eager
-            planning = step < 10
-            if planning:
-                assert planned.plan_decode(2, 1)
-                inputs = {"input_ids": token, "position_ids": None}
-                planned.start_planned(inputs)
-            else:
+            if crop and step == 10:  # back into the page just filled (4 of its tokens dropped), on both caches
                 planned.end_planning()
-                if crop and step == 10:  # back into the page just filled (4 of its tokens dropped), on both caches
-                    planned.crop(-4)
-                    eager.crop(-4)
-                    token = token * 0 + 7
-                inputs = {"input_ids": token}
-            logits = model(**inputs, cache=planned).logits[:, -1]
-            reference = model(input_ids=token, cache=eager).logits[:, -1]
-            assert (logits - reference).abs().max() < 1e-5, (step, planning)
+                planned.crop(-4)
+                eager.crop(-4)
+                token, mask = token * 0 + 7, mask[:, :-4]
+            logits = decode_step(model, planned, token, mask, planned=step < 10)
+            reference = decode_step(model, eager, token, mask)
+            assert (logits - reference).abs().max() < 1e-5, (step, step < 10)
             token = reference.argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
 
 
 def test_a_cache_collected_while_dynamo_traces_returns_its_pages_afterwards():

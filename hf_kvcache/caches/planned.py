@@ -23,19 +23,14 @@ class PlannedDecoding(Cache):
     @property
     def is_compileable(self) -> bool:
         """Whether ``generate`` may compile the model's forward with this cache (as it does for ``StaticCache``):
-        every layer group keeps its tokens (all of them, or a ring's) on one device, keys in full precision (values
-        may be codes) and no exact sink, so a decode step can be planned before the forward pass (``plan_decode``)
-        and run as tensor operations only."""
+        every layer group keeps its tokens (all of them, or a ring's; in full precision or as codes, with or without
+        an exact sink) on one device, so a decode step can be planned before the forward pass (``plan_decode``) and
+        run as tensor operations only."""
         binder = self._binder
         if self.runs_eager:  # generate's rule said no for this request: masks may then be skipped as Dynamic's
             return False
         if binder.placement.group is not None or len({at for at in binder.layer_group_devices if at}) > 1:
             return False
-        if any(policy.exact_tokens for policy in binder.policies):
-            return False
-        page_format = self.options.page_format(binder.config, torch.float32)
-        if page_format.key_bits is not None and any(policy.window is not None for policy in binder.policies):
-            return False  # keys coded a page at a time in a ring
         # A compiled step (a CUDA graph above all) needs storage that never moves: CPU default pools, fixed pools.
         pools = list(binder.pools.values()) or ([binder.pool] if binder.pool is not None else [])
         if not pools:

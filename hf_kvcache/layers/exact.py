@@ -1,6 +1,8 @@
 """Tokens a quantized pool's layers keep in full precision beside their codes: the newest values
 (``ResidualValues``, the residual window) and the first tokens' keys and values (``ExactSink``, attention sinks)."""
 
+from typing import Any
+
 import torch
 
 
@@ -104,6 +106,30 @@ class ExactSink:
             return
         for out, held in ((keys, self.keys), (values, self.values)):
             if out is not None:
+                out[:, :, :count] = held[layer_in_group][:, :, :count]
+
+    def plan(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Before a planned step at ``start``: ``(sink_write [1], sink_writes [1, 1, 1, 1])``, where the step's token
+        goes in the sink and whether it is one of the first ``length`` (``StepPlan``). The rows' first step wrote
+        the sink (a prefix reused from the index, whose first tokens are codes only, is refused to quantized keys)."""
+        if not self.keys:
+            raise RuntimeError("A planned step needs the exact sink its rows' first step wrote; this cache has none.")
+        write = torch.tensor([min(start, self.length - 1)], device=next(iter(self.keys.values())).device)
+        return write, torch.tensor(start < self.length, device=write.device).view(1, 1, 1, 1)
+
+    def write_planned(self, layer_in_group: int, plan: Any, key_states: torch.Tensor, values: torch.Tensor) -> None:
+        """A planned step's ``[batch, heads, 1, head_dim]`` states to the sink where its token is among the first."""
+        for held, states in ((self.keys, key_states), (self.values, values)):
+            buffer = held[layer_in_group]
+            kept = buffer.index_select(2, plan.sink_write)
+            buffer.index_copy_(2, plan.sink_write, torch.where(plan.sink_writes, states.to(buffer.dtype), kept))
+
+    def overlay_planned(self, layer_in_group: int, keys: torch.Tensor | None, values: torch.Tensor | None) -> None:
+        """A planned step's read: the sink over the first positions of ``keys`` and ``values`` ``[batch, heads, n,
+        head_dim]`` (``None``: full precision already; past the tokens written, the mask hides what it puts)."""
+        for out, held in ((keys, self.keys), (values, self.values)):
+            if out is not None:
+                count = min(self.length, out.shape[2])
                 out[:, :, :count] = held[layer_in_group][:, :, :count]
 
     @property

@@ -44,7 +44,6 @@ class KeyPages:
         self._buffer = buffer
         self.partial: dict[int, torch.Tensor] = {}  # layer_in_group -> [batch, heads, page_size, head_dim]
         self.written: dict[int, int] = {}  # layer_in_group -> tokens written (padding included)
-        self.encoded = 0  # paged rows: tokens whose pages are encoded (planned steps encode a page one step late)
         self.filled_unencoded: int | None = None  # the end of a page the last planned step filled, not yet encoded
         # Kept for a step's layers: ((start, shifts, heads, head_dim), where its key goes in the pages still filling),
         # ((page table, storage pages), rows to gather), ((batch, pages, page still filling), where it goes in read).
@@ -98,7 +97,7 @@ class KeyPages:
         if key_states.requires_grad:
             key_states = key_states.detach()
         if self.filled_unencoded is not None and self.filled_unencoded == start:  # the step after a planned one
-            self._encode_partial(storage, page_ids, start)  # that filled a page, not planned itself
+            self._encode_partial(storage, page_ids, start, shifts, ring_pages)  # that filled a page, not planned
         if self._write_in_place(layer_in_group, start, key_states, shifts):
             return
         batch, page_size, device = key_states.shape[0], self.page_size, key_states.device
@@ -120,8 +119,7 @@ class KeyPages:
         partial = take(self._page_tokens(end_page.unsqueeze(1))).squeeze(2)  # [batch, heads, page_size, head_dim]
         keep = torch.arange(page_size, device=device) < end_held.unsqueeze(1)  # [batch, page_size]
         self.partial[layer_in_group] = partial.masked_fill(~keep.view(batch, 1, page_size, 1), 0)
-        self.written[layer_in_group] = end = start + key_states.shape[2]
-        self.encoded = end - end % page_size
+        self.written[layer_in_group] = start + key_states.shape[2]
 
     def _write_in_place(self, layer_in_group: int, start: int, key_states: torch.Tensor, shifts: list[int]) -> bool:
         """A decode step's key put in its slot of each row's page still filling, if no row's page fills (one op:
@@ -299,37 +297,69 @@ class KeyPages:
     # ----- planned decode steps (compiled; paged rows): tensor operations only --------------------
 
     def plan_decode(
-        self, storage: PoolStorage, start: int, page_ids: torch.Tensor, num_keys: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Before a planned step at ``start``: encodes the page planned steps filled (one step late: the step that
-        filled it only wrote its last key to the page still filling), then plans where the page still filling lies
-        among the step's ``num_keys`` keys: ``(filling_index [num_keys], filling_held [1, 1, num_keys, 1],
-        filling_coded [1, 1, 1, 1])``, the last true where the step fills the page (``StepPlan``).
+        self,
+        storage: PoolStorage,
+        start: int,
+        page_ids: torch.Tensor,
+        tokens: torch.Tensor,
+        shifts: list[int],
+        ring_pages: int | None = None,
+    ) -> tuple[torch.Tensor | None, ...]:
+        """Before a planned step at ``start``: encodes the pages planned steps filled (one step late: the step that
+        filled a page only wrote its last key to the page still filling), then plans what the step's keys read
+        (``StepPlan.keys_read``).
 
         Args:
             page_ids: ``[batch, num_pages]`` the rows' pages.
+            tokens: ``[batch or 1, num_keys]`` the token of each key attention gets (``-1``: none).
+            shifts / ring_pages: as for ``write``.
+
+        Returns:
+            ``(key_pages, key_slots, filling_index, filling_held, filling_coded)``: a ring's pages ``[batch, 1,
+            ring_pages]`` (the null page where the ring has none yet) and each key's slot among them ``[batch, 1,
+            num_keys, 1]`` (``None`` both for rows that keep every page: they read ``StepPlan.pages``); each key's
+            slot in its row's page still filling and whether it is read from there ``[batch or 1, 1, num_keys, 1]``;
+            whether the step fills the row's page ``[batch or 1, 1, 1, 1]`` (it is then read through its encoding).
         """
         page_size, device = self.page_size, page_ids.device
-        full = start - start % page_size  # the page still filling starts here
-        if self.encoded < full:  # [full - page_size, full) filled: encode it from the page still filling
-            self._encode_partial(storage, page_ids, full)
-        self.filled_unencoded = start + 1 if (start + 1) % page_size == 0 else None
+        if self.filled_unencoded == start:  # the last step, planned, filled pages: encode them from there
+            self._encode_partial(storage, page_ids, start, shifts, ring_pages)
+        self.filled_unencoded = start + 1 if any(self._fills(start + 1, shifts)) else None
         for layer_in_group in self.partial:
             self.written[layer_in_group] = start + 1
-        positions = torch.arange(num_keys, device=device)
-        held = (positions >= full) & (positions <= start)
-        fills = torch.full((1, 1, 1, 1), (start + 1) % page_size == 0, device=device)
-        return (positions - full).clamp(0, page_size - 1), held.view(1, 1, -1, 1), fills
+        # Paged rows count from 0 (one plan for every row); a ring's, from their first real token.
+        row_shifts = torch.tensor(shifts if ring_pages is not None else [0], device=device).view(-1, 1)
+        local_start, local = start - row_shifts, tokens - row_shifts  # [batch or 1, 1], [batch or 1, num_keys]
+        held = (tokens >= 0) & (local >= 0) & (local <= local_start) & (local // page_size == local_start // page_size)
+        filling = (
+            torch.where(held, local % page_size, 0).unsqueeze(1).unsqueeze(-1),
+            held.unsqueeze(1).unsqueeze(-1),
+            ((local_start + 1) % page_size == 0).view(-1, 1, 1, 1),
+        )
+        if ring_pages is None:
+            return None, None, *filling
+        pages = torch.full((page_ids.shape[0], 1, ring_pages), NULL_PAGE, dtype=torch.long, device=device)
+        pages[:, 0, : page_ids.shape[1]] = page_ids
+        slots = torch.where((tokens >= 0) & (local >= 0), local % (ring_pages * page_size), 0)
+        return pages, slots.unsqueeze(1).unsqueeze(-1), *filling
 
-    def _encode_partial(self, storage: PoolStorage, page_ids: torch.Tensor, full: int) -> None:
-        """Encodes the page ``[full - page_size, full)`` that every layer's page still filling holds whole (the page
-        a planned step filled: planned steps encode it one step late, the step that filled it only wrote its last
-        key there)."""
-        targets = page_ids[:, full // self.page_size - 1 : full // self.page_size]  # [batch, 1]
+    def _fills(self, end: int, shifts: list[int]) -> list[bool]:
+        """Whether each row's token ``end - 1`` is the last of a page (row counted)."""
+        return [end - shift > 0 and (end - shift) % self.page_size == 0 for shift in shifts]
+
+    def _encode_partial(
+        self, storage: PoolStorage, page_ids: torch.Tensor, end: int, shifts: list[int], ring_pages: int | None
+    ) -> None:
+        """Encodes the page ending at token ``end`` that the rows whose page it fills (``_fills``) hold whole as their
+        page still filling (the page a planned step filled: planned steps encode it one step late, the step that
+        filled it only wrote its last key there)."""
+        filled = torch.tensor(self._fills(end, shifts), device=page_ids.device)  # [batch]
+        token_pages = torch.tensor([max(end - shift, 1) for shift in shifts], device=page_ids.device) // self.page_size
+        position = self._position(token_pages - 1, ring_pages).clamp(max=page_ids.shape[1] - 1).view(-1, 1)
+        targets = page_ids.gather(1, position).masked_fill(~filled.view(-1, 1), NULL_PAGE)  # [batch, 1]
         for layer_in_group, partial in self.partial.items():
             self._store(layer_in_group, storage, partial.unsqueeze(2), targets)
-            partial.zero_()  # every slot is written again before it is read
-        self.encoded = full
+            partial.masked_fill_(filled.view(-1, 1, 1, 1), 0)  # every slot is written again before it is read
         self.filled_unencoded = None
 
     def write_planned(self, layer_in_group: int, plan: "Any", key_states: torch.Tensor) -> None:
@@ -338,25 +368,27 @@ class KeyPages:
         partial.index_put_((plan.rows, plan.heads, plan.write_offsets), key_states.detach().to(partial.dtype))
 
     def read_planned(self, layer_in_group: int, storage: PoolStorage, plan: "Any", dtype: torch.dtype) -> torch.Tensor:
-        """A planned step's keys ``[batch, heads, num_keys, head_dim]``: its pages decoded, the page still filling
-        over its slots."""
+        """A planned step's keys ``[batch, heads, num_keys, head_dim]``: its pages decoded (a ring's, then each key's
+        slot among them), the page still filling over its slots."""
         fmt, quant = self.format, self.quant
-        index = (plan.layers[layer_in_group], plan.heads, plan.pages)
-        codes = storage.keys[index]  # [batch, heads, capacity, page_size, last]
-        batch, heads, capacity, page_size, _ = codes.shape
+        index = (plan.layers[layer_in_group], plan.heads, plan.pages if plan.key_pages is None else plan.key_pages)
+        codes = storage.keys[index]  # [batch, heads, pages, page_size, last]
+        batch, heads, num_pages, page_size, _ = codes.shape
         if fmt.keys_per_channel:  # a page's codes row-major [page_size // 2, head_dim]: .mT, each channel's own
-            codes = codes.view(batch, heads, capacity, page_size // 2, fmt.head_dim).mT  # [..., head_dim, ps // 2]
+            codes = codes.view(batch, heads, num_pages, page_size // 2, fmt.head_dim).mT  # [..., head_dim, ps // 2]
             scale, zero = storage.key_scales[index].unsqueeze(-1), storage.key_zeros[index].unsqueeze(-1)
             decoded = dequantize(codes, scale, zero, quant, dtype).mT  # as dequantize_channels_into, bitwise
         else:
             scales, groups = storage.key_scales[index], quant.num_scale_groups
             decoded = dequantize(codes, scales[..., :groups], scales[..., groups:], quant, dtype)
-        keys = decoded.reshape(batch, heads, capacity * page_size, fmt.head_dim)
+        keys = decoded.reshape(batch, heads, num_pages * page_size, fmt.head_dim)
+        shape = (batch, heads, plan.num_keys, fmt.head_dim)
+        if plan.key_slots is not None:
+            keys = keys.gather(2, plan.key_slots.expand(shape))
         partial = self.partial[layer_in_group].to(dtype)  # [batch, heads, page_size, head_dim]
         # The step that fills the page reads it encoded, as eager does (which encodes it in that step).
-        coded = self._encoded(partial)
-        partial = torch.where(plan.filling_coded, coded, partial)
-        return torch.where(plan.filling_held, partial.index_select(2, plan.filling_index), keys)
+        partial = torch.where(plan.filling_coded, self._encoded(partial), partial)
+        return torch.where(plan.filling_held, partial.gather(2, plan.filling_index.expand(shape)), keys)
 
     def _encoded(self, pages: torch.Tensor) -> torch.Tensor:
         """Full pages ``[..., page_size, head_dim]`` through their encoding (the reference ``dequantize``)."""
@@ -383,7 +415,7 @@ class KeyPages:
         page's decoded keys as its page still filling (call it after the page table's crop)."""
         end = self.filled_unencoded
         if end is not None and num_tokens >= end - self.page_size and page_ids.numel():
-            self._encode_partial(storage, page_ids, end)  # a page a planned step filled, kept: encoded first
+            self._encode_partial(storage, page_ids, end, shifts, ring_pages)  # a page a planned step filled, kept
         self.filled_unencoded = None
         for layer_in_group, partial in self.partial.items():
             written = self.written.get(layer_in_group, 0)
@@ -397,7 +429,6 @@ class KeyPages:
                 decoded = self.decode(layer_in_group, storage, pages, partial.dtype).transpose(0, 1)
                 self.partial[layer_in_group] = torch.where(moved, decoded, partial)
             self.written[layer_in_group] = min(self.written.get(layer_in_group, 0), num_tokens)
-        self.encoded = min(self.encoded, num_tokens - num_tokens % self.page_size)
 
     def attach(self) -> None:
         """Rows start from a reused prefix: whole pages, already encoded (none is still filling)."""
@@ -406,6 +437,5 @@ class KeyPages:
     def release(self) -> None:
         self.partial.clear()
         self.written.clear()
-        self.encoded = 0
         self.filled_unencoded = None
         self._step_slot = self._gather_rows = self._filling = None

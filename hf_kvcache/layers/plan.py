@@ -35,9 +35,14 @@ class StepPlan:
         residual_index / residual_held: ``[batch or 1, 1, num_keys]`` the window's index of each key's token, and
             ``[batch or 1, 1, num_keys, 1]`` whether attention takes its values from the window (its newest tokens)
             rather than from their codes.
-        filling_index / filling_held / filling_coded: keys coded a page at a time: ``[num_keys]`` each key's slot in
-            the page still filling, ``[1, 1, num_keys, 1]`` whether attention takes it from there rather than from
-            the codes, and ``[1, 1, 1, 1]`` whether the step fills the page (then it is read through its encoding).
+        key_pages / key_slots: keys coded a page at a time in a ring: ``[batch, 1, ring pages]`` the pages decoded
+            (the null page where the ring has none yet), and ``[batch, 1, num_keys, 1]`` each key's slot among them
+            (``None`` both for rows that keep every page: they decode ``pages``).
+        filling_index / filling_held / filling_coded: keys coded a page at a time: ``[batch or 1, 1, num_keys, 1]``
+            each key's slot in its row's page still filling and whether attention takes it from there rather than
+            from the codes, and ``[batch or 1, 1, 1, 1]`` whether the step fills the row's page (then it is read
+            through its encoding). Paged rows count from token 0, so one plan serves every row; a ring's rows count
+            from their first real token (``KeyPages``).
         mask: a ``PagedBlockMask`` where attention reads the pages in place (FlexAttention over the storage, in
             the graph), refilled before each step; ``None``: the step gathers ``pages``.
         value_extents: quantized values read in place: ``[n]`` the extents the mask visits (padded with the last
@@ -47,6 +52,8 @@ class StepPlan:
             full-precision values go over the dequantized ones.
         value_buffer: ``[heads, view pages * page_size, head_dim]`` quantized values laid out as the storage's
             first pages (the view attention reads), rewritten by each layer.
+        sink_write / sink_writes: an exact sink (``ExactSink``): ``[1]`` where the new token goes in it, and ``[1, 1,
+            1, 1]`` whether it is one of the first tokens the sink holds (else the sink keeps what it held).
     """
 
     pages: torch.Tensor
@@ -61,6 +68,8 @@ class StepPlan:
     residual_write: torch.Tensor | None = None
     residual_index: torch.Tensor | None = None
     residual_held: torch.Tensor | None = None
+    key_pages: torch.Tensor | None = None
+    key_slots: torch.Tensor | None = None
     filling_index: torch.Tensor | None = None
     filling_held: torch.Tensor | None = None
     filling_coded: torch.Tensor | None = None
@@ -69,6 +78,8 @@ class StepPlan:
     window_pages: torch.Tensor | None = None
     window_offsets: torch.Tensor | None = None
     value_buffer: torch.Tensor | None = None
+    sink_write: torch.Tensor | None = None
+    sink_writes: torch.Tensor | None = None
 
     @property
     def residual(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
@@ -81,9 +92,14 @@ class StepPlan:
         return self.value_extents, self.window_pages, self.window_offsets
 
     @property
-    def filling(self) -> tuple[torch.Tensor | None, ...]:
-        """``(filling_index, filling_held, filling_coded)``."""
-        return self.filling_index, self.filling_held, self.filling_coded
+    def sink(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(sink_write, sink_writes)``."""
+        return self.sink_write, self.sink_writes
+
+    @property
+    def keys_read(self) -> tuple[torch.Tensor | None, ...]:
+        """``(key_pages, key_slots, filling_index, filling_held, filling_coded)``."""
+        return self.key_pages, self.key_slots, self.filling_index, self.filling_held, self.filling_coded
 
 
 def capacity_bucket(num_pages: int) -> int:

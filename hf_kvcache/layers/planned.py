@@ -31,10 +31,8 @@ class PlannedRows:
 
     @property
     def plannable(self) -> bool:
-        """Whether a decode step can be planned: no exact sink, keys coded a page at a time only in rows that keep
-        every page (a ring's wrap into a page still filling is not planned), on a storage that never moves."""
-        keys_plannable = self.store.keys is None or self.ring_pages is None
-        return keys_plannable and self.store.sink is None and self.pool.storage_is_fixed
+        """Whether a decode step can be planned: on a storage that never moves."""
+        return self.pool.storage_is_fixed
 
     def plan_decode(self, start: int, batch: int, capacity_pages: int, padding_only: bool = True) -> StepPlan:
         """Before a decode step of one new token per row at ``start``: grows the table (page allocation,
@@ -61,10 +59,14 @@ class PlannedRows:
         pages, offsets, tokens, kv_offset = self._planned_reads(start, batch, capacity_pages)
         write_pages, write_offsets = self._planned_write(start, batch)
         residual = self._plan_values(start, tokens) if self.store.quant is not None else (None, None, None)
-        filling = (None, None, None)
+        keys_read = (None,) * 5
         if self.store.keys is not None:
             with self.pool.lock:
-                filling = self.store.keys.plan_decode(self.pool.storage, start, self._page_ids(), tokens.shape[-1])
+                shifts, storage = self.key_shifts(batch), self.pool.storage
+                keys_read = self.store.keys.plan_decode(
+                    storage, start, self._page_ids(), tokens, shifts, self.ring_pages
+                )
+        sink = self.store.sink.plan(start) if self.store.sink is not None else (None, None)
         mask = self._planned_mask(start, batch, capacity_pages, padding_only)
         in_place_values = (None, None, None)
         if mask is not None and self.store.quant is not None:
@@ -73,6 +75,7 @@ class PlannedRows:
         plan = self.step_plan
         fresh = plan is None or plan.pages.shape != pages.shape or (plan.offsets is None) != (offsets is None)
         fresh = fresh or _shapes(plan.in_place_values) != _shapes(in_place_values)
+        fresh = fresh or _shapes(plan.keys_read) != _shapes(keys_read) or _shapes(plan.sink) != _shapes(sink)
         if fresh:
             device = pages.device
             fmt = self.pool.format
@@ -87,19 +90,22 @@ class PlannedRows:
                 kv_offset,
                 torch.arange(batch, device=device).view(-1, 1, 1),
                 *(_fresh_copy(tensor) for tensor in residual),
-                *(_fresh_copy(tensor) for tensor in filling),
+                *(_fresh_copy(tensor) for tensor in keys_read),
             )
             plan.value_extents, plan.window_pages, plan.window_offsets = map(_fresh_copy, in_place_values)
-            kept = (plan.pages, plan.offsets, plan.write_pages, plan.write_offsets, *plan.residual, *plan.filling)
-            kept = (*kept, *plan.in_place_values)
-            window = self.store.residual.buffers.values() if self.store.residual is not None else ()
-            for tensor in (*kept, *self.pool.storage.tensors, *window):
+            plan.sink_write, plan.sink_writes = map(_fresh_copy, sink)
+            kept = (plan.pages, plan.offsets, plan.write_pages, plan.write_offsets, *plan.residual, *plan.keys_read)
+            kept = (*kept, *plan.in_place_values, *plan.sink)
+            held = self.store.residual.buffers.values() if self.store.residual is not None else ()
+            if self.store.sink is not None:
+                held = (*held, *self.store.sink.keys.values(), *self.store.sink.values.values())
+            for tensor in (*kept, *self.pool.storage.tensors, *held):
                 if tensor is not None:
                     torch._dynamo.mark_static_address(tensor)  # CUDA graphs read them where they lie
         else:
-            planned = (pages, offsets, write_pages, write_offsets, *residual, *filling, *in_place_values)
-            kept = (plan.pages, plan.offsets, plan.write_pages, plan.write_offsets, *plan.residual, *plan.filling)
-            kept = (*kept, *plan.in_place_values)
+            planned = (pages, offsets, write_pages, write_offsets, *residual, *keys_read, *in_place_values, *sink)
+            kept = (plan.pages, plan.offsets, plan.write_pages, plan.write_offsets, *plan.residual, *plan.keys_read)
+            kept = (*kept, *plan.in_place_values, *plan.sink)
             for into, tensor in zip(kept, planned):
                 if into is not None:
                     into.copy_(tensor)
@@ -121,6 +127,7 @@ class PlannedRows:
             padding_only
             and self.ring_pages is None
             and self.store.keys is None
+            and self.store.sink is None
             and reads >= flex.MIN_IN_PLACE_TOKENS
             and self._reads_in_place()
             and flex.unavailable(self.pool.device) is None
@@ -210,6 +217,8 @@ class PlannedRows:
             write_planned(storage.values, plan, layer_in_group, value_states)
         else:
             self.store.write_planned_values(layer_in_group, storage, plan, value_states)
+        if self.store.sink is not None:
+            self.store.sink.write_planned(layer_in_group, plan, key_states.detach(), value_states.detach())
 
     def read_planned(self, layer_in_group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """A planned step's keys and values, ``[batch, heads, num_keys, head_dim]`` each (``StepPlan``): the rows'
@@ -225,5 +234,10 @@ class PlannedRows:
         else:
             keys = self.store.keys.read_planned(layer_in_group, storage, plan, dtype)
         if self.store.quant is None:
-            return keys, read_planned(storage.values, plan, layer_in_group)
-        return keys, self.store.read_planned_values(layer_in_group, storage, plan, keys.dtype)
+            values = read_planned(storage.values, plan, layer_in_group)
+        else:
+            values = self.store.read_planned_values(layer_in_group, storage, plan, keys.dtype)
+        if self.store.sink is not None:  # exact over the codes: keys where they are coded, values where they are
+            coded = (self.store.keys is not None, self.store.quant is not None)
+            self.store.sink.overlay_planned(layer_in_group, *(t if c else None for t, c in zip((keys, values), coded)))
+        return keys, values
