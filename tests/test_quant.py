@@ -13,6 +13,7 @@ from hf_kvcache.memory.quant import (
     QuantFormat,
     compact_scale_and_base,
     dequantize,
+    dequantize_channels,
     dequantize_channels_into,
     dequantize_into,
     pack_int4,
@@ -236,7 +237,8 @@ def test_dequantize_into_equals_dequantize_bitwise(case, margin, out_dtype, byte
 @FAST
 @given(cases(), st.sampled_from(DTYPES + [None]))
 def test_dequantize_channels_into_equals_dequantize_bitwise(case, out_dtype):
-    """Columns (a channel's tokens of a key page) with row-major codes against the reference on each column."""
+    """Columns (a channel's tokens of a key page) with row-major codes against the reference on each column, in
+    place and as one expression."""
     fmt, x = case
     fmt = QuantFormat(fmt.bits, fmt.head_dim, fmt.head_dim, fmt.scale_dtype, fmt.compact_params)  # a group per column
     x = x if x.dim() > 1 else x.unsqueeze(0)  # [..., columns, head_dim]: one vector per column
@@ -244,7 +246,9 @@ def test_dequantize_channels_into_equals_dequantize_bitwise(case, out_dtype):
     codes, scale, zero = quantize(x, fmt)
     out = torch.full((*x.shape[:-2], fmt.head_dim, x.shape[-2]), torch.nan, dtype=out_dtype)
     dequantize_channels_into(out, codes.mT.contiguous(), scale.mT, zero.mT, fmt)
-    assert torch.equal(out, dequantize(codes, scale, zero, fmt, out_dtype).mT)
+    reference = dequantize(codes, scale, zero, fmt, out_dtype).mT
+    assert torch.equal(out, reference)
+    assert torch.equal(dequantize_channels(codes.mT.contiguous(), scale.mT, zero.mT, fmt, out_dtype), reference)
 
 
 @FAST

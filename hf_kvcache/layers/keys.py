@@ -22,7 +22,14 @@ import torch
 
 from hf_kvcache.memory.allocator import NULL_PAGE
 from hf_kvcache.memory.format import PageFormat
-from hf_kvcache.memory.quant import dequantize, dequantize_channels_into, dequantize_into, join_scales, quantize
+from hf_kvcache.memory.quant import (
+    dequantize,
+    dequantize_channels,
+    dequantize_channels_into,
+    dequantize_into,
+    join_scales,
+    quantize,
+)
 from hf_kvcache.memory.storage import PoolStorage
 
 Buffer = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
@@ -315,11 +322,11 @@ class KeyPages:
             shifts / ring_pages: as for ``write``.
 
         Returns:
-            ``(key_pages, key_slots, filling_index, filling_held, filling_coded)``: a ring's pages ``[batch, 1,
-            ring_pages]`` (the null page where the ring has none yet) and each key's slot among them ``[batch, 1,
-            num_keys, 1]`` (``None`` both for rows that keep every page: they read ``StepPlan.pages``); each key's
-            slot in its row's page still filling and whether it is read from there ``[batch or 1, 1, num_keys, 1]``;
-            whether the step fills the row's page ``[batch or 1, 1, 1, 1]`` (it is then read through its encoding).
+            ``(key_pages, key_slots, filling_page, filling_coded)``: a ring's pages ``[batch, 1, ring_pages]`` (the
+            null page where the ring has none yet) and each key's slot among them ``[batch, 1, num_keys, 1]``
+            (``None`` both for rows that keep every page: they read ``StepPlan.pages``); where the row's page still
+            filling lies among the pages read ``[batch or 1, 1]``, and whether the step fills it ``[batch or 1, 1, 1,
+            1]`` (it is then read through its encoding).
         """
         page_size, device = self.page_size, page_ids.device
         if self.filled_unencoded == start:  # the last step, planned, filled pages: encode them from there
@@ -329,17 +336,16 @@ class KeyPages:
             self.written[layer_in_group] = start + 1
         # Paged rows count from 0 (one plan for every row); a ring's, from their first real token.
         row_shifts = torch.tensor(shifts if ring_pages is not None else [0], device=device).view(-1, 1)
-        local_start, local = start - row_shifts, tokens - row_shifts  # [batch or 1, 1], [batch or 1, num_keys]
-        held = (tokens >= 0) & (local >= 0) & (local <= local_start) & (local // page_size == local_start // page_size)
+        local_start = start - row_shifts  # [batch or 1, 1]
         filling = (
-            torch.where(held, local % page_size, 0).unsqueeze(1).unsqueeze(-1),
-            held.unsqueeze(1).unsqueeze(-1),
+            self._position(local_start // page_size, ring_pages),
             ((local_start + 1) % page_size == 0).view(-1, 1, 1, 1),
         )
         if ring_pages is None:
             return None, None, *filling
         pages = torch.full((page_ids.shape[0], 1, ring_pages), NULL_PAGE, dtype=torch.long, device=device)
         pages[:, 0, : page_ids.shape[1]] = page_ids
+        local = tokens - row_shifts  # [batch, num_keys]
         slots = torch.where((tokens >= 0) & (local >= 0), local % (ring_pages * page_size), 0)
         return pages, slots.unsqueeze(1).unsqueeze(-1), *filling
 
@@ -368,27 +374,27 @@ class KeyPages:
         partial.index_put_((plan.rows, plan.heads, plan.write_offsets), key_states.detach().to(partial.dtype))
 
     def read_planned(self, layer_in_group: int, storage: PoolStorage, plan: "Any", dtype: torch.dtype) -> torch.Tensor:
-        """A planned step's keys ``[batch, heads, num_keys, head_dim]``: its pages decoded (a ring's, then each key's
-        slot among them), the page still filling over its slots."""
+        """A planned step's keys ``[batch, heads, num_keys, head_dim]``: its pages decoded with the page still filling
+        over its own (a ring's, then each key's slot among them)."""
         fmt, quant = self.format, self.quant
         index = (plan.layers[layer_in_group], plan.heads, plan.pages if plan.key_pages is None else plan.key_pages)
         codes = storage.keys[index]  # [batch, heads, pages, page_size, last]
         batch, heads, num_pages, page_size, _ = codes.shape
-        if fmt.keys_per_channel:  # a page's codes row-major [page_size // 2, head_dim]: .mT, each channel's own
-            codes = codes.view(batch, heads, num_pages, page_size // 2, fmt.head_dim).mT  # [..., head_dim, ps // 2]
-            scale, zero = storage.key_scales[index].unsqueeze(-1), storage.key_zeros[index].unsqueeze(-1)
-            decoded = dequantize(codes, scale, zero, quant, dtype).mT  # as dequantize_channels_into, bitwise
+        if fmt.keys_per_channel:  # a page's codes row-major [page_size // 2, head_dim], a scale per channel
+            codes = codes.view(batch, heads, num_pages, quant.code_dim, fmt.head_dim)
+            scale, zero = storage.key_scales[index].unsqueeze(-2), storage.key_zeros[index].unsqueeze(-2)
+            decoded = dequantize_channels(codes, scale, zero, quant, dtype)  # as the eager read, bitwise
         else:
             scales, groups = storage.key_scales[index], quant.num_scale_groups
             decoded = dequantize(codes, scales[..., :groups], scales[..., groups:], quant, dtype)
-        keys = decoded.reshape(batch, heads, num_pages * page_size, fmt.head_dim)
-        shape = (batch, heads, plan.num_keys, fmt.head_dim)
-        if plan.key_slots is not None:
-            keys = keys.gather(2, plan.key_slots.expand(shape))
         partial = self.partial[layer_in_group].to(dtype)  # [batch, heads, page_size, head_dim]
         # The step that fills the page reads it encoded, as eager does (which encodes it in that step).
         partial = torch.where(plan.filling_coded, self._encoded(partial), partial)
-        return torch.where(plan.filling_held, partial.gather(2, plan.filling_index.expand(shape)), keys)
+        decoded.index_put_((plan.rows.view(-1, 1), plan.heads.view(1, -1), plan.filling_page), partial)
+        keys = decoded.view(batch, heads, num_pages * page_size, fmt.head_dim)
+        if plan.key_slots is None:
+            return keys
+        return keys.gather(2, plan.key_slots.expand(batch, heads, plan.num_keys, fmt.head_dim))
 
     def _encoded(self, pages: torch.Tensor) -> torch.Tensor:
         """Full pages ``[..., page_size, head_dim]`` through their encoding (the reference ``dequantize``)."""

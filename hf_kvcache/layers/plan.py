@@ -38,11 +38,10 @@ class StepPlan:
         key_pages / key_slots: keys coded a page at a time in a ring: ``[batch, 1, ring pages]`` the pages decoded
             (the null page where the ring has none yet), and ``[batch, 1, num_keys, 1]`` each key's slot among them
             (``None`` both for rows that keep every page: they decode ``pages``).
-        filling_index / filling_held / filling_coded: keys coded a page at a time: ``[batch or 1, 1, num_keys, 1]``
-            each key's slot in its row's page still filling and whether attention takes it from there rather than
-            from the codes, and ``[batch or 1, 1, 1, 1]`` whether the step fills the row's page (then it is read
-            through its encoding). Paged rows count from token 0, so one plan serves every row; a ring's rows count
-            from their first real token (``KeyPages``).
+        filling_page / filling_coded: keys coded a page at a time: ``[batch or 1, 1]`` where each row's page still
+            filling lies among the pages the step decodes (its keys go over that page's), and ``[batch or 1, 1, 1,
+            1]`` whether the step fills it (then it is read through its encoding). Paged rows count from token 0, so
+            one plan serves every row; a ring's rows count from their first real token (``KeyPages``).
         mask: a ``PagedBlockMask`` where attention reads the pages in place (FlexAttention over the storage, in
             the graph), refilled before each step; ``None``: the step gathers ``pages``.
         value_extents: quantized values read in place: ``[n]`` the extents the mask visits (padded with the last
@@ -70,8 +69,7 @@ class StepPlan:
     residual_held: torch.Tensor | None = None
     key_pages: torch.Tensor | None = None
     key_slots: torch.Tensor | None = None
-    filling_index: torch.Tensor | None = None
-    filling_held: torch.Tensor | None = None
+    filling_page: torch.Tensor | None = None
     filling_coded: torch.Tensor | None = None
     mask: Any = None
     value_extents: torch.Tensor | None = None
@@ -98,8 +96,8 @@ class StepPlan:
 
     @property
     def keys_read(self) -> tuple[torch.Tensor | None, ...]:
-        """``(key_pages, key_slots, filling_index, filling_held, filling_coded)``."""
-        return self.key_pages, self.key_slots, self.filling_index, self.filling_held, self.filling_coded
+        """``(key_pages, key_slots, filling_page, filling_coded)``."""
+        return self.key_pages, self.key_slots, self.filling_page, self.filling_coded
 
 
 def capacity_bucket(num_pages: int) -> int:

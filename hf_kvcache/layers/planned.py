@@ -59,7 +59,7 @@ class PlannedRows:
         pages, offsets, tokens, kv_offset = self._planned_reads(start, batch, capacity_pages)
         write_pages, write_offsets = self._planned_write(start, batch)
         residual = self._plan_values(start, tokens) if self.store.quant is not None else (None, None, None)
-        keys_read = (None,) * 5
+        keys_read = (None,) * 4
         if self.store.keys is not None:
             with self.pool.lock:
                 shifts, storage = self.key_shifts(batch), self.pool.storage

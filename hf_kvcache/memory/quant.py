@@ -263,6 +263,23 @@ def dequantize_channels_into(
         out.copy_(work)
 
 
+def dequantize_channels(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype
+) -> torch.Tensor:
+    """``dequantize_channels_into`` as one expression, returning ``[..., head_dim, columns]`` in ``dtype`` (bitwise
+    equal): row-major codes unpack to row-major values, so that a compiled graph fuses it into one kernel over
+    contiguous memory (through the reference's transposes it ran 1.9x slower, compiled, on a CPU)."""
+    if fmt.bits == 8:
+        values = codes.float()
+    else:
+        rows = codes.unsqueeze(-2)  # [..., code_dim, 1, columns]: rows 2i (low nibble) and 2i + 1 (high)
+        values = torch.cat((rows & 0xF, rows >> 4), dim=-2).flatten(-3, -2).float()  # [..., head_dim, columns]
+    if fmt.compact_params:
+        scale, steps = _compact_scale_and_steps(scale, zero)
+        return ((values + steps) * scale).to(dtype)
+    return (values * scale.float() + zero.float()).to(dtype)
+
+
 def _codes_to_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: QuantFormat) -> None:
     """Float32 ``codes`` to values in place, two passes: ``* scale + zero``, or for compact parameters ``+ z / 16``
     then ``* scale`` (``scale`` and ``zero`` broadcast over ``codes``)."""
