@@ -77,25 +77,21 @@ def test_a_second_turn_reuses_the_first_and_generates_the_same(banded, model_key
     first = random_ids(2, 45, seed=1)
     answer = greedy(model, first, name, {**config, "pool": pool}).sequences
     pool.check_integrity()
-    # refused: the rings read the residual window, which the index does not keep; quantized keys (prefix.py)
-    hybrid_quantized = (name == "quantized_values" and model_key != "llama") or name == "quantized_kv"
+    # refused: a prefill reads its own keys and values exact, a reused prompt would read codes (prefix.py)
+    coded = name in ("quantized_values", "quantized_kv")
     # the released cache left its pages to the index (unless refused)
-    assert (pool.stats()["pages_cached"] > 0) != hybrid_quantized
+    assert (pool.stats()["pages_cached"] > 0) != coded
     second = torch.cat([answer, random_ids(2, 7, seed=2)], dim=1)  # [2, 58]
     reference = greedy(model, second, name, config)
     candidate = greedy(model, second, name, {**config, "pool": pool})
     assert_same_tokens_close_logits(reference, candidate)
     pool.check_integrity()
     stats = pool.stats()
-    if hybrid_quantized:
-        expected = 0
-    elif name == "quantized_values":  # turn 1 published up to its prefill's end less the residual
-        expected = (45 - config["residual_length"]) // PAGE_SIZE * PAGE_SIZE
-    else:  # turn 1's prompt and the generated tokens fed back: 45 + 5, whole pages
-        expected = (45 + 5) // PAGE_SIZE * PAGE_SIZE
+    # turn 1's prompt and the generated tokens fed back: 45 + 5, whole pages (none where refused)
+    expected = 0 if coded else (45 + 5) // PAGE_SIZE * PAGE_SIZE
     assert stats["prefix_tokens_reused"] == 2 * expected
     # a refused call looks nothing up; the others look up both rows of both turns
-    assert (stats["prefix_lookups"], stats["prefix_hits"]) == ((0, 0) if hybrid_quantized else (4, 2))
+    assert (stats["prefix_lookups"], stats["prefix_hits"]) == ((0, 0) if coded else (4, 2))
     del candidate
     pool.check_integrity()
 

@@ -124,9 +124,9 @@ def test_switching_or_disabling_an_adapter_never_reuses_the_other_adapters_pages
     ],
     ids=["kv-k4v4", "kv-k8v4", "values-int4"],
 )
-def test_a_second_turn_without_a_residual_window_equals_a_fresh_run(build, name, config):
-    """``residual_length=0`` publishes every full page a call wrote (values are coded per token as they come), on
-    every model kind; quantized keys take no part."""
+def test_a_second_turn_of_a_quantized_cache_equals_a_fresh_run(build, name, config):
+    """A cache that stores codes takes no part (a prefill reads its prompt exact, a reused one would read codes), on
+    every model kind, and its second turn is a fresh run's."""
     model = build()
     model.set_attn_implementation("hf_kvcache")
     config = {**config, "page_size": PAGE_SIZE}
@@ -137,10 +137,7 @@ def test_a_second_turn_without_a_residual_window_equals_a_fresh_run(build, name,
     reference = greedy(model, second, name, config)
     candidate, reused = reused_by(pool, model, second, name, config)
     assert_same_tokens_close_logits(reference, candidate)
-    if name == "quantized_kv":  # refused (test_a_second_turn_on_smollm2_equals_a_fresh_run)
-        assert reused == 0
-    elif build is tiny_llama:  # values coded per token: every whole page the first turn wrote (50 tokens, 12 pages)
-        assert reused == 2 * 48
+    assert reused == 0
     pool.check_integrity()
 
 
@@ -242,8 +239,9 @@ def test_an_impossible_budget_fails_at_once_naming_max_tokens(max_tokens):
     ids=["kv-k4v4-r16", "kv-k8v4-r0", "values-int4-r16"],
 )
 def test_a_second_turn_on_smollm2_equals_a_fresh_run(bundled, name, config):
-    """On a real model, reused pages give a fresh run's logits (the tiny models hide what SmolLM2 shows: codes of
-    pages an earlier call wrote gave logits up to 0.7 off at 80 tokens, and other tokens at 340)."""
+    """On a real model, a quantized cache's second turn gives a fresh run's logits: it reuses nothing, since a fresh
+    prefill reads the prompt's own keys and values exact (reused codes of quantized keys were up to 0.7 off at 80
+    tokens, and gave other tokens at 340)."""
     model, _ = bundled
     torch.manual_seed(0)
     first = torch.randint(100, 40000, (1, 60))
@@ -254,10 +252,7 @@ def test_a_second_turn_on_smollm2_equals_a_fresh_run(bundled, name, config):
     greedy(model, first, name, {**config, "pool": pool}, max_new_tokens=2)
     reference = greedy(model, second, name, config, max_new_tokens=2)
     candidate, reused = reused_by(pool, model, second, name, config, max_new_tokens=2)
-    if name == "quantized_kv":
-        assert reused == 0  # refused: see docs/prefix-caching.md
-    else:
-        assert reused == 32
+    assert reused == 0  # refused: see docs/prefix-caching.md
     for expected, actual in zip(reference.logits, candidate.logits, strict=True):
         torch.testing.assert_close(actual, expected, rtol=0, atol=2e-4)
     assert torch.equal(reference.sequences, candidate.sequences)

@@ -6,7 +6,7 @@ from helpers import padded_batch, random_ids, run, teacher_forced_logits
 from transformers import DynamicCache
 
 import hf_kvcache  # noqa: F401  (registers "quantized_kv")
-from hf_kvcache import KVPool, PageFormat, PoolExhaustedError, QuantizedKVCache
+from hf_kvcache import KVPool, PageFormat, PoolExhaustedError, QuantizedKVCache, QuantizedValueCache
 from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.layers import RingLayer
 from hf_kvcache.memory.quant import QuantFormat, dequantize, quantize
@@ -17,7 +17,8 @@ MODELS = ["tiny_llama_model", "tiny_mistral_model", "tiny_gemma3_model"]
 class EncodedKVSpec(DynamicCache):
     """The spec: a DynamicCache whose attention sees keys of every full page (``page_size`` tokens from token 0)
     through their encoding and the page still filling exact, and values through quantize -> dequantize but the newest
-    ``residual_length``. It keeps every layer's exact keys to encode pages a sliding layer no longer returns."""
+    ``residual_length``; a step of several tokens (a prefill, a chunk) sees its own keys and values exact. It keeps
+    every layer's exact keys to encode pages a sliding layer no longer returns."""
 
     def __init__(
         self, config, key_bits, value_bits, group_size, residual_length=0, page_size=16, sink_tokens=0
@@ -58,7 +59,34 @@ class EncodedKVSpec(DynamicCache):
         if self.sink_tokens and not self.layers[layer_idx].is_sliding:  # full layers: the first tokens exact
             keys[:, :, : self.sink_tokens] = history[:, :, : self.sink_tokens]
             attended[:, :, : self.sink_tokens] = values[:, :, : self.sink_tokens]
+        num_new = key_states.shape[2]
+        if num_new > 1:  # the step's own tokens, as given
+            keys[:, :, -num_new:] = key_states
+            attended[:, :, -num_new:] = value_states
         return keys, attended
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+@pytest.mark.parametrize(
+    "cache_class, settings",
+    [
+        (QuantizedKVCache, {"key_bits": 4, "value_bits": 4, "residual_length": 0}),
+        (QuantizedKVCache, {"key_bits": 8, "value_bits": 4, "residual_length": 5, "sink_tokens": 4}),
+        (QuantizedValueCache, {"bits": 4, "residual_length": 0}),
+    ],
+    ids=["kv-k4v4", "kv-k8v4-sink", "values-int4"],
+)
+def test_a_prefill_attends_to_its_own_keys_and_values_exact(model_name, cache_class, settings, request):
+    """A prompt's forward pass reads its own keys and values as given, not through their codes (as transformers'
+    QuantizedCache does): its logits are DynamicCache's, on full, sliding and hybrid models, padded rows included.
+    What the prompt stores is then coded from exact states, and no coding error compounds through its layers (on
+    SmolLM2 that cut the KL of 512-token essays to a fifth)."""
+    model = request.getfixturevalue(model_name)
+    ids, mask = padded_batch([40, 29], seed=3)
+    expected = model(ids, attention_mask=mask, cache=DynamicCache(config=model.config)).logits
+    actual = model(ids, attention_mask=mask, cache=cache_class(model.config, **settings)).logits
+    keep = mask.bool()
+    torch.testing.assert_close(actual[keep], expected[keep], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("model_name", MODELS)
@@ -159,11 +187,12 @@ def test_a_padded_ring_row_equals_the_row_alone(tiny_mistral_model, key_bits):
 
 def test_crop_into_an_encoded_page_continues_from_its_decoded_keys(tiny_llama_model):
     cache = QuantizedKVCache(tiny_llama_model.config, key_bits=4, group_size=16, residual_length=0)
-    keys = torch.randn(1, 2, 40, 16)
-    full, _ = cache.update(keys, torch.randn(1, 2, 40, 16), 0)
+    keys = torch.randn(1, 2, 41, 16)
+    cache.update(keys[:, :, :40], torch.randn(1, 2, 40, 16), 0)  # a prefill reads its own keys exact
+    full, _ = cache.update(keys[:, :, 40:], keys[:, :, 40:], 0)  # the next step reads pages 0 and 1 decoded
     full = full.clone()
     cache.update(keys[:, :, :1], keys[:, :, :1], 1)
-    cache.crop(-(40 - 20))  # back into page 1, encoded: its first 4 tokens come back decoded
+    cache.crop(-(41 - 20))  # back into page 1, encoded: its first 4 tokens come back decoded
     assert cache.get_seq_length() == 20
     again, _ = cache.update(keys[:, :, 20:21], keys[:, :, 20:21], 0)
     torch.testing.assert_close(again[:, :, :20], full[:, :, :20], rtol=0, atol=0)

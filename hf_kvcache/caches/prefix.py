@@ -22,16 +22,10 @@ publishes pages a plain prefill would compute alike (up to float rounding) and r
   pages (all its window sees) of the prefix, published while the ring held them. A ring with other sinks is
   refused, and so is a window the ring imposes on full-attention layers under an attention other than
   ``hf_kvcache`` (there a prompt past the window attends in full, so its pages depend on the split);
-- quantized values with a full-precision residual window of ``R`` tokens: a plain prefill reads every token
-  older than its last ``R`` as codes, so only tokens before ``prefill end - R`` of the call that wrote them are
-  published (never generated ones, which read the residual window when they were computed), and a prompt reuses
-  at most ``prompt - R`` tokens, so that its last ``R`` are computed afresh. Reuse is then exact as well. A ring
-  layer group with quantized values and a residual window (the sliding layers of a hybrid model) is refused: its
-  window is read from the residual window, which the index does not keep (with ``R = 0`` it is reused).
 
-Caches with quantized keys (``quantized_kv``) are refused: on SmolLM2 a prompt attached to key codes an earlier
-call wrote gives other logits than a fresh run (up to 0.7 at 80 tokens, other greedy tokens at 340), though the
-tiny test models agree exactly; until that is understood, such a cache prefills every prompt.
+Caches that store keys or values as codes (``quantized_values``, ``quantized_kv``) are refused: a plain prefill
+reads the prompt's own keys and values exact (``SlotStore.read``), where a reused prompt would read its pages as
+codes, so its logits would differ from a fresh run's; such a cache prefills every prompt.
 
 A call with a 4-D attention mask, or on a model whose weights are offloaded (on the meta device), takes no part.
 The index is keyed on what computes the keys and values (``model_fingerprint``, recomputed at every call: the
@@ -138,12 +132,10 @@ class PrefixTracker:
         self.namespace = namespace
         self.page_size = pool.format.page_size
         self.policies = policies
-        self.residual_length = max(policy.residual_length for policy in policies)
         self.active = True  # False once a call could not say which tokens the rows hold: nothing more is published
         self.epoch = pool.prefix_epoch  # the index's reset count when the cache began holding its pages
         self.root: bytes | None = None
         self.num_recorded = 0  # tokens of every row recorded in _tokens, from the first on
-        self.limit: int | None = None  # tokens a plain prefill computes alike (quantized residual windows)
         self._tokens: torch.Tensor | None = None  # [rows, capacity] int64 on the CPU
         self._clean: list[bool] = []  # rows without padding, at the positions of their tokens
         self._chains: list[list[bytes]] = []  # each row's chain keys, token page by token page
@@ -186,8 +178,7 @@ class PrefixTracker:
         """
         num_rows, length = input_ids.shape
         self._record(0, input_ids)
-        limit = length - 1 if not self.residual_length else min(length - 1, length - self.residual_length)
-        num_pages = max(0, limit) // self.page_size
+        num_pages = max(0, length - 1) // self.page_size
         if not all(self._clean) or not num_pages:
             self.pool.record_prefix_lookup(num_rows, 0, length)
             return 0
@@ -213,8 +204,6 @@ class PrefixTracker:
             self.active = False
             return
         self._record(start, fed_ids)
-        if self.residual_length and self.limit is None:  # the first forward pass fixes what is computed as codes
-            self.limit = max(0, self.num_recorded - self.residual_length)
         self.publish(rows_of)
 
     def publish(self, rows_of: "dict[int, PagedRows]") -> None:
@@ -226,7 +215,7 @@ class PrefixTracker:
         page_size = self.page_size
         pages: list[tuple[PageKey, int]] = []
         for group, rows in rows_of.items():
-            end = min(rows.written, self.num_recorded, self.limit if self.limit is not None else rows.written)
+            end = min(rows.written, self.num_recorded)
             first, last = self._published.get(group, 0), end // page_size
             if last <= first or rows.table.num_rows != len(self._clean):
                 continue
@@ -260,7 +249,7 @@ class PrefixTracker:
 
     def reset(self) -> None:
         """Forgets the tokens (the cache was emptied)."""
-        self.active, self.root, self.num_recorded, self.limit = True, None, 0, None
+        self.active, self.root, self.num_recorded = True, None, 0
         self.epoch = self.pool.prefix_epoch
         self._tokens, self._clean, self._chains, self._published = None, [], [], {}
 
@@ -274,10 +263,10 @@ class PrefixTracker:
         """Why this call cannot take part (``None``: it can)."""
         if inputs.get("inputs_embeds") is not None:
             return "the prompt comes as inputs_embeds, not token ids."
-        if self.pool.format.key_bits is not None:
+        if self.pool.format.encodes:
             return (
-                "keys are stored as codes (quantized_kv): pages an earlier call coded give other logits than a fresh "
-                "run (measured on SmolLM2: up to 0.7 at 80 tokens, other tokens at 340), so they are not reused."
+                "keys or values are stored as codes: a prefill reads the prompt's own keys and values exact, where a "
+                "reused prompt would read its pages as codes and give other logits than a fresh run, so none is reused."
             )
         mask = inputs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.ndim != 2:
@@ -290,12 +279,6 @@ class PrefixTracker:
         for policy in self.policies:
             if policy.window is None:
                 continue
-            if policy.residual_length:
-                return (
-                    f"values are quantized with a full-precision residual window of {policy.residual_length} tokens "
-                    f"and a ring keeps only the last {policy.window}: a plain prefill reads the ring's values from the "
-                    "residual window, which the index does not keep, so a reused ring would not be exact."
-                )
             if policy.sink_tokens % self.page_size:
                 return (
                     f"sink_tokens={policy.sink_tokens} is not a multiple of page_size={self.page_size}, so a ring's "

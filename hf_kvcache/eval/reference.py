@@ -4,7 +4,8 @@
 with exact minima and scales (``range / max_code``, nothing rounded to a stored precision): keys of every full page
 (``page_size`` tokens from token 0) through per-channel int4 codes over the page (or int8 per token and group of
 ``group_size`` channels), the page still filling exact; values through per-token codes per group of ``group_size``
-channels but the newest ``residual_length`` tokens. Comparing the cache with it (``scripts/measure_key_fidelity.py``)
+channels but the newest ``residual_length`` tokens; a step of several tokens (a prefill, a chunk) sees its own keys
+and values exact. Comparing the cache with it (``scripts/measure_key_fidelity.py``)
 separates what the scheme costs from what its implementation costs.
 """
 
@@ -77,4 +78,8 @@ class FakeQuantKVCache(DynamicCache):
         if sink:  # both are fresh tensors
             attended_keys[:, :, :sink] = keys[:, :, :sink]
             attended_values[:, :, :sink] = values[:, :, :sink]
+        num_new = key_states.shape[2]
+        if num_new > 1:  # a step of several tokens (a prefill, a chunk) sees its own exact
+            attended_keys[:, :, -num_new:] = key_states
+            attended_values[:, :, -num_new:] = value_states
         return attended_keys, attended_values

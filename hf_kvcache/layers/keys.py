@@ -146,31 +146,6 @@ class KeyPages:
         self.written[layer_in_group] = start + 1
         return True
 
-    def attended(self, layer_in_group: int, start: int, key_states: torch.Tensor, shifts: list[int]) -> torch.Tensor:
-        """A step's new keys ``[batch, heads, n, head_dim]`` as attention reads them once stored (for a step that
-        attends to its own keys before storing them: a ring's longer than the ring): in the pages it fills, through
-        their encoding (the reference ``dequantize``); the rest exact. Call it before ``write``."""
-        key_states = key_states.detach()
-        batch, heads, num_new, head_dim = key_states.shape
-        firsts, ends = self._pages_before(start, shifts), self._pages_before(start + num_new, shifts)
-        most = max([end - first for first, end in zip(firsts, ends)] + [0])
-        if not most:
-            return key_states
-        row_shifts = torch.tensor(shifts, device=key_states.device)  # [batch]
-        take, first_page, end_page = self._joined(layer_in_group, start, key_states, row_shifts)
-        pages = take(self._page_tokens(first_page.unsqueeze(1) + torch.arange(most, device=key_states.device)))
-        if self.format.keys_per_channel:
-            channels = pages.transpose(-1, -2)
-            pages = dequantize(*quantize(channels, self.quant), self.quant, pages.dtype).transpose(-1, -2)
-        else:
-            pages = dequantize(*quantize(pages, self.quant), self.quant, pages.dtype)
-        encoded = pages.flatten(2, 3)  # [batch, heads, most * page_size, head_dim] from token first_page * page_size
-        tokens = (start - row_shifts).unsqueeze(1) + torch.arange(num_new, device=key_states.device)  # [batch, n]
-        index = tokens - (first_page * self.page_size).unsqueeze(1)
-        inside = (tokens >= 0) & (tokens < (end_page * self.page_size).unsqueeze(1))
-        index = index.clamp(0, encoded.shape[2] - 1).view(batch, 1, num_new, 1).expand(-1, heads, -1, head_dim)
-        return torch.where(inside.view(batch, 1, num_new, 1), encoded.gather(2, index), key_states)
-
     def _page_tokens(self, token_pages: torch.Tensor) -> torch.Tensor:
         """``[batch, m, page_size]`` the tokens of token pages ``[batch, m]``."""
         return token_pages.unsqueeze(-1) * self.page_size + torch.arange(self.page_size, device=token_pages.device)

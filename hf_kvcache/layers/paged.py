@@ -54,7 +54,7 @@ class PagedLayer(CacheLayerMixin):
             return self.rows.read_planned(self.layer_in_group, key_states.dtype)
         self.rows.write(self.layer_in_group, self.num_tokens, key_states, value_states)
         self.num_tokens += key_states.shape[-2]
-        return self.rows.attend(self.layer_in_group, self.num_tokens, key_states.shape[-2])
+        return self.rows.attend(self.layer_in_group, self.num_tokens, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         plan = self.rows.step_plan if self.planned else None

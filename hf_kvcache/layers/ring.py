@@ -134,23 +134,22 @@ class RingRows(PagedRows):
             _, first = visible_span(start, num_new, self.window, self.sink_tokens)
             end = start + num_new
 
-            def read(end: int, limit: int, newest: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            def read(end: int, limit: int, newest: int | None = None, step=None) -> tuple[torch.Tensor, torch.Tensor]:
                 storage = self.pool.storage  # a snapshot taken after this row's writes: it holds them
-                step = self._step_index(start, num_new, batch, storage)
-                shape = (batch, self.pool.format.num_kv_heads, step.read_slots.shape[1])
-                gather = lambda tensor: read_slots(storage.slots(tensor, layer_in_group), step.read, shape)  # noqa: E731
-                keys = self._read_keys(layer_in_group, storage, step.read_slots) if self.store.keys else None
-                return self.store.read(layer_in_group, storage, gather, end=end, limit=limit, newest=newest, keys=keys)
+                index = self._step_index(start, num_new, batch, storage)
+                shape = (batch, self.pool.format.num_kv_heads, index.read_slots.shape[1])
+                gather = lambda tensor: read_slots(storage.slots(tensor, layer_in_group), index.read, shape)  # noqa: E731
+                keys = self._read_keys(layer_in_group, storage, index.read_slots) if self.store.keys else None
+                return self.store.read(layer_in_group, storage, gather, end, limit, newest, keys, step)
 
+            # A step of several tokens reads its own as given (SlotStore.read's step).
             if num_new <= self.max_step:  # write first: attention reads the new tokens from their slots
                 self._store(layer_in_group, start, num_new, key_states, value_states)
-                keys, values = read(end, end - first)
+                keys, values = read(end, end - first, step=(key_states, value_states) if num_new > 1 else None)
             else:
                 keys, values = read(start, start - first, newest=end)
-                new_keys = self._attended_keys(layer_in_group, start, key_states)
                 self._store(layer_in_group, start, num_new, key_states, value_states)  # only its tail stays
-                attended = self.store.as_attended(value_states)
-                keys, values = torch.cat([keys, new_keys], dim=-2), torch.cat([values, attended], dim=-2)
+                keys, values = torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
         if step.layout is not None:
             setattr(keys, LAYOUT_ATTRIBUTE, step.layout)
         self.end_step(layer_in_group, start + num_new)

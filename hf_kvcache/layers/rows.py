@@ -158,12 +158,6 @@ class PagedRows(PlannedRows):
         index = slots.clamp(min=0).view(slots.shape[0], 1, -1, 1)
         return keys.gather(2, index.expand(-1, keys.shape[1], -1, keys.shape[-1]))
 
-    def _attended_keys(self, layer_in_group: int, start: int, key_states: torch.Tensor) -> torch.Tensor:
-        """A step's new keys as attention reads them once stored (``KeyPages.attended``; as given, unless encoded)."""
-        if self.store.keys is None:
-            return key_states
-        return self.store.keys.attended(layer_in_group, start, key_states, self.key_shifts(key_states.shape[0]))
-
     def end_step(self, layer_in_group: int, end: int) -> None:
         """A layer has written the step's tokens up to ``end``: once the layer group's last layer has, every
         layer holds them (``written``, what may be published to a prefix index)."""
@@ -171,23 +165,29 @@ class PagedRows(PlannedRows):
             self.written = end
             self.store.stored(end)
 
-    def attend(self, layer_in_group: int, num_tokens: int, num_new: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of one layer for attention: as a run or in place where the step allows it, else gathered.
+    def attend(
+        self, layer_in_group: int, num_tokens: int, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of one layer for attention, after the step's ``[batch, heads, n, head_dim]`` states were
+        written: as a run or in place where the step allows it, else gathered. A step of several tokens reads its
+        own as given (``SlotStore.read``'s ``step``).
 
         Returns:
             ``[batch, heads, num_tokens, head_dim]`` (gathered; a view of the storage as a run), or
             ``[1, heads, storage pages * page_size, head_dim]`` views of the storage with a ``PagedRead`` on the keys
             (in place).
         """
+        num_new = key_states.shape[-2]
+        step = (key_states, value_states) if num_new > 1 else None
         mode = self._step_mode(num_tokens, num_new)
         if mode == GATHER:
-            return self.read(layer_in_group, num_tokens)
+            return self.read(layer_in_group, num_tokens, step)
         storage = self.pool.storage
         if mode == RUN:
             _RUN_READS[0] += 1
             first_page = self.table.rows[0][0]
             view = functools.partial(run_view, layer_idx=layer_in_group, first_page=first_page, num_tokens=num_tokens)
-            return self.store.read(layer_in_group, storage, view, num_tokens, num_tokens)
+            return self.store.read(layer_in_group, storage, view, num_tokens, num_tokens, step=step)
         num_pages = self._mask.num_pages
         keys = self._storage_view(storage.keys, layer_in_group)
         if self.store.quant is None:
@@ -271,8 +271,11 @@ class PagedRows(PlannedRows):
             self._one_run = bool(pages) and consecutive and all(t.is_contiguous() for t in self.pool.storage.tensors)
         return self._one_run
 
-    def read(self, layer_in_group: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[batch, heads, num_tokens, head_dim]`` of one layer, gathered for attention."""
+    def read(
+        self, layer_in_group: int, num_tokens: int, step: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[batch, heads, num_tokens, head_dim]`` of one layer, gathered for attention (``step``:
+        as for ``SlotStore.read``)."""
         storage = self.pool.storage
         slots = self._slots(storage)
         if self._read is None or self._read[:2] != (slots, num_tokens):  # cut once for the step's layers
@@ -288,6 +291,7 @@ class PagedRows(PlannedRows):
             num_tokens,
             num_tokens,
             keys=keys,
+            step=step,
         )
 
     def begin_step(self, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

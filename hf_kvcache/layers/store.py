@@ -232,6 +232,7 @@ class SlotStore:
         limit: int,
         newest: int | None = None,
         keys: torch.Tensor | None = None,
+        step: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the slots ``gather`` reads, for attention.
 
@@ -242,6 +243,9 @@ class SlotStore:
             limit: how many of the last positions read are consecutive tokens (for the residual window).
             newest: tokens written so far (default ``end``): the residual window ends there.
             keys: the keys, read already (encoded keys: ``KeyPages.read``); default: gathered.
+            step: a step of several tokens, the last ones read: their key and value states ``[batch, heads, n,
+                head_dim]``, which attention gets as given rather than through their codes (the prompt's own, in a
+                prefill: what it stores is coded from exact states, and no coding error compounds through its layers).
 
         Returns:
             keys, values ``[batch, heads, n, head_dim]``; quantized values come dequantized in a reused buffer.
@@ -249,17 +253,20 @@ class SlotStore:
         keys = gather(storage.keys) if keys is None else keys
         if self.quant is None:
             values = gather(storage.values)
-            if self.sink is not None and limit == end:  # tokens in order from 0: paged rows
-                self.sink.overlay(layer_in_group, keys if self.keys is not None else None, None, end)
-            return keys, values
-        codes = gather(storage.values)  # [batch, heads, n, code_dim]
-        scales = gather(storage.value_scales)  # [batch, heads, n, 2 * num_scale_groups]
-        values = self._buffer("values", (*codes.shape[:3], self.quant.head_dim), keys.dtype)  # [batch, heads, n, hd]
-        self._dequantize(values, codes, scales)
-        if self.residual is not None:
-            self.residual.overlay(layer_in_group, values, end, limit, end if newest is None else newest)
+        else:
+            codes = gather(storage.values)  # [batch, heads, n, code_dim]
+            scales = gather(storage.value_scales)  # [batch, heads, n, 2 * num_scale_groups]
+            values = self._buffer("values", (*codes.shape[:3], self.quant.head_dim), keys.dtype)  # [b, h, n, hd]
+            self._dequantize(values, codes, scales)
+            if self.residual is not None:
+                self.residual.overlay(layer_in_group, values, end, limit, end if newest is None else newest)
+        coded = (keys if self.keys is not None else None, values if self.quant is not None else None)
         if self.sink is not None and limit == end:  # tokens in order from 0: paged rows
-            self.sink.overlay(layer_in_group, keys if self.keys is not None else None, values, end)
+            self.sink.overlay(layer_in_group, *coded, end)
+        if step is not None:  # coded keys and values come in buffers of their own: the step's go over them
+            for out, states in zip(coded, step):
+                if out is not None:
+                    out[:, :, -states.shape[2] :] = _detached(states)
         return keys, values
 
     def values_in_place(
@@ -320,17 +327,6 @@ class SlotStore:
             spread = (self._buffer("spread", codes.shape, torch.int16), self._buffer("high", codes.shape, torch.int16))
         groups = self.quant.num_scale_groups
         dequantize_into(out, codes, scales[..., :groups], scales[..., groups:], self.quant, work, spread)
-
-    def as_attended(self, value_states: torch.Tensor) -> torch.Tensor:
-        """New values ``[batch, heads, n, head_dim]`` as attention sees them once stored (quantized but the newest)."""
-        if self.quant is None:
-            return value_states
-        value_states = value_states.detach()
-        values = dequantize(*quantize(value_states, self.quant), self.quant, value_states.dtype)
-        keep = min(self.residual.length if self.residual is not None else 0, values.shape[2])
-        if keep:
-            values[:, :, values.shape[2] - keep :] = value_states[:, :, values.shape[2] - keep :]
-        return values
 
     def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A contiguous ``shape`` view of a flat buffer kept under ``name`` and grown (doubling) as needed."""
