@@ -190,3 +190,15 @@ def test_only_integration_and_the_bundled_model_change_transformers():
         if isinstance(node, ast.Name | ast.Attribute) and getattr(node, "id", getattr(node, "attr", None)) in writes
     }
     assert callers == {"integration/seams.py", "bundled/model.py"}
+
+
+def test_only_the_memory_package_takes_a_pools_lock():
+    """Outside ``memory`` a change of several steps holds the pool through ``KVPool.held()``, never its lock."""
+    takers = {
+        file.relative_to(PACKAGE).as_posix()
+        for file in PACKAGE.rglob("*.py")
+        if file.relative_to(PACKAGE).parts[0] != "memory"
+        for node in ast.walk(ast.parse(file.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr == "lock" and "pool" in ast.unparse(node.value).lower()
+    }
+    assert takers == set()

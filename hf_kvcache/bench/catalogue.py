@@ -135,7 +135,7 @@ def interleaved_extents(pool: KVPool, num_extents: int) -> Iterator[None]:
     """Holds every other one of the next ``2 * num_extents`` whole extents of ``pool`` for the block, as another
     live request would: rows taking pages meanwhile get the ones between, their pages interleaved with its."""
     table = pool.new_table(row_extents=True)
-    with pool.lock:
+    with pool.held():
         table.grow(2 * num_extents, pool.format.extent_pages * pool.format.page_size)  # one whole extent per row
         table.select_rows(list(range(0, 2 * num_extents, 2)))  # gives the odd rows' extents back
     try:

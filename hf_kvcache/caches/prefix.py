@@ -183,7 +183,7 @@ class PrefixTracker:
             self.pool.record_prefix_lookup(num_rows, 0, length)
             return 0
         self._extend_chains(num_pages)
-        with self.pool.lock:  # found pages are taken before anything can evict them
+        with self.pool.held():  # found pages are taken before anything can evict them
             num_pages = self._longest(rows_of, num_pages)
             if num_pages and not self._attach(rows_of, num_pages):
                 num_pages = 0

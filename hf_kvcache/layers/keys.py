@@ -93,7 +93,7 @@ class KeyPages:
     ) -> None:
         """Takes tokens ``[start, start + n)`` of every row; encodes and stores the pages they fill.
 
-        Call it under the pool's lock, with its current storage.
+        Call it inside ``KVPool.held()``, with the storage it yields.
 
         Args:
             key_states: ``[batch, heads, n, head_dim]``.

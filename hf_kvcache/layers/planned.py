@@ -61,8 +61,8 @@ class PlannedRows:
         residual = self._plan_values(start, tokens) if self.store.quant is not None else (None, None, None)
         keys_read = (None,) * 4
         if self.store.keys is not None:
-            with self.pool.lock:
-                shifts, storage = self.key_shifts(batch), self.pool.storage
+            with self.pool.held() as storage:
+                shifts = self.key_shifts(batch)
                 keys_read = self.store.keys.plan_decode(
                     storage, start, self._page_ids(), tokens, shifts, self.ring_pages
                 )
@@ -172,8 +172,7 @@ class PlannedRows:
         (``SlotStore.plan_residual``)."""
         store = self.store
         if store.by_page and store.coded < start:
-            with self.pool.lock:
-                storage = self.pool.storage
+            with self.pool.held() as storage:
                 rows = self._slot_index(store.coded, start - store.coded, storage)
                 for layer_in_group in range(self.pool.format.num_layers):
                     store.code_window(layer_in_group, storage, rows, store.coded, start)

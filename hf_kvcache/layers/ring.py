@@ -384,10 +384,9 @@ class RingRows(PagedRows):
         self, layer_in_group: int, start: int, num_new: int, key_states: torch.Tensor, value_states: torch.Tensor
     ) -> None:
         """Writes the step's states ``[batch, heads, num_new, head_dim]`` into their slots (gathered steps), under
-        the pool's lock so that a growth cannot move the pages meanwhile."""
+        ``KVPool.held`` so that a growth cannot move the pages meanwhile."""
         self.store.remember(layer_in_group, start, value_states)
-        with self.pool.lock:
-            storage = self.pool.storage
+        with self.pool.held() as storage:
             step = self._step_index(start, num_new, key_states.shape[0], storage)
             self.store.write(layer_in_group, storage, step.write_index, key_states, value_states)
             self._write_keys(layer_in_group, storage, start, key_states)

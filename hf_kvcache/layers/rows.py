@@ -123,8 +123,7 @@ class PagedRows(PlannedRows):
             key_states / value_states: ``[batch, heads, n, head_dim]``.
         """
         self.begin_step(start, key_states, value_states)
-        with self.pool.lock:  # the storage cannot move under the write (a growth that reallocates: PoolStorage)
-            storage = self.pool.storage
+        with self.pool.held() as storage:  # the storage cannot move under the write (a growth that reallocates)
             rows = self._write_index(start, key_states.shape[-2], storage)
             self.store.write(layer_in_group, storage, rows, key_states, value_states)
             self._write_keys(layer_in_group, storage, start, key_states)
@@ -142,7 +141,8 @@ class PagedRows(PlannedRows):
         return [0] * batch
 
     def _write_keys(self, layer_in_group: int, storage: PoolStorage, start: int, key_states: torch.Tensor) -> None:
-        """Encoded keys: the step's keys to the rows' pages still filling; pages that fill, encoded (under the lock)."""
+        """Encoded keys: the step's keys to the rows' pages still filling; pages that fill, encoded (call it inside
+        ``KVPool.held()``)."""
         if self.store.keys is not None:
             shifts = self.key_shifts(key_states.shape[0])
             self.store.keys.write(layer_in_group, storage, start, key_states, self._page_ids(), shifts, self.ring_pages)
@@ -357,10 +357,10 @@ class PagedRows(PlannedRows):
     def _crop_keys(self, num_tokens: int) -> None:
         """Encoded keys: a row's page still filling moves back to the page the crop ends in (after the table's)."""
         if self.store.keys is not None and self.table.num_rows:
-            with self.pool.lock:
+            with self.pool.held() as storage:
                 ids = self._page_ids()
                 shifts = self.key_shifts(ids.shape[0])
-                self.store.keys.crop(num_tokens, self.pool.storage, ids, shifts, self.ring_pages)
+                self.store.keys.crop(num_tokens, storage, ids, shifts, self.ring_pages)
 
     def release(self) -> None:
         """Returns all pages to the pool."""
@@ -387,10 +387,11 @@ class PagedRows(PlannedRows):
         self.store.attach(num_tokens)
 
     def _apply(self, change: Callable[[], list[tuple[int, int]] | None]) -> None:
-        """Runs a table change under the pool lock, copies the pages it asks for, drops cached indices."""
+        """Runs a table change holding the pool (``KVPool.held``), copies the pages it asks for, drops cached
+        indices."""
         self._shared_prefill = None
         self._mask_fresh, self._mode = False, None
-        with self.pool.lock:
+        with self.pool.held():
             copies = change()
         if copies:
             self.pool.copy_pages(copies)

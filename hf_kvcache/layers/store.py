@@ -86,7 +86,7 @@ class SlotStore:
     ) -> None:
         """Stores new states ``[batch, heads, n, head_dim]`` into the slots ``rows`` of ``storage``.
 
-        Call it under the pool's lock with the pool's current storage, and ``rows`` built for it
+        Call it inside ``KVPool.held()`` with the storage it yields, and ``rows`` built for it
         (``kernels.slot_rows``): a growth that moves the pages cannot then lose the write. The pool holds
         inference state: what is stored is detached from any autograd graph. Encoded keys are not written here
         (``KeyPages.write``, a page at a time), nor values written by page (``write_value_pages``).
@@ -117,7 +117,7 @@ class SlotStore:
     ) -> None:
         """By page: stores the codes of tokens ``[first, last)`` (``value_pages_to_write``) into their slots ``rows``,
         the ones before ``start`` taken from the residual window, the rest from the step's ``value_states``
-        ``[batch, heads, n, head_dim]`` (tokens ``[start, start + n)``). Under the pool's lock, like ``write``."""
+        ``[batch, heads, n, head_dim]`` (tokens ``[start, start + n)``). Inside ``KVPool.held()``, like ``write``."""
         values = value_states.detach()
         if first < start:
             values = torch.cat([self.residual.take(layer_in_group, first, start), values], dim=2)
@@ -130,7 +130,7 @@ class SlotStore:
 
     def code_window(self, layer_in_group: int, storage: PoolStorage, rows: torch.Tensor, first: int, end: int) -> None:
         """Stores the codes of tokens ``[first, end)``, all in the residual window, into their slots ``rows`` (under
-        the pool's lock)."""
+        ``KVPool.held()``)."""
         self._write_codes(layer_in_group, storage, rows, self.residual.take(layer_in_group, first, end))
 
     # ----- planned decode steps (compiled): tensor operations only ------------------------------

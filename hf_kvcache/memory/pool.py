@@ -49,9 +49,11 @@ caches can share a pool (and find each other's published pages). It also keeps l
 when the share of pages held crosses a threshold.
 """
 
+import contextlib
 import logging
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -150,6 +152,14 @@ class KVPool(PoolFactories):
     @property
     def value_scales(self) -> torch.Tensor | None:
         return self.storage.value_scales
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[PoolStorage]:
+        """Holds the pool for a change of several steps (writes at slots planned from a table, a table change of
+        several pages, a lookup and the attach of what it found): until the block exits no other thread takes,
+        frees, evicts or moves pages, and the storage yielded (the current one) stays the pool's."""
+        with self.lock:
+            yield self.storage
 
     @property
     def storage_is_fixed(self) -> bool:
