@@ -134,18 +134,19 @@ class RingRows(PagedRows):
             _, first = visible_span(start, num_new, self.window, self.sink_tokens)
             end = start + num_new
 
-            def read(end: int, limit: int, newest: int | None = None, step=None) -> tuple[torch.Tensor, torch.Tensor]:
+            Own = tuple[torch.Tensor, torch.Tensor] | None  # the step's own states, read as given (SlotStore.read)
+
+            def read(end: int, limit: int, newest: int | None = None, own: Own = None) -> tuple[torch.Tensor, ...]:
                 storage = self.pool.storage  # a snapshot taken after this row's writes: it holds them
                 index = self._step_index(start, num_new, batch, storage)
                 shape = (batch, self.pool.format.num_kv_heads, index.read_slots.shape[1])
                 gather = lambda tensor: read_slots(storage.slots(tensor, layer_in_group), index.read, shape)  # noqa: E731
                 keys = self._read_keys(layer_in_group, storage, index.read_slots) if self.store.keys else None
-                return self.store.read(layer_in_group, storage, gather, end, limit, newest, keys, step)
+                return self.store.read(layer_in_group, storage, gather, end, limit, newest, keys, own)
 
-            # A step of several tokens reads its own as given (SlotStore.read's step).
             if num_new <= self.max_step:  # write first: attention reads the new tokens from their slots
                 self._store(layer_in_group, start, num_new, key_states, value_states)
-                keys, values = read(end, end - first, step=(key_states, value_states) if num_new > 1 else None)
+                keys, values = read(end, end - first, own=(key_states, value_states) if num_new > 1 else None)
             else:
                 keys, values = read(start, start - first, newest=end)
                 self._store(layer_in_group, start, num_new, key_states, value_states)  # only its tail stays
