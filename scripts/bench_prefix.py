@@ -12,9 +12,9 @@ import argparse
 import logging
 from pathlib import Path
 
-from hf_kvcache.bench.decode import essay_token_stream
 from hf_kvcache.bench.measure import OtherCpuUse, add_machine_args, machine_settings, write_record
 from hf_kvcache.bench.prefix import PrefixBenchConfig, markdown_table, results_record, run_prefix_benchmark
+from hf_kvcache.bench.prompts import essay_token_stream
 from hf_kvcache.bundled import BUNDLED_MODEL, load_bundled_model
 from hf_kvcache.eval import environment
 from hf_kvcache.integration.registry import REGISTRY

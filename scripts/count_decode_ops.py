@@ -21,7 +21,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from hf_kvcache.bench.decode import essay_token_stream  # noqa: E402
+from hf_kvcache.bench.prompts import essay_token_stream  # noqa: E402
 from hf_kvcache.bundled import BUNDLED_MODEL, load_bundled_model  # noqa: E402
 from hf_kvcache.eval import environment  # noqa: E402
 

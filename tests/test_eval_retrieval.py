@@ -6,15 +6,9 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from hf_kvcache.eval.caches import CacheSpec, default_specs
+from hf_kvcache.eval.prompts import RULER_DEPTHS, PromptBuilder
 from hf_kvcache.eval.qa import load_qa
-from hf_kvcache.eval.retrieval import (
-    RULER_DEPTHS,
-    PromptBuilder,
-    RetrievalResult,
-    accuracy_table,
-    is_correct,
-    run_retrieval,
-)
+from hf_kvcache.eval.retrieval import RetrievalResult, accuracy_table, is_correct, run_retrieval
 from hf_kvcache.testing import tiny_llama
 
 

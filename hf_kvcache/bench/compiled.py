@@ -35,7 +35,7 @@ from transformers import CompileConfig, DynamicCache, LogitsProcessor, PreTraine
 
 from hf_kvcache.attention.interface import ATTENTION_NAME, model_attention
 from hf_kvcache.bench import measure
-from hf_kvcache.bench.decode import _prefill_rows
+from hf_kvcache.bench.prompts import prefill_rows
 from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.eval import kv_bytes
 from hf_kvcache.integration.registry import REGISTRY
@@ -203,7 +203,7 @@ def _run_cells(model: PreTrainedModel, stream: torch.Tensor, config: CompiledBen
     for length, batch in config.cells:
         rows = stream[: batch * length].view(batch, length).to(model.device)  # [batch, length]
         with torch.no_grad():
-            prefill = _prefill_rows(model, rows)
+            prefill = prefill_rows(model, rows)
         first_call: dict[str, tuple[float, int]] = {}  # row -> (seconds, graphs compiled)
         for row in config.rows:  # the compiles, untimed
             if row.endswith(":compiled"):

