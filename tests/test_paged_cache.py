@@ -12,7 +12,6 @@ from hf_kvcache import KVPool, PagedCache, PoolExhaustedError
 from hf_kvcache.attention import flex
 from hf_kvcache.attention.interface import ATTENTION_NAME, model_attention
 from hf_kvcache.bench.catalogue import interleaved_extents, with_attention
-from hf_kvcache.layers.rows import run_read_count
 from hf_kvcache.testing import tiny_llama
 
 MODELS = ["tiny_llama_model", "tiny_mistral_model", "tiny_gemma3_model"]
@@ -270,10 +269,12 @@ def test_a_single_row_is_read_as_a_view_of_its_run_of_pages(tiny_llama_model, ca
     mask = torch.ones_like(ids)
     settings = {"max_new_tokens": 20, "cache_implementation": cache_implementation, "cache_config": cache_config}
     gathered = run(tiny_llama_model, ids, mask, **settings)
-    reads, calls = run_read_count(), flex.call_count()
+    calls = flex.call_count()
     with model_attention(tiny_llama_model, ATTENTION_NAME):
         viewed = run(tiny_llama_model, ids, mask, **settings)
-    assert run_read_count() - reads == 20 * 2  # the prompt and 19 decode steps, in both layers
+    # each cache counts its own reads: the prompt and 19 decode steps, in both layers
+    assert gathered.cache.read_counts() == {"gather": 20 * 2, "run": 0, "in place": 0}
+    assert viewed.cache.read_counts() == {"gather": 0, "run": 20 * 2, "in place": 0}
     assert flex.call_count() == calls
     assert_same_generation(gathered, viewed)
     if cache_implementation == "paged_pool":
@@ -302,7 +303,6 @@ def test_a_row_off_consecutive_pages_is_gathered(tiny_llama_model):
     ids = random_ids(1, 180, seed=8)
     mask = torch.ones_like(ids)
     pool = KVPool.for_model(tiny_llama_model, max_tokens=2048)
-    reads = run_read_count()
     with interleaved_extents(pool, 4), model_attention(tiny_llama_model, ATTENTION_NAME):
         paged = run(
             tiny_llama_model,
@@ -312,5 +312,5 @@ def test_a_row_off_consecutive_pages_is_gathered(tiny_llama_model):
             cache_implementation="paged_pool",
             cache_config={"pool": pool},
         )
-    assert run_read_count() == reads
+    assert paged.cache.read_counts() == {"gather": 20 * 2, "run": 0, "in place": 0}
     assert_same_generation(run(tiny_llama_model, ids, mask, max_new_tokens=20), paged)

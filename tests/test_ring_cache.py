@@ -127,20 +127,19 @@ def in_place_reads(monkeypatch):
 
 @pytest.mark.parametrize("window,sink_tokens", [(8, 0), (8, 3), (20, 4)])
 @pytest.mark.parametrize("chunks", [[1], [9, 1], [5, 3, 1, 20, 2], [16]])
-def test_pages_read_in_place_equal_pages_gathered(tiny_llama_model, window, sink_tokens, chunks, in_place_reads):
+def test_pages_read_in_place_equal_pages_gathered(tiny_llama_model, window, sink_tokens, chunks):
     """The fast path (keys in slot order, views of the pool) against its slow twin (gathered in time order)."""
     ids = random_ids(2, 60, seed=window + sink_tokens)
     pool = KVPool.for_model(tiny_llama_model, max_tokens=1024)  # fresh: a row's pages are consecutive
     with banded_attention(tiny_llama_model):
         cache = SlidingRingCache(tiny_llama_model.config, window=window, sink_tokens=sink_tokens, pool=pool)
         in_place = teacher_forced_logits(tiny_llama_model, ids, cache, chunks)
-        assert in_place_reads["reads"] > 0
-        reads = in_place_reads["reads"]
+        assert cache.read_counts()["in place"] > 0
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(RingRows, "_first_page", lambda self: None)  # never consecutive: always gather
             cache = SlidingRingCache(tiny_llama_model.config, window=window, sink_tokens=sink_tokens)
             gathered = teacher_forced_logits(tiny_llama_model, ids, cache, chunks)
-        assert in_place_reads["reads"] == reads
+        assert cache.read_counts()["in place"] == 0
     torch.testing.assert_close(in_place, gathered, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(
         in_place, banded_logits(tiny_llama_model, ids, window, sink_tokens), rtol=1e-5, atol=1e-5
@@ -164,17 +163,18 @@ def test_pages_read_in_place_match_dynamic_cache_with_padding(
     assert_same_generation(reference, ring)
 
 
-def test_generate_takes_planned_ring_pages_at_once_and_reads_them_in_place(tiny_llama_model, in_place_reads):
+def test_generate_takes_planned_ring_pages_at_once_and_reads_them_in_place(tiny_llama_model):
     """Short prompts in a batch: generate plans the rows' length, so each row's pages are taken together."""
     ids, mask = padded_batch([5, 3, 9])
     settings = {"max_new_tokens": 40, "cache_implementation": "sliding_ring"}
     with banded_attention(tiny_llama_model):
         pool = KVPool.for_model(tiny_llama_model, max_tokens=2048)
         fast = run(tiny_llama_model, ids, mask, **settings, cache_config={"window": 20, "pool": pool})
-        assert in_place_reads["reads"] == 40 * 2  # every forward pass, both layers
+        assert fast.cache.read_counts() == {"gather": 0, "run": 0, "in place": 40 * 2}  # every forward, both layers
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(RingRows, "_first_page", lambda self: None)  # never consecutive: always gather
             slow = run(tiny_llama_model, ids, mask, **settings, cache_config={"window": 20})
+        assert slow.cache.read_counts() == {"gather": 40 * 2, "run": 0, "in place": 0}
     assert_same_generation(slow, fast)
 
 

@@ -61,7 +61,7 @@ from hf_kvcache.bench.measure import OtherCpuUse, PeakMemory
 from hf_kvcache.bench.prompts import Prefill, prefill_rows
 from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.eval import kv_bytes
-from hf_kvcache.layers.rows import run_read_count
+from hf_kvcache.layers import RUN
 
 logger = logging.getLogger("hf_kvcache.bench")
 
@@ -290,7 +290,7 @@ def _decode(
         next_tokens = step(next_tokens, position)
         picked.append(next_tokens)
     start = length + config.warmup_steps
-    calls_before, runs_before = flex.call_count(), run_read_count()
+    calls_before, runs_before = flex.call_count(), _run_reads(cache)
     with PeakMemory(device, config.sample_interval_s) as memory:
         for position in range(start, start + config.steps):
             if is_cuda:
@@ -301,7 +301,7 @@ def _decode(
                 torch.cuda.synchronize(device)
             step_s.append(time.perf_counter() - began)
             picked.append(next_tokens)
-    in_place_calls, run_reads = flex.call_count() - calls_before, run_read_count() - runs_before
+    in_place_calls, run_reads = flex.call_count() - calls_before, _run_reads(cache) - runs_before
     attention_calls = config.steps * model.config.num_hidden_layers
     compile_s = sum(flex.compile_seconds().values()) - compiled_before
     return _Run(
@@ -314,6 +314,11 @@ def _decode(
         attention_calls,
         compile_s,
     )
+
+
+def _run_reads(cache: Cache) -> int:
+    """Layer reads the cache handed attention as a view of one run of pages so far (0 for transformers' caches)."""
+    return cache.read_counts()[RUN] if isinstance(cache, PoolCache) else 0
 
 
 def _summarize(

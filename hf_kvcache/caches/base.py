@@ -18,7 +18,7 @@ from hf_kvcache.caches.planned import PlannedDecoding
 from hf_kvcache.caches.policy import RowPolicy
 from hf_kvcache.caches.prefix import PrefixTracker
 from hf_kvcache.errors import IncompatibleModelError, PoolExhaustedError
-from hf_kvcache.layers import PagedLayer, RingLayer
+from hf_kvcache.layers import GATHER, IN_PLACE, RUN, PagedLayer, RingLayer
 from hf_kvcache.memory.format import PageFormat, layer_groups
 from hf_kvcache.memory.placement import Placement, agree, normalize_device
 from hf_kvcache.memory.pool import KVPool
@@ -263,6 +263,17 @@ class PoolCache(PlannedDecoding):
             "num_rows": num_rows,
             "tokens_per_row": self.get_seq_length(),
         }
+
+    def read_counts(self) -> dict[str, int]:
+        """How attention has read this cache's layers so far, one count per layer and forward pass, by path:
+        ``"gather"`` (copied out of the pages), ``"run"`` (a view of a row's consecutive pages), ``"in place"``
+        (``attn_implementation="hf_kvcache"`` over the pages where they lie). Planned (compiled) steps are not
+        counted."""
+        counts = dict.fromkeys((GATHER, RUN, IN_PLACE), 0)
+        for rows in self._binder.rows.values():
+            for path, count in rows.reads.items():
+                counts[path] += count
+        return counts
 
     def _held_pages(self) -> set[tuple[torch.device, int]]:
         """``(device, page id)`` of every page this cache's rows hold, shared ones once."""

@@ -11,6 +11,6 @@
 
 from hf_kvcache.layers.paged import PagedLayer
 from hf_kvcache.layers.ring import RingLayer, RingRows
-from hf_kvcache.layers.rows import PagedRows
+from hf_kvcache.layers.rows import GATHER, IN_PLACE, RUN, PagedRows
 
-__all__ = ["PagedLayer", "PagedRows", "RingLayer", "RingRows"]
+__all__ = ["GATHER", "IN_PLACE", "RUN", "PagedLayer", "PagedRows", "RingLayer", "RingRows"]

@@ -41,12 +41,6 @@ from hf_kvcache.memory.storage import PoolStorage
 
 GATHER, RUN, IN_PLACE = "gather", "run", "in place"
 """How a step's attention reads a layer's pages (``PagedRows.attend``)."""
-_RUN_READS = [0]  # layers read as a run in this process (benchmarks report the path each row took)
-
-
-def run_read_count() -> int:
-    """Layer reads handed to attention as a view of one run of pages (``RUN``) in this process so far."""
-    return _RUN_READS[0]
 
 
 class PagedRows(PlannedRows):
@@ -110,6 +104,7 @@ class PagedRows(PlannedRows):
         self.ring_pages: int | None = None  # pages of a row's ring (RingRows); None: the rows keep every page
         self.step_plan: StepPlan | None = None  # the decode step planned before the forward pass (plan_decode)
         self._planned_values: torch.Tensor | None = None  # StepPlan.value_buffer
+        self.reads = dict.fromkeys((GATHER, RUN, IN_PLACE), 0)  # layer reads so far, by path (attend)
 
     @property
     def num_tokens(self) -> int:
@@ -180,11 +175,11 @@ class PagedRows(PlannedRows):
         num_new = key_states.shape[-2]
         step = (key_states, value_states) if num_new > 1 else None
         mode = self._step_mode(num_tokens, num_new)
+        self.reads[mode] += 1
         if mode == GATHER:
             return self.read(layer_in_group, num_tokens, step)
         storage = self.pool.storage
         if mode == RUN:
-            _RUN_READS[0] += 1
             first_page = self.table.rows[0][0]
             view = functools.partial(run_view, layer_idx=layer_in_group, first_page=first_page, num_tokens=num_tokens)
             return self.store.read(layer_in_group, storage, view, num_tokens, num_tokens, step=step)
