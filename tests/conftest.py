@@ -22,6 +22,15 @@ from hf_kvcache.testing import tiny_gemma3, tiny_llama, tiny_mistral
 PoolFactory = Callable[..., KVPool]
 
 
+@pytest.fixture
+def fresh_default_pools():
+    """The default pools made during the test are fresh (a fresh budget, read from the device then), and are
+    forgotten after it."""
+    KVPool.drop_defaults()
+    yield
+    KVPool.drop_defaults()
+
+
 @pytest.fixture(scope="session")
 def bundled() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """SmolLM2-135M-Instruct in fp32 on CPU, with its left-padding tokenizer."""

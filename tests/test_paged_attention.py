@@ -19,7 +19,6 @@ from hf_kvcache import KVPool, PagedCache
 from hf_kvcache.attention import block_mask, flex
 from hf_kvcache.attention.interface import ATTENTION_NAME, mask_hides_padding_only, model_attention
 from hf_kvcache.layers import store as store_module
-from hf_kvcache.memory import pools as pool_module
 
 pytestmark = pytest.mark.skipif(flex.unavailable(torch.device("cpu")) is not None, reason="no compiled FlexAttention")
 
@@ -117,12 +116,10 @@ def test_threads_sharing_the_default_pool_read_in_place(tiny_llama_model, in_pla
         assert_same_generation(expected[i], results[i])
 
 
-def test_a_fresh_default_pool_grows_to_keep_rows_in_place(tiny_llama_model, in_place, monkeypatch):
+def test_a_fresh_default_pool_grows_to_keep_rows_in_place(tiny_llama_model, in_place, fresh_default_pools):
     """The default pool opens 4,096 tokens (256 pages) and doubles. Three rows of 2,700 tokens (169 pages, 22
     extents of 8 each) make it double once, to 63 whole extents beside the null page's: too few, so it grows again
     rather than give the last row single pages in the null page's extent, which attention cannot read in place."""
-    monkeypatch.setattr(pool_module, "_DEFAULT_POOLS", {})
-    monkeypatch.setattr(pool_module, "_DEFAULT_BUDGETS", {})
     ids = random_ids(3, 2700, seed=12)
     mask = torch.ones_like(ids)
     reference = run(tiny_llama_model, ids, mask, max_new_tokens=4)
@@ -141,13 +138,13 @@ def test_a_fresh_default_pool_grows_to_keep_rows_in_place(tiny_llama_model, in_p
     ],
     ids=["paged", "quantized-values"],
 )
-def test_attention_reads_a_view_that_grows_with_the_rows_pages(tiny_llama_model, in_place, settings, monkeypatch):
+def test_attention_reads_a_view_that_grows_with_the_rows_pages(
+    tiny_llama_model, in_place, settings, monkeypatch, fresh_default_pools
+):
     """Attention gets the storage's first pages only, a power of two extents holding all the rows' pages
     (``block_mask.view_pages``, here from one extent up): on a fresh default pool three rows of 120 tokens hold extents
     1-3 (a view of 4 extents, 32 pages), cross into extents 4-6 at their 129th token (a view of 8) and read the
     same tokens as gathered, the residual window of quantized values included."""
-    monkeypatch.setattr(pool_module, "_DEFAULT_POOLS", {})
-    monkeypatch.setattr(pool_module, "_DEFAULT_BUDGETS", {})
     monkeypatch.setattr(block_mask, "MIN_VIEW_EXTENTS", 1)
     views = []
     decode_attention = flex.decode_attention
@@ -164,7 +161,7 @@ def test_attention_reads_a_view_that_grows_with_the_rows_pages(tiny_llama_model,
     gathered = run(tiny_llama_model, ids, mask, **settings)
     assert_same_generation(gathered, fast)
     assert views == [(32, 32, 32)] * 2 * 8 + [(64, 64, 64)] * 2 * 7  # steps to token 128, then past it
-    storage_pages = next(iter(pool_module._DEFAULT_POOLS.values())).storage.num_pages
+    storage_pages = fast.cache.pool.storage.num_pages
     assert storage_pages > 64
 
 

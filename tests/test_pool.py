@@ -301,16 +301,14 @@ def test_a_failed_growth_leaves_the_pool_as_it_was(monkeypatch):
     pool.check_integrity()
 
 
-def test_default_pools_of_a_device_share_one_memory_cap(monkeypatch):
+def test_default_pools_of_a_device_share_one_memory_cap(monkeypatch, fresh_default_pools):
     """Pools of different formats on one device draw from one budget: together they never pass it."""
-    monkeypatch.setattr(pool_module, "_DEFAULT_POOLS", {})
-    monkeypatch.setattr(pool_module, "_DEFAULT_BUDGETS", {})
     small, large = FORMAT, PageFormat(2, 2, 16, torch.float32, page_size=32)
     cap = 1000 * small.page_bytes
     monkeypatch.setattr(device_memory, "memory_limit_bytes", lambda: int(cap / pool_module.DEFAULT_MAX_MEMORY_FRACTION))
     first = KVPool.default(small, "cpu")
     second = KVPool.default(large, "cpu")
-    budget = pool_module._DEFAULT_BUDGETS[torch.device("cpu")]
+    budget = KVPool.default_budget("cpu")
     assert budget.total_bytes == cap
 
     def held_bytes() -> int:
@@ -338,3 +336,22 @@ def test_cpu_memory_limit_reads_the_containers_cgroup(tmp_path, monkeypatch, con
         limit.write_text(contents)
     monkeypatch.setattr(device_memory, "CGROUP_MEMORY_LIMITS", (str(limit), str(tmp_path / "absent")))
     assert device_memory.memory_limit_bytes() == (physical if expected == "physical" else expected)
+
+
+def test_forgotten_default_pools_stay_with_their_caches_and_the_next_ones_start_fresh(fresh_default_pools):
+    """``KVPool.drop_defaults``: the next default pool of the format is a new one, under a new budget, while a table
+    of the forgotten pool keeps its pages there."""
+    first = KVPool.default(FORMAT, "cpu")
+    budget = KVPool.default_budget("cpu")
+    assert KVPool.default(FORMAT, "cpu") is first
+    table = first.new_table()
+    table.grow(1, 3 * FORMAT.page_size)
+    assert KVPool.drop_defaults("cuda:0") == 0  # another device's: nothing of the CPU's goes
+    assert KVPool.default(FORMAT, "cpu") is first
+    assert KVPool.drop_defaults("cpu") == 1
+    second = KVPool.default(FORMAT, "cpu")
+    assert second is not first and KVPool.default_budget("cpu") is not budget
+    assert first.stats()["pages_used"] == 3 and second.stats()["pages_used"] == 0
+    table.release()
+    first.check_integrity()
+    assert first.stats()["pages_used"] == 0

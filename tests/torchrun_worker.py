@@ -144,7 +144,7 @@ def main() -> None:
         results[f"{model_name}/uneven"]["pages_used_after"] = pool.stats()["pages_used"]
     results["budget"] = {
         "own": int(device_memory.memory_limit_bytes() * pool_module.DEFAULT_MAX_MEMORY_FRACTION),
-        "agreed": pool_module._DEFAULT_BUDGETS[torch.device("cpu")].total_bytes,
+        "agreed": KVPool.default_budget("cpu").total_bytes,
     }
     (root / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
 

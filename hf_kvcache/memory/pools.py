@@ -169,6 +169,27 @@ class PoolFactories:
             return pool
 
     @classmethod
+    def default_budget(cls, device: str | torch.device) -> MemoryBudget | None:
+        """The memory budget the default pools of ``device`` share (``None`` before the first is made)."""
+        with _REGISTRY_LOCK:
+            return _DEFAULT_BUDGETS.get(normalize_device(device))
+
+    @classmethod
+    def drop_defaults(cls, device: str | torch.device | None = None) -> int:
+        """Forgets the shared default pools of ``device`` (every device: ``None``) and their memory budget, so that
+        the next ``default`` call makes a fresh pool under a fresh budget (read again from the device). A cache that
+        holds a forgotten pool keeps it, outside the new budget; its memory goes back when the last such cache is
+        released. Returns how many pools were forgotten."""
+        with _REGISTRY_LOCK:
+            keep = None if device is None else normalize_device(device)
+            dropped = [key for key in _DEFAULT_POOLS if keep is None or key[1] == keep]
+            for key in dropped:
+                del _DEFAULT_POOLS[key]
+            for budget_device in [d for d in _DEFAULT_BUDGETS if keep is None or d == keep]:
+                del _DEFAULT_BUDGETS[budget_device]
+            return len(dropped)
+
+    @classmethod
     def for_budget(cls, page_format: PageFormat, device: str | torch.device, max_tokens: int) -> Self:
         """The shared fixed pool of ``max_tokens`` tokens with a prefix index for this format and device, made on
         first use and kept for the process as the default pools are: how ``cache_config={"max_tokens": N,
