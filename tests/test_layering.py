@@ -19,7 +19,7 @@ INSIDE = {
         *("storage", "pools", "stats", "pool"),
     ],
     "attention": ["kernels", "block_mask", "flex", "reads", "interface"],
-    "layers": ["plan", "window", "identical", "exact", "keys", "store", "planned", "rows", "paged", "ring"],
+    "layers": ["plan", "window", "identical", "exact", "keys", "store", "read_path", "planned", "rows", "paged", "ring"],
     "caches": [
         "options",
         "policy",

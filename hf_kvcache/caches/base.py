@@ -271,7 +271,7 @@ class PoolCache(PlannedDecoding):
         counted."""
         counts = dict.fromkeys((GATHER, RUN, IN_PLACE), 0)
         for rows in self._binder.rows.values():
-            for path, count in rows.reads.items():
+            for path, count in rows.path.reads.items():
                 counts[path] += count
         return counts
 

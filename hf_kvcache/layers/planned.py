@@ -129,10 +129,12 @@ class PlannedRows:
             and self.store.keys is None
             and self.store.sink is None
             and reads >= flex.MIN_IN_PLACE_TOKENS
-            and self._reads_in_place()
+            and self.path.reads_in_place()
             and flex.unavailable(self.pool.device) is None
         )
-        return self._mask if wanted and self._refresh_mask(batch, start + 1) else None
+        if not wanted or not self.path.refresh_mask(batch, start + 1, self._page_ids(), self._pad_tensor(batch)):
+            return None
+        return self.path.mask
 
     def _plan_values_in_place(
         self, start: int, batch: int, capacity_pages: int
@@ -141,8 +143,8 @@ class PlannedRows:
         mask visits, padded with the last to ``batch x (capacity extents + 1)`` so that their count is a constant of
         the graph (``None`` each where they are more: the step gathers), and the residual window's slots."""
         fmt = self.pool.format
-        extents = self._extents[0]
-        count = min(self._mask.num_pages // fmt.extent_pages, batch * (-(-capacity_pages // fmt.extent_pages) + 1))
+        extents, num_pages = self.path.extents[0], self.path.mask.num_pages
+        count = min(num_pages // fmt.extent_pages, batch * (-(-capacity_pages // fmt.extent_pages) + 1))
         if extents.numel() > count:
             return None, None, None
         extents = torch.cat([extents, extents[-1:].expand(count - extents.numel())])
@@ -160,7 +162,7 @@ class PlannedRows:
         """``StepPlan.value_buffer`` for the current mask's view, kept while the view stays; zeros where no step
         wrote (a gather of the null page's slots, hidden by the mask, must not read NaN: 0 x NaN is NaN)."""
         fmt = self.pool.format
-        shape = (fmt.num_kv_heads, self._mask.num_pages * fmt.page_size, fmt.head_dim)
+        shape = (fmt.num_kv_heads, self.path.mask.num_pages * fmt.page_size, fmt.head_dim)
         if self._planned_values is None or self._planned_values.shape != shape:
             self._planned_values = torch.zeros(shape, dtype=self.pool.storage.keys.dtype, device=self.pool.device)
             torch._dynamo.mark_static_address(self._planned_values)

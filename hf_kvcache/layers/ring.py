@@ -51,7 +51,8 @@ import torch
 from hf_kvcache.attention.kernels import page_slot_rows, read_slots, slot_rows
 from hf_kvcache.attention.reads import LAYOUT_ATTRIBUTE, KeyLayout
 from hf_kvcache.layers.paged import PagedLayer
-from hf_kvcache.layers.rows import GATHER, IN_PLACE, PagedRows
+from hf_kvcache.layers.read_path import GATHER, IN_PLACE
+from hf_kvcache.layers.rows import PagedRows
 from hf_kvcache.layers.window import RingStep, band, ring_num_slots, visible_span
 from hf_kvcache.memory.allocator import NULL_PAGE
 from hf_kvcache.memory.pool import KVPool
@@ -126,7 +127,7 @@ class RingRows(PagedRows):
         self.begin_step(start, key_states, value_states)
         num_new, batch = key_states.shape[-2], key_states.shape[0]
         step = self._step_index(start, num_new, batch, self.pool.storage)
-        self.reads[IN_PLACE if step.in_place else GATHER] += 1
+        self.path.reads[IN_PLACE if step.in_place else GATHER] += 1
         if step.in_place:  # in slot order: the pages themselves (a storage that never moves)
             keys, values = self._slot_views(layer_in_group)
             for pages, states in zip(self._flat_views(layer_in_group), (key_states, value_states)):

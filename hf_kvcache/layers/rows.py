@@ -28,19 +28,16 @@ from typing import Any
 
 import torch
 
-from hf_kvcache.attention import block_mask, flex
 from hf_kvcache.attention.kernels import page_slot_rows, read_slots, run_view, slot_rows
 from hf_kvcache.attention.reads import PAGED_ATTRIBUTE, PagedRead
 from hf_kvcache.layers.identical import find_identical_rows
 from hf_kvcache.layers.plan import StepPlan
 from hf_kvcache.layers.planned import PlannedRows
-from hf_kvcache.layers.store import SlotStore, extent_runs
+from hf_kvcache.layers.read_path import GATHER, RUN, ReadPath
+from hf_kvcache.layers.store import SlotStore
 from hf_kvcache.memory.placement import agree
 from hf_kvcache.memory.pool import KVPool
 from hf_kvcache.memory.storage import PoolStorage
-
-GATHER, RUN, IN_PLACE = "gather", "run", "in place"
-"""How a step's attention reads a layer's pages (``PagedRows.attend``)."""
 
 
 class PagedRows(PlannedRows):
@@ -84,19 +81,11 @@ class PagedRows(PlannedRows):
         self.planned_tokens = 0  # tokens a row is expected to reach (``PoolCache.plan``)
         self.pad_lengths: list[int] | None = None  # leading padding of each row (``PoolCache.plan``); None: none
         self._pads: torch.Tensor | None = None  # ``pad_lengths`` as a [batch] tensor, see _pad_tensor
-        self._reads_in_place = reads_in_place
-        self._query_group = query_group
-        self._mask: block_mask.PagedBlockMask | None = None  # reused from step to step, refilled in place
-        self._mask_fresh = False  # the mask matches the table and the pads (else: update before use)
-        self._mask_usable = False  # the visited extents hold nothing but the rows' pages and zeros
-        self._mode: tuple[int, int, str] | None = None  # (num_tokens, num_new, mode) of the current step (_step_mode)
-        # The extents the mask visits, [visited] and as runs (quantized values: what is dequantized).
-        self._extents: tuple[torch.Tensor, list[tuple[int, int]]] | None = None
+        self.path = ReadPath(pool, self.table, reads_in_place, query_group)  # how attention reads, the mask
         # (start, num_tokens, storage pages) -> (positions, slot rows) of a step's residual window (_residual_slots)
         self._residual: tuple[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
         self._version = -1  # table version the cached indices below were built for
         self._ids: torch.Tensor | None = None
-        self._one_run: bool | None = None  # see _is_one_run
         self._all_slots: tuple[int, torch.Tensor] | None = None  # (storage pages, slot rows): see _slots
         self._read: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (slot rows, num_tokens, theirs flat): read
         self._write: tuple[int, int, int, torch.Tensor] | None = None  # (start, num_new, storage pages, rows)
@@ -104,7 +93,6 @@ class PagedRows(PlannedRows):
         self.ring_pages: int | None = None  # pages of a row's ring (RingRows); None: the rows keep every page
         self.step_plan: StepPlan | None = None  # the decode step planned before the forward pass (plan_decode)
         self._planned_values: torch.Tensor | None = None  # StepPlan.value_buffer
-        self.reads = dict.fromkeys((GATHER, RUN, IN_PLACE), 0)  # layer reads so far, by path (attend)
 
     @property
     def num_tokens(self) -> int:
@@ -174,8 +162,7 @@ class PagedRows(PlannedRows):
         """
         num_new = key_states.shape[-2]
         step = (key_states, value_states) if num_new > 1 else None
-        mode = self._step_mode(num_tokens, num_new)
-        self.reads[mode] += 1
+        mode = self.path.choose(num_tokens, num_new, self.store.keys is not None, self._page_ids, self._pad_tensor)
         if mode == GATHER:
             return self.read(layer_in_group, num_tokens, step)
         storage = self.pool.storage
@@ -183,88 +170,24 @@ class PagedRows(PlannedRows):
             first_page = self.table.rows[0][0]
             view = functools.partial(run_view, layer_idx=layer_in_group, first_page=first_page, num_tokens=num_tokens)
             return self.store.read(layer_in_group, storage, view, num_tokens, num_tokens, step=step)
-        num_pages = self._mask.num_pages
+        mask = self.path.mask
         keys = self._storage_view(storage.keys, layer_in_group)
         if self.store.quant is None:
             values = self._storage_view(storage.values, layer_in_group)
         else:
-            residual_slots = self._residual_slots(num_tokens, num_pages)
-            extents, runs = self._extents
-            values = self.store.values_in_place(layer_in_group, storage, num_pages, extents, runs, residual_slots)
+            residual_slots = self._residual_slots(num_tokens, mask.num_pages)
+            extents, runs = self.path.extents
+            values = self.store.values_in_place(layer_in_group, storage, mask.num_pages, extents, runs, residual_slots)
         gather = functools.partial(self.read, layer_in_group, num_tokens)
-        setattr(keys, PAGED_ATTRIBUTE, PagedRead(self._mask, self._pad_tensor(self.table.num_rows), num_tokens, gather))
+        setattr(keys, PAGED_ATTRIBUTE, PagedRead(mask, self._pad_tensor(self.table.num_rows), num_tokens, gather))
         return keys, values
 
     def _storage_view(self, storage: torch.Tensor, layer_in_group: int) -> torch.Tensor:
-        """One layer's first ``self._mask.num_pages`` pages (all the rows' among them) as ``[1, heads, pages *
-        page_size, head_dim]``: what in-place attention reads."""
-        fmt = self.pool.format
-        shape = (1, fmt.num_kv_heads, self._mask.num_pages * fmt.page_size, fmt.head_dim)
-        return storage[layer_in_group][:, : self._mask.num_pages].view(shape)
-
-    def _step_mode(self, num_tokens: int, num_new: int) -> str:
-        """How this step's attention reads the pages (``GATHER``, ``RUN``, ``IN_PLACE``), decided by the layer
-        group's first layer."""
-        if self._mode is not None and self._mode[:2] == (num_tokens, num_new):
-            return self._mode[2]
-        mode = self._choose_mode(num_tokens, num_new)
-        self._mode = (num_tokens, num_new, mode)
-        return mode
-
-    def _choose_mode(self, num_tokens: int, num_new: int) -> str:
-        batch, pool = self.table.num_rows, self.pool
-        if not batch or not self._reads_in_place():
-            if batch and num_new == 1:
-                flex.log_path("attention", "the model's attn_implementation is not 'hf_kvcache'")
-            return GATHER
-        if self.store.keys is not None:
-            flex.log_path("encoded keys", "keys stored as int8/int4 codes are gathered and decoded for attention")
-            return GATHER
-        if self._is_one_run():
-            flex.log_path("in_place:run", "a single row on consecutive pages: sdpa over a view of them")
-            return RUN
-        if num_new != 1 or batch * num_tokens < flex.MIN_IN_PLACE_TOKENS:
-            return GATHER  # prefill (compute-bound), or a step whose compiled call would cost more than the copy
-        if not pool.storage_is_fixed:
-            flex.log_path("moves", "the pool's storage moves when it grows (reserve=False: CUDA's default pools)")
-            return GATHER
-        reason = flex.unavailable(pool.device)
-        if reason is not None:
-            flex.log_path("unavailable", reason)
-            return GATHER
-        return IN_PLACE if self._refresh_mask(batch, num_tokens) else GATHER
-
-    def _refresh_mask(self, batch: int, num_tokens: int) -> bool:
-        """Brings the step's mask (``self._mask``) to the table and ``num_tokens``: moves its end where only that
-        changed, else refills it (a new one where the batch changed or the rows' pages passed its view). Returns
-        whether attention may read in place with it: the extents it visits hold no other request's pages."""
-        pool, fmt = self.pool, self.pool.format
-        if self._mask_fresh and self._mask.batch == batch:
-            self._mask.advance(num_tokens)
-        else:
-            held = {page for row in self.table.rows for page in row}
-            num_pages = block_mask.view_pages(1 + max(held), fmt.extent_pages, pool.storage.num_pages)
-            if self._mask is None or self._mask.batch != batch or self._mask.num_pages < num_pages:
-                self._mask = block_mask.PagedBlockMask(
-                    batch, num_pages, fmt.page_size, fmt.extent_pages, self._query_group, pool.device
-                )
-            extents = self._mask.update(self._page_ids(), num_tokens, self._pad_tensor(batch))
-            self._mask_usable = not pool.foreign_pages(held, extents)
-            self._extents = (torch.tensor(extents, dtype=torch.long, device=pool.device), extent_runs(extents))
-            self._mask_fresh = True
-        if not self._mask_usable:
-            flex.log_path("foreign", "a row's extents hold another request's pages (gathered for those steps)")
-        return self._mask_usable
-
-    def _is_one_run(self) -> bool:
-        """Whether the table holds a single row whose pages are consecutive ids in order (``kernels.run_view``), in
-        a storage whose pages follow each other (a view of them is one slice)."""
-        if self._one_run is None:
-            rows = self.table.rows
-            pages = rows[0] if len(rows) == 1 else []
-            consecutive = all(second - first == 1 for first, second in zip(pages, pages[1:]))
-            self._one_run = bool(pages) and consecutive and all(t.is_contiguous() for t in self.pool.storage.tensors)
-        return self._one_run
+        """One layer's first ``mask.num_pages`` pages (all the rows' among them) as ``[1, heads, pages * page_size,
+        head_dim]``: what in-place attention reads."""
+        fmt, num_pages = self.pool.format, self.path.mask.num_pages
+        shape = (1, fmt.num_kv_heads, num_pages * fmt.page_size, fmt.head_dim)
+        return storage[layer_in_group][:, :num_pages].view(shape)
 
     def read(
         self, layer_in_group: int, num_tokens: int, step: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -323,7 +246,7 @@ class PagedRows(PlannedRows):
     def set_plan(self, planned_tokens: int, pad_lengths: list[int] | None) -> None:
         """The tokens a row is expected to reach, and each row's leading padding (``PoolCache.plan``)."""
         self.planned_tokens, self.pad_lengths, self._pads = planned_tokens, pad_lengths, None
-        self._mask_fresh = False
+        self.path.stale()
 
     def _pad_tensor(self, batch: int) -> torch.Tensor:
         """``[batch]`` leading padding of each row (zeros where the cache was not told)."""
@@ -385,14 +308,15 @@ class PagedRows(PlannedRows):
         """Runs a table change holding the pool (``KVPool.held``), copies the pages it asks for, drops cached
         indices."""
         self._shared_prefill = None
-        self._mask_fresh, self._mode = False, None
+        self.path.stale()
         with self.pool.held():
             copies = change()
         if copies:
             self.pool.copy_pages(copies)
         if self.table.version != self._version:
             self._version = self.table.version
-            self._ids = self._one_run = self._all_slots = self._read = self._write = self._residual = None
+            self.path.stale(table_changed=True)
+            self._ids = self._all_slots = self._read = self._write = self._residual = None
 
     def _agreed_identical_rows(self, identical_rows: list[int] | None, batch: int) -> list[int] | None:
         """The identical rows every rank found (each sees only its share of the heads); ``None`` where they differ."""

@@ -1,0 +1,136 @@
+"""How attention reads a layer group's pages at a step (``ReadPath``): gathered, as a view of one run of pages, or in
+place through a block mask over the pool's storage, chosen once per step by the layer group's first layer.
+
+The block mask is kept from step to step and refilled in place: a step that only adds a token moves its end, a
+change of the table or of the rows' padding refills it. In place needs the extents the mask visits to hold nothing
+but the rows' pages (``KVPool.foreign_pages``).
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from hf_kvcache.attention import block_mask, flex
+from hf_kvcache.layers.store import extent_runs
+from hf_kvcache.memory.page_table import PageTable
+from hf_kvcache.memory.pool import KVPool
+
+GATHER, RUN, IN_PLACE = "gather", "run", "in place"
+"""How a step's attention reads a layer's pages (``ReadPath.choose``)."""
+
+
+class ReadPath:
+    """The read path of one layer group's steps, the block mask in-place reads use, and the reads so far by path.
+
+    Args:
+        pool / table: the layer group's pool and page table.
+        reads_in_place: whether the model's attention reads a ``PagedRead`` (``attn_implementation="hf_kvcache"``),
+            asked once per step.
+        query_group: query heads per KV head (the packed query rows of a decode step).
+    """
+
+    def __init__(self, pool: KVPool, table: PageTable, reads_in_place: Callable[[], bool], query_group: int) -> None:
+        self.pool, self.table = pool, table
+        self.reads_in_place = reads_in_place
+        self.query_group = query_group
+        self.mask: block_mask.PagedBlockMask | None = None  # reused from step to step, refilled in place
+        # The extents the mask visits, [visited] and as runs (quantized values: what is dequantized).
+        self.extents: tuple[torch.Tensor, list[tuple[int, int]]] | None = None
+        self.reads = dict.fromkeys((GATHER, RUN, IN_PLACE), 0)  # layer reads so far, by path
+        self._fresh = False  # the mask matches the table and the pads (else: refill before use)
+        self._usable = False  # the visited extents hold nothing but the rows' pages and zeros
+        self._mode: tuple[int, int, str] | None = None  # (num_tokens, num_new, mode) of the current step
+        self._one_run: bool | None = None  # see is_one_run
+
+    def stale(self, table_changed: bool = False) -> None:
+        """The table or the rows' padding changed: the next step chooses again and refills the mask."""
+        self._fresh, self._mode = False, None
+        if table_changed:
+            self._one_run = None
+
+    def choose(
+        self,
+        num_tokens: int,
+        num_new: int,
+        encoded_keys: bool,
+        page_ids: Callable[[], torch.Tensor],
+        pads: Callable[[int], torch.Tensor],
+    ) -> str:
+        """How this step's attention reads the pages (``GATHER``, ``RUN``, ``IN_PLACE``): decided at the layer
+        group's first layer, the same for the others. Counts the read.
+
+        Args:
+            encoded_keys: the keys are stored as codes (always gathered and decoded).
+            page_ids / pads: the table as ``[batch, num_pages]`` and each row's leading padding ``[batch]``.
+        """
+        if self._mode is None or self._mode[:2] != (num_tokens, num_new):
+            self._mode = (num_tokens, num_new, self._choose(num_tokens, num_new, encoded_keys, page_ids, pads))
+        mode = self._mode[2]
+        self.reads[mode] += 1
+        return mode
+
+    def _choose(
+        self,
+        num_tokens: int,
+        num_new: int,
+        encoded_keys: bool,
+        page_ids: Callable[[], torch.Tensor],
+        pads: Callable[[int], torch.Tensor],
+    ) -> str:
+        batch, pool = self.table.num_rows, self.pool
+        if not batch or not self.reads_in_place():
+            if batch and num_new == 1:
+                flex.log_path("attention", "the model's attn_implementation is not 'hf_kvcache'")
+            return GATHER
+        if encoded_keys:
+            flex.log_path("encoded keys", "keys stored as int8/int4 codes are gathered and decoded for attention")
+            return GATHER
+        if self.is_one_run():
+            flex.log_path("in_place:run", "a single row on consecutive pages: sdpa over a view of them")
+            return RUN
+        if num_new != 1 or batch * num_tokens < flex.MIN_IN_PLACE_TOKENS:
+            return GATHER  # prefill (compute-bound), or a step whose compiled call would cost more than the copy
+        if not pool.storage_is_fixed:
+            flex.log_path("moves", "the pool's storage moves when it grows (reserve=False: CUDA's default pools)")
+            return GATHER
+        reason = flex.unavailable(pool.device)
+        if reason is not None:
+            flex.log_path("unavailable", reason)
+            return GATHER
+        return IN_PLACE if self.refresh_mask(batch, num_tokens, page_ids(), pads(batch)) else GATHER
+
+    def refresh_mask(self, batch: int, num_tokens: int, page_ids: torch.Tensor, pads: torch.Tensor) -> bool:
+        """Brings the mask to the table and ``num_tokens``: moves its end where only that changed, else refills it
+        (a new one where the batch changed or the rows' pages passed its view). Returns whether attention may read
+        in place with it: the extents it visits hold no other request's pages.
+
+        Args:
+            page_ids: ``[batch, num_pages]`` the table. pads: ``[batch]`` each row's leading padding.
+        """
+        pool, fmt = self.pool, self.pool.format
+        if self._fresh and self.mask.batch == batch:
+            self.mask.advance(num_tokens)
+        else:
+            held = {page for row in self.table.rows for page in row}
+            num_pages = block_mask.view_pages(1 + max(held), fmt.extent_pages, pool.storage.num_pages)
+            if self.mask is None or self.mask.batch != batch or self.mask.num_pages < num_pages:
+                self.mask = block_mask.PagedBlockMask(
+                    batch, num_pages, fmt.page_size, fmt.extent_pages, self.query_group, pool.device
+                )
+            extents = self.mask.update(page_ids, num_tokens, pads)
+            self._usable = not pool.foreign_pages(held, extents)
+            self.extents = (torch.tensor(extents, dtype=torch.long, device=pool.device), extent_runs(extents))
+            self._fresh = True
+        if not self._usable:
+            flex.log_path("foreign", "a row's extents hold another request's pages (gathered for those steps)")
+        return self._usable
+
+    def is_one_run(self) -> bool:
+        """Whether the table holds a single row whose pages are consecutive ids in order (``kernels.run_view``), in
+        a storage whose pages follow each other (a view of them is one slice)."""
+        if self._one_run is None:
+            rows = self.table.rows
+            pages = rows[0] if len(rows) == 1 else []
+            consecutive = all(second - first == 1 for first, second in zip(pages, pages[1:]))
+            self._one_run = bool(pages) and consecutive and all(t.is_contiguous() for t in self.pool.storage.tensors)
+        return self._one_run
