@@ -18,6 +18,8 @@ from transformers import DynamicCache
 from hf_kvcache import KVPool, PagedCache
 from hf_kvcache.attention import block_mask, flex
 from hf_kvcache.attention.interface import ATTENTION_NAME, mask_hides_padding_only, model_attention
+from hf_kvcache.attention.reads import PAGED_READ
+from hf_kvcache.bench.catalogue import with_attention
 from hf_kvcache.layers import store as store_module
 
 pytestmark = pytest.mark.skipif(flex.unavailable(torch.device("cpu")) is not None, reason="no compiled FlexAttention")
@@ -325,3 +327,28 @@ def test_reused_prefix_reads_in_place_as_without_reuse(tiny_llama_model, in_plac
     gc.collect()
     indexed.check_integrity()
     assert indexed.stats()["pages_used"] == indexed.stats()["pages_cached"]
+
+
+@torch.no_grad()
+def test_an_in_place_read_is_handed_to_attention_in_its_kwargs_and_only_there(tiny_llama_model, in_place):
+    """transformers hands the attention's kwargs to ``cache.update`` (``kwargs=``): an in-place step puts its
+    ``PagedRead`` there and returns the pool's storage, with nothing set on the tensors; called without them (a model
+    that passes none), the same step returns its keys and values gathered."""
+    config = with_attention(tiny_llama_model.config, ATTENTION_NAME)
+    heads, head_dim = config.num_key_value_heads, config.head_dim
+    states = torch.randn(2, 2, heads, 41, head_dim)  # keys, values: [batch, heads, 41, head_dim]
+    for handed in (True, False):
+        cache = PagedCache(config, pool=KVPool.for_model(tiny_llama_model, max_tokens=1024))
+        cache.update(states[0, :, :, :40], states[1, :, :, :40], 0)  # a prefill of two rows
+        kwargs = {"scaling": 0.125}
+        handoff = {"kwargs": kwargs} if handed else {}  # what transformers' attention passes (Llama: kwargs=kwargs)
+        keys, values = cache.update(states[0, :, :, 40:], states[1, :, :, 40:], 0, **handoff)
+        assert not vars(keys) and not vars(values)  # no attribute on the tensors
+        if handed:
+            read = kwargs.pop(PAGED_READ)
+            assert keys.shape[0] == 1 and read.num_tokens == 41 and kwargs == {"scaling": 0.125}
+            assert read.mask.batch == 2
+        else:
+            assert cache.read_counts() == {"gather": 2, "run": 0, "in place": 0}
+            torch.testing.assert_close(keys, states[0])
+            torch.testing.assert_close(values, states[1])

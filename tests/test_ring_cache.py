@@ -21,7 +21,7 @@ from transformers import DynamicCache
 import hf_kvcache  # noqa: F401  (registers "sliding_ring")
 from hf_kvcache import KVPool, PagedCache, SlidingRingCache
 from hf_kvcache.attention.interface import ATTENTION_NAME, banded_sdpa_attention, model_attention
-from hf_kvcache.attention.reads import LAYOUT_ATTRIBUTE, KeyLayout
+from hf_kvcache.attention.reads import KEY_LAYOUT, KeyLayout
 from hf_kvcache.caches.base import ATTENTION_LAYER_TYPES
 from hf_kvcache.layers import PagedLayer, RingLayer, RingRows
 from hf_kvcache.memory.format import layer_groups, layer_types
@@ -213,11 +213,11 @@ def test_banded_attention_reads_additive_float_masks_like_boolean_ones(in_slot_o
         layout = KeyLayout(layout.band, torch.tensor([[2, 0, 1], [1, 2, 0]]))
     columns = torch.arange(3).expand(2, -1) if layout.mask_columns is None else layout.mask_columns  # [batch, keys]
     allowed[torch.arange(2), ..., columns[:, 0]] = True  # every query sees key 0
-    setattr(key, LAYOUT_ATTRIBUTE, layout)
     module = torch.nn.Module().eval()
     additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
-    from_bool, _ = banded_sdpa_attention(module, query, key, value, allowed, scaling=0.5)
-    from_float, _ = banded_sdpa_attention(module, query, key, value, additive, scaling=0.5)
+    handed = {KEY_LAYOUT: layout}  # as a ring's update puts it in the attention's kwargs
+    from_bool, _ = banded_sdpa_attention(module, query, key, value, allowed, scaling=0.5, **handed)
+    from_float, _ = banded_sdpa_attention(module, query, key, value, additive, scaling=0.5, **handed)
     torch.testing.assert_close(from_float, from_bool)
     seen = allowed.gather(-1, columns[:, None, None, :].expand(-1, 1, 3, -1)) & layout.band.unsqueeze(1)  # [2, 1, 3, 3]
     scores = (query @ key.transpose(-1, -2) * 0.5).masked_fill(~seen, -torch.inf)
@@ -230,13 +230,15 @@ def test_pages_read_in_place_are_views_of_the_pool(tiny_llama_model):
     cache = SlidingRingCache(tiny_llama_model.config, window=8, pool=pool)
     with banded_attention(tiny_llama_model):
         tiny_llama_model(random_ids(2, 20), cache=cache)
-        keys, values = cache.update(torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16), 0)
+        handed = {}  # the attention's kwargs, as transformers hands them to update
+        keys, values = cache.update(torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16), 0, kwargs=handed)
+        assert handed[KEY_LAYOUT].mask_columns is not None  # slot order: attention gets where each key's column is
         storage = pool.keys.untyped_storage().data_ptr()
         assert keys.untyped_storage().data_ptr() == storage
         assert values.untyped_storage().data_ptr() == pool.values.untyped_storage().data_ptr()
         assert keys.shape[2] == cache.layers[0].rows.num_slots  # every slot, in slot order
         cache.reorder_cache(torch.tensor([0, 0]))  # both rows now share row 0's pages
-        keys, _ = cache.update(torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16), 1)
+        keys, _ = cache.update(torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16), 1, kwargs={})
         assert keys.untyped_storage().data_ptr() != storage
 
 

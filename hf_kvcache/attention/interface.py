@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from hf_kvcache.attention import flex
 from hf_kvcache.attention.kernels import read_planned_view
-from hf_kvcache.attention.reads import PagedRead, layout_of, paged_read_of
+from hf_kvcache.attention.reads import KEY_LAYOUT, PAGED_READ, PagedRead
 from hf_kvcache.transformers_internals import attn_implementation, sdpa_attention_forward
 
 ATTENTION_NAME = "hf_kvcache"
@@ -88,13 +88,12 @@ def banded_sdpa_attention(
             output = flex.planned_attention(query, key, value, plan.mask, plan.pages, kwargs.get("scaling"))
             return output.transpose(1, 2).contiguous(), None
         key, value = read_planned_view(key, plan), read_planned_view(value, plan)  # the model's mask applies
-    read = paged_read_of(key)
+    read, layout = kwargs.pop(PAGED_READ, None), kwargs.pop(KEY_LAYOUT, None)  # what the layer handed over
     if read is not None:
         output = paged_attention(module, query, key, value, read, attention_mask, kwargs)
         if output is not None:
             return output, None
         key, value = read.gather()
-    layout = layout_of(key)
     if layout is None:
         if _packs_decode(module, query, key, attention_mask, kwargs):
             return packed_decode_attention(query, key, value, kwargs.get("scaling")), None

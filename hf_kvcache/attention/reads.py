@@ -1,24 +1,37 @@
-"""What a layer hands attention with its keys, beyond the tensors: how to read them where they lie.
+"""What a layer hands attention beyond the keys and values: how to read them where they lie.
 
-A cache's ``update`` returns keys and values as transformers expects; a layer that returns the pool's storage in
-place, or a ring's keys out of time order, says so here, on the keys it returns (``paged_read_of``, ``layout_of``),
-and ``hf_kvcache.attention.interface`` reads it back. Attention functions get no handle on the cache, so the
-returned keys carry it.
+transformers hands an attention layer's keyword arguments to the cache (``cache.update(..., kwargs=kwargs)``) and
+then to the attention function (``attention_interface(..., **kwargs)``), the same dict. A layer that returns the
+pool's storage in place (``PagedRead``), or a ring's keys out of time order or with a band (``KeyLayout``), puts
+what attention must know into that dict under ``PAGED_READ`` / ``KEY_LAYOUT``; ``hf_kvcache.attention.interface``
+takes it out. Where a model's attention hands the cache no kwargs (``attention_kwargs`` is ``None``), its layers
+return their keys and values gathered in time order, which any attention reads as they are.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from hf_kvcache.attention.block_mask import PagedBlockMask
 
-PAGED_ATTRIBUTE = "hf_kvcache_paged"
+PAGED_READ = "hf_kvcache_paged_read"
+"""The attention kwarg that carries a ``PagedRead``."""
+KEY_LAYOUT = "hf_kvcache_key_layout"
+"""The attention kwarg that carries a ``KeyLayout``."""
+
+
+def attention_kwargs(update_kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """The attention's keyword arguments that a cache layer's ``update`` got from transformers (``kwargs=``), where
+    a layer hands attention its ``PagedRead`` or ``KeyLayout``; ``None`` where the model passed none."""
+    handed = update_kwargs.get("kwargs")
+    return handed if isinstance(handed, dict) else None
 
 
 @dataclass(frozen=True)
 class PagedRead:
-    """What attention needs to read one layer's keys and values where they lie (handed over on the keys).
+    """What attention needs to read one layer's keys and values where they lie (``PAGED_READ``).
 
     Attributes:
         mask: the step's mask over the pool's storage (one decode token per row).
@@ -34,17 +47,9 @@ class PagedRead:
     gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]
 
 
-def paged_read_of(keys: torch.Tensor) -> PagedRead | None:
-    """The ``PagedRead`` a paged layer attached to the keys it returned (``None``: the keys are gathered)."""
-    return getattr(keys, PAGED_ATTRIBUTE, None)
-
-
-LAYOUT_ATTRIBUTE = "hf_kvcache_layout"
-
-
 @dataclass(frozen=True)
 class KeyLayout:
-    """What attention must know of the keys a ring returned, beyond the model's mask.
+    """What attention must know of the keys a ring returned, beyond the model's mask (``KEY_LAYOUT``).
 
     Attributes:
         band: ``[batch, num_new, num_keys]``, true where a new token of a row may see a key (causality, window and
@@ -55,8 +60,3 @@ class KeyLayout:
 
     band: torch.Tensor
     mask_columns: torch.Tensor | None = None
-
-
-def layout_of(keys: torch.Tensor) -> KeyLayout | None:
-    """The layout a ring attached to the keys it returned (``None``: attend as the model's mask says)."""
-    return getattr(keys, LAYOUT_ATTRIBUTE, None)

@@ -5,6 +5,7 @@ from collections.abc import Callable
 import torch
 from transformers import CacheLayerMixin
 
+from hf_kvcache.attention.reads import attention_kwargs
 from hf_kvcache.layers.rows import PagedRows
 
 
@@ -45,7 +46,8 @@ class PagedLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Stores ``[batch, heads, n, head_dim]`` new states; returns all ``[batch, heads, seq_len, head_dim]``, or the
-        pool's storage for attention to read in place (``PagedRows.attend``)."""
+        pool's storage for attention to read in place with a ``PagedRead`` put in the attention's kwargs, which
+        transformers hands over as ``kwargs=`` (``PagedRows.attend``)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.planned:  # planned (PoolCache.plan_decode), once: the step's count is already in
@@ -54,7 +56,8 @@ class PagedLayer(CacheLayerMixin):
             return self.rows.read_planned(self.layer_in_group, key_states.dtype)
         self.rows.write(self.layer_in_group, self.num_tokens, key_states, value_states)
         self.num_tokens += key_states.shape[-2]
-        return self.rows.attend(self.layer_in_group, self.num_tokens, key_states, value_states)
+        handoff = attention_kwargs(kwargs)
+        return self.rows.attend(self.layer_in_group, self.num_tokens, key_states, value_states, handoff)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         plan = self.rows.step_plan if self.planned else None

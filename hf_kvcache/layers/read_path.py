@@ -53,6 +53,7 @@ class ReadPath:
         num_tokens: int,
         num_new: int,
         encoded_keys: bool,
+        hands_over: bool,
         page_ids: Callable[[], torch.Tensor],
         pads: Callable[[int], torch.Tensor],
     ) -> str:
@@ -61,10 +62,13 @@ class ReadPath:
 
         Args:
             encoded_keys: the keys are stored as codes (always gathered and decoded).
+            hands_over: the model's attention hands the cache its kwargs, where an in-place read puts its
+                ``PagedRead`` (``hf_kvcache.attention.reads``).
             page_ids / pads: the table as ``[batch, num_pages]`` and each row's leading padding ``[batch]``.
         """
         if self._mode is None or self._mode[:2] != (num_tokens, num_new):
-            self._mode = (num_tokens, num_new, self._choose(num_tokens, num_new, encoded_keys, page_ids, pads))
+            mode = self._choose(num_tokens, num_new, encoded_keys, hands_over, page_ids, pads)
+            self._mode = (num_tokens, num_new, mode)
         mode = self._mode[2]
         self.reads[mode] += 1
         return mode
@@ -74,6 +78,7 @@ class ReadPath:
         num_tokens: int,
         num_new: int,
         encoded_keys: bool,
+        hands_over: bool,
         page_ids: Callable[[], torch.Tensor],
         pads: Callable[[int], torch.Tensor],
     ) -> str:
@@ -96,6 +101,9 @@ class ReadPath:
         reason = flex.unavailable(pool.device)
         if reason is not None:
             flex.log_path("unavailable", reason)
+            return GATHER
+        if not hands_over:
+            flex.log_path("no kwargs", "the model's attention hands the cache no kwargs to put the step's mask in")
             return GATHER
         return IN_PLACE if self.refresh_mask(batch, num_tokens, page_ids(), pads(batch)) else GATHER
 

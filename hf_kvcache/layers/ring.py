@@ -29,7 +29,7 @@ a padded row's window still reaches its sinks, its tokens ``[first - sink_tokens
 choices put a real, earlier token under a real, earlier column of the model's mask, so every attention
 (``sdpa``, ``eager``) masks a padded row exactly as the row alone.
 
-Attention may also be handed a ``KeyLayout`` with the keys (``layout_of(keys)``), read by
+Attention may also be handed a ``KeyLayout`` (in its kwargs, ``hf_kvcache.attention.reads``), read by
 ``attn_implementation="hf_kvcache"`` (``hf_kvcache.attention.interface``):
 
 - a step of several new tokens carries its *band* ``[batch, n, num_keys]``: which key each new token may
@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from hf_kvcache.attention.kernels import page_slot_rows, read_slots, slot_rows
-from hf_kvcache.attention.reads import LAYOUT_ATTRIBUTE, KeyLayout
+from hf_kvcache.attention.reads import KEY_LAYOUT, KeyLayout, attention_kwargs
 from hf_kvcache.layers.paged import PagedLayer
 from hf_kvcache.layers.read_path import GATHER, IN_PLACE
 from hf_kvcache.layers.rows import PagedRows
@@ -112,21 +112,28 @@ class RingRows(PagedRows):
         return self.ring_slots - self.window + 1
 
     def update(
-        self, layer_in_group: int, start: int, key_states: torch.Tensor, value_states: torch.Tensor
+        self,
+        layer_in_group: int,
+        start: int,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        handoff: dict[str, Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes tokens ``[start, start + n)`` of one layer; returns its visible keys and values.
 
         Args:
             layer_in_group: the layer's index within its layer group.
             key_states / value_states: ``[batch, heads, n, head_dim]``.
+            handoff: the attention's kwargs (``attention_kwargs``), where the step's ``KeyLayout`` goes; ``None``:
+                the model's attention gets none, so the keys come in time order.
 
         Returns:
             keys, values ``[batch, heads, num_keys, head_dim]``: the visible tokens in time order (see
-            ``visible_span``), or every slot of the rows in slot order; the keys may carry a ``KeyLayout``.
+            ``visible_span``), or every slot of the rows in slot order (with a ``KeyLayout`` in ``handoff``).
         """
         self.begin_step(start, key_states, value_states)
-        num_new, batch = key_states.shape[-2], key_states.shape[0]
-        step = self._step_index(start, num_new, batch, self.pool.storage)
+        num_new, batch, hands_over = key_states.shape[-2], key_states.shape[0], handoff is not None
+        step = self._step_index(start, num_new, batch, self.pool.storage, hands_over)
         self.path.reads[IN_PLACE if step.in_place else GATHER] += 1
         if step.in_place:  # in slot order: the pages themselves (a storage that never moves)
             keys, values = self._slot_views(layer_in_group)
@@ -140,7 +147,7 @@ class RingRows(PagedRows):
 
             def read(end: int, limit: int, newest: int | None = None, own: Own = None) -> tuple[torch.Tensor, ...]:
                 storage = self.pool.storage  # a snapshot taken after this row's writes: it holds them
-                index = self._step_index(start, num_new, batch, storage)
+                index = self._step_index(start, num_new, batch, storage, hands_over)
                 shape = (batch, self.pool.format.num_kv_heads, index.read_slots.shape[1])
                 gather = lambda tensor: read_slots(storage.slots(tensor, layer_in_group), index.read, shape)  # noqa: E731
                 keys = self._read_keys(layer_in_group, storage, index.read_slots) if self.store.keys else None
@@ -153,8 +160,8 @@ class RingRows(PagedRows):
                 keys, values = read(start, start - first, newest=end)
                 self._store(layer_in_group, start, num_new, key_states, value_states)  # only its tail stays
                 keys, values = torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
-        if step.layout is not None:
-            setattr(keys, LAYOUT_ATTRIBUTE, step.layout)
+        if step.layout is not None and handoff is not None:
+            handoff[KEY_LAYOUT] = step.layout
         self.end_step(layer_in_group, start + num_new)
         return keys, values
 
@@ -279,9 +286,9 @@ class RingRows(PagedRows):
             dropped |= (local >= sinks) & (tokens < lost_before)
         return slots.masked_fill(dropped, -1)
 
-    def _step_index(self, start: int, num_new: int, batch: int, storage: PoolStorage) -> RingStep:
+    def _step_index(self, start: int, num_new: int, batch: int, storage: PoolStorage, hands_over: bool) -> RingStep:
         """The step's slot indices into ``storage``: built by the layer group's first layer of the step, reused by
-        the rest (rebuilt if the storage grew meanwhile)."""
+        the rest (rebuilt if the storage grew meanwhile). In place (slot order) needs a ``KeyLayout`` handed over."""
         key = (start, num_new, storage.num_pages)
         if self._step is None or (self._step.start, self._step.num_new, self._step.storage_pages) != key:
             device = self.pool.device
@@ -291,7 +298,8 @@ class RingRows(PagedRows):
             # A chunk longer than the ring overwrites itself: a row keeps its sinks and its last ring_slots tokens.
             written = self._slots(new_tokens, lost_before=end - self.ring_slots)
             pads = self._pad_tensor(batch)
-            if num_new <= self.max_step and self._reads_slots() and self._first_page() is not None:
+            in_place = hands_over and self._reads_slots() and self._first_page() is not None
+            if num_new <= self.max_step and in_place:
                 rows = self._flat_rows(written, storage).reshape(-1)  # (batch, head, token) order
                 layout = self._slot_layout(start, num_new, sinks, first)
                 self._step = RingStep(start, num_new, layout, storage.num_pages, write_rows=rows)
@@ -390,7 +398,7 @@ class RingRows(PagedRows):
         ``KVPool.held`` so that a growth cannot move the pages meanwhile."""
         self.store.remember(layer_in_group, start, value_states)
         with self.pool.held() as storage:
-            step = self._step_index(start, num_new, key_states.shape[0], storage)
+            step = self._step_index(start, num_new, key_states.shape[0], storage, hands_over=False)  # gathered steps
             self.store.write(layer_in_group, storage, step.write_index, key_states, value_states)
             self._write_keys(layer_in_group, storage, start, key_states)
 
@@ -445,7 +453,8 @@ class RingLayer(PagedLayer):
             return super().update(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        keys, values = self.rows.update(self.layer_in_group, self.num_tokens, key_states, value_states)
+        handoff = attention_kwargs(kwargs)
+        keys, values = self.rows.update(self.layer_in_group, self.num_tokens, key_states, value_states, handoff)
         self.num_tokens += key_states.shape[-2]
         return keys, values
 

@@ -15,11 +15,11 @@ Attention gets a layer's keys and values in one of three ways (``attend``):
   compile; quantized values are dequantized from their codes' view into a reused buffer;
 - in place over scattered pages (a decode step under ``attn_implementation="hf_kvcache"`` of other rows, where
   ``batch x tokens`` reaches ``flex.MIN_IN_PLACE_TOKENS``): the layer's whole storage as
-  ``[1, heads, pages * page_size, head_dim]`` views,
-  the keys carrying a ``PagedRead`` with the step's ``PagedBlockMask`` (built once per step by the layer group's
-  first layer, shared by the rest) that ``attention.interface`` hands to compiled FlexAttention. Quantized values
-  cannot be read as they lie: the pages the mask visits are dequantized into a buffer of the storage's layout
-  (``SlotStore.values_in_place``), while the keys are read in place.
+  ``[1, heads, pages * page_size, head_dim]`` views, and in the attention's kwargs a ``PagedRead`` with the step's
+  ``PagedBlockMask`` (built once per step by the layer group's first layer, shared by the rest) that
+  ``attention.interface`` hands to compiled FlexAttention. Quantized values cannot be read as they lie: the pages
+  the mask visits are dequantized into a buffer of the storage's layout (``SlotStore.values_in_place``), while the
+  keys are read in place.
 """
 
 import functools
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from hf_kvcache.attention.kernels import page_slot_rows, read_slots, run_view, slot_rows
-from hf_kvcache.attention.reads import PAGED_ATTRIBUTE, PagedRead
+from hf_kvcache.attention.reads import PAGED_READ, PagedRead
 from hf_kvcache.layers.identical import find_identical_rows
 from hf_kvcache.layers.plan import StepPlan
 from hf_kvcache.layers.planned import PlannedRows
@@ -149,20 +149,29 @@ class PagedRows(PlannedRows):
             self.store.stored(end)
 
     def attend(
-        self, layer_in_group: int, num_tokens: int, key_states: torch.Tensor, value_states: torch.Tensor
+        self,
+        layer_in_group: int,
+        num_tokens: int,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        handoff: dict[str, Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of one layer for attention, after the step's ``[batch, heads, n, head_dim]`` states were
         written: as a run or in place where the step allows it, else gathered. A step of several tokens reads its
         own as given (``SlotStore.read``'s ``step``).
 
+        Args:
+            handoff: the attention's kwargs (``attention_kwargs``), where an in-place read puts its ``PagedRead``;
+                ``None``: the model's attention gets none, so nothing is read in place.
+
         Returns:
             ``[batch, heads, num_tokens, head_dim]`` (gathered; a view of the storage as a run), or
-            ``[1, heads, storage pages * page_size, head_dim]`` views of the storage with a ``PagedRead`` on the keys
-            (in place).
+            ``[1, heads, storage pages * page_size, head_dim]`` views of the storage (in place).
         """
         num_new = key_states.shape[-2]
         step = (key_states, value_states) if num_new > 1 else None
-        mode = self.path.choose(num_tokens, num_new, self.store.keys is not None, self._page_ids, self._pad_tensor)
+        encoded, hands_over = self.store.keys is not None, handoff is not None
+        mode = self.path.choose(num_tokens, num_new, encoded, hands_over, self._page_ids, self._pad_tensor)
         if mode == GATHER:
             return self.read(layer_in_group, num_tokens, step)
         storage = self.pool.storage
@@ -179,7 +188,7 @@ class PagedRows(PlannedRows):
             extents, runs = self.path.extents
             values = self.store.values_in_place(layer_in_group, storage, mask.num_pages, extents, runs, residual_slots)
         gather = functools.partial(self.read, layer_in_group, num_tokens)
-        setattr(keys, PAGED_ATTRIBUTE, PagedRead(mask, self._pad_tensor(self.table.num_rows), num_tokens, gather))
+        handoff[PAGED_READ] = PagedRead(mask, self._pad_tensor(self.table.num_rows), num_tokens, gather)
         return keys, values
 
     def _storage_view(self, storage: torch.Tensor, layer_in_group: int) -> torch.Tensor:
