@@ -132,9 +132,7 @@ class PlannedRows:
             and self.path.reads_in_place()
             and flex.unavailable(self.pool.device) is None
         )
-        if not wanted or not self.path.refresh_mask(batch, start + 1, self._page_ids(), self._pad_tensor(batch)):
-            return None
-        return self.path.mask
+        return self.path.mask if wanted and self.path.refresh_mask(batch, start + 1) else None
 
     def _plan_values_in_place(
         self, start: int, batch: int, capacity_pages: int

@@ -27,12 +27,22 @@ class ReadPath:
         reads_in_place: whether the model's attention reads a ``PagedRead`` (``attn_implementation="hf_kvcache"``),
             asked once per step.
         query_group: query heads per KV head (the packed query rows of a decode step).
+        page_ids / pads: the table as ``[batch, num_pages]`` and each row's leading padding ``[batch]``, as tensors.
     """
 
-    def __init__(self, pool: KVPool, table: PageTable, reads_in_place: Callable[[], bool], query_group: int) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        table: PageTable,
+        reads_in_place: Callable[[], bool],
+        query_group: int,
+        page_ids: Callable[[], torch.Tensor],
+        pads: Callable[[int], torch.Tensor],
+    ) -> None:
         self.pool, self.table = pool, table
         self.reads_in_place = reads_in_place
         self.query_group = query_group
+        self._page_ids, self._pads = page_ids, pads
         self.mask: block_mask.PagedBlockMask | None = None  # reused from step to step, refilled in place
         # The extents the mask visits, [visited] and as runs (quantized values: what is dequantized).
         self.extents: tuple[torch.Tensor, list[tuple[int, int]]] | None = None
@@ -48,15 +58,7 @@ class ReadPath:
         if table_changed:
             self._one_run = None
 
-    def choose(
-        self,
-        num_tokens: int,
-        num_new: int,
-        encoded_keys: bool,
-        hands_over: bool,
-        page_ids: Callable[[], torch.Tensor],
-        pads: Callable[[int], torch.Tensor],
-    ) -> str:
+    def choose(self, num_tokens: int, num_new: int, encoded_keys: bool, hands_over: bool) -> str:
         """How this step's attention reads the pages (``GATHER``, ``RUN``, ``IN_PLACE``): decided at the layer
         group's first layer, the same for the others. Counts the read.
 
@@ -64,24 +66,14 @@ class ReadPath:
             encoded_keys: the keys are stored as codes (always gathered and decoded).
             hands_over: the model's attention hands the cache its kwargs, where an in-place read puts its
                 ``PagedRead`` (``hf_kvcache.attention.reads``).
-            page_ids / pads: the table as ``[batch, num_pages]`` and each row's leading padding ``[batch]``.
         """
         if self._mode is None or self._mode[:2] != (num_tokens, num_new):
-            mode = self._choose(num_tokens, num_new, encoded_keys, hands_over, page_ids, pads)
-            self._mode = (num_tokens, num_new, mode)
+            self._mode = (num_tokens, num_new, self._choose(num_tokens, num_new, encoded_keys, hands_over))
         mode = self._mode[2]
         self.reads[mode] += 1
         return mode
 
-    def _choose(
-        self,
-        num_tokens: int,
-        num_new: int,
-        encoded_keys: bool,
-        hands_over: bool,
-        page_ids: Callable[[], torch.Tensor],
-        pads: Callable[[int], torch.Tensor],
-    ) -> str:
+    def _choose(self, num_tokens: int, num_new: int, encoded_keys: bool, hands_over: bool) -> str:
         batch, pool = self.table.num_rows, self.pool
         if not batch or not self.reads_in_place():
             if batch and num_new == 1:
@@ -105,16 +97,12 @@ class ReadPath:
         if not hands_over:
             flex.log_path("no kwargs", "the model's attention hands the cache no kwargs to put the step's mask in")
             return GATHER
-        return IN_PLACE if self.refresh_mask(batch, num_tokens, page_ids(), pads(batch)) else GATHER
+        return IN_PLACE if self.refresh_mask(batch, num_tokens) else GATHER
 
-    def refresh_mask(self, batch: int, num_tokens: int, page_ids: torch.Tensor, pads: torch.Tensor) -> bool:
+    def refresh_mask(self, batch: int, num_tokens: int) -> bool:
         """Brings the mask to the table and ``num_tokens``: moves its end where only that changed, else refills it
         (a new one where the batch changed or the rows' pages passed its view). Returns whether attention may read
-        in place with it: the extents it visits hold no other request's pages.
-
-        Args:
-            page_ids: ``[batch, num_pages]`` the table. pads: ``[batch]`` each row's leading padding.
-        """
+        in place with it: the extents it visits hold no other request's pages."""
         pool, fmt = self.pool, self.pool.format
         if self._fresh and self.mask.batch == batch:
             self.mask.advance(num_tokens)
@@ -125,7 +113,7 @@ class ReadPath:
                 self.mask = block_mask.PagedBlockMask(
                     batch, num_pages, fmt.page_size, fmt.extent_pages, self.query_group, pool.device
                 )
-            extents = self.mask.update(page_ids, num_tokens, pads)
+            extents = self.mask.update(self._page_ids(), num_tokens, self._pads(batch))
             self._usable = not pool.foreign_pages(held, extents)
             self.extents = (torch.tensor(extents, dtype=torch.long, device=pool.device), extent_runs(extents))
             self._fresh = True
