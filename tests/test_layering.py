@@ -31,6 +31,7 @@ INSIDE = {
         "rows",
         "paged",
         "ring",
+        "ring_layer",
     ],
     "caches": [
         "options",

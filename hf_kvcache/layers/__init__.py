@@ -7,12 +7,14 @@
 - ``read_path``: how attention reads a step's pages (gathered, a run, in place) and the block mask in place uses;
 - ``planned``: the rows' planned steps (``PlannedRows``); ``rows``: ``PagedRows``, the page table and the index
   tensors attention needs, in place or gathered;
-- ``paged``: a layer that keeps every token; ``ring``: the sliding ring, a fixed set of pages per row.
+- ``paged``: a layer that keeps every token; ``ring``: the sliding ring, a fixed set of pages per row (``RingRows``);
+  ``ring_layer``: its layer.
 """
 
 from hf_kvcache.layers.paged import PagedLayer
 from hf_kvcache.layers.read_path import GATHER, IN_PLACE, RUN
-from hf_kvcache.layers.ring import RingLayer, RingRows
+from hf_kvcache.layers.ring import RingRows
+from hf_kvcache.layers.ring_layer import RingLayer
 from hf_kvcache.layers.rows import PagedRows
 
 __all__ = ["GATHER", "IN_PLACE", "RUN", "PagedLayer", "PagedRows", "RingLayer", "RingRows"]
