@@ -61,7 +61,7 @@ from hf_kvcache.bench.measure import OtherCpuUse, PeakMemory
 from hf_kvcache.bench.prompts import Prefill, prefill_rows
 from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.eval import kv_bytes
-from hf_kvcache.layers import RUN
+from hf_kvcache.layers import IN_PLACE, RUN
 
 logger = logging.getLogger("hf_kvcache.bench")
 
@@ -187,7 +187,7 @@ class _Run:
     kv_bytes_held: int
     peak_bytes: int
     in_place_calls: int  # compiled in-place attention calls during the timed steps
-    run_reads: int  # layer reads as a view of one run of pages during the timed steps
+    reads: dict[str, int]  # layer reads by path during the timed steps (PoolCache.read_counts; {} for others)
     attention_calls: int  # layer attention calls during the timed steps (layers x steps)
     compile_s: float
 
@@ -290,7 +290,7 @@ def _decode(
         next_tokens = step(next_tokens, position)
         picked.append(next_tokens)
     start = length + config.warmup_steps
-    calls_before, runs_before = flex.call_count(), _run_reads(cache)
+    calls_before, reads_before = flex.call_count(), _read_counts(cache)
     with PeakMemory(device, config.sample_interval_s) as memory:
         for position in range(start, start + config.steps):
             if is_cuda:
@@ -301,7 +301,8 @@ def _decode(
                 torch.cuda.synchronize(device)
             step_s.append(time.perf_counter() - began)
             picked.append(next_tokens)
-    in_place_calls, run_reads = flex.call_count() - calls_before, _run_reads(cache) - runs_before
+    in_place_calls = flex.call_count() - calls_before
+    reads = {path: count - reads_before[path] for path, count in _read_counts(cache).items()}
     attention_calls = config.steps * model.config.num_hidden_layers
     compile_s = sum(flex.compile_seconds().values()) - compiled_before
     return _Run(
@@ -310,15 +311,15 @@ def _decode(
         kv_bytes(cache),
         memory.peak_bytes,
         in_place_calls,
-        run_reads,
+        reads,
         attention_calls,
         compile_s,
     )
 
 
-def _run_reads(cache: Cache) -> int:
-    """Layer reads the cache handed attention as a view of one run of pages so far (0 for transformers' caches)."""
-    return cache.read_counts()[RUN] if isinstance(cache, PoolCache) else 0
+def _read_counts(cache: Cache) -> dict[str, int]:
+    """How attention read the cache's layers so far, by path (``PoolCache.read_counts``; ``{}`` for transformers')."""
+    return cache.read_counts() if isinstance(cache, PoolCache) else {}
 
 
 def _summarize(
@@ -336,10 +337,12 @@ def _summarize(
         )
         held = cache_runs[-1].kv_bytes_held
         in_place = sum(run.in_place_calls for run in cache_runs)
-        as_runs = sum(run.run_reads for run in cache_runs)
+        as_runs, in_slots = (sum(run.reads.get(kind, 0) for run in cache_runs) for kind in (RUN, IN_PLACE))
         attention_calls = sum(run.attention_calls for run in cache_runs)
-        if in_place == as_runs == 0:
-            path = "gathered" if pool_kind(name) is not None and name not in SLIDING_CACHES else "-"
+        if name in SLIDING_CACHES and pool_kind(name) is not None:  # a ring: its slots in place, or gathered
+            path = {0: "gathered", attention_calls: "in place (its slots, in ring order)"}.get(in_slots, "mixed")
+        elif in_place == as_runs == 0:
+            path = "gathered" if pool_kind(name) is not None else "-"
         elif in_place == attention_calls:
             path = "in place (compiled FlexAttention)"
         elif as_runs == attention_calls:

@@ -159,7 +159,7 @@ class RingRows(PagedRows):
                 keys, values = read(start, start - first, newest=end)
                 self._store(layer_in_group, start, num_new, key_states, value_states)  # only its tail stays
                 keys, values = torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
-        if step.layout is not None and handoff is not None:
+        if step.layout is not None and handoff is not None and self._reads_slots():  # only our attention reads it
             handoff[KEY_LAYOUT] = step.layout
         self.end_step(layer_in_group, start + num_new)
         return keys, values
