@@ -22,6 +22,7 @@ import hf_kvcache  # noqa: F401  (registers "sliding_ring")
 from hf_kvcache import KVPool, PagedCache, SlidingRingCache
 from hf_kvcache.attention.interface import ATTENTION_NAME, banded_sdpa_attention, model_attention
 from hf_kvcache.attention.reads import KEY_LAYOUT, KeyLayout
+from hf_kvcache.bench.catalogue import with_attention
 from hf_kvcache.caches.base import ATTENTION_LAYER_TYPES
 from hf_kvcache.layers import PagedLayer, RingLayer, RingRows
 from hf_kvcache.memory.format import layer_groups, layer_types
@@ -485,3 +486,16 @@ def test_cuda_banded_attention_takes_a_fused_kernel(tiny_llama_model, in_place_r
             fused = run(model, ids, mask, **settings, cache_config={"window": 8, "sink_tokens": 2, "pool": pool})
     assert in_place_reads["reads"] > 0
     assert torch.equal(fused.sequences, reference.sequences)
+
+
+def test_a_step_past_an_imposed_window_warns_where_the_model_hands_no_kwargs(tiny_llama_model):
+    """Under the banded attention a ring hands its band in the attention's kwargs; called without them (a model
+    whose attention does not pass them to ``cache.update``), a step past the window cannot get its band: it warns,
+    once per cache, and not where the kwargs come."""
+    config = with_attention(tiny_llama_model.config, ATTENTION_NAME)
+    states = torch.randn(2, 1, config.num_key_value_heads, 20, config.head_dim)  # keys, values
+    with pytest.warns(UserWarning, match="reaches past the ring.s window=8, but the model's attention hands the cache"):
+        SlidingRingCache(config, window=8).update(states[0], states[1], 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SlidingRingCache(config, window=8).update(states[0], states[1], 0, kwargs={})

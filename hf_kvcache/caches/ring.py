@@ -8,6 +8,7 @@ import torch
 from transformers import PreTrainedConfig
 
 from hf_kvcache.attention.interface import ATTENTION_NAME
+from hf_kvcache.attention.reads import attention_kwargs
 from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.caches.entry import CacheEntry
 from hf_kvcache.caches.options import CacheOptions
@@ -106,26 +107,39 @@ class SlidingRingCache(PoolCache):
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if key_states.shape[-2] > 1 and not self._warned_unbanded:
-            self._warn_if_unbanded(self.layers[layer_idx], key_states.shape[-2])
+            handed = attention_kwargs(kwargs) is not None
+            self._warn_if_unbanded(self.layers[layer_idx], key_states.shape[-2], handed)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def _warn_if_unbanded(self, layer: Any, num_new: int) -> None:
-        """Warns (once) when a step reaches past an imposed window and the model's attention ignores the band."""
+    def _warn_if_unbanded(self, layer: Any, num_new: int, handed: bool) -> None:
+        """Warns (once) when a step reaches past an imposed window and the model's attention ignores the band, or
+        gets none: it hands the cache no kwargs to put the band in (``hf_kvcache.attention.reads``)."""
         attention = attn_implementation(self._binder.config)  # None: no model set it
         if (
-            isinstance(layer, RingLayer)
-            and not layer.is_sliding
-            and layer.num_tokens + num_new > layer.window
-            and attention not in (None, ATTENTION_NAME)
+            not isinstance(layer, RingLayer)
+            or layer.is_sliding
+            or layer.num_tokens + num_new <= layer.window
+            or attention is None
+            or (attention == ATTENTION_NAME and handed)
         ):
-            self._warned_unbanded = True
-            warnings.warn(
-                f"A step of {num_new} tokens reaches past the ring's window={layer.window}, but the model's "
-                f"{attention!r} attention applies a plainly causal mask: within this step each token sees all "
-                f'earlier ones, not just its window. Load the model with attn_implementation="{ATTENTION_NAME}" '
-                f'(or call model.set_attn_implementation("{ATTENTION_NAME}")) for the exact band.',
-                stacklevel=3,
+            return
+        self._warned_unbanded = True
+        if attention == ATTENTION_NAME:
+            why = (
+                "the model's attention hands the cache no kwargs (cache.update(..., kwargs=kwargs), as transformers' "
+                "own models do) to put the band in: within this step each token sees all earlier ones, not just its "
+                "window. Feed such steps one token at a time for the exact window."
             )
+        else:
+            why = (
+                f"the model's {attention!r} attention applies a plainly causal mask: within this step each token "
+                "sees all earlier ones, not just its window. Load the model with "
+                f'attn_implementation="{ATTENTION_NAME}" (or call model.set_attn_implementation("{ATTENTION_NAME}")) '
+                "for the exact band."
+            )
+        warnings.warn(
+            f"A step of {num_new} tokens reaches past the ring's window={layer.window}, but {why}", stacklevel=3
+        )
 
     def _row_policy(self, layer_type: str, layer_kwargs: dict[str, Any]) -> RowPolicy:
         if layer_type == "sliding_attention":
