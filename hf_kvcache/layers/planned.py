@@ -132,7 +132,7 @@ class PlannedRows:
             and self.path.reads_in_place()
             and flex.unavailable(self.pool.device) is None
         )
-        return self.path.mask if wanted and self.path.refresh_mask(batch, start + 1) else None
+        return self.path.mask if wanted and self.path.refresh_mask(batch, start + 1, self.mask_inputs) else None
 
     def _plan_values_in_place(
         self, start: int, batch: int, capacity_pages: int

@@ -18,6 +18,10 @@ from hf_kvcache.memory.pool import KVPool
 GATHER, RUN, IN_PLACE = "gather", "run", "in place"
 """How a step's attention reads a layer's pages (``ReadPath.choose``)."""
 
+MaskInputs = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+"""``batch -> (page_ids [batch, num_pages], pads [batch])``: the rows' table and leading padding as tensors (passed
+at each call, not kept: the rows own the path, which must not hold them back)."""
+
 
 class ReadPath:
     """The read path of one layer group's steps, the block mask in-place reads use, and the reads so far by path.
@@ -27,22 +31,12 @@ class ReadPath:
         reads_in_place: whether the model's attention reads a ``PagedRead`` (``attn_implementation="hf_kvcache"``),
             asked once per step.
         query_group: query heads per KV head (the packed query rows of a decode step).
-        page_ids / pads: the table as ``[batch, num_pages]`` and each row's leading padding ``[batch]``, as tensors.
     """
 
-    def __init__(
-        self,
-        pool: KVPool,
-        table: PageTable,
-        reads_in_place: Callable[[], bool],
-        query_group: int,
-        page_ids: Callable[[], torch.Tensor],
-        pads: Callable[[int], torch.Tensor],
-    ) -> None:
+    def __init__(self, pool: KVPool, table: PageTable, reads_in_place: Callable[[], bool], query_group: int) -> None:
         self.pool, self.table = pool, table
         self.reads_in_place = reads_in_place
         self.query_group = query_group
-        self._page_ids, self._pads = page_ids, pads
         self.mask: block_mask.PagedBlockMask | None = None  # reused from step to step, refilled in place
         # The extents the mask visits, [visited] and as runs (quantized values: what is dequantized).
         self.extents: tuple[torch.Tensor, list[tuple[int, int]]] | None = None
@@ -58,7 +52,7 @@ class ReadPath:
         if table_changed:
             self._one_run = None
 
-    def choose(self, num_tokens: int, num_new: int, encoded_keys: bool, hands_over: bool) -> str:
+    def choose(self, num_tokens: int, num_new: int, encoded_keys: bool, hands_over: bool, inputs: MaskInputs) -> str:
         """How this step's attention reads the pages (``GATHER``, ``RUN``, ``IN_PLACE``): decided at the layer
         group's first layer, the same for the others. Counts the read.
 
@@ -68,12 +62,12 @@ class ReadPath:
                 ``PagedRead`` (``hf_kvcache.attention.reads``).
         """
         if self._mode is None or self._mode[:2] != (num_tokens, num_new):
-            self._mode = (num_tokens, num_new, self._choose(num_tokens, num_new, encoded_keys, hands_over))
+            self._mode = (num_tokens, num_new, self._choose(num_tokens, num_new, encoded_keys, hands_over, inputs))
         mode = self._mode[2]
         self.reads[mode] += 1
         return mode
 
-    def _choose(self, num_tokens: int, num_new: int, encoded_keys: bool, hands_over: bool) -> str:
+    def _choose(self, num_tokens: int, num_new: int, encoded_keys: bool, hands_over: bool, inputs: MaskInputs) -> str:
         batch, pool = self.table.num_rows, self.pool
         if not batch or not self.reads_in_place():
             if batch and num_new == 1:
@@ -97,9 +91,9 @@ class ReadPath:
         if not hands_over:
             flex.log_path("no kwargs", "the model's attention hands the cache no kwargs to put the step's mask in")
             return GATHER
-        return IN_PLACE if self.refresh_mask(batch, num_tokens) else GATHER
+        return IN_PLACE if self.refresh_mask(batch, num_tokens, inputs) else GATHER
 
-    def refresh_mask(self, batch: int, num_tokens: int) -> bool:
+    def refresh_mask(self, batch: int, num_tokens: int, inputs: MaskInputs) -> bool:
         """Brings the mask to the table and ``num_tokens``: moves its end where only that changed, else refills it
         (a new one where the batch changed or the rows' pages passed its view). Returns whether attention may read
         in place with it: the extents it visits hold no other request's pages."""
@@ -113,7 +107,8 @@ class ReadPath:
                 self.mask = block_mask.PagedBlockMask(
                     batch, num_pages, fmt.page_size, fmt.extent_pages, self.query_group, pool.device
                 )
-            extents = self.mask.update(self._page_ids(), num_tokens, self._pads(batch))
+            page_ids, pads = inputs(batch)
+            extents = self.mask.update(page_ids, num_tokens, pads)
             self._usable = not pool.foreign_pages(held, extents)
             self.extents = (torch.tensor(extents, dtype=torch.long, device=pool.device), extent_runs(extents))
             self._fresh = True

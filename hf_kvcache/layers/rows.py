@@ -82,7 +82,7 @@ class PagedRows(PlannedRows):
         self.pad_lengths: list[int] | None = None  # leading padding of each row (``PoolCache.plan``); None: none
         self._pads: torch.Tensor | None = None  # ``pad_lengths`` as a [batch] tensor, see _pad_tensor
         # How attention reads a step's pages, and the block mask in place uses
-        self.path = ReadPath(pool, self.table, reads_in_place, query_group, self._page_ids, self._pad_tensor)
+        self.path = ReadPath(pool, self.table, reads_in_place, query_group)
         # (start, num_tokens, storage pages) -> (positions, slot rows) of a step's residual window (_residual_slots)
         self._residual: tuple[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
         self._version = -1  # table version the cached indices below were built for
@@ -172,7 +172,7 @@ class PagedRows(PlannedRows):
         num_new = key_states.shape[-2]
         step = (key_states, value_states) if num_new > 1 else None
         encoded, hands_over = self.store.keys is not None, handoff is not None
-        mode = self.path.choose(num_tokens, num_new, encoded, hands_over)
+        mode = self.path.choose(num_tokens, num_new, encoded, hands_over, self.mask_inputs)
         if mode == GATHER:
             return self.read(layer_in_group, num_tokens, step)
         storage = self.pool.storage
@@ -257,6 +257,10 @@ class PagedRows(PlannedRows):
         """The tokens a row is expected to reach, and each row's leading padding (``PoolCache.plan``)."""
         self.planned_tokens, self.pad_lengths, self._pads = planned_tokens, pad_lengths, None
         self.path.stale()
+
+    def mask_inputs(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``ReadPath``'s ``MaskInputs``: the page table ``[batch, num_pages]`` and the rows' padding ``[batch]``."""
+        return self._page_ids(), self._pad_tensor(batch)
 
     def _pad_tensor(self, batch: int) -> torch.Tensor:
         """``[batch]`` leading padding of each row (zeros where the cache was not told)."""
