@@ -329,33 +329,40 @@ def test_an_eager_step_dispatches_what_dynamic_cache_does(name, config):
 
 
 @pytest.mark.parametrize(
-    "name, config, bound",
+    "name, config, page_bound",
     [
         ("quantized_values", {"bits": 4}, 1.5),
-        # The issue's target is 1.5x; each layer decodes its key pages (codes, compact scales and zeros: 1.74x on
-        # the steps between page fills), which a fused GPU kernel would make one op. Pinned where it stands.
-        ("quantized_kv", {"key_bits": 4, "value_bits": 4}, 2.0),
+        # The step that fills a page codes its keys and values (about 4.3x DynamicCache's step on its own).
+        ("quantized_kv", {"key_bits": 4, "value_bits": 4}, 1.7),
     ],
     ids=["quantized_values", "quantized_kv"],
 )
-def test_an_eager_quantized_step_dispatches_at_most_its_bound(name, config, bound):
+def test_an_eager_quantized_step_dispatches_at_most_its_bound(name, config, page_bound):
     """Eager decode steps of a quantized cache against ``DynamicCache``'s, on SmolLM2's depth (30 layers), over one
-    page (16 steps, one of which fills a page and codes it): the aten ops of all of them at most ``bound`` times
-    ``DynamicCache``'s, and no read back to the host."""
+    page (16 steps, one of which fills a page and codes it): each step that fills no page at most 1.5x
+    ``DynamicCache``'s aten ops (the issue's target), the whole page at most ``page_bound`` times, and no read back to
+    the host."""
     model = tiny_llama(num_hidden_layers=30)
     ids = random_ids(2, 30)
     out = generate(model, ids, max_new_tokens=1, return_dict_in_generate=True)
     dynamic, tokens = out.cache, out.sequences[:, -1:]
     ours = generate(model, ids, name, max_new_tokens=1, cache_config=config, return_dict_in_generate=True).cache
-    totals = [0, 0]
+    steps = []
     with torch.no_grad():
         for _ in range(16):
-            for index, cache in enumerate((ours, dynamic)):
+            counts = []
+            for cache in (ours, dynamic):
                 with HostReads() as reads, OpCount() as ops:
                     model(input_ids=tokens, cache=cache)
                 assert reads.reads == 0
-                totals[index] += ops.ops
-    assert totals[0] <= bound * totals[1], totals
+                counts.append(ops.ops)
+            steps.append(counts)
+    fills = steps.pop(1)  # the second step's token (31) fills the second page
+    assert fills[0] > max(ours for ours, _ in steps), (fills, steps)
+    assert all(ours <= 1.5 * dynamic for ours, dynamic in steps), steps
+    steps.append(fills)
+    totals = [sum(step[index] for step in steps) for index in (0, 1)]
+    assert totals[0] <= page_bound * totals[1], (totals, totals[0] / totals[1])
 
 
 PLANNED_CASES = {

@@ -18,6 +18,7 @@ class ResidualValues:
         self.first = 0
         self.buffers: dict[int, torch.Tensor] = {}
         self._kept: dict[tuple[int, int], torch.Tensor] = {}  # _positions of a step's write and read
+        self._last: tuple[tuple[int, int], torch.Tensor] | None = None  # the last positions of a step's read
 
     def write(self, layer_in_group: int, start: int, value_states: torch.Tensor) -> None:
         """Keeps the newest of tokens ``[start, start + n)``, given as ``[batch, heads, n, head_dim]`` states."""
@@ -29,7 +30,8 @@ class ResidualValues:
             self.first = 0
         keep = min(num_new, self.length)
         end = start + num_new
-        buffer.index_copy_(2, self._positions(end - keep, end, buffer.device), value_states[:, :, num_new - keep :])
+        newest = value_states if keep == num_new else value_states[:, :, num_new - keep :]  # no op for a decode step
+        buffer.index_copy_(2, self._positions(end - keep, end, buffer.device), newest)
         self.first = max(self.first, end - self.length)
 
     def overlay(self, layer_in_group: int, values: torch.Tensor, end: int, limit: int, newest: int) -> None:
@@ -44,7 +46,10 @@ class ResidualValues:
         if count <= 0 or layer_in_group not in self.buffers:
             return
         newest_values = self.buffers[layer_in_group].index_select(2, self._positions(end - count, end, values.device))
-        values[:, :, values.shape[2] - count :] = newest_values
+        length = values.shape[2]
+        if self._last is None or self._last[0] != (length, count):  # once for a step's layers
+            self._last = ((length, count), torch.arange(length - count, length, device=values.device))
+        values.index_copy_(2, self._last[1], newest_values)
 
     def _positions(self, first: int, end: int, device: torch.device) -> torch.Tensor:
         """Where tokens ``[first, end)`` lie in the buffers, ``[end - first]``. The two last asked are kept: a step's

@@ -23,10 +23,11 @@ import torch
 from hf_kvcache.memory.allocator import NULL_PAGE
 from hf_kvcache.memory.format import PageFormat
 from hf_kvcache.memory.quant import (
+    channel_halves,
     dequantize,
     dequantize_channels,
     dequantize_channels_into,
-    dequantize_into,
+    dequantize_joined_into,
     join_scales,
     quantize,
 )
@@ -53,9 +54,11 @@ class KeyPages:
         self.written: dict[int, int] = {}  # layer_in_group -> tokens written (padding included)
         self.filled_unencoded: int | None = None  # the end of a page the last planned step filled, not yet encoded
         # Kept for a step's layers: ((start, shifts, heads, head_dim), where its key goes in the pages still filling),
-        # ((page table, storage pages), rows to gather), ((batch, pages, page still filling), where it goes in read).
+        # (page table, its ids flattened to gather), ((batch, pages, page still filling), where it goes in read).
         self._step_slot: tuple[tuple, torch.Tensor] | None = None
-        self._gather_rows: tuple[tuple[torch.Tensor, int], torch.Tensor] | None = None
+        self._gather_ids: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._halves: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None  # (buffer, its halves)
+        self._partial_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (partial, heads first)
         self._filling: tuple[tuple[int, int, int], torch.Tensor] | None = None
 
     @property
@@ -125,7 +128,8 @@ class KeyPages:
         _, end_held = self._filled(start + key_states.shape[2], row_shifts)
         partial = take(self._page_tokens(end_page.unsqueeze(1))).squeeze(2)  # [batch, heads, page_size, head_dim]
         keep = torch.arange(page_size, device=device) < end_held.unsqueeze(1)  # [batch, page_size]
-        self.partial[layer_in_group] = partial.masked_fill(~keep.view(batch, 1, page_size, 1), 0)
+        self.partial[layer_in_group] = partial = partial.masked_fill(~keep.view(batch, 1, page_size, 1), 0)
+        self._heads_first(layer_in_group, partial)  # made here, where the page changes, once
         self.written[layer_in_group] = start + key_states.shape[2]
 
     def _write_in_place(self, layer_in_group: int, start: int, key_states: torch.Tensor, shifts: list[int]) -> bool:
@@ -204,38 +208,47 @@ class KeyPages:
     def decode(
         self, layer_in_group: int, storage: PoolStorage, page_ids: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor:
-        """The keys of pages ``page_ids [batch, m]`` as ``[heads, batch, m * page_size, head_dim]`` in ``dtype``,
+        """The keys of pages ``page_ids [batch, m]`` as ``[heads, batch * m, page_size, head_dim]`` in ``dtype``,
         decoded into a reused buffer (slots of a page still filling read as whatever its codes were)."""
         fmt, quant = self.format, self.quant
-        heads, num_pages, page_size, head_dim = fmt.num_kv_heads, storage.num_pages, self.page_size, fmt.head_dim
+        heads, page_size, head_dim = fmt.num_kv_heads, self.page_size, fmt.head_dim
         batch, m = page_ids.shape
-        kept = self._gather_rows
-        if kept is None or kept[0][0] is not page_ids or kept[0][1] != num_pages:  # once per table and storage
-            heads_first = torch.arange(heads, device=page_ids.device).view(-1, 1) * num_pages
-            self._gather_rows = kept = ((page_ids, num_pages), (heads_first + page_ids.reshape(1, -1)).view(-1))
-        rows = kept[1]
+        if self._gather_ids is None or self._gather_ids[0] is not page_ids:  # once per table
+            self._gather_ids = (page_ids, page_ids.reshape(-1))
+        ids = self._gather_ids[1]
 
-        def gather(tensor: torch.Tensor) -> torch.Tensor:  # [heads * batch * m, a page's numbers]
-            return storage.pages(tensor, layer_in_group).index_select(0, rows)
+        def gather(tensor: torch.Tensor, *page_shape: int) -> torch.Tensor:  # [heads, batch * m, *page_shape]
+            return storage.page_view(tensor, layer_in_group, page_shape).index_select(1, ids)
 
         shape = (heads, batch * m, page_size, head_dim)
-        out = self._buffer("keys", shape, dtype)  # [heads, batch * m, page_size, head_dim]
+        out = self._buffer("keys", shape, dtype)
         work = None if dtype == torch.float32 else self._buffer("key_work", shape, torch.float32)
-        if fmt.keys_per_channel:  # codes row-major [page_size // 2, head_dim]; a scale and zero per channel
-            codes = gather(storage.keys).view(heads, batch * m, page_size // 2, head_dim)
-            scale = gather(storage.key_scales).view(heads, batch * m, 1, head_dim)
-            zero = gather(storage.key_zeros).view(heads, batch * m, 1, head_dim)
-            dequantize_channels_into(out, codes, scale, zero, quant, work)
+        if fmt.keys_per_channel:  # codes row-major [code_dim, head_dim]; a scale and zero per channel
+            codes = gather(storage.keys, quant.code_dim, head_dim)
+            scale, zero = gather(storage.key_scales, 1, head_dim), gather(storage.key_zeros, 1, head_dim)
+            halves = self._channel_halves(out if work is None else work) if quant.bits == 4 else None
+            dequantize_channels_into(out, codes, scale, zero, quant, work, halves)
         else:
-            codes = gather(storage.keys).view(heads, batch * m, page_size, quant.code_dim)
-            scales = gather(storage.key_scales).view(heads, batch * m, page_size, -1)
-            groups = quant.num_scale_groups
+            codes = gather(storage.keys, page_size, quant.code_dim)
+            scales = gather(storage.key_scales, page_size, 2 * quant.num_scale_groups)
             spread = None
             if quant.bits == 4:
-                pair = ("key_spread", "key_high")
-                spread = tuple(self._buffer(name, codes.shape, torch.int16) for name in pair)
-            dequantize_into(out, codes, scales[..., :groups], scales[..., groups:], quant, work, spread)
-        return out.view(heads, batch, m * page_size, head_dim)
+                spread = tuple(self._buffer(name, codes.shape, torch.int16) for name in ("key_spread", "key_high"))
+            dequantize_joined_into(out, codes, scales, quant, work, spread)
+        return out
+
+    def _heads_first(self, layer_in_group: int, partial: torch.Tensor) -> torch.Tensor:
+        """A page still filling as ``[heads, batch, page_size, head_dim]`` (a view), kept while it is the same."""
+        kept = self._partial_views.get(layer_in_group)
+        if kept is None or kept[0] is not partial:
+            kept = self._partial_views[layer_in_group] = (partial, partial.transpose(0, 1))
+        return kept[1]
+
+    def _channel_halves(self, work: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``channel_halves`` of a reused buffer, kept while it is the same."""
+        if self._halves is None or self._halves[0] is not work:
+            self._halves = (work, channel_halves(work, self.quant))
+        return self._halves[1]
 
     def read(
         self,
@@ -245,36 +258,40 @@ class KeyPages:
         shifts: list[int],
         dtype: torch.dtype,
         ring_pages: int | None = None,
+        num_tokens: int | None = None,
     ) -> torch.Tensor:
         """Every slot of the rows' pages ``page_ids [batch, m]``, decoded, with the pages still filling over theirs.
 
         Returns:
-            ``[batch, heads, m * page_size, head_dim]`` (a permuted view of a reused buffer), in page order.
+            ``[batch, heads, num_tokens, head_dim]`` (a strided view of a reused buffer), in page order: the first
+            ``num_tokens`` slots of each row (all ``m * page_size`` if ``None``).
         """
-        keys = self.decode(layer_in_group, storage, page_ids, dtype)  # [heads, batch, m * page_size, head_dim]
+        pages = self.decode(layer_in_group, storage, page_ids, dtype)  # [heads, batch * m, page_size, head_dim]
+        (heads, _, page_size, head_dim), (batch, m) = pages.shape, page_ids.shape
         partial = self.partial.get(layer_in_group)
         written = self.written.get(layer_in_group, 0)
-        if partial is not None and partial.shape[0] == page_ids.shape[0] and ring_pages is None and not any(shifts):
+        if partial is not None and partial.shape[0] == batch and ring_pages is None and not any(shifts):
             # Rows counted from 0: the page still filling is page written // page_size of every row, and its
             # slots past the tokens held lie past the tokens read. One op puts it over its decoded slots.
-            if written % self.page_size:
-                batch, m = page_ids.shape
-                key = (batch, m, written // self.page_size)
+            if written % page_size:
+                key = (batch, m, written // page_size)
                 if self._filling is None or self._filling[0] != key:
-                    self._filling = (key, torch.arange(batch, device=keys.device) * m + key[2])
-                pages = keys.view(keys.shape[0], batch * m, self.page_size, keys.shape[-1])
-                pages.index_copy_(1, self._filling[1], partial.transpose(0, 1).to(dtype))
-        elif partial is not None and partial.shape[0] == page_ids.shape[0]:
+                    self._filling = (key, torch.arange(batch, device=pages.device) * m + key[2])
+                pages.index_copy_(1, self._filling[1], self._heads_first(layer_in_group, partial).to(dtype))
+        elif partial is not None and partial.shape[0] == batch:
+            keys = pages.view(heads, batch, m * page_size, head_dim)
             row_shifts = torch.tensor(shifts, device=keys.device)  # [batch]
             page, held = self._filled(written, row_shifts)
-            slots = self._position(page, ring_pages) * self.page_size  # [batch]
-            offsets = torch.arange(self.page_size, device=keys.device)
+            slots = self._position(page, ring_pages) * page_size  # [batch]
+            offsets = torch.arange(page_size, device=keys.device)
             index = (slots.unsqueeze(1) + offsets).clamp(max=keys.shape[2] - 1)  # [batch, page_size]
-            index = index.view(1, -1, self.page_size, 1).expand(keys.shape[0], -1, -1, keys.shape[-1])
-            keep = (offsets < held.unsqueeze(1)).view(1, -1, self.page_size, 1)
+            index = index.view(1, -1, page_size, 1).expand(heads, -1, -1, head_dim)
+            keep = (offsets < held.unsqueeze(1)).view(1, -1, page_size, 1)
             current = keys.gather(2, index)
             keys.scatter_(2, index, torch.where(keep, partial.transpose(0, 1).to(dtype), current))
-        return keys.permute(1, 0, 2, 3)
+        row = m * page_size * head_dim  # one row's keys of one head, in the buffer
+        size = (batch, heads, m * page_size if num_tokens is None else min(num_tokens, m * page_size), head_dim)
+        return pages.as_strided(size, (row, batch * row, head_dim, 1))  # one op: [heads, batch, ...] permuted, cut
 
     # ----- planned decode steps (compiled; paged rows): tensor operations only --------------------
 
@@ -417,6 +434,7 @@ class KeyPages:
 
     def release(self) -> None:
         self.partial.clear()
+        self._partial_views.clear()
         self.written.clear()
         self.filled_unencoded = None
-        self._step_slot = self._gather_rows = self._filling = None
+        self._step_slot = self._gather_ids = self._halves = self._filling = None

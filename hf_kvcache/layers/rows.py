@@ -131,12 +131,22 @@ class PagedRows(PlannedRows):
             shifts = self.key_shifts(key_states.shape[0])
             self.store.keys.write(layer_in_group, storage, start, key_states, self._page_ids(), shifts, self.ring_pages)
 
-    def _read_keys(self, layer_in_group: int, storage: PoolStorage, slots: torch.Tensor | None = None) -> torch.Tensor:
-        """Encoded keys: every slot of the rows' pages decoded, ``[batch, heads, pages * page_size, head_dim]``, or
-        with ``slots [batch, n]`` (a ring's logical slots; ``-1``: none) those, ``[batch, heads, n, head_dim]``."""
+    def _read_keys(
+        self,
+        layer_in_group: int,
+        storage: PoolStorage,
+        slots: torch.Tensor | None = None,
+        num_tokens: int | None = None,
+    ) -> torch.Tensor:
+        """Encoded keys: every slot of the rows' pages decoded, ``[batch, heads, pages * page_size, head_dim]`` (the
+        first ``num_tokens``), or with ``slots [batch, n]`` (a ring's logical slots; ``-1``: none) those, ``[batch,
+        heads, n, head_dim]``."""
         ids = self._page_ids()
         shifts = self.key_shifts(ids.shape[0])
-        keys = self.store.keys.read(layer_in_group, storage, ids, shifts, self.pool.format.dtype, self.ring_pages)
+        fmt = self.pool.format
+        keys = self.store.keys.read(
+            layer_in_group, storage, ids, shifts, fmt.dtype, self.ring_pages, None if slots is not None else num_tokens
+        )
         if slots is None:
             return keys
         index = slots.clamp(min=0).view(slots.shape[0], 1, -1, 1)
@@ -211,7 +221,7 @@ class PagedRows(PlannedRows):
         rows, shape = self._read[2], (*slots.shape[:2], num_tokens)
         keys = None
         if self.store.keys is not None:
-            keys = self._read_keys(layer_in_group, storage)[:, :, :num_tokens]
+            keys = self._read_keys(layer_in_group, storage, num_tokens=num_tokens)
         return self.store.read(
             layer_in_group,
             storage,

@@ -25,7 +25,7 @@ from hf_kvcache.attention.kernels import read_planned, write_planned, write_slot
 from hf_kvcache.layers.exact import ExactSink, ResidualValues
 from hf_kvcache.layers.keys import KeyPages
 from hf_kvcache.memory.pool import KVPool
-from hf_kvcache.memory.quant import dequantize, dequantize_into, join_scales, quantize
+from hf_kvcache.memory.quant import dequantize, dequantize_joined_into, join_scales, quantize, spread_bytes
 from hf_kvcache.memory.storage import PoolStorage
 
 MAX_RUNS = 4
@@ -73,6 +73,7 @@ class SlotStore:
         self.coded = 0  # by page: tokens of every row whose value codes are in the pool, in every layer
         self._buffers: dict[str, torch.Tensor] = {}  # flat, reused for dequantized values (and float32 work)
         self._views: dict[str, tuple[tuple, torch.Tensor]] = {}  # name -> (shape, dtype, inference mode), its view
+        self._spread_bytes: tuple[torch.Tensor, torch.Size, torch.Tensor] | None = None  # (spread, shape, as bytes)
         self.keys = KeyPages(pool.format, self._buffer) if pool.format.key_format is not None else None
         self.sink = ExactSink(exact_tokens) if exact_tokens and pool.format.encodes else None
 
@@ -324,9 +325,12 @@ class SlotStore:
         work = None if out.dtype == torch.float32 else self._buffer("work", tuple(out.shape), torch.float32)
         spread = None
         if self.quant.bits == 4:
-            spread = (self._buffer("spread", codes.shape, torch.int16), self._buffer("high", codes.shape, torch.int16))
-        groups = self.quant.num_scale_groups
-        dequantize_into(out, codes, scales[..., :groups], scales[..., groups:], self.quant, work, spread)
+            pair = (self._buffer("spread", codes.shape, torch.int16), self._buffer("high", codes.shape, torch.int16))
+            kept = self._spread_bytes
+            if kept is None or kept[0] is not pair[0] or kept[1] != out.shape:  # once per buffer and shape
+                kept = self._spread_bytes = (pair[0], out.shape, spread_bytes(pair[0], out))
+            spread = (*pair, kept[2])
+        dequantize_joined_into(out, codes, scales, self.quant, work, spread)
 
     def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A contiguous ``shape`` view of a flat buffer kept under ``name`` and grown (doubling) as needed."""
@@ -376,3 +380,4 @@ class SlotStore:
             self.sink.release()
         self._buffers.clear()
         self._views.clear()
+        self._spread_bytes = None

@@ -198,7 +198,8 @@ def _compact_scale_and_steps(word: torch.Tensor, zero: torch.Tensor) -> tuple[to
     in float32 (16 bits), so ``(code + z / 16) * scale`` is ``base + code * scale`` rounded once, as the reference's
     exact product plus exact base (12 bits times 8) is: the two orders agree bitwise."""
     scale = ((word >> 1) & 0x7FF8).view(torch.float16).float()
-    steps = ((zero.to(torch.int16) << 4) | (word & (ZERO_STEPS - 1))).float().div_(ZERO_STEPS)
+    # z = 16 * (its high bits) + its low 4 bits: one add (the low bits are below the sum's, so it equals the OR)
+    steps = torch.add(word & (ZERO_STEPS - 1), zero, alpha=ZERO_STEPS).float().div_(ZERO_STEPS)
     return scale, steps
 
 
@@ -232,6 +233,7 @@ def dequantize_channels_into(
     zero: torch.Tensor,
     fmt: QuantFormat,
     work: torch.Tensor | None = None,
+    halves: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """``dequantize_into`` for vectors that run down ``out``'s columns (a channel's tokens of a key page), one scale
     group per column, with codes stored row-major: bitwise equal to ``dequantize(codes.mT, scale.mT, zero.mT, fmt,
@@ -244,6 +246,8 @@ def dequantize_channels_into(
         out: ``[..., head_dim, columns]`` floating, written in place (``fmt.head_dim`` rows: a page's tokens).
         codes: ``[..., code_dim, columns]`` uint8. scale, zero: ``[..., 1, columns]`` (``fmt.num_scale_groups == 1``).
         work: a float32 buffer of ``out``'s shape, reused when ``out`` is not float32 (made if ``None``).
+        halves: at 4 bits, the even and odd rows of ``work`` (``out`` if float32), ``[..., code_dim, columns]``
+            views kept by a caller that decodes into the same buffer again (made if ``None``).
     """
     if fmt.num_scale_groups != 1 or out.shape[-2] != fmt.head_dim or codes.shape[-2] != fmt.code_dim:
         raise ValueError(
@@ -255,12 +259,18 @@ def dequantize_channels_into(
     if fmt.bits == 8:
         work.copy_(codes)
     else:
-        pairs = work.unflatten(-2, (fmt.code_dim, 2))  # view [..., code_dim, 2, columns]
-        pairs[..., 0, :].copy_(codes & 0xF)
-        pairs[..., 1, :].copy_(codes >> 4)
+        low, high = halves if halves is not None else channel_halves(work, fmt)
+        low.copy_(codes & 0xF)
+        high.copy_(codes >> 4)
     _codes_to_values(work, scale, zero, fmt)
     if work is not out:
         out.copy_(work)
+
+
+def channel_halves(work: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """The even and odd rows of ``work [..., head_dim, columns]`` (``dequantize_channels_into``'s ``halves``)."""
+    pairs = work.unflatten(-2, (fmt.code_dim, 2))  # view [..., code_dim, 2, columns]
+    return pairs[..., 0, :], pairs[..., 1, :]
 
 
 def dequantize_channels(
@@ -335,7 +345,7 @@ def dequantize_into(
     zero: torch.Tensor,
     fmt: QuantFormat,
     work: torch.Tensor | None = None,
-    spread: torch.Tensor | None = None,
+    spread: tuple[torch.Tensor, ...] | torch.Tensor | None = None,
 ) -> None:
     """Dequantizes into a preallocated buffer, bitwise equal to ``dequantize(..., out.dtype)``.
 
@@ -353,8 +363,40 @@ def dequantize_into(
             ``None``).
         spread: int4 on a little-endian machine: int16 buffers for the spread codes and their high nibbles, each of
             ``codes``' shape (a pair, or one ``[2, *codes.shape]`` tensor), reused across calls (made if ``None``; two
-            fresh allocations per call cost ~20% of it).
+            fresh allocations per call cost ~20% of it); a third, ``spread_bytes`` of the first, saves two ops.
     """
+    if fmt.num_scale_groups > 1:  # [..., groups, 1], over each group's channels
+        scale, zero = scale.unsqueeze(-1), zero.unsqueeze(-1)
+    _dequantize_groups_into(out, codes, scale, zero, fmt, work, spread)
+
+
+def dequantize_joined_into(
+    out: torch.Tensor,
+    codes: torch.Tensor,
+    joined: torch.Tensor,
+    fmt: QuantFormat,
+    work: torch.Tensor | None = None,
+    spread: tuple[torch.Tensor, ...] | torch.Tensor | None = None,
+) -> None:
+    """``dequantize_into`` with the scales and zeros side by side, ``joined [..., 2 * num_scale_groups]`` as
+    ``join_scales`` lays them out (its last dim contiguous): bitwise equal, in two ops fewer."""
+    groups = fmt.num_scale_groups
+    pairs = joined.view(*joined.shape[:-1], 2, *((groups, 1) if groups > 1 else (1,)))
+    scale, zero = pairs.unbind(-3 if groups > 1 else -2)  # each [..., groups, 1], or [..., 1] for one group
+    _dequantize_groups_into(out, codes, scale, zero, fmt, work, spread)
+
+
+def _dequantize_groups_into(
+    out: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    fmt: QuantFormat,
+    work: torch.Tensor | None,
+    spread: tuple[torch.Tensor, ...] | torch.Tensor | None,
+) -> None:
+    """``dequantize_into`` with ``scale`` and ``zero`` as ``[..., num_scale_groups, 1]`` (broadcast over a group), or
+    for one group as ``[..., 1]``."""
     if out.shape[-1] != fmt.head_dim or codes.shape[-1] != fmt.code_dim:
         raise ValueError(
             f"dequantize_into needs out [..., {fmt.head_dim}] and codes [..., {fmt.code_dim}], "
@@ -366,16 +408,25 @@ def dequantize_into(
     elif sys.byteorder == "little":
         if spread is None:
             spread = torch.empty((2, *codes.shape), dtype=torch.int16, device=codes.device)  # [2, ..., code_dim]
-        spread, high = spread[0], spread[1]
-        spread.copy_(codes)
-        torch.bitwise_right_shift(spread, 4, out=high)
-        spread.add_(high, alpha=240)  # low byte: the low nibble, high byte: the high nibble
-        work.copy_(spread.view(torch.uint8).view(work.shape))
+        spread_codes, high = spread[0], spread[1]
+        spread_codes.copy_(codes)
+        torch.bitwise_right_shift(spread_codes, 4, out=high)
+        spread_codes.add_(high, alpha=240)  # low byte: the low nibble, high byte: the high nibble
+        as_bytes = spread[2] if isinstance(spread, tuple) and len(spread) == 3 else spread_bytes(spread_codes, work)
+        work.copy_(as_bytes)
     else:
         pairs = work.unflatten(-1, (fmt.code_dim, 2))  # view [..., code_dim, 2]
         pairs[..., 0].copy_(codes & 0xF)
         pairs[..., 1].copy_(codes >> 4)
-    groups = work.unflatten(-1, (fmt.num_scale_groups, fmt.group_size))  # view [..., num_scale_groups, group_size]
-    _codes_to_values(groups, scale.unsqueeze(-1), zero.unsqueeze(-1), fmt)
+    groups = work
+    if fmt.num_scale_groups > 1:
+        groups = work.unflatten(-1, (fmt.num_scale_groups, fmt.group_size))  # view [..., groups, group_size]
+    _codes_to_values(groups, scale, zero, fmt)
     if work is not out:
         out.copy_(work)
+
+
+def spread_bytes(spread: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
+    """The spread codes (int16, little-endian) as ``work``'s shape in bytes: the channels' codes in order (a third
+    ``spread`` buffer for ``dequantize_into``, kept by a caller that decodes into the same buffers again)."""
+    return spread.view(torch.uint8).view(work.shape)

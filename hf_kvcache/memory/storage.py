@@ -46,11 +46,11 @@ class PoolStorage:
             view = self._slot_views[key] = tensor[layer_idx].view(-1, tensor.shape[-1])
         return view
 
-    def pages(self, tensor: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        """One layer of ``tensor`` as ``[heads * pages, a page's numbers]``: a row per page of each head (encoded
-        keys are gathered a page at a time); kept, as ``slots`` is."""
-        key = (id(tensor), layer_idx, torch.is_inference_mode_enabled(), "pages")
+    def page_view(self, tensor: torch.Tensor, layer_idx: int, page_shape: tuple[int, ...]) -> torch.Tensor:
+        """One layer of ``tensor`` as ``[heads, pages, *page_shape]`` (a page's numbers in ``page_shape``: encoded
+        keys are gathered a page at a time, ``index_select`` on dim 1 giving their shape); kept, as ``slots`` is."""
+        key = (id(tensor), layer_idx, torch.is_inference_mode_enabled(), page_shape)
         view = self._slot_views.get(key)
         if view is None:
-            view = self._slot_views[key] = tensor[layer_idx].view(tensor.shape[1] * tensor.shape[2], -1)
+            view = self._slot_views[key] = tensor[layer_idx].view(*tensor.shape[1:3], *page_shape)
         return view
