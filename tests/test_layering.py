@@ -15,7 +15,7 @@ ORDER = ["errors", "memory", "transformers_internals", "attention", "layers", "c
 """The core's packages (and two modules), lowest first: each imports only those before it."""
 INSIDE = {
     "memory": [
-        *("quant", "format", "device_memory", "prefix_index", "allocator", "page_table", "placement"),
+        *("quant", "dequant", "format", "device_memory", "prefix_index", "allocator", "page_table", "placement"),
         *("storage", "pools", "stats", "pool"),
     ],
     "attention": ["kernels", "block_mask", "flex", "reads", "interface"],
@@ -24,6 +24,7 @@ INSIDE = {
         "window",
         "identical",
         "exact",
+        "key_codes",
         "keys",
         "store",
         "read_path",

@@ -9,13 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hf_kvcache.memory.dequant import dequantize_channels, dequantize_channels_into, dequantize_into
 from hf_kvcache.memory.quant import (
     QuantFormat,
     compact_scale_and_base,
     dequantize,
-    dequantize_channels,
-    dequantize_channels_into,
-    dequantize_into,
     pack_int4,
     quantize,
     unpack_int4,

@@ -270,7 +270,7 @@ def test_decoded_keys_equal_the_reference_bitwise(tiny_llama_model, key_bits, dt
     cache.update(states, states, 0)
     rows = cache.layers[0].rows
     storage, fmt, ids = cache.pool.storage, cache.pool.format, rows._page_ids()[:, :3]  # the 3 full pages
-    pages = rows.store.keys.decode(0, storage, ids, dtype)  # [heads, batch * 3, page_size, head_dim]
+    pages = rows.store.keys.codes.decode(0, storage, ids, dtype)  # [heads, batch * 3, page_size, head_dim]
     fast = pages.view(2, 2, 12, 16).permute(1, 0, 2, 3)  # [batch, heads, 12, head_dim]
     layer = (storage.keys[0], storage.key_scales[0])
     codes, scales = (tensor[:, ids].transpose(0, 1) for tensor in layer)  # [batch, heads, 3, ...]

@@ -3,7 +3,8 @@
 - ``plan``: a decode step planned before the forward pass (``StepPlan``), what a compiled graph reads;
 - ``window``: the ring's arithmetic; ``identical``: a prefill's identical rows, which share their pages;
 - ``exact``: what a quantized pool's layers keep in full precision (the residual window, the exact sink);
-- ``keys``: keys stored as codes a page at a time; ``store``: writing and reading a layer group's slots;
+- ``key_codes``: full key pages to and from their codes; ``keys``: keys stored as codes a page at a time;
+  ``store``: writing and reading a layer group's slots;
 - ``read_path``: how attention reads a step's pages (gathered, a run, in place) and the block mask in place uses;
 - ``planned``: the rows' planned steps (``PlannedRows``); ``rows``: ``PagedRows``, the page table and the index
   tensors attention needs, in place or gathered;

@@ -20,21 +20,10 @@ from typing import Any
 
 import torch
 
+from hf_kvcache.layers.key_codes import Buffer, KeyCodes
 from hf_kvcache.memory.allocator import NULL_PAGE
 from hf_kvcache.memory.format import PageFormat
-from hf_kvcache.memory.quant import (
-    channel_halves,
-    dequantize,
-    dequantize_channels,
-    dequantize_channels_into,
-    dequantize_joined_into,
-    join_scales,
-    quantize,
-)
 from hf_kvcache.memory.storage import PoolStorage
-
-Buffer = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
-"""A reused buffer by name, shape and dtype (``SlotStore._buffer``)."""
 
 
 class KeyPages:
@@ -46,18 +35,14 @@ class KeyPages:
     """
 
     def __init__(self, page_format: PageFormat, buffer: Buffer) -> None:
-        self.format = page_format
-        self.quant = page_format.key_format
         self.page_size = page_format.page_size
-        self._buffer = buffer
+        self.codes = KeyCodes(page_format, buffer)
         self.partial: dict[int, torch.Tensor] = {}  # layer_in_group -> [batch, heads, page_size, head_dim]
         self.written: dict[int, int] = {}  # layer_in_group -> tokens written (padding included)
         self.filled_unencoded: int | None = None  # the end of a page the last planned step filled, not yet encoded
         # Kept for a step's layers: ((start, shifts, heads, head_dim), where its key goes in the pages still filling),
-        # (page table, its ids flattened to gather), ((batch, pages, page still filling), where it goes in read).
+        # ((batch, pages, page still filling), where it goes in read).
         self._step_slot: tuple[tuple, torch.Tensor] | None = None
-        self._gather_ids: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._halves: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None  # (buffer, its halves)
         self._partial_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (partial, heads first)
         self._filling: tuple[tuple[int, int, int], torch.Tensor] | None = None
 
@@ -124,7 +109,7 @@ class KeyPages:
             pages = take(self._page_tokens(token_pages))  # [batch, heads, most, page_size, head_dim]
             targets = page_ids.gather(1, self._position(token_pages, ring_pages).clamp(max=page_ids.shape[1] - 1))
             targets = targets.masked_fill(steps >= num_done.unsqueeze(1), NULL_PAGE)  # [batch, most]
-            self._store(layer_in_group, storage, pages, targets)
+            self.codes.store(layer_in_group, storage, pages, targets)
         _, end_held = self._filled(start + key_states.shape[2], row_shifts)
         partial = take(self._page_tokens(end_page.unsqueeze(1))).squeeze(2)  # [batch, heads, page_size, head_dim]
         keep = torch.arange(page_size, device=device) < end_held.unsqueeze(1)  # [batch, page_size]
@@ -185,57 +170,7 @@ class KeyPages:
 
         return take, first_page, end_page
 
-    def _store(self, layer_in_group: int, storage: PoolStorage, pages: torch.Tensor, targets: torch.Tensor) -> None:
-        """Encodes full pages ``[batch, heads, m, page_size, head_dim]`` into pool pages ``targets [batch, m]``."""
-        fmt, quant = self.format, self.quant
-        heads, num_pages = fmt.num_kv_heads, storage.num_pages
-        rows = (torch.arange(heads, device=targets.device).view(-1, 1, 1) * num_pages + targets).reshape(-1)
-        if fmt.keys_per_channel:  # each channel's page_size tokens: [batch, heads, m, head_dim, page_size]
-            codes, scale, zero = quantize(pages.transpose(-1, -2), quant)  # codes [..., head_dim, page_size // 2]
-            # Stored row-major, [page_size // 2, head_dim], so that they decode a token row at a time.
-            parts = ((storage.keys, codes.transpose(-1, -2)), (storage.key_scales, scale), (storage.key_zeros, zero))
-        else:
-            codes, scale, zero = quantize(pages, quant)
-            parts = ((storage.keys, codes), (storage.key_scales, join_scales(scale, zero)))
-        for tensor, part in parts:
-            layer = tensor[layer_in_group]
-            flat = layer.view(heads * num_pages, -1)  # [heads * pages, a page's numbers]
-            source = part.transpose(0, 1).reshape(-1, flat.shape[1])  # (head, row, page) order, as rows
-            flat.index_copy_(0, rows, source.to(tensor.dtype))
-
     # ----- reading ------------------------------------------------------------------------------
-
-    def decode(
-        self, layer_in_group: int, storage: PoolStorage, page_ids: torch.Tensor, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """The keys of pages ``page_ids [batch, m]`` as ``[heads, batch * m, page_size, head_dim]`` in ``dtype``,
-        decoded into a reused buffer (slots of a page still filling read as whatever its codes were)."""
-        fmt, quant = self.format, self.quant
-        heads, page_size, head_dim = fmt.num_kv_heads, self.page_size, fmt.head_dim
-        batch, m = page_ids.shape
-        if self._gather_ids is None or self._gather_ids[0] is not page_ids:  # once per table
-            self._gather_ids = (page_ids, page_ids.reshape(-1))
-        ids = self._gather_ids[1]
-
-        def gather(tensor: torch.Tensor, *page_shape: int) -> torch.Tensor:  # [heads, batch * m, *page_shape]
-            return storage.page_view(tensor, layer_in_group, page_shape).index_select(1, ids)
-
-        shape = (heads, batch * m, page_size, head_dim)
-        out = self._buffer("keys", shape, dtype)
-        work = None if dtype == torch.float32 else self._buffer("key_work", shape, torch.float32)
-        if fmt.keys_per_channel:  # codes row-major [code_dim, head_dim]; a scale and zero per channel
-            codes = gather(storage.keys, quant.code_dim, head_dim)
-            scale, zero = gather(storage.key_scales, 1, head_dim), gather(storage.key_zeros, 1, head_dim)
-            halves = self._channel_halves(out if work is None else work) if quant.bits == 4 else None
-            dequantize_channels_into(out, codes, scale, zero, quant, work, halves)
-        else:
-            codes = gather(storage.keys, page_size, quant.code_dim)
-            scales = gather(storage.key_scales, page_size, 2 * quant.num_scale_groups)
-            spread = None
-            if quant.bits == 4:
-                spread = tuple(self._buffer(name, codes.shape, torch.int16) for name in ("key_spread", "key_high"))
-            dequantize_joined_into(out, codes, scales, quant, work, spread)
-        return out
 
     def _heads_first(self, layer_in_group: int, partial: torch.Tensor) -> torch.Tensor:
         """A page still filling as ``[heads, batch, page_size, head_dim]`` (a view), kept while it is the same."""
@@ -243,12 +178,6 @@ class KeyPages:
         if kept is None or kept[0] is not partial:
             kept = self._partial_views[layer_in_group] = (partial, partial.transpose(0, 1))
         return kept[1]
-
-    def _channel_halves(self, work: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``channel_halves`` of a reused buffer, kept while it is the same."""
-        if self._halves is None or self._halves[0] is not work:
-            self._halves = (work, channel_halves(work, self.quant))
-        return self._halves[1]
 
     def read(
         self,
@@ -266,7 +195,7 @@ class KeyPages:
             ``[batch, heads, num_tokens, head_dim]`` (a strided view of a reused buffer), in page order: the first
             ``num_tokens`` slots of each row (all ``m * page_size`` if ``None``).
         """
-        pages = self.decode(layer_in_group, storage, page_ids, dtype)  # [heads, batch * m, page_size, head_dim]
+        pages = self.codes.decode(layer_in_group, storage, page_ids, dtype)  # [heads, batch * m, page_size, head_dim]
         (heads, _, page_size, head_dim), (batch, m) = pages.shape, page_ids.shape
         partial = self.partial.get(layer_in_group)
         written = self.written.get(layer_in_group, 0)
@@ -356,7 +285,7 @@ class KeyPages:
         position = self._position(token_pages - 1, ring_pages).clamp(max=page_ids.shape[1] - 1).view(-1, 1)
         targets = page_ids.gather(1, position).masked_fill(~filled.view(-1, 1), NULL_PAGE)  # [batch, 1]
         for layer_in_group, partial in self.partial.items():
-            self._store(layer_in_group, storage, partial.unsqueeze(2), targets)
+            self.codes.store(layer_in_group, storage, partial.unsqueeze(2), targets)
             partial.masked_fill_(filled.view(-1, 1, 1, 1), 0)  # every slot is written again before it is read
         self.filled_unencoded = None
 
@@ -368,32 +297,17 @@ class KeyPages:
     def read_planned(self, layer_in_group: int, storage: PoolStorage, plan: "Any", dtype: torch.dtype) -> torch.Tensor:
         """A planned step's keys ``[batch, heads, num_keys, head_dim]``: its pages decoded with the page still filling
         over its own (a ring's, then each key's slot among them)."""
-        fmt, quant = self.format, self.quant
         index = (plan.layers[layer_in_group], plan.heads, plan.pages if plan.key_pages is None else plan.key_pages)
-        codes = storage.keys[index]  # [batch, heads, pages, page_size, last]
-        batch, heads, num_pages, page_size, _ = codes.shape
-        if fmt.keys_per_channel:  # a page's codes row-major [page_size // 2, head_dim], a scale per channel
-            codes = codes.view(batch, heads, num_pages, quant.code_dim, fmt.head_dim)
-            scale, zero = storage.key_scales[index].unsqueeze(-2), storage.key_zeros[index].unsqueeze(-2)
-            decoded = dequantize_channels(codes, scale, zero, quant, dtype)  # as the eager read, bitwise
-        else:
-            scales, groups = storage.key_scales[index], quant.num_scale_groups
-            decoded = dequantize(codes, scales[..., :groups], scales[..., groups:], quant, dtype)
+        decoded = self.codes.decode_indexed(storage, index, dtype)  # [batch, heads, pages, page_size, head_dim]
+        batch, heads, num_pages, page_size, head_dim = decoded.shape
         partial = self.partial[layer_in_group].to(dtype)  # [batch, heads, page_size, head_dim]
         # The step that fills the page reads it encoded, as eager does (which encodes it in that step).
-        partial = torch.where(plan.filling_coded, self._encoded(partial), partial)
+        partial = torch.where(plan.filling_coded, self.codes.through_encoding(partial), partial)
         decoded.index_put_((plan.rows.view(-1, 1), plan.heads.view(1, -1), plan.filling_page), partial)
-        keys = decoded.view(batch, heads, num_pages * page_size, fmt.head_dim)
+        keys = decoded.view(batch, heads, num_pages * page_size, head_dim)
         if plan.key_slots is None:
             return keys
-        return keys.gather(2, plan.key_slots.expand(batch, heads, plan.num_keys, fmt.head_dim))
-
-    def _encoded(self, pages: torch.Tensor) -> torch.Tensor:
-        """Full pages ``[..., page_size, head_dim]`` through their encoding (the reference ``dequantize``)."""
-        if self.format.keys_per_channel:
-            channels = pages.mT
-            return dequantize(*quantize(channels, self.quant), self.quant, pages.dtype).mT
-        return dequantize(*quantize(pages, self.quant), self.quant, pages.dtype)
+        return keys.gather(2, plan.key_slots.expand(batch, heads, plan.num_keys, head_dim))
 
     # ----- row changes --------------------------------------------------------------------------
 
@@ -424,7 +338,7 @@ class KeyPages:
                 moved = (after != before).view(-1, 1, 1, 1)  # [batch, 1, 1, 1]
                 position = self._position(after, ring_pages).clamp(max=page_ids.shape[1] - 1)
                 pages = page_ids.gather(1, position.unsqueeze(1))  # [batch, 1]
-                decoded = self.decode(layer_in_group, storage, pages, partial.dtype).transpose(0, 1)
+                decoded = self.codes.decode(layer_in_group, storage, pages, partial.dtype).transpose(0, 1)
                 self.partial[layer_in_group] = torch.where(moved, decoded, partial)
             self.written[layer_in_group] = min(self.written.get(layer_in_group, 0), num_tokens)
 
@@ -437,4 +351,5 @@ class KeyPages:
         self._partial_views.clear()
         self.written.clear()
         self.filled_unencoded = None
-        self._step_slot = self._gather_ids = self._halves = self._filling = None
+        self._step_slot = self._filling = None
+        self.codes.release()

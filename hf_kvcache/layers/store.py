@@ -24,8 +24,9 @@ import torch
 from hf_kvcache.attention.kernels import read_planned, write_planned, write_slots
 from hf_kvcache.layers.exact import ExactSink, ResidualValues
 from hf_kvcache.layers.keys import KeyPages
+from hf_kvcache.memory.dequant import dequantize_joined_into, spread_bytes
 from hf_kvcache.memory.pool import KVPool
-from hf_kvcache.memory.quant import dequantize, dequantize_joined_into, join_scales, quantize, spread_bytes
+from hf_kvcache.memory.quant import dequantize, join_scales, quantize
 from hf_kvcache.memory.storage import PoolStorage
 
 MAX_RUNS = 4

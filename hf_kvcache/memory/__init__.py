@@ -1,11 +1,13 @@
 """The memory layer: pages and who holds them. No attention, no transformers.
 
-- ``format``: a page's geometry from a model config (``PageFormat``), and ``quant``: the codes quantized pages hold;
+- ``format``: a page's geometry from a model config (``PageFormat``), ``quant``: the codes quantized pages hold
+  and their reference decoder, ``dequant``: the fast decoders;
 - ``allocator`` (page ids, reference counts, copy-on-write) and ``page_table`` (each row's pages), pure Python;
 - ``prefix_index``: chain-hashed keys of full pages, for prompt reuse;
 - ``device_memory``: what a device has free; ``placement``: which device and rank hold which layers and heads, and
   the page allocations a tensor-parallel model's ranks agree on (``AgreedPages``);
-- ``storage``: the tensors page ids address (``PoolStorage``); ``pools``: how pools are made and found (for a
-  model, by name, the default pool of a format and device); ``stats``: statistics, alerts, the integrity check;
+- ``storage``: the tensors page ids address and their layout (``PoolStorage``); ``pools``: how pools are made and
+  found (for a model, by name, the default pool of a format and device); ``stats``: statistics, alerts, the
+  integrity check;
 - ``pool``: ``KVPool``, one storage and its growth, the allocator and the page tables under one lock.
 """

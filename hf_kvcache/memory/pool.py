@@ -1,33 +1,8 @@
 """The KV pool: preallocated page storage for one model geometry on one device.
 
-Layout. One storage tensor per kind, shaped once for the pool's life, holds every page in every layer
-of one *layer group* (``num_layers`` layers of one attention type; a model has ``num_layer_groups`` of them,
-each with its own page table, so a page id serves one layer group)::
-
-    keys, values: [num_layers, num_kv_heads, num_storage_pages, page_size, head_dim]
-
-    quantized values (format.value_bits set) instead, per *scale group* of value_group_size channels:
-    values:       [num_layers, num_kv_heads, num_storage_pages, page_size, code_dim]             uint8 codes
-    value_scales: [num_layers, num_kv_heads, num_storage_pages, page_size, 2 * num_scale_groups]  scales, zeros
-
-    keys encoded per token (format.key_bits=8), per scale group of key_group_size channels:
-    keys:         [num_layers, num_kv_heads, num_storage_pages, page_size, head_dim]             uint8 codes
-    key_scales:   [num_layers, num_kv_heads, num_storage_pages, page_size, 2 * num_scale_groups]  scales, zeros
-    keys encoded per channel over a page (format.key_bits=4):
-    keys:         [num_layers, num_kv_heads, num_storage_pages, page_size, head_dim // 2]  a page's bytes hold its
-                  codes as [page_size // 2, head_dim]: byte (i, c) holds tokens 2i (low nibble) and 2i + 1 of channel c
-    key_scales:   [num_layers, num_kv_heads, num_storage_pages, head_dim]   int16: a channel's compact scale word
-    key_zeros:    [num_layers, num_kv_heads, num_storage_pages, head_dim]   int8: the high bits of its zero
-                  (hf_kvcache.memory.quant, compact_params: 3 bytes per channel and page)
-
-    Scales and float zeros are in format.scale_dtype (default: the dtype). Encoded keys are written a page at a
-    time, when the page's last slot is (hf_kvcache.layers.keys); until then a cache holds them in full precision.
-
-    slot            =   (layer_in_group, page id, offset < page_size): one token's key/value in one layer
-    row r, token t  ->  slot t % page_size of page rows[r][t // page_size] of its layer group's page table
-                        (a ring maps token t to a logical slot first: hf_kvcache.layers.ring)
-    extent e        =   pages [e * extent_pages, (e + 1) * extent_pages): what attention reads in place as one
-                        block of extent_pages * page_size tokens (memory.allocator, attention.flex)
+Storage. One tensor per kind, shaped once for the pool's life, holds every page in every layer of one *layer group*
+(``num_layers`` layers of one attention type; a model has ``num_layer_groups`` of them, each with its own page table,
+so a page id serves one layer group): ``hf_kvcache.memory.storage`` lays them out.
 
 Page 0 is the null page. A pool *opens* page ids as it needs them: a fixed pool all at once; a growable one
 (the default pools) ``DEFAULT_INITIAL_TOKENS`` worth first, then doubling up to its cap, all or nothing (a
@@ -173,30 +148,7 @@ class KVPool(PoolFactories):
 
     def _new_storage(self, num_pages: int) -> PoolStorage:
         """Uninitialized storage for ``num_pages`` page ids (committed where touched only, on the CPU)."""
-        fmt = self.format
-        shape = (fmt.num_layers, fmt.num_kv_heads, self._storage_pages(num_pages), fmt.page_size)
-        quant, key_quant = fmt.value_format, fmt.key_format
-        scale_dtype = fmt.scale_dtype or fmt.dtype
-        key_scales = key_zeros = None
-        # Normal tensors even when made under torch.inference_mode(): the pool outlives that scope and is
-        # written in place by later calls that may run outside it.
-        with torch.inference_mode(False):
-            if key_quant is None:
-                keys = torch.empty(*shape, fmt.head_dim, dtype=fmt.dtype, device=self.device)  # [L, H, P, ps, D]
-            elif fmt.keys_per_channel:  # a page's codes [ps // 2, D] in its [ps, D // 2] slots; per page [L, H, P, D]
-                keys = torch.empty(*shape, fmt.head_dim // 2, dtype=torch.uint8, device=self.device)
-                key_scales = torch.empty(*shape[:3], fmt.head_dim, dtype=torch.int16, device=self.device)
-                key_zeros = torch.empty(*shape[:3], fmt.head_dim, dtype=torch.int8, device=self.device)
-            else:  # per token, as values: [L, H, P, ps, D] codes and [L, H, P, ps, 2 * num_scale_groups]
-                keys = torch.empty(*shape, key_quant.code_dim, dtype=torch.uint8, device=self.device)
-                key_scales = torch.empty(*shape, 2 * key_quant.num_scale_groups, dtype=scale_dtype, device=self.device)
-            if quant is None:
-                values = torch.empty(*shape, fmt.head_dim, dtype=fmt.dtype, device=self.device)
-                scales = None
-            else:  # codes [..., code_dim] and (scale, zero) per scale group [..., 2 * num_scale_groups]
-                values = torch.empty(*shape, quant.code_dim, dtype=torch.uint8, device=self.device)
-                scales = torch.empty(*shape, 2 * quant.num_scale_groups, dtype=scale_dtype, device=self.device)
-        return PoolStorage(keys, values, scales, key_scales, key_zeros)
+        return PoolStorage.empty(self.format, self._storage_pages(num_pages), self.device)
 
     def _reserve_storage(self, num_pages: int) -> PoolStorage:
         """The storage a new pool starts with: its cap where it reserves (halved until the device grants it)."""

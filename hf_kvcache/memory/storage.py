@@ -1,9 +1,41 @@
-"""A pool's storage tensors at one time (``PoolStorage``), and the per-layer views of them that a step's layers index
-(``hf_kvcache.memory.pool`` lays them out)."""
+"""A pool's storage tensors at one time (``PoolStorage``): their layout, how they are made, and the per-layer views
+of them that a step's layers index.
+
+One storage tensor per kind, shaped once for a pool's life, holds every page in every layer
+of one *layer group* (``num_layers`` layers of one attention type; a model has ``num_layer_groups`` of them,
+each with its own page table, so a page id serves one layer group)::
+
+    keys, values: [num_layers, num_kv_heads, num_storage_pages, page_size, head_dim]
+
+    quantized values (format.value_bits set) instead, per *scale group* of value_group_size channels:
+    values:       [num_layers, num_kv_heads, num_storage_pages, page_size, code_dim]             uint8 codes
+    value_scales: [num_layers, num_kv_heads, num_storage_pages, page_size, 2 * num_scale_groups]  scales, zeros
+
+    keys encoded per token (format.key_bits=8), per scale group of key_group_size channels:
+    keys:         [num_layers, num_kv_heads, num_storage_pages, page_size, head_dim]             uint8 codes
+    key_scales:   [num_layers, num_kv_heads, num_storage_pages, page_size, 2 * num_scale_groups]  scales, zeros
+    keys encoded per channel over a page (format.key_bits=4):
+    keys:         [num_layers, num_kv_heads, num_storage_pages, page_size, head_dim // 2]  a page's bytes hold its
+                  codes as [page_size // 2, head_dim]: byte (i, c) holds tokens 2i (low nibble) and 2i + 1 of channel c
+    key_scales:   [num_layers, num_kv_heads, num_storage_pages, head_dim]   int16: a channel's compact scale word
+    key_zeros:    [num_layers, num_kv_heads, num_storage_pages, head_dim]   int8: the high bits of its zero
+                  (hf_kvcache.memory.quant, compact_params: 3 bytes per channel and page)
+
+    Scales and float zeros are in format.scale_dtype (default: the dtype). Encoded keys are written a page at a
+    time, when the page's last slot is (hf_kvcache.layers.keys); until then a cache holds them in full precision.
+
+    slot            =   (layer_in_group, page id, offset < page_size): one token's key/value in one layer
+    row r, token t  ->  slot t % page_size of page rows[r][t // page_size] of its layer group's page table
+                        (a ring maps token t to a logical slot first: hf_kvcache.layers.ring)
+    extent e        =   pages [e * extent_pages, (e + 1) * extent_pages): what attention reads in place as one
+                        block of extent_pages * page_size tokens (memory.allocator, attention.flex)
+"""
 
 from dataclasses import dataclass, field
 
 import torch
+
+from hf_kvcache.memory.format import PageFormat
 
 
 @dataclass(frozen=True)
@@ -25,6 +57,35 @@ class PoolStorage:
     key_scales: torch.Tensor | None = None
     key_zeros: torch.Tensor | None = None
     _slot_views: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @classmethod
+    def empty(cls, page_format: PageFormat, num_pages: int, device: torch.device) -> "PoolStorage":
+        """Uninitialized storage for ``num_pages`` page ids of ``page_format``, laid out as the module docstring
+        says (committed where touched only, on the CPU)."""
+        fmt = page_format
+        shape = (fmt.num_layers, fmt.num_kv_heads, num_pages, fmt.page_size)
+        quant, key_quant = fmt.value_format, fmt.key_format
+        scale_dtype = fmt.scale_dtype or fmt.dtype
+        key_scales = key_zeros = None
+        # Normal tensors even when made under torch.inference_mode(): the pool outlives that scope and is
+        # written in place by later calls that may run outside it.
+        with torch.inference_mode(False):
+            if key_quant is None:
+                keys = torch.empty(*shape, fmt.head_dim, dtype=fmt.dtype, device=device)  # [L, H, P, ps, D]
+            elif fmt.keys_per_channel:  # a page's codes [ps // 2, D] in its [ps, D // 2] slots; per page [L, H, P, D]
+                keys = torch.empty(*shape, fmt.head_dim // 2, dtype=torch.uint8, device=device)
+                key_scales = torch.empty(*shape[:3], fmt.head_dim, dtype=torch.int16, device=device)
+                key_zeros = torch.empty(*shape[:3], fmt.head_dim, dtype=torch.int8, device=device)
+            else:  # per token, as values: [L, H, P, ps, D] codes and [L, H, P, ps, 2 * num_scale_groups]
+                keys = torch.empty(*shape, key_quant.code_dim, dtype=torch.uint8, device=device)
+                key_scales = torch.empty(*shape, 2 * key_quant.num_scale_groups, dtype=scale_dtype, device=device)
+            if quant is None:
+                values = torch.empty(*shape, fmt.head_dim, dtype=fmt.dtype, device=device)
+                scales = None
+            else:  # codes [..., code_dim] and (scale, zero) per scale group [..., 2 * num_scale_groups]
+                values = torch.empty(*shape, quant.code_dim, dtype=torch.uint8, device=device)
+                scales = torch.empty(*shape, 2 * quant.num_scale_groups, dtype=scale_dtype, device=device)
+        return cls(keys, values, scales, key_scales, key_zeros)
 
     @property
     def num_pages(self) -> int:

@@ -1,0 +1,121 @@
+"""Full key pages to and from their codes in the pool (a pool whose format sets ``key_bits``): ``KeyCodes``.
+
+At 8 bits a page's keys are coded per token (a scale and zero per scale group of channels), at 4 per channel over
+the page's tokens (``memory.quant``, compact parameters), stored row-major so that they decode a token row at a time
+(``memory.storage`` lays the pool out). ``hf_kvcache.layers.keys`` decides which pages are full and holds the page
+still filling.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from hf_kvcache.memory.dequant import (
+    channel_halves,
+    dequantize_channels,
+    dequantize_channels_into,
+    dequantize_joined_into,
+)
+from hf_kvcache.memory.format import PageFormat
+from hf_kvcache.memory.quant import dequantize, join_scales, quantize
+from hf_kvcache.memory.storage import PoolStorage
+
+Buffer = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
+"""A reused buffer by name, shape and dtype (``SlotStore._buffer``)."""
+
+
+class KeyCodes:
+    """One layer group's full key pages as codes in the pool: encoded once, decoded for each read.
+
+    Args:
+        page_format: the pool's format (``key_bits`` set).
+        buffer: where decoded keys go (reused; a view of it is valid until the next layer's read).
+    """
+
+    def __init__(self, page_format: PageFormat, buffer: Buffer) -> None:
+        self.format = page_format
+        self.quant = page_format.key_format
+        self.page_size = page_format.page_size
+        self._buffer = buffer
+        # Kept for a step's layers: (page table, its ids flattened), (decode buffer, its even and odd rows).
+        self._gather_ids: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._halves: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def store(self, layer_in_group: int, storage: PoolStorage, pages: torch.Tensor, targets: torch.Tensor) -> None:
+        """Encodes full pages ``[batch, heads, m, page_size, head_dim]`` into pool pages ``targets [batch, m]``."""
+        fmt, quant = self.format, self.quant
+        heads, num_pages = fmt.num_kv_heads, storage.num_pages
+        rows = (torch.arange(heads, device=targets.device).view(-1, 1, 1) * num_pages + targets).reshape(-1)
+        if fmt.keys_per_channel:  # each channel's page_size tokens: [batch, heads, m, head_dim, page_size]
+            codes, scale, zero = quantize(pages.transpose(-1, -2), quant)  # codes [..., head_dim, page_size // 2]
+            # Stored row-major, [page_size // 2, head_dim], so that they decode a token row at a time.
+            parts = ((storage.keys, codes.transpose(-1, -2)), (storage.key_scales, scale), (storage.key_zeros, zero))
+        else:
+            codes, scale, zero = quantize(pages, quant)
+            parts = ((storage.keys, codes), (storage.key_scales, join_scales(scale, zero)))
+        for tensor, part in parts:
+            layer = tensor[layer_in_group]
+            flat = layer.view(heads * num_pages, -1)  # [heads * pages, a page's numbers]
+            source = part.transpose(0, 1).reshape(-1, flat.shape[1])  # (head, row, page) order, as rows
+            flat.index_copy_(0, rows, source.to(tensor.dtype))
+
+    def decode(
+        self, layer_in_group: int, storage: PoolStorage, page_ids: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The keys of pages ``page_ids [batch, m]`` as ``[heads, batch * m, page_size, head_dim]`` in ``dtype``,
+        decoded into a reused buffer (slots of a page still filling read as whatever its codes were)."""
+        fmt, quant = self.format, self.quant
+        heads, page_size, head_dim = fmt.num_kv_heads, self.page_size, fmt.head_dim
+        batch, m = page_ids.shape
+        if self._gather_ids is None or self._gather_ids[0] is not page_ids:  # once per table
+            self._gather_ids = (page_ids, page_ids.reshape(-1))
+        ids = self._gather_ids[1]
+
+        def gather(tensor: torch.Tensor, *page_shape: int) -> torch.Tensor:  # [heads, batch * m, *page_shape]
+            return storage.page_view(tensor, layer_in_group, page_shape).index_select(1, ids)
+
+        shape = (heads, batch * m, page_size, head_dim)
+        out = self._buffer("keys", shape, dtype)
+        work = None if dtype == torch.float32 else self._buffer("key_work", shape, torch.float32)
+        if fmt.keys_per_channel:  # codes row-major [code_dim, head_dim]; a scale and zero per channel
+            codes = gather(storage.keys, quant.code_dim, head_dim)
+            scale, zero = gather(storage.key_scales, 1, head_dim), gather(storage.key_zeros, 1, head_dim)
+            halves = self._channel_halves(out if work is None else work) if quant.bits == 4 else None
+            dequantize_channels_into(out, codes, scale, zero, quant, work, halves)
+        else:
+            codes = gather(storage.keys, page_size, quant.code_dim)
+            scales = gather(storage.key_scales, page_size, 2 * quant.num_scale_groups)
+            spread = None
+            if quant.bits == 4:
+                spread = tuple(self._buffer(name, codes.shape, torch.int16) for name in ("key_spread", "key_high"))
+            dequantize_joined_into(out, codes, scales, quant, work, spread)
+        return out
+
+    def _channel_halves(self, work: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``channel_halves`` of a reused buffer, kept while it is the same."""
+        if self._halves is None or self._halves[0] is not work:
+            self._halves = (work, channel_halves(work, self.quant))
+        return self._halves[1]
+
+    def decode_indexed(self, storage: PoolStorage, index: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The keys of the pages ``storage.keys[index]`` selects (``(layer, heads, pages)`` index tensors, a planned
+        step's: tensor operations only) as ``[batch, heads, pages, page_size, head_dim]``, bitwise as ``decode``."""
+        fmt, quant = self.format, self.quant
+        codes = storage.keys[index]  # [batch, heads, pages, page_size, last]
+        batch, heads, num_pages = codes.shape[:3]
+        if fmt.keys_per_channel:  # a page's codes row-major [page_size // 2, head_dim], a scale per channel
+            codes = codes.view(batch, heads, num_pages, quant.code_dim, fmt.head_dim)
+            scale, zero = storage.key_scales[index].unsqueeze(-2), storage.key_zeros[index].unsqueeze(-2)
+            return dequantize_channels(codes, scale, zero, quant, dtype)
+        scales, groups = storage.key_scales[index], quant.num_scale_groups
+        return dequantize(codes, scales[..., :groups], scales[..., groups:], quant, dtype)
+
+    def through_encoding(self, pages: torch.Tensor) -> torch.Tensor:
+        """Full pages ``[..., page_size, head_dim]`` through their encoding (the reference ``dequantize``)."""
+        if self.format.keys_per_channel:
+            channels = pages.mT
+            return dequantize(*quantize(channels, self.quant), self.quant, pages.dtype).mT
+        return dequantize(*quantize(pages, self.quant), self.quant, pages.dtype)
+
+    def release(self) -> None:
+        self._gather_ids = self._halves = None
