@@ -389,7 +389,9 @@ def test_beam_search_and_return_sequences_match_dynamic(tiny_mistral_model):
     )
 
 
-def test_row_operations_and_reset_match_dynamic(tiny_mistral_model):
+def test_row_operations_and_reset_match_dynamic(tiny_mistral_model, fresh_default_pools):
+    """Beams' row operations, then a reset that gives back every page (on a default pool of its own: a cache an
+    earlier test left to the garbage collector may still hold pages of the shared one)."""
     ids = random_ids(2, 40)
     ring, dynamic = SlidingRingCache(tiny_mistral_model.config), DynamicCache(config=tiny_mistral_model.config)
     for cache in (ring, dynamic):
