@@ -17,22 +17,22 @@ from typing import Any
 import torch
 
 
-def slot_rows(
+def slot_indices(
     page_ids: torch.Tensor, offsets: torch.Tensor, num_kv_heads: int, num_pages: int, page_size: int
 ) -> torch.Tensor:
-    """``[batch, num_kv_heads, n]``: the row of each (head, slot) in a layer's ``[num_kv_heads * num_pages *
-    page_size, last_dim]`` view (``PoolStorage.slots``), for slots ``offsets [batch, n]`` of pages ``page_ids
-    [batch, n]``."""
+    """``[batch, num_kv_heads, n]``: the slot index of each (head, slot), its position in a layer's ``[num_kv_heads *
+    num_pages * page_size, last_dim]`` view (``PoolStorage.slots``), for slots ``offsets [batch, n]`` of pages
+    ``page_ids [batch, n]``."""
     heads = torch.arange(num_kv_heads, device=page_ids.device).view(1, -1, 1)  # [1, heads, 1]
     return (heads * num_pages + page_ids.unsqueeze(1)) * page_size + offsets.unsqueeze(1)
 
 
-def page_slot_rows(page_ids: torch.Tensor, num_kv_heads: int, num_pages: int, page_size: int) -> torch.Tensor:
-    """``[batch, num_kv_heads, pages * page_size]``: ``slot_rows`` of every slot of the pages ``page_ids [batch,
+def page_slot_indices(page_ids: torch.Tensor, num_kv_heads: int, num_pages: int, page_size: int) -> torch.Tensor:
+    """``[batch, num_kv_heads, pages * page_size]``: ``slot_indices`` of every slot of the pages ``page_ids [batch,
     pages]``, in order."""
     offsets = torch.arange(page_size, device=page_ids.device).repeat(page_ids.shape[1])
     pages = page_ids.repeat_interleave(page_size, dim=1)
-    return slot_rows(pages, offsets.expand_as(pages), num_kv_heads, num_pages, page_size)
+    return slot_indices(pages, offsets.expand_as(pages), num_kv_heads, num_pages, page_size)
 
 
 def run_view(storage: torch.Tensor, layer_idx: int, first_page: int, num_tokens: int) -> torch.Tensor:
@@ -51,25 +51,25 @@ def run_view(storage: torch.Tensor, layer_idx: int, first_page: int, num_tokens:
     return storage.as_strided((1, heads, num_tokens, last_dim), (0, head_stride, slot_stride, 1), offset)
 
 
-def read_slots(slots: torch.Tensor, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+def read_slots(slots: torch.Tensor, index: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """Gathers slots of a layer, in the order given (a row's tokens; a ring's in time order).
 
     Args:
         slots: one layer as ``[heads * pages * page_size, last_dim]`` (``PoolStorage.slots``).
-        rows: ``[batch * heads * n]`` from ``slot_rows``, flattened (kept flat for a step's layers).
+        index: ``[batch * heads * n]`` slot indices from ``slot_indices``, flattened (kept flat for a step's layers).
         shape: ``(batch, heads, n)``.
 
     Returns:
         ``[batch, heads, n, last_dim]``, a fresh tensor: one ``index_select`` (on a CPU, 7x faster than indexing
-        with ``[batch, heads, n]`` rows, ``slots[rows]``, at 4,096 tokens).
+        with a ``[batch, heads, n]`` index, ``slots[index]``, at 4,096 tokens).
     """
-    return slots.index_select(0, rows).view(*shape, slots.shape[-1])
+    return slots.index_select(0, index).view(*shape, slots.shape[-1])
 
 
-def write_slots(slots: torch.Tensor, rows: torch.Tensor, states: torch.Tensor) -> None:
-    """Scatters new keys (or values) ``[batch, heads, n, last_dim]`` into their slots ``rows [batch, heads, n]`` of a
-    layer's ``slots`` view (as for ``read_slots``)."""
-    slots.index_put_((rows,), states if states.dtype == slots.dtype else states.to(slots.dtype))
+def write_slots(slots: torch.Tensor, index: torch.Tensor, states: torch.Tensor) -> None:
+    """Scatters new keys (or values) ``[batch, heads, n, last_dim]`` into their slots ``index [batch, heads, n]``
+    (slot indices) of a layer's ``slots`` view (as for ``read_slots``)."""
+    slots.index_put_((index,), states if states.dtype == slots.dtype else states.to(slots.dtype))
 
 
 def write_planned(storage: torch.Tensor, plan: "Any", layer_idx: int, states: torch.Tensor) -> None:

@@ -45,7 +45,7 @@ class KeyCodes:
         """Encodes full pages ``[batch, heads, m, page_size, head_dim]`` into pool pages ``targets [batch, m]``."""
         fmt, quant = self.format, self.quant
         heads, num_pages = fmt.num_kv_heads, storage.num_pages
-        rows = (torch.arange(heads, device=targets.device).view(-1, 1, 1) * num_pages + targets).reshape(-1)
+        head_pages = (torch.arange(heads, device=targets.device).view(-1, 1, 1) * num_pages + targets).reshape(-1)
         if fmt.keys_per_channel:  # each channel's page_size tokens: [batch, heads, m, head_dim, page_size]
             codes, scale, zero = quantize(pages.transpose(-1, -2), quant)  # codes [..., head_dim, page_size // 2]
             # Stored row-major, [page_size // 2, head_dim], so that they decode a token row at a time.
@@ -56,8 +56,8 @@ class KeyCodes:
         for tensor, part in parts:
             layer = tensor[layer_in_group]
             flat = layer.view(heads * num_pages, -1)  # [heads * pages, a page's numbers]
-            source = part.transpose(0, 1).reshape(-1, flat.shape[1])  # (head, row, page) order, as rows
-            flat.index_copy_(0, rows, source.to(tensor.dtype))
+            source = part.transpose(0, 1).reshape(-1, flat.shape[1])  # (head, row, page) order, a page per head
+            flat.index_copy_(0, head_pages, source.to(tensor.dtype))
 
     def decode(
         self, layer_in_group: int, storage: PoolStorage, page_ids: torch.Tensor, dtype: torch.dtype

@@ -173,9 +173,9 @@ class PlannedRows:
         store = self.store
         if store.by_page and store.coded < start:
             with self.pool.held() as storage:
-                rows = self._slot_index(store.coded, start - store.coded, storage)
+                index = self._slot_index(store.coded, start - store.coded, storage)
                 for layer_in_group in range(self.pool.format.num_layers):
-                    store.code_window(layer_in_group, storage, rows, store.coded, start)
+                    store.code_window(layer_in_group, storage, index, store.coded, start)
         store.coded = start + 1  # the step codes its token
         return store.plan_residual(start, tokens)
 

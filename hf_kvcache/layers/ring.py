@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from hf_kvcache.attention.kernels import page_slot_rows, read_slots, slot_rows
+from hf_kvcache.attention.kernels import page_slot_indices, read_slots, slot_indices
 from hf_kvcache.attention.reads import KEY_LAYOUT, KeyLayout
 from hf_kvcache.layers.read_path import GATHER, IN_PLACE
 from hf_kvcache.layers.rows import PagedRows
@@ -97,7 +97,7 @@ class RingRows(PagedRows):
         self.ring_pages = self.num_slots // page_size
         self.total = 0  # tokens written per row, evicted ones included
         self._step: RingStep | None = None  # the current step's, see _step_index
-        self._rows: tuple[int, torch.Tensor] | None = None  # (storage pages, rows), see _slot_rows
+        self._slot_index: tuple[int, torch.Tensor] | None = None  # (storage pages, slot indices): _logical_slot_indices
         self._base: int | None = None  # see _first_page
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # see _slot_views
 
@@ -137,7 +137,7 @@ class RingRows(PagedRows):
         if step.in_place:  # in slot order: the pages themselves (a storage that never moves)
             keys, values = self._slot_views(layer_in_group)
             for pages, states in zip(self._flat_views(layer_in_group), (key_states, value_states)):
-                pages.index_copy_(0, step.write_rows, states.detach().reshape(-1, pages.shape[-1]).to(pages.dtype))
+                pages.index_copy_(0, step.write_slots, states.detach().reshape(-1, pages.shape[-1]).to(pages.dtype))
         else:
             _, first = visible_span(start, num_new, self.window, self.sink_tokens)
             end = start + num_new
@@ -299,9 +299,9 @@ class RingRows(PagedRows):
             pads = self._pad_tensor(batch)
             in_place = hands_over and self._reads_slots() and self._first_page() is not None
             if num_new <= self.max_step and in_place:
-                rows = self._flat_rows(written, storage).reshape(-1)  # (batch, head, token) order
+                index = self._slot_indices(written, storage).reshape(-1)  # (batch, head, token) order
                 layout = self._slot_layout(start, num_new, sinks, first)
-                self._step = RingStep(start, num_new, layout, storage.num_pages, write_rows=rows)
+                self._step = RingStep(start, num_new, layout, storage.num_pages, write_slots=index)
                 return self._step
             last = end if num_new <= self.max_step else start
             window = torch.arange(first, last, device=device).expand(batch, -1)  # [batch, last - first]
@@ -315,8 +315,8 @@ class RingRows(PagedRows):
                 keys = torch.cat([visible, new_tokens], dim=1) if last == start else visible
                 layout = KeyLayout(band(keys, start, num_new, self.window, self.sink_tokens, pads))
             visible_slots = self._slots(visible)
-            read = self._flat_rows(visible_slots, storage).view(-1)
-            write = self._flat_rows(written, storage)
+            read = self._slot_indices(visible_slots, storage).view(-1)
+            write = self._slot_indices(written, storage)
             self._step = RingStep(
                 start, num_new, layout, storage.num_pages, write_index=write, read=read, read_slots=visible_slots
             )
@@ -352,7 +352,7 @@ class RingRows(PagedRows):
         return None if self._base < 0 else self._base
 
     def _flat_views(self, layer_in_group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pool's keys and values of one layer as ``[heads * pages * page_size, head_dim]`` rows."""
+        """The pool's keys and values of one layer as ``[heads * pages * page_size, head_dim]`` slots."""
         head_dim = self.pool.format.head_dim
         keys, values = self.pool.keys[layer_in_group], self.pool.values[layer_in_group]
         return keys.view(-1, head_dim), values.view(-1, head_dim)
@@ -372,23 +372,26 @@ class RingRows(PagedRows):
             views = self._views[layer_in_group] = (view(pool.keys), view(pool.values))
         return views
 
-    def _flat_rows(self, slots: torch.Tensor, storage: PoolStorage) -> torch.Tensor:
-        """``[batch, heads, n]``: the row of each row's slot ``[batch, n]`` (``-1``: the null page's first slot) in
-        ``storage``'s flattened layer view ``[heads * pages * page_size, last_dim]`` (``PoolStorage.slots``)."""
-        rows = self._slot_rows(storage.num_pages)  # [batch, heads, slots + 1]
-        index = slots.masked_fill(slots < 0, rows.shape[-1] - 1)
-        return rows.gather(2, index.unsqueeze(1).expand(-1, rows.shape[1], -1))
+    def _slot_indices(self, slots: torch.Tensor, storage: PoolStorage) -> torch.Tensor:
+        """``[batch, heads, n]``: the slot index of each row's logical slot ``[batch, n]`` (``-1``: the null page's
+        first slot) in ``storage``'s flattened layer view ``[heads * pages * page_size, last_dim]``
+        (``PoolStorage.slots``)."""
+        indices = self._logical_slot_indices(storage.num_pages)  # [batch, heads, slots + 1]
+        index = slots.masked_fill(slots < 0, indices.shape[-1] - 1)
+        return indices.gather(2, index.unsqueeze(1).expand(-1, indices.shape[1], -1))
 
-    def _slot_rows(self, num_pages: int) -> torch.Tensor:
-        """``[batch, heads, slots + 1]``: the row of each logical slot in the flattened layer view of a storage of
-        ``num_pages`` pages, then the null page's first slot."""
-        if self._rows is None or self._rows[0] != num_pages:
+    def _logical_slot_indices(self, num_pages: int) -> torch.Tensor:
+        """``[batch, heads, slots + 1]``: the slot index of each logical slot in the flattened layer view of a storage
+        of ``num_pages`` pages, then the null page's first slot's."""
+        if self._slot_index is None or self._slot_index[0] != num_pages:
             fmt, ids = self.pool.format, self._page_ids()
-            rows = page_slot_rows(ids, fmt.num_kv_heads, num_pages, fmt.page_size)  # [batch, heads, slots]
+            indices = page_slot_indices(ids, fmt.num_kv_heads, num_pages, fmt.page_size)  # [batch, heads, slots]
             first = torch.zeros_like(ids[:, :1])  # [batch, 1]
-            null = slot_rows(first + NULL_PAGE, first, fmt.num_kv_heads, num_pages, fmt.page_size)  # [batch, heads, 1]
-            self._rows = (num_pages, torch.cat([rows, null], dim=2))
-        return self._rows[1]
+            null = slot_indices(
+                first + NULL_PAGE, first, fmt.num_kv_heads, num_pages, fmt.page_size
+            )  # [batch, heads, 1]
+            self._slot_index = (num_pages, torch.cat([indices, null], dim=2))
+        return self._slot_index[1]
 
     def _store(
         self, layer_in_group: int, start: int, num_new: int, key_states: torch.Tensor, value_states: torch.Tensor
@@ -409,5 +412,5 @@ class RingRows(PagedRows):
     def _apply(self, change) -> None:
         super()._apply(change)
         if self._ids is None:  # page ids changed: the step's indices point at old pages
-            self._step = self._rows = self._base = None
+            self._step = self._slot_index = self._base = None
             self._views = {}

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from hf_kvcache.attention.kernels import page_slot_rows, read_slots, run_view, slot_rows
+from hf_kvcache.attention.kernels import page_slot_indices, read_slots, run_view, slot_indices
 from hf_kvcache.attention.reads import PAGED_READ, PagedRead
 from hf_kvcache.layers.identical import find_identical_rows
 from hf_kvcache.layers.plan import StepPlan
@@ -83,13 +83,13 @@ class PagedRows(PlannedRows):
         self._pads: torch.Tensor | None = None  # ``pad_lengths`` as a [batch] tensor, see _pad_tensor
         # How attention reads a step's pages, and the block mask in place uses
         self.path = ReadPath(pool, self.table, reads_in_place, query_group)
-        # (start, num_tokens, storage pages) -> (positions, slot rows) of a step's residual window (_residual_slots)
+        # (start, num_tokens, storage pages) -> (positions, slot indices) of a step's residual window (_residual_slots)
         self._residual: tuple[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
         self._version = -1  # table version the cached indices below were built for
         self._ids: torch.Tensor | None = None
-        self._all_slots: tuple[int, torch.Tensor] | None = None  # (storage pages, slot rows): see _slots
-        self._read: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (slot rows, num_tokens, theirs flat): read
-        self._write: tuple[int, int, int, torch.Tensor] | None = None  # (start, num_new, storage pages, rows)
+        self._all_slots: tuple[int, torch.Tensor] | None = None  # (storage pages, slot indices): see _slots
+        self._read: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (slot indices, num_tokens, flat): read
+        self._write: tuple[int, int, int, torch.Tensor] | None = None  # (start, num_new, storage pages, slot indices)
         self._shared_prefill: tuple[int, list[int]] | None = None  # (num_tokens, identical_rows) of a prefill
         self.ring_pages: int | None = None  # pages of a row's ring (RingRows); None: the rows keep every page
         self.step_plan: StepPlan | None = None  # the decode step planned before the forward pass (plan_decode)
@@ -108,15 +108,15 @@ class PagedRows(PlannedRows):
         """
         self.begin_step(start, key_states, value_states)
         with self.pool.held() as storage:  # the storage cannot move under the write (a growth that reallocates)
-            rows = self._write_index(start, key_states.shape[-2], storage)
-            self.store.write(layer_in_group, storage, rows, key_states, value_states)
+            index = self._write_index(start, key_states.shape[-2], storage)
+            self.store.write(layer_in_group, storage, index, key_states, value_states)
             self._write_keys(layer_in_group, storage, start, key_states)
             pages = self.store.value_pages_to_write(start, start + value_states.shape[-2])
             if pages is not None:
                 first, last = pages
-                rows = self._slot_index(first, last - first, storage)
+                index = self._slot_index(first, last - first, storage)
                 values = value_states[:, :, : last - start]
-                self.store.write_value_pages(layer_in_group, storage, rows, first, start, values)
+                self.store.write_value_pages(layer_in_group, storage, index, first, start, values)
         self.store.remember(layer_in_group, start, value_states, key_states)
         self.end_step(layer_in_group, start + key_states.shape[-2])
 
@@ -218,14 +218,14 @@ class PagedRows(PlannedRows):
         slots = self._slots(storage)
         if self._read is None or self._read[:2] != (slots, num_tokens):  # cut once for the step's layers
             self._read = (slots, num_tokens, slots[:, :, :num_tokens].reshape(-1))
-        rows, shape = self._read[2], (*slots.shape[:2], num_tokens)
+        index, shape = self._read[2], (*slots.shape[:2], num_tokens)
         keys = None
         if self.store.keys is not None:
             keys = self._read_keys(layer_in_group, storage, num_tokens=num_tokens)
         return self.store.read(
             layer_in_group,
             storage,
-            lambda tensor: read_slots(storage.slots(tensor, layer_in_group), rows, shape),
+            lambda tensor: read_slots(storage.slots(tensor, layer_in_group), index, shape),
             num_tokens,
             num_tokens,
             keys=keys,
@@ -377,8 +377,8 @@ class PagedRows(PlannedRows):
 
     def _residual_slots(self, num_tokens: int, num_pages: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The residual window's tokens of a step read in place (quantized values): their positions ``[n]`` and
-        their ``[batch, heads, n]`` slot rows in a view of the storage's first ``num_pages`` pages
-        (``kernels.slot_rows``); ``None``: no window."""
+        their ``[batch, heads, n]`` slot indices in a view of the storage's first ``num_pages`` pages
+        (``kernels.slot_indices``); ``None``: no window."""
         residual = self.store.residual
         if residual is None:
             return None
@@ -391,13 +391,13 @@ class PagedRows(PlannedRows):
             positions = torch.arange(start, num_tokens, device=self.pool.device)  # [n]
             page_ids = self._page_ids()[:, positions // page_size]  # [batch, n]
             offsets = (positions % page_size).expand_as(page_ids)  # [batch, n]
-            rows = slot_rows(page_ids, offsets, self.pool.format.num_kv_heads, num_pages, page_size)
-            self._residual = (key, (positions, rows))
+            index = slot_indices(page_ids, offsets, self.pool.format.num_kv_heads, num_pages, page_size)
+            self._residual = (key, (positions, index))
         return self._residual[1]
 
     def _write_index(self, start: int, num_new: int, storage: PoolStorage) -> torch.Tensor:
-        """``[batch, heads, n]`` slot rows of tokens ``[start, start + n)`` in ``storage`` (``kernels.slot_rows``),
-        kept for the step's other layers."""
+        """``[batch, heads, n]`` slot indices of tokens ``[start, start + n)`` in ``storage``
+        (``kernels.slot_indices``), kept for the step's other layers."""
         key = (start, num_new, storage.num_pages)
         if self._write is None or self._write[:3] != key:
             self._write = (*key, self._slot_index(start, num_new, storage))
@@ -408,11 +408,11 @@ class PagedRows(PlannedRows):
         return self._slots(storage)[:, :, start : start + num_new]
 
     def _slots(self, storage: PoolStorage) -> torch.Tensor:
-        """``[batch, heads, pages * page_size]`` the slot rows of every slot of the rows' pages in ``storage``
-        (``kernels.page_slot_rows``), kept while the table and the storage's page count stay: a step's writes and
+        """``[batch, heads, pages * page_size]`` the slot indices of every slot of the rows' pages in ``storage``
+        (``kernels.page_slot_indices``), kept while the table and the storage's page count stay: a step's writes and
         reads are slices of them."""
         if self._all_slots is None or self._all_slots[0] != storage.num_pages:
             fmt = self.pool.format
-            rows = page_slot_rows(self._page_ids(), fmt.num_kv_heads, storage.num_pages, fmt.page_size)
-            self._all_slots = (storage.num_pages, rows)
+            indices = page_slot_indices(self._page_ids(), fmt.num_kv_heads, storage.num_pages, fmt.page_size)
+            self._all_slots = (storage.num_pages, indices)
         return self._all_slots[1]

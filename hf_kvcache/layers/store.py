@@ -82,24 +82,24 @@ class SlotStore:
         self,
         layer_in_group: int,
         storage: PoolStorage,
-        rows: torch.Tensor,
+        index: torch.Tensor,
         key_states: torch.Tensor,
         value_states: torch.Tensor,
     ) -> None:
-        """Stores new states ``[batch, heads, n, head_dim]`` into the slots ``rows`` of ``storage``.
+        """Stores new states ``[batch, heads, n, head_dim]`` into the slots ``index`` (slot indices) of ``storage``.
 
-        Call it inside ``KVPool.held()`` with the storage it yields, and ``rows`` built for it
-        (``kernels.slot_rows``): a growth that moves the pages cannot then lose the write. The pool holds
+        Call it inside ``KVPool.held()`` with the storage it yields, and ``index`` built for it
+        (``kernels.slot_indices``): a growth that moves the pages cannot then lose the write. The pool holds
         inference state: what is stored is detached from any autograd graph. Encoded keys are not written here
         (``KeyPages.write``, a page at a time), nor values written by page (``write_value_pages``).
         """
         key_states, value_states = _detached(key_states), _detached(value_states)
         if self.keys is None:
-            write_slots(storage.slots(storage.keys, layer_in_group), rows, key_states)
+            write_slots(storage.slots(storage.keys, layer_in_group), index, key_states)
         if self.quant is None:
-            write_slots(storage.slots(storage.values, layer_in_group), rows, value_states)
+            write_slots(storage.slots(storage.values, layer_in_group), index, value_states)
         elif not self.by_page:
-            self._write_codes(layer_in_group, storage, rows, value_states)
+            self._write_codes(layer_in_group, storage, index, value_states)
 
     def value_pages_to_write(self, start: int, end: int) -> tuple[int, int] | None:
         """By page: the tokens ``[first, last)`` whose codes a step writing tokens ``[start, end)`` stores, the pages
@@ -112,28 +112,28 @@ class SlotStore:
         self,
         layer_in_group: int,
         storage: PoolStorage,
-        rows: torch.Tensor,
+        index: torch.Tensor,
         first: int,
         start: int,
         value_states: torch.Tensor,
     ) -> None:
-        """By page: stores the codes of tokens ``[first, last)`` (``value_pages_to_write``) into their slots ``rows``,
+        """By page: stores the codes of tokens ``[first, last)`` (``value_pages_to_write``) into their slots ``index``,
         the ones before ``start`` taken from the residual window, the rest from the step's ``value_states``
         ``[batch, heads, n, head_dim]`` (tokens ``[start, start + n)``). Inside ``KVPool.held()``, like ``write``."""
         values = value_states.detach()
         if first < start:
             values = torch.cat([self.residual.take(layer_in_group, first, start), values], dim=2)
-        self._write_codes(layer_in_group, storage, rows, values)
+        self._write_codes(layer_in_group, storage, index, values)
 
     def stored(self, end: int) -> None:
         """Every layer has written tokens up to ``end``: by page, the codes of its full pages are in the pool."""
         if self.by_page:  # a step inside a page a crop left coded in part keeps that part
             self.coded = max(self.coded, end - end % self.pool.format.page_size)
 
-    def code_window(self, layer_in_group: int, storage: PoolStorage, rows: torch.Tensor, first: int, end: int) -> None:
-        """Stores the codes of tokens ``[first, end)``, all in the residual window, into their slots ``rows`` (under
+    def code_window(self, layer_in_group: int, storage: PoolStorage, index: torch.Tensor, first: int, end: int) -> None:
+        """Stores the codes of tokens ``[first, end)``, all in the residual window, into their slots ``index`` (under
         ``KVPool.held()``)."""
-        self._write_codes(layer_in_group, storage, rows, self.residual.take(layer_in_group, first, end))
+        self._write_codes(layer_in_group, storage, index, self.residual.take(layer_in_group, first, end))
 
     # ----- planned decode steps (compiled): tensor operations only ------------------------------
 
@@ -200,11 +200,11 @@ class SlotStore:
         return buffer.unsqueeze(0)
 
     def _write_codes(
-        self, layer_in_group: int, storage: PoolStorage, rows: torch.Tensor, value_states: torch.Tensor
+        self, layer_in_group: int, storage: PoolStorage, index: torch.Tensor, value_states: torch.Tensor
     ) -> None:
         codes, scale, zero = quantize(value_states, self.quant)
-        write_slots(storage.slots(storage.values, layer_in_group), rows, codes)
-        write_slots(storage.slots(storage.value_scales, layer_in_group), rows, join_scales(scale, zero))
+        write_slots(storage.slots(storage.values, layer_in_group), index, codes)
+        write_slots(storage.slots(storage.value_scales, layer_in_group), index, join_scales(scale, zero))
 
     @property
     def residual_bytes(self) -> int:
@@ -292,8 +292,8 @@ class SlotStore:
         Args:
             extents: ``[visited]`` extent ids, ascending.
             runs: the same extents as ``(first, end)`` runs of consecutive ids (``extent_runs``).
-            residual_slots: the residual window's positions ``[n]`` and slot rows ``[batch, heads, n]``
-                (``kernels.slot_rows``), or ``None``.
+            residual_slots: the residual window's positions ``[n]`` and slot indices ``[batch, heads, n]``
+                (``kernels.slot_indices``), or ``None``.
 
         Returns:
             ``[1, heads, num_pages * page_size, head_dim]``.
@@ -316,9 +316,9 @@ class SlotStore:
             self._dequantize(values, codes.index_select(1, extents), scales.index_select(1, extents))
             by_extent.index_copy_(1, extents, values)
         if residual_slots is not None and layer_in_group in self.residual.buffers:
-            positions, rows = residual_slots
+            positions, index = residual_slots
             newest = self.residual.buffers[layer_in_group].index_select(2, positions % self.residual.length)
-            write_slots(slots.view(-1, quant.head_dim), rows, newest)  # [batch, heads, n, head_dim] over their slots
+            write_slots(slots.view(-1, quant.head_dim), index, newest)  # [batch, heads, n, head_dim] over their slots
         return slots.unsqueeze(0)
 
     def _dequantize(self, out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:

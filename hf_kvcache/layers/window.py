@@ -47,7 +47,7 @@ class RingStep:
     """Where one step's tokens ``[start, start + num_new)`` are written and read, in every layer of a layer group.
 
     Built by the layer group's first layer of the step and reused by the others. A step either reads the rows'
-    pages in place (``write_rows`` set; attention gets every slot in slot order, as ``layout`` says) or gathers
+    pages in place (``write_slots`` set; attention gets every slot in slot order, as ``layout`` says) or gathers
     the visible tokens in time order (``write_index`` and ``read`` set). Every new token is written; those a row
     keeps nowhere (its padding, and in a step longer than the ring the tokens it overwrites itself, between the
     row's sinks and its last ``ring_slots`` tokens) go to the null page.
@@ -57,10 +57,10 @@ class RingStep:
         layout: what attention must know beyond the model's mask; ``None`` for a single new token read in time
             order (it sees every key).
         storage_pages: the page count of the storage the indices below are built for (``PoolStorage``).
-        write_rows: in place only: ``[batch * heads * num_new]`` rows of the storage's flattened layer view the
+        write_slots: in place only: ``[batch * heads * num_new]`` the slot indices (``kernels.slot_indices``) the
             new states go to, in ``(batch, head, token)`` order.
-        write_index: gathered only: ``[batch, heads, num_new]`` the new tokens' slot rows (``kernels.slot_rows``).
-        read: gathered only: ``[batch * heads * n]`` the visible tokens' slot rows, in time order (flattened
+        write_index: gathered only: ``[batch, heads, num_new]`` the new tokens' slot indices (``kernels.slot_indices``).
+        read: gathered only: ``[batch * heads * n]`` the visible tokens' slot indices, in time order (flattened
             ``[batch, heads, n]``: ``kernels.read_slots``).
         read_slots: gathered only: ``[batch, n]`` their logical slots (``-1``: none), for keys decoded a page at a time.
     """
@@ -69,7 +69,7 @@ class RingStep:
     num_new: int
     layout: KeyLayout | None
     storage_pages: int
-    write_rows: torch.Tensor | None = None
+    write_slots: torch.Tensor | None = None
     write_index: torch.Tensor | None = None
     read: torch.Tensor | None = None
     read_slots: torch.Tensor | None = None
@@ -77,4 +77,4 @@ class RingStep:
     @property
     def in_place(self) -> bool:
         """Attention reads the rows' pages themselves, in slot order."""
-        return self.write_rows is not None
+        return self.write_slots is not None
