@@ -38,13 +38,8 @@ import logging
 from pathlib import Path
 
 from hf_kvcache.bench.catalogue import BASELINE, CACHE_NAMES, FULL_CACHES, QUANTIZED_CACHES, SLIDING_CACHES
-from hf_kvcache.bench.decode import (
-    DecodeBenchConfig,
-    markdown_table,
-    profile_decode,
-    results_record,
-    run_decode_benchmark,
-)
+from hf_kvcache.bench.decode import profile_decode, run_decode_benchmark
+from hf_kvcache.bench.decode_report import DecodeBenchConfig, markdown_table, results_record
 from hf_kvcache.bench.measure import OtherCpuUse, add_machine_args, machine_settings, write_record
 from hf_kvcache.bench.prompts import essay_token_stream
 from hf_kvcache.bundled import BUNDLED_MODEL, load_bundled_model

@@ -9,13 +9,8 @@ import torch
 from transformers import PreTrainedModel
 
 from hf_kvcache.bench.catalogue import CACHE_NAMES, FULL_CACHES, QUANTIZED_CACHES, RING_ATTENTION, SLIDING_CACHES
-from hf_kvcache.bench.decode import (
-    DecodeBenchConfig,
-    DecodeResult,
-    markdown_table,
-    results_record,
-    run_decode_benchmark,
-)
+from hf_kvcache.bench.decode import run_decode_benchmark
+from hf_kvcache.bench.decode_report import DecodeBenchConfig, DecodeResult, markdown_table, results_record
 from hf_kvcache.bench.prefix import MODES, PrefixBenchConfig, run_prefix_benchmark
 from hf_kvcache.bench.prefix import markdown_table as prefix_markdown_table
 from hf_kvcache.bench.prefix import results_record as prefix_results_record

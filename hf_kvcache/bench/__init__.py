@@ -2,7 +2,8 @@
 ``scripts/soak.py``.
 
 Modules: ``catalogue`` (the caches compared and how each is built), ``decode`` (decode tokens/s, KV bytes and
-peak memory of each cache, against its baselines in the same run), ``ring_update`` (one cache update alone,
+peak memory of each cache, against its baselines in the same run; ``decode_report``: its settings, results and
+table), ``ring_update`` (one cache update alone,
 sliding caches), ``measure`` (RSS and peak memory, other processes' CPU, the scripts' machine options, the
 checks and JSON record every benchmark shares) and ``soak`` (thousands of short ``generate`` calls on small
 pools, checking that memory stays flat).
