@@ -49,7 +49,7 @@ class ResidualValues:
         length = values.shape[2]
         if self._last is None or self._last[0] != (length, count):  # once for a step's layers
             self._last = ((length, count), torch.arange(length - count, length, device=values.device))
-        values.index_copy_(2, self._last[1], newest_values)
+        values.index_copy_(2, self._last[1], newest_values.to(values.dtype))  # autocast may widen the read
 
     def _positions(self, first: int, end: int, device: torch.device) -> torch.Tensor:
         """Where tokens ``[first, end)`` lie in the buffers, ``[end - first]``. The two last asked are kept: a step's
