@@ -31,18 +31,26 @@ results) to ``--output`` as JSON and prints a Markdown table.
 the first of ``--lengths`` and ``--batches``, e.g. one 4,096 x 8 step in place::
 
     PYTHONPATH=. python scripts/bench_decode.py --profile paged_pool --lengths 4096 --batches 8
+
+``--random-weights`` builds the bundled model's architecture from its config with random weights (seed 0), for a
+machine that has the bundled folder's config and tokenizer but not its weights (the GPU check carries no more than
+64 MiB): step times depend on the shapes alone, but greedy tokens of random weights sit close to ties, so the
+"tokens equal" columns then say little. The record's ``model`` says so.
 """
 
 import argparse
 import logging
 from pathlib import Path
 
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
 from hf_kvcache.bench.catalogue import BASELINE, CACHE_NAMES, FULL_CACHES, QUANTIZED_CACHES, SLIDING_CACHES
 from hf_kvcache.bench.decode import profile_decode, run_decode_benchmark
 from hf_kvcache.bench.decode_report import DecodeBenchConfig, markdown_table, results_record
 from hf_kvcache.bench.measure import OtherCpuUse, add_machine_args, machine_settings, write_record
 from hf_kvcache.bench.prompts import essay_token_stream
-from hf_kvcache.bundled import BUNDLED_MODEL, load_bundled_model
+from hf_kvcache.bundled import BUNDLED_MODEL, bundled_model_path, load_bundled_model
 from hf_kvcache.eval import environment
 
 SUITES = {
@@ -75,6 +83,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile", choices=CACHE_NAMES, help="print a profile of one decode step of this cache")
     parser.add_argument("--mode", default="default", help="CompileConfig mode of the compiled suite's rows")
     parser.add_argument("--rows", nargs="+", help="the compiled suite's rows (default: all; static:compiled always)")
+    parser.add_argument("--random-weights", action="store_true", help="the bundled architecture, random weights")
     add_machine_args(parser)
     return parser.parse_args()
 
@@ -96,7 +105,7 @@ def main() -> None:
         window=args.window,
     )
     device, dtype = machine_settings(args)
-    model, tokenizer = load_bundled_model(dtype=dtype, device=device)
+    model, tokenizer = load_model(args, device, dtype)
     info = environment(device, dtype)
     if args.profile:
         length, batch = config.lengths[0], config.batches[0]
@@ -105,7 +114,7 @@ def main() -> None:
     with OtherCpuUse() as others:
         results = run_decode_benchmark(model, essay_token_stream(tokenizer), config)
     record = results_record(results, config, info)
-    record["model"] = BUNDLED_MODEL
+    record["model"] = model_name(args)
     write_record(record, output, others, markdown_table(results))
 
 
@@ -120,13 +129,27 @@ def run_compiled_suite(args: argparse.Namespace) -> None:
         rows = (compiled.BASELINE, *(row for row in args.rows if row != compiled.BASELINE))
     config = compiled.CompiledBenchConfig(cells=cells, rows=rows, steps=args.steps, rounds=args.rounds, mode=args.mode)
     device, dtype = machine_settings(args)
-    model, tokenizer = load_bundled_model(dtype=dtype, device=device)
+    model, tokenizer = load_model(args, device, dtype)
     info = environment(device, dtype)
     with OtherCpuUse() as others:
         results = compiled.run_compiled_benchmark(model, essay_token_stream(tokenizer), config)
     record = compiled.results_record(results, config, info)
-    record["model"] = BUNDLED_MODEL
+    record["model"] = model_name(args)
     write_record(record, args.output or SUITES["compiled"]["output"], others, compiled.markdown_table(results))
+
+
+def load_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+    """The bundled model and tokenizer; with ``--random-weights`` its architecture with random weights (seed 0)."""
+    if not args.random_weights:
+        return load_bundled_model(dtype=dtype, device=device)
+    path = bundled_model_path()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype).to(device).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def model_name(args: argparse.Namespace) -> str:
+    return f"{BUNDLED_MODEL} (random weights)" if args.random_weights else BUNDLED_MODEL
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ gives tokens/s. Each compiled row first runs once untimed (its compile, reported
 row runs ``rounds`` times, interleaved. Our caches run under ``attn_implementation="hf_kvcache"`` (their pages read
 in place where that applies, eager or compiled), transformers' under the model's own (``sdpa``). Reported per row:
 tokens/s, the ratio to ``static:compiled``'s in the same run, graphs compiled during the timed rounds (recompiles: 0
-is the target), KV bytes held at the end against ``StaticCache``'s, and whether its greedy tokens equal the
-baseline's.
+is the target), compiled graphs inductor ran without CUDA graphs in ``"reduce-overhead"`` mode (CUDA graph skips,
+first call included: 0 is the target), KV bytes held at the end against ``StaticCache``'s, and whether its greedy
+tokens equal the baseline's.
 """
 
 import gc
@@ -105,6 +106,7 @@ class CompiledResult:
     ratio_vs_static_compiled: float
     first_call_s: float
     recompiles: int
+    cudagraph_skips: int
     kv_bytes_held: int
     kv_bytes_vs_static: float
     tokens_match: bool
@@ -126,6 +128,10 @@ class _StepClock(LogitsProcessor):
 
 def _graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def _cudagraph_skips() -> int:
+    return torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
 
 
 def _build(model: PreTrainedModel, name: str, capacity: int, batch: int) -> Any:
@@ -151,7 +157,7 @@ def _run(model, prefill, rows: torch.Tensor, row: str, batch: int, config: Compi
         compile_config._compile_all_devices = True  # a class attribute in transformers 5.24
     clock = _StepClock()
     new_tokens = config.warmup_steps + config.steps + 1
-    graphs = _graphs()
+    graphs, skips = _graphs(), _cudagraph_skips()
     began = time.perf_counter()
     with model_attention(model, ATTENTION_NAME if name in REGISTRY else None):  # ours read pages in place
         for layer_idx, (keys, values) in enumerate(zip(prefill.keys, prefill.values)):
@@ -180,6 +186,7 @@ def _run(model, prefill, rows: torch.Tensor, row: str, batch: int, config: Compi
         "tokens": out.sequences[:, length + 1 :].cpu(),
         "wall_s": wall_s,
         "graphs": _graphs() - graphs,
+        "cudagraph_skips": _cudagraph_skips() - skips,
         "kv_bytes": held,
     }
 
@@ -204,12 +211,15 @@ def _run_cells(model: PreTrainedModel, stream: torch.Tensor, config: CompiledBen
         rows = stream[: batch * length].view(batch, length).to(model.device)  # [batch, length]
         with torch.no_grad():
             prefill = prefill_rows(model, rows)
-        first_call: dict[str, tuple[float, int]] = {}  # row -> (seconds, graphs compiled)
+        first_call: dict[str, dict] = {}  # row -> its untimed first run
         for row in config.rows:  # the compiles, untimed
             if row.endswith(":compiled"):
                 run = _run(model, prefill, rows, row, batch, config)
-                first_call[row] = (run["wall_s"], run["graphs"])
-                logger.info("%s at %d x %d: first call %.1f s, %d graphs", row, length, batch, *first_call[row])
+                first_call[row] = run
+                logger.info(
+                    "%s at %d x %d: first call %.1f s, %d graphs, %d CUDA graph skips",
+                    *(row, length, batch, run["wall_s"], run["graphs"], run["cudagraph_skips"]),
+                )
         runs: dict[str, list[dict]] = {row: [] for row in config.rows}
         for _ in range(config.rounds):
             for row in config.rows:
@@ -220,13 +230,14 @@ def _run_cells(model: PreTrainedModel, stream: torch.Tensor, config: CompiledBen
 
 
 def _summarize(
-    runs: dict[str, list[dict]], first_call: dict[str, tuple[float, int]], length: int, batch: int
+    runs: dict[str, list[dict]], first_call: dict[str, dict], length: int, batch: int
 ) -> list[CompiledResult]:
     median = {row: statistics.median(s for run in rs for s in run["step_s"]) for row, rs in runs.items()}
     baseline = runs[BASELINE]
     results = []
     for row, rs in runs.items():
         matches = all(torch.equal(run["tokens"], base["tokens"]) for run, base in zip(rs, baseline))
+        first = first_call.get(row)
         results.append(
             CompiledResult(
                 row=row,
@@ -236,8 +247,9 @@ def _summarize(
                 round_median_step_ms=[1000 * statistics.median(run["step_s"]) for run in rs],
                 tokens_per_s=batch / median[row],
                 ratio_vs_static_compiled=median[BASELINE] / median[row],
-                first_call_s=first_call.get(row, (0.0, 0))[0],
+                first_call_s=first["wall_s"] if first else 0.0,
                 recompiles=sum(run["graphs"] for run in rs),
+                cudagraph_skips=sum(run["cudagraph_skips"] for run in rs) + (first["cudagraph_skips"] if first else 0),
                 kv_bytes_held=rs[-1]["kv_bytes"],
                 kv_bytes_vs_static=rs[-1]["kv_bytes"] / baseline[-1]["kv_bytes"],
                 tokens_match=matches,
@@ -249,14 +261,14 @@ def _summarize(
 
 def markdown_table(results: Sequence[CompiledResult]) -> str:
     lines = [
-        "| cell | row | compiled | tok/s | vs StaticCache compiled | first call s | recompiles | KV bytes vs Static "
-        "| tokens equal |",
-        "|---|---|---|---:|---:|---:|---:|---:|---|",
+        "| cell | row | compiled | tok/s | vs StaticCache compiled | first call s | recompiles | CUDA graph skips "
+        "| KV bytes vs Static | tokens equal |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         lines.append(
             f"| {r.length:,} x {r.batch} | {r.row} | {r.compiled} | {r.tokens_per_s:.1f} | "
-            f"{r.ratio_vs_static_compiled:.2f}x | {r.first_call_s:.1f} | {r.recompiles} | "
+            f"{r.ratio_vs_static_compiled:.2f}x | {r.first_call_s:.1f} | {r.recompiles} | {r.cudagraph_skips} | "
             f"{r.kv_bytes_vs_static:.2f} | {r.tokens_match} |"
         )
     return "\n".join(lines)
