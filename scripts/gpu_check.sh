@@ -48,11 +48,11 @@ phase() {
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$log"
-python3 -c 'import torch, transformers, hf_kvcache; print("torch", torch.__version__, "transformers",
+python3 -c 'import torch, transformers, hf_kvcache.bench; print("torch", torch.__version__, "transformers",
 transformers.__version__, "cuda", torch.cuda.is_available())' 2>&1 | tee -a "$log" || exit 1
 
 bench=(python3 scripts/bench_decode.py "${weights[@]}" --device cuda --dtype bfloat16)
-compiled=(env TORCH_LOGS=cudagraphs "${bench[@]}" --suite compiled --mode reduce-overhead --steps 32 --rounds 2)
+compiled=("${bench[@]}" --suite compiled --mode reduce-overhead --steps 32 --rounds 2)
 phase "compiled 1,024 x 1" 180 "${compiled[@]}" --lengths 1024 --batches 1 \
     --rows dynamic paged_pool:compiled paged_pool --output "$out/compiled-1024x1.json"
 phase "compiled 4,096 x 8" 130 "${compiled[@]}" --lengths 4096 --batches 8 \

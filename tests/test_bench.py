@@ -284,3 +284,27 @@ def test_compiled_suite_compiles_our_caches_as_generate_does():
     assert all(r.recompiles == 0 for r in results.values())
     assert results["paged_pool:compiled"].tokens_match and results["sliding_ring:compiled"].tokens_match  # window 1,024
     assert "| 40 x 2 | paged_pool:compiled | True |" in markdown_table(list(results.values()))
+
+
+def test_eager_rows_of_the_compiled_suite_stay_eager_where_generate_would_compile_them(monkeypatch):
+    """On CUDA ``generate`` compiles the steps of every compileable cache unasked (``_valid_auto_compile_criteria``:
+    a CUDA device, a compileable cache, no ``disable_compile``); the suite's eager rows must stay eager there. The
+    rule is put in place here with the device check answered as on CUDA."""
+    from transformers import DynamicCache
+
+    from hf_kvcache.bench.compiled import CompiledBenchConfig, run_compiled_benchmark
+
+    def as_on_cuda(self, model_kwargs, generation_config) -> bool:
+        cache = model_kwargs.get("cache")
+        return not generation_config.disable_compile and cache.is_compileable and type(cache) is not DynamicCache
+
+    model = tiny_llama()
+    monkeypatch.setattr(type(model), "_valid_auto_compile_criteria", as_on_cuda)
+    compiled_calls = []
+    get_compiled_call = model.get_compiled_call
+    model.get_compiled_call = lambda config: compiled_calls.append(config) or get_compiled_call(config)
+    config = CompiledBenchConfig(cells=((24, 1),), rows=("static:compiled", "static", "paged_pool"), steps=2, rounds=1)
+    stream = torch.randint(128, (24,), generator=torch.Generator().manual_seed(0))
+    results = run_compiled_benchmark(model, stream, config)
+    assert len(compiled_calls) == 2  # static:compiled's first call and its one round
+    assert [r.compiled for r in results] == [True, False, False]

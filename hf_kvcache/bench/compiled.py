@@ -11,7 +11,8 @@ For each (length, batch) the prompt rows (consecutive slices of the essays' toke
 caches draw from the default pool, as ``generate(cache_implementation=...)`` would (on CUDA, whose default pools
 move their pages when they grow, from a fixed pool of the run's tokens, as ``cache_config`` ``max_tokens`` gives).
 ``generate`` then gets the prompt plus its next token, so that its own prefill feeds that one token, and runs
-``warmup_steps + steps`` decode steps; a logits processor stamps the time of each step and the timed steps' median
+``warmup_steps + steps`` decode steps (eager rows with ``disable_compile``: on CUDA ``generate`` would compile a
+compileable cache's steps unasked); a logits processor stamps the time of each step and the timed steps' median
 gives tokens/s. Each compiled row first runs once untimed (its compile, reported as ``first_call_s``); then every
 row runs ``rounds`` times, interleaved. Our caches run under ``attn_implementation="hf_kvcache"`` (their pages read
 in place where that applies, eager or compiled), transformers' under the model's own (``sdpa``). Reported per row:
@@ -41,6 +42,7 @@ from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.eval import kv_bytes
 from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.integration.seams import build_cache
+from hf_kvcache.memory.format import DEFAULT_PAGE_SIZE
 
 logger = logging.getLogger("hf_kvcache.bench")
 
@@ -141,7 +143,7 @@ def _build(model: PreTrainedModel, name: str, capacity: int, batch: int) -> Any:
         return DynamicCache(config=model.config)
     config = dict(ROW_CONFIGS.get(name, {}))
     if model.device.type == "cuda":  # CUDA's default pools move when they grow: compiling needs a fixed pool
-        config["max_tokens"] = batch * capacity
+        config["max_tokens"] = batch * -(-capacity // DEFAULT_PAGE_SIZE) * DEFAULT_PAGE_SIZE  # each row whole pages
     return build_cache(name, model, config)
 
 
@@ -170,6 +172,7 @@ def _run(model, prefill, rows: torch.Tensor, row: str, batch: int, config: Compi
             min_new_tokens=new_tokens,
             do_sample=False,
             compile_config=compile_config,
+            disable_compile=not compiled,  # on CUDA generate compiles a compileable cache unless told not to
             logits_processor=[clock],
             return_dict_in_generate=True,
         )
