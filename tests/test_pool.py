@@ -217,6 +217,35 @@ def test_cuda_pool_matches_dynamic_cache(tiny_gemma3_model):
     assert default.cache.pool.device.type == "cuda"
 
 
+@pytest.mark.parametrize("offload", ["device_map", "cpu_offload"])
+def test_an_offloaded_model_generates_on_pools_where_its_layers_run(tiny_llama_model, offload, tmp_path):
+    """accelerate leaves an offloaded module's parameters on "meta" and streams them to where it runs, so
+    ``model.device`` says meta (the GPU check met it: IncompatibleModelError "No layer of this cache is placed on
+    meta"). Pools are bound where the layers run (the device map's, or where the first write comes), never on meta."""
+    from accelerate import cpu_offload, dispatch_model
+
+    model = copy.deepcopy(tiny_llama_model)
+    if offload == "device_map":
+        device_map = {"model.embed_tokens": "disk", "model.rotary_emb": "cpu", "model.layers.0": "disk"}
+        device_map |= {"model.layers.1": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+        model = dispatch_model(model, device_map=device_map, offload_dir=str(tmp_path))
+    else:
+        model = cpu_offload(model, execution_device="cpu")
+    assert model.device.type == "meta"
+    ids = torch.randint(1, 128, (2, 20))
+    expected = tiny_llama_model.generate(ids, max_new_tokens=10, do_sample=False)
+    out = model.generate(
+        ids, max_new_tokens=10, do_sample=False, cache_implementation="paged_pool", return_dict_in_generate=True
+    )
+    assert torch.equal(out.sequences, expected)
+    assert list(out.cache.pools) == [torch.device("cpu")]
+    if offload == "cpu_offload":  # no device map: the check cannot know which pool the layers will use
+        with pytest.raises(hf_kvcache.IncompatibleModelError, match="admission_check=True cannot check this request"):
+            model.generate(
+                ids, max_new_tokens=2, cache_implementation="paged_pool", cache_config={"admission_check": True}
+            )
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_model_split_across_devices_gets_one_pool_per_device(tiny_llama_model):

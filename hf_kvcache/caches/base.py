@@ -95,7 +95,7 @@ class PoolCache(PlannedDecoding):
         if (dtype is None) != (device is None):
             raise ValueError("Give both dtype and device to bind the pool early, or neither.")
         if dtype is not None:
-            for placed in placement.devices or [normalize_device(device)]:
+            for placed in placement.devices_for(device):
                 self._binder.bind(placed, dtype)
 
     options_class = CacheOptions
@@ -192,9 +192,17 @@ class PoolCache(PlannedDecoding):
 
         Raises:
             PoolExhaustedError: the worst case needs more pages than a pool has free or can still grow into.
+            IncompatibleModelError: the model's parameters are offloaded without a device map (no pool to check).
         """
         binder = self._binder
-        for placed in binder.placement.devices or [normalize_device(device)]:
+        placed_devices = binder.placement.devices_for(device)
+        if not placed_devices:
+            raise IncompatibleModelError(
+                "admission_check=True cannot check this request: the model's parameters are offloaded (on meta) "
+                "without a device map, so which device's pool its layers use is known at their first write only. "
+                "Load the model with a device_map (from_pretrained(..., device_map=...)) or pass admission_check=False."
+            )
+        for placed in placed_devices:
             pool = binder.bind(placed, dtype)
             page_size = pool.format.page_size
             worst = self.worst_case_pages(num_rows, num_tokens, page_size, placed)
@@ -215,7 +223,7 @@ class PoolCache(PlannedDecoding):
 
     def bind_pools(self, device: torch.device, dtype: torch.dtype) -> None:
         """Resolves the pool of each device the cache's layers live on (``device`` where they are not placed)."""
-        for placed in self._binder.placement.devices or [normalize_device(device)]:
+        for placed in self._binder.placement.devices_for(device):
             self._binder.bind(placed, dtype)
 
     def plan(self, num_tokens: int, attention_mask: torch.Tensor | None = None) -> None:
@@ -312,7 +320,8 @@ class PoolCache(PlannedDecoding):
         Returns:
             the tokens to feed: ``next_sequence_length`` less the tokens reused.
         """
-        self._binder.bind(normalize_device(model.device), model.dtype)
+        for device in self._binder.placement.devices_for(model.device)[:1]:  # the first layer's
+            self._binder.bind(device, model.dtype)
         tracker = self._binder.prefix
         if tracker is None or not tracker.begin_call(model, input_ids, inputs):
             return next_sequence_length

@@ -71,6 +71,15 @@ class Placement:
         """The distinct devices of ``layer_devices``, in layer order (empty when not given)."""
         return list(dict.fromkeys(self.layer_devices or ()))
 
+    def devices_for(self, model_device: str | torch.device) -> list[torch.device]:
+        """The devices the layers run on: ``devices`` where given, else ``model_device``; none before the first
+        write for a model whose parameters accelerate offloaded without a device map (it leaves them on "meta" and
+        streams them to where the layers run)."""
+        if self.devices:
+            return self.devices
+        device = normalize_device(model_device)
+        return [] if device.type == "meta" else [device]
+
 
 def kv_heads_per_rank(num_kv_heads: int, tp_plan: Mapping[str, str] | None, tp_size: int) -> int:
     """KV heads each rank holds under a tensor-parallel plan.
