@@ -14,6 +14,7 @@ import hf_kvcache  # noqa: F401
 from hf_kvcache import KVPool, PagedCache, PageFormat, PoolExhaustedError
 from hf_kvcache.memory import device_memory
 from hf_kvcache.memory import pools as pool_module
+from hf_kvcache.memory.device_memory import MemoryBudget
 from hf_kvcache.memory.placement import normalize_device
 
 FORMAT = PageFormat(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32, page_size=16)
@@ -328,6 +329,39 @@ def test_a_failed_growth_leaves_the_pool_as_it_was(monkeypatch):
     pool.check_integrity()
     table.release()
     pool.check_integrity()
+
+
+def test_a_default_pool_that_moves_takes_fixed_storage_once_within_its_budget(monkeypatch):
+    """Before compiled steps (``PoolCache.fix_pool_storage``): a default pool whose storage moves when it grows
+    (CUDA's) takes storage for every page id it may still open within its budget, once, halved until the device
+    grants it, and draws it from the budget at once; later growths open pages without moving them. One that cannot
+    have even the pages it holds keeps its storage; a pool of the user's that moves is left as it is."""
+    budget = MemoryBudget(40 * FORMAT.page_bytes)
+    budget.reserve(4 * FORMAT.page_bytes)  # as KVPool.default does for the ids it opens first
+    pool = KVPool(FORMAT, num_pages=4, max_pages=64, budget=budget, reserve=False)
+    pages = pool.allocate(2)
+    pool.keys[1, 0, pages[0]] = 7.0
+    new_storage = pool._new_storage
+    monkeypatch.setattr(pool, "_new_storage", lambda n: new_storage(n) if n <= 20 else torch.empty(2**62))
+    assert pool.can_fix_storage and not pool.storage_is_fixed
+    assert pool.fix_storage()  # 40 ids (the budget's) -> 22 -> 13
+    storage = pool.storage
+    assert pool.storage_is_fixed and pool.max_pages == 13 and not pool.can_fix_storage
+    assert budget.used_bytes == 13 * FORMAT.page_bytes and pool.stats()["pages_total"] == 3  # taken, not opened
+    assert (pool.keys[1, 0, pages[0]] == 7.0).all()
+    pages += pool.allocate(10)
+    assert pool.storage is storage and pool.stats()["pages_total"] == 12
+    with pytest.raises(PoolExhaustedError, match="needs 1 pages but only 0 of 12 are free"):
+        pool.allocate(1)
+    pool.free(pages)
+    pool.check_integrity()
+
+    stuck = KVPool(FORMAT, num_pages=4, max_pages=64, budget=MemoryBudget(40 * FORMAT.page_bytes), reserve=False)
+    monkeypatch.setattr(stuck, "_new_storage", lambda n: torch.empty(2**62))
+    before = stuck.storage
+    assert not stuck.fix_storage() and stuck.storage is before and stuck.max_pages == 64
+    users = KVPool(FORMAT, num_pages=4, max_pages=64, reserve=False)
+    assert not users.can_fix_storage and not users.fix_storage() and not users.storage_is_fixed
 
 
 def test_default_pools_of_a_device_share_one_memory_cap(monkeypatch, fresh_default_pools):

@@ -8,8 +8,9 @@ on CUDA ``"reduce-overhead"``: CUDA graphs), and ``generate`` decides, by its ow
 
 For each (length, batch) the prompt rows (consecutive slices of the essays' token stream) are prefilled once with a
 ``DynamicCache`` and loaded into each run's fresh cache through ``cache.update`` (a copy, not a forward pass); our
-caches draw from the default pool, as ``generate(cache_implementation=...)`` would (on CUDA, whose default pools
-move their pages when they grow, from a fixed pool of the run's tokens, as ``cache_config`` ``max_tokens`` gives).
+caches draw from the default pool, as ``generate(cache_implementation=...)`` would (on CUDA, where a default pool
+moves its pages when it grows, the first compiled row makes it take its cap in a storage that never moves,
+``KVPool.fix_storage``; the eager rows then run on that storage too, as a process's later requests would).
 ``generate`` then gets the prompt plus its next token, so that its own prefill feeds that one token, and runs
 ``warmup_steps + steps`` decode steps (eager rows with ``disable_compile``: on CUDA ``generate`` would compile a
 compileable cache's steps unasked); a logits processor stamps the time of each step and the timed steps' median
@@ -42,7 +43,6 @@ from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.eval import kv_bytes
 from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.integration.seams import build_cache
-from hf_kvcache.memory.format import DEFAULT_PAGE_SIZE
 
 logger = logging.getLogger("hf_kvcache.bench")
 
@@ -136,22 +136,19 @@ def _cudagraph_skips() -> int:
     return torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
 
 
-def _build(model: PreTrainedModel, name: str, capacity: int, batch: int) -> Any:
+def _build(model: PreTrainedModel, name: str, capacity: int) -> Any:
     if name == "static":
         return StaticCache(config=model.config, max_cache_len=capacity)
     if name == "dynamic":
         return DynamicCache(config=model.config)
-    config = dict(ROW_CONFIGS.get(name, {}))
-    if model.device.type == "cuda":  # CUDA's default pools move when they grow: compiling needs a fixed pool
-        config["max_tokens"] = batch * -(-capacity // DEFAULT_PAGE_SIZE) * DEFAULT_PAGE_SIZE  # each row whole pages
-    return build_cache(name, model, config)
+    return build_cache(name, model, dict(ROW_CONFIGS.get(name, {})))
 
 
 def _run(model, prefill, rows: torch.Tensor, row: str, batch: int, config: CompiledBenchConfig):
     """One run: a fresh cache loaded with the prefilled rows, then ``generate``'s decode steps."""
     name, compiled = row.split(":")[0], row.endswith(":compiled")
     length = rows.shape[1]
-    cache = _build(model, name, length + config.warmup_steps + config.steps + 2, batch)
+    cache = _build(model, name, length + config.warmup_steps + config.steps + 2)
     ids = torch.cat([rows[:batch], prefill.next_tokens[:batch, None]], dim=1)  # [batch, length + 1]
     compile_config = None
     if compiled:

@@ -31,11 +31,18 @@ class PlannedDecoding(Cache):
             return False
         if binder.placement.group is not None or len({at for at in binder.layer_group_devices if at}) > 1:
             return False
-        # A compiled step (a CUDA graph above all) needs storage that never moves: CPU default pools, fixed pools.
+        # A compiled step (a CUDA graph above all) needs storage that never moves: CPU default pools, fixed pools,
+        # and default pools that move (CUDA's), which take fixed storage before the steps compile (fix_pool_storage).
         pools = list(binder.pools.values()) or ([binder.pool] if binder.pool is not None else [])
         if not pools:
             return self.options.max_tokens is not None  # unbound: only a fixed pool of its own is known to stay
-        return all(pool.storage_is_fixed for pool in pools)
+        return all(pool.storage_is_fixed or pool.can_fix_storage for pool in pools)
+
+    def fix_pool_storage(self) -> bool:
+        """Before ``generate`` compiles the steps: gives each default pool whose storage moves one that never moves
+        (``KVPool.fix_storage``). Returns whether every pool's storage is fixed."""
+        pools = list(self._binder.pools.values())
+        return all([pool.fix_storage() for pool in pools]) and bool(pools)
 
     def plan_decode(self, num_rows: int, num_new: int | None, attention_mask: torch.Tensor | None = None) -> bool:
         """Before a decode step of ``generate``, and before its inputs are prepared (they may build the attention
@@ -59,8 +66,8 @@ class PlannedDecoding(Cache):
                 flex.log_once(
                     "compiled:moves",
                     logging.WARNING,
-                    "Compiled decoding runs the eager step: the pool's storage moves when it grows (CUDA's default "
-                    "pools); give the cache a fixed pool (cache_config max_tokens, or KVPool.for_model).",
+                    "Compiled decoding runs the eager step: the pool's storage moves when it grows (a pool made "
+                    "with reserve=False); give the cache a fixed pool (cache_config max_tokens, or KVPool.for_model).",
                 )
             self.end_planning()
             return False

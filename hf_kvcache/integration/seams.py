@@ -161,6 +161,7 @@ def check_request(
     compiles = getattr(model, "_valid_auto_compile_criteria", None)  # generate's own rule (StaticCache's)
     cache.runs_eager = False
     compiled = compiles is not None and compiles(model_kwargs | {"cache": cache}, generation_config)
+    compiled = compiled and cache.fix_pool_storage()  # a default pool that moves when it grows takes fixed storage
     # A cache that says it is compileable gets a materialized mask at every step, even eager (transformers skips
     # it only for caches that are not): once generate's rule said no, it says no.
     cache.compiled_decoding, cache.runs_eager = bool(compiled), not compiled

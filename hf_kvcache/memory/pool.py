@@ -10,7 +10,8 @@ growth that cannot be had leaves the pool as it was, and the request fails alone
 shape where memory is committed lazily (the CPU: the cap is reserved once with ``torch.empty``, and only the
 pages opened are ever touched), so attention compiled for it never recompiles; on other devices (CUDA) the
 storage holds the opened pages only and a growth moves them into a larger one, under the pool's lock
-(``PoolStorage``: readers and writers take a snapshot and use its indices with it).
+(``PoolStorage``: readers and writers take a snapshot and use its indices with it), until compiled decoding asks
+for storage that never moves (``fix_storage``).
 
 Every free page is all zeros (pages are zeroed when opened, when freed, and when a cached page of the prefix
 index is evicted), so a slot a request has not written reads as zero, and attention that reads whole blocks in
@@ -140,6 +141,48 @@ class KVPool(PoolFactories):
     def storage_is_fixed(self) -> bool:
         """Whether the storage never moves: it holds every page id the pool may ever open (views of it stay valid)."""
         return self.storage.num_pages >= self.max_pages
+
+    @property
+    def can_fix_storage(self) -> bool:
+        """Whether ``fix_storage`` may give the pool a storage that never moves: a default pool (it has a memory
+        budget) whose storage moves when it grows (CUDA's). A pool of the user's keeps the storage it was made with."""
+        return not self.storage_is_fixed and self._budget is not None
+
+    def fix_storage(self) -> bool:
+        """Gives a default pool whose storage moves when it grows one that never moves, for compiled decoding (a
+        CUDA graph replays over fixed addresses): storage for every page id it may still open, within its memory
+        budget, taken now (halved until the device grants it) and drawn from the budget at once. The pool then opens
+        page ids as before (zeroed when opened) and never moves them; its cap is what it took. Logged.
+
+        Returns:
+            whether the storage is fixed now.
+        """
+        with self.lock:
+            if self.storage_is_fixed or not self.can_fix_storage:
+                return self.storage_is_fixed
+            num_ids = self._allocator.num_pages + 1
+            target = num_ids + self._growth_room()
+            while True:
+                try:
+                    larger = self._new_storage(target)
+                    break
+                except (RuntimeError, MemoryError) as error:  # torch's out-of-memory errors are RuntimeErrors
+                    logger.warning("KV pool on %s could not take %d pages (%s).", self.device, target, error)
+                    if target == num_ids:
+                        return False  # not even the pages it holds: it keeps its storage (the steps run eager)
+                    target = num_ids + (target - num_ids) // 2
+            if not self._budget.reserve((target - num_ids) * self.format.page_bytes):
+                return False  # another default pool of this device took the room meanwhile
+            for old, new in zip(self.storage.tensors, larger.tensors):
+                new[:, :, :num_ids].copy_(old[:, :, :num_ids])
+            self.storage, self.max_pages, self._budget = larger, target, None  # its bytes are all drawn already
+            logger.warning(
+                "KV pool on %s took its cap, %d pages (%.1f MiB), in a storage that never moves, so that generate can "
+                "compile its decode steps (a CUDA graph replays over fixed addresses). Pass cache_config max_tokens "
+                "for a smaller fixed pool, or generate(disable_compile=True) to keep the default pool growing.",
+                *(self.device, target, target * self.format.page_bytes / 2**20),
+            )
+            return True
 
     def _storage_pages(self, num_pages: int) -> int:
         """Storage page ids for ``num_pages`` opened ones: whole extents (attention reads whole blocks)."""
