@@ -9,8 +9,8 @@
 #   4. the eager paged suite (in place and gathered, next to DynamicCache and StaticCache) at 4,096 x 8.
 # Results land in $OUT (or ./gpu_results): one log and a JSON record per benchmark.
 #
-# On the lent machine of this workplace (no package index, 64 MiB carried), prepare here:
-#   .whl/        transformers and the dependencies the machine's image lacks at the versions it needs (pip download)
+# On the lent machine of this workplace (no package index, 64 MiB carried), run scripts/gpu_prepare.sh here first:
+#   .whl/        transformers and the dependencies the machine's image lacks at the versions it needs
 #   .gpu/home/   an HF_KVCACHE_HOME holding the bundled model's config and tokenizer (no weights) and the essays;
 #                the benchmarks then run the bundled architecture with random weights (--random-weights)
 # and carry both. Elsewhere neither folder exists and the bundled model is used as is.
