@@ -173,9 +173,8 @@ class KVPool(PoolFactories):
                     target = num_ids + (target - num_ids) // 2
             if not self._budget.reserve((target - num_ids) * self.format.page_bytes):
                 return False  # another default pool of this device took the room meanwhile
-            for old, new in zip(self.storage.tensors, larger.tensors):
-                new[:, :, :num_ids].copy_(old[:, :, :num_ids])
-            self.storage, self.max_pages, self._budget = larger, target, None  # its bytes are all drawn already
+            self._move_to(larger, num_ids)
+            self.max_pages, self._budget = target, None  # its bytes are all drawn from the budget already
             logger.warning(
                 "KV pool on %s took its cap, %d pages (%.1f MiB), in a storage that never moves, so that generate can "
                 "compile its decode steps (a CUDA graph replays over fixed addresses). Pass cache_config max_tokens "
@@ -207,6 +206,12 @@ class KVPool(PoolFactories):
                     "KV pool on %s could not reserve %d pages (%s); trying half.", self.device, self.max_pages, error
                 )
                 self.max_pages //= 2
+
+    def _move_to(self, larger: PoolStorage, num_ids: int) -> None:
+        """Copies the first ``num_ids`` page ids into ``larger`` and makes it the pool's storage (under the lock)."""
+        for old, new in zip(self.storage.tensors, larger.tensors):
+            new[:, :, :num_ids].copy_(old[:, :, :num_ids])
+        self.storage = larger
 
     def _zero_range(self, start: int, end: int) -> None:
         for tensor in self.storage.tensors:
@@ -248,9 +253,7 @@ class KVPool(PoolFactories):
                     self._budget.release(num_bytes)
                 logger.warning("KV pool on %s could not grow by %d bytes: %s", self.device, num_bytes, error)
                 return False
-            for old, new in zip(self.storage.tensors, larger.tensors):
-                new[:, :, :num_ids].copy_(old[:, :, :num_ids])
-            self.storage = larger
+            self._move_to(larger, num_ids)
         self._zero_range(num_ids, self._storage_pages(target))  # whole extents: attention reads them whole
         self._allocator.add_pages(target - num_ids)
         logger.info(
