@@ -617,3 +617,53 @@ def test_a_mask_that_hides_more_than_padding_is_not_read_in_place():
     holed = torch.tensor([[0, 0, 1, 0, 1], [1, 1, 1, 1, 1]])
     assert not _hides_padding_only(holed, [2, 0], 5)
     assert not _hides_padding_only(padded, [2, 0], 6)  # a mask of another length
+
+
+def gathered_decode_case(device: str, dtype: torch.dtype) -> tuple[tuple, torch.Tensor]:
+    """``flex.gathered_decode``'s arguments for two rows of 10 tokens in 3 pages (row 0's first 2 padding), 4 KV heads
+    of 3 query heads each, and the attention it must compute: each row over its own tokens, the KV heads repeated."""
+    generator = torch.Generator().manual_seed(0)
+    kv_heads, group, head_dim, page_size, num_pages = 4, 3, 16, 4, 12
+    keys, values = torch.randn(2, 1, kv_heads, num_pages * page_size, head_dim, generator=generator).to(device, dtype)
+    query = torch.randn(2, kv_heads * group, 1, head_dim, generator=generator).to(device, dtype)
+    pages = torch.tensor([[[3, 7, 1, 0]], [[5, 2, 9, 0]]], device=device)  # page 0: the null page
+    pads, num_tokens = torch.tensor([2, 0], device=device), torch.tensor([10], device=device)
+    expected = []
+    for row, pad in enumerate([2, 0]):
+        slots = torch.cat([torch.arange(page * page_size, (page + 1) * page_size) for page in pages[row, 0, :3]])
+        row_keys, row_values = (tensor[:, :, slots[pad:10]].repeat_interleave(group, 1) for tensor in (keys, values))
+        expected.append(torch.nn.functional.scaled_dot_product_attention(query[row : row + 1], row_keys, row_values))
+    arguments = (query, keys, values, pages, pads, num_tokens, page_size, None)
+    return arguments, torch.cat(expected)
+
+
+def test_a_gathered_decode_step_reads_each_rows_tokens_with_no_grouped_masked_sdpa_call(monkeypatch):
+    """The planned step's fallback (no FlexAttention) packs a KV head's query heads as query rows: sdpa never gets
+    ``enable_gqa`` beside a mask, the pair CUDA's fused kernels refuse (torch then runs the math kernel)."""
+    from hf_kvcache.attention import flex
+
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs)
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    arguments, expected = gathered_decode_case("cpu", torch.float32)
+    torch.testing.assert_close(flex.gathered_decode(*arguments), expected)
+    assert calls and not any(call.get("enable_gqa") and call.get("attn_mask") is not None for call in calls)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gathered_decode_step_takes_a_fused_kernel_on_cuda():
+    """With the math kernel disabled the fallback still runs (torch raises "No available kernel" otherwise)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from hf_kvcache.attention import flex
+
+    arguments, expected = gathered_decode_case("cuda", torch.bfloat16)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+        output = flex.gathered_decode(*arguments)
+    torch.testing.assert_close(output, expected, rtol=2e-2, atol=2e-2)

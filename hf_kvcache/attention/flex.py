@@ -344,6 +344,25 @@ def _paged_decode(
     except FlexUnavailable as error:
         limit = "MAX_SHAPE_KEYS" in error.reason
         log_path(f"compile:{error.reason}", error.reason, logging.WARNING if limit else logging.INFO)
+    return gathered_decode(query, keys, values, pages, pads, num_tokens, page_size, scale)
+
+
+def gathered_decode(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pages: torch.Tensor,
+    pads: torch.Tensor,
+    num_tokens: torch.Tensor,
+    page_size: int,
+    scale: float | None,
+) -> torch.Tensor:
+    """A decode step's attention over each row's ``pages`` (``[batch, 1, capacity]``) gathered from one layer's
+    storage, keys ``pads[row] <= position < num_tokens`` seen; shapes as ``decode_attention``.
+
+    The ``group`` query heads of a KV head go in as ``group`` query rows of it (one token per row), so sdpa gets
+    no ``enable_gqa`` beside its mask: CUDA's fused kernels do not take both, and torch would run the math kernel,
+    which copies every key and value ``group`` times first."""
     batch, num_heads, _, head_dim = query.shape
     num_kv_heads = keys.shape[1]
     heads = torch.arange(num_kv_heads, device=keys.device).view(1, -1, 1)
@@ -353,9 +372,9 @@ def _paged_decode(
     ]  # [batch, kv heads, capacity * page_size, head_dim] each
     positions = torch.arange(gathered[0].shape[2], device=keys.device)
     seen = (positions >= pads.view(-1, 1)) & (positions < num_tokens)  # [batch, keys]
-    return F.scaled_dot_product_attention(
-        query, *gathered, attn_mask=seen[:, None, None, :], scale=scale, enable_gqa=num_heads != num_kv_heads
-    )
+    packed = query.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    output = F.scaled_dot_product_attention(packed, *gathered, attn_mask=seen[:, None, None, :], scale=scale)
+    return output.reshape(batch, num_heads, 1, head_dim)
 
 
 @_paged_decode.register_fake
