@@ -13,6 +13,7 @@ from helpers import random_ids
 import hf_kvcache  # noqa: F401
 from hf_kvcache import KVPool, PagedCache, PageFormat, PoolExhaustedError
 from hf_kvcache.memory import device_memory
+from hf_kvcache.memory import pool as pool_storage_module
 from hf_kvcache.memory import pools as pool_module
 from hf_kvcache.memory.device_memory import MemoryBudget
 from hf_kvcache.memory.placement import normalize_device
@@ -333,7 +334,7 @@ def test_a_failed_growth_leaves_the_pool_as_it_was(monkeypatch):
 
 def test_a_default_pool_that_moves_takes_fixed_storage_once_within_its_budget(monkeypatch):
     """Before compiled steps (``PoolCache.fix_pool_storage``): a default pool whose storage moves when it grows
-    (CUDA's) takes storage for every page id it may still open within its budget, once, halved until the device
+    (CUDA's) takes storage for its page ids and half the room left in its budget, once, halved until the device
     grants it, and draws it from the budget at once; later growths open pages without moving them. One that cannot
     have even the pages it holds keeps its storage; a pool of the user's that moves is left as it is."""
     budget = MemoryBudget(40 * FORMAT.page_bytes)
@@ -344,7 +345,7 @@ def test_a_default_pool_that_moves_takes_fixed_storage_once_within_its_budget(mo
     new_storage = pool._new_storage
     monkeypatch.setattr(pool, "_new_storage", lambda n: new_storage(n) if n <= 20 else torch.empty(2**62))
     assert pool.can_fix_storage and not pool.storage_is_fixed
-    assert pool.fix_storage()  # 40 ids (the budget's) -> 22 -> 13
+    assert pool.fix_storage()  # 4 ids + 18 (half the budget's 36 left) -> 4 + 9
     storage = pool.storage
     assert pool.storage_is_fixed and pool.max_pages == 13 and not pool.can_fix_storage
     assert budget.used_bytes == 13 * FORMAT.page_bytes and pool.stats()["pages_total"] == 3  # taken, not opened
@@ -387,6 +388,25 @@ def test_default_pools_of_a_device_share_one_memory_cap(monkeypatch, fresh_defau
     first.check_integrity()
     table.release()
     second.check_integrity()
+
+
+def test_default_pools_of_two_formats_both_take_fixed_storage_for_compiled_steps(monkeypatch, fresh_default_pools):
+    """Where default pools move when they grow (CUDA's), each format's pool takes fixed storage when generate first
+    compiles on it: the first takes half the room left in the budget, so the next format's pool still gets room (it
+    got none, and then the first step past its few pages failed with PoolExhaustedError)."""
+    small, large = FORMAT, PageFormat(2, 2, 16, torch.float32, page_size=32)
+    cap = 1000 * small.page_bytes
+    monkeypatch.setattr(device_memory, "memory_limit_bytes", lambda: int(cap / pool_module.DEFAULT_MAX_MEMORY_FRACTION))
+    monkeypatch.setattr(pool_storage_module, "commits_lazily", lambda device: False)
+    first, second = KVPool.default(small, "cpu"), KVPool.default(large, "cpu")
+    budget = KVPool.default_budget("cpu")
+    room = budget.free_bytes
+    assert first.fix_storage() and second.fix_storage()
+    first_bytes = first.max_pages * small.page_bytes
+    assert first_bytes - first.stats()["bytes_total"] == pytest.approx(room / 2, abs=small.page_bytes)
+    assert second.capacity_pages >= budget.total_bytes // 4 // large.page_bytes - 8
+    second.new_table().grow(1, second.capacity_pages * large.page_size)  # every page it took opens, unmoved
+    assert budget.used_bytes <= cap
 
 
 @pytest.mark.parametrize(

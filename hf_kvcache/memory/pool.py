@@ -150,9 +150,10 @@ class KVPool(PoolFactories):
 
     def fix_storage(self) -> bool:
         """Gives a default pool whose storage moves when it grows one that never moves, for compiled decoding (a
-        CUDA graph replays over fixed addresses): storage for every page id it may still open, within its memory
-        budget, taken now (halved until the device grants it) and drawn from the budget at once. The pool then opens
-        page ids as before (zeroed when opened) and never moves them; its cap is what it took. Logged.
+        CUDA graph replays over fixed addresses): storage for the page ids it holds and half the room left in its
+        memory budget (the other half stays for the default pools of other formats, which fix theirs in turn),
+        taken now (halved until the device grants it) and drawn from the budget at once. The pool then opens page ids
+        as before (zeroed when opened) and never moves them; its cap is what it took. Logged.
 
         Returns:
             whether the storage is fixed now.
@@ -161,7 +162,8 @@ class KVPool(PoolFactories):
             if self.storage_is_fixed or not self.can_fix_storage:
                 return self.storage_is_fixed
             num_ids = self._allocator.num_pages + 1
-            target = num_ids + self._growth_room()
+            half = self._budget.free_bytes // 2 // self.format.page_bytes
+            target = num_ids + max(0, min(self.max_pages - num_ids, half))
             while True:
                 try:
                     larger = self._new_storage(target)
@@ -176,9 +178,10 @@ class KVPool(PoolFactories):
             self._move_to(larger, num_ids)
             self.max_pages, self._budget = target, None  # its bytes are all drawn from the budget already
             logger.warning(
-                "KV pool on %s took its cap, %d pages (%.1f MiB), in a storage that never moves, so that generate can "
-                "compile its decode steps (a CUDA graph replays over fixed addresses). Pass cache_config max_tokens "
-                "for a smaller fixed pool, or generate(disable_compile=True) to keep the default pool growing.",
+                "KV pool on %s took its cap, %d pages (%.1f MiB: half the default pools' budget left), in a storage "
+                "that never moves, so that generate can compile its decode steps (a CUDA graph replays over fixed "
+                "addresses). Pass cache_config max_tokens for a fixed pool of another size, or "
+                "generate(disable_compile=True) to keep the default pool growing.",
                 *(self.device, target, target * self.format.page_bytes / 2**20),
             )
             return True

@@ -139,7 +139,8 @@ class PoolFactories:
         ``memory_limit_bytes``) or of the free memory (CUDA). On the CPU the pool reserves its cap once, without
         committing it (``commits_lazily``): its storage never changes shape. On CUDA, where reserved memory is
         committed, it holds what it has opened and a growth moves the pages to a storage twice the size, until
-        ``generate`` compiles a cache on it (``KVPool.fix_storage``: its cap, once, in a storage that never moves).
+        ``generate`` compiles a cache on it (``KVPool.fix_storage``: half the budget left, once, in a storage that
+        never moves).
 
         Args:
             group: the process group of a tensor-parallel model's ranks: the budget is then the smallest of theirs
