@@ -221,9 +221,15 @@ def _run_cells(model: PreTrainedModel, stream: torch.Tensor, config: CompiledBen
                     *(row, length, batch, run["wall_s"], run["graphs"], run["cudagraph_skips"]),
                 )
         runs: dict[str, list[dict]] = {row: [] for row in config.rows}
-        for _ in range(config.rounds):
+        for round_index in range(config.rounds):
             for row in config.rows:
-                runs[row].append(_run(model, prefill, rows, row, batch, config))
+                run = _run(model, prefill, rows, row, batch, config)
+                runs[row].append(run)
+                logger.info(  # in the log before the record, which a run cut off by its time limit never writes
+                    "%s at %d x %d, round %d: median step %.2f ms (%s), %d graphs",
+                    *(row, length, batch, round_index, 1e3 * statistics.median(run["step_s"])),
+                    *("compiled" if run["compiled"] else "eager", run["graphs"]),
+                )
                 gc.collect()
         results += _summarize(runs, first_call, length, batch)
     return results
