@@ -32,6 +32,12 @@ the first of ``--lengths`` and ``--batches``, e.g. one 4,096 x 8 step in place::
 
     PYTHONPATH=. python scripts/bench_decode.py --profile paged_pool --lengths 4096 --batches 8
 
+``--suite compiled --profile-row ROW`` prints where the time of ``ROW``'s decode steps goes (its kernels and device
+time per forward pass, then ``torch.profiler``'s table), at the first cell, e.g. on a GPU::
+
+    PYTHONPATH=. python scripts/bench_decode.py --suite compiled --profile-row paged_pool:compiled \\
+        --lengths 1024 --batches 1 --device cuda --dtype bfloat16 --mode reduce-overhead
+
 ``--random-weights`` builds the bundled model's architecture from its config with random weights (seed 0), for a
 machine that has the bundled folder's config and tokenizer but not its weights (the GPU check carries no more than
 64 MiB): step times depend on the shapes alone, but greedy tokens of random weights sit close to ties, so the
@@ -81,6 +87,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--window", type=int, default=defaults.window, help="tokens kept by the sliding caches")
     parser.add_argument("--output", type=Path, help="JSON record path (default: the suite's)")
     parser.add_argument("--profile", choices=CACHE_NAMES, help="print a profile of one decode step of this cache")
+    parser.add_argument("--profile-row", help="the compiled suite: print a profile of this row's steps instead")
     parser.add_argument("--mode", default="default", help="CompileConfig mode of the compiled suite's rows")
     parser.add_argument("--rows", nargs="+", help="the compiled suite's rows (default: all; static:compiled always)")
     parser.add_argument("--random-weights", action="store_true", help="the bundled architecture, random weights")
@@ -131,6 +138,9 @@ def run_compiled_suite(args: argparse.Namespace) -> None:
     device, dtype = machine_settings(args)
     model, tokenizer = load_model(args, device, dtype)
     info = environment(device, dtype)
+    if args.profile_row:
+        print(compiled.profile_row(model, essay_token_stream(tokenizer), config, args.profile_row))
+        return
     with OtherCpuUse() as others:
         results = compiled.run_compiled_benchmark(model, essay_token_stream(tokenizer), config)
     record = compiled.results_record(results, config, info)

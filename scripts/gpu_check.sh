@@ -7,6 +7,9 @@
 #      targets), then paged_pool compiled at 1,024 x 1;
 #   2. the GPU-marked tests;
 #   3. quantized_kv compiled at 1,024 x 1.
+# `bash scripts/gpu_check.sh profile` instead prints where the compiled steps' device time goes (mode="default", so
+# that every kernel shows): StaticCache and paged_pool at 1,024 x 1, quantized_values at 4,096 x 8, after the
+# split-device test.
 # Results land in $OUT (or ./gpu_results): one log and a JSON record per benchmark.
 #
 # On the lent machine of this workplace (no package index, 64 MiB carried), run scripts/gpu_prepare.sh here first:
@@ -53,6 +56,15 @@ transformers.__version__, "cuda", torch.cuda.is_available())' 2>&1 | tee -a "$lo
 
 bench=(python3 scripts/bench_decode.py "${weights[@]}" --device cuda --dtype bfloat16)
 compiled=("${bench[@]}" --suite compiled --mode reduce-overhead --steps 32 --rounds 2)
+if [ "${1:-}" = profile ]; then
+    phase "split-device test" 50 python3 -m pytest -q -m gpu -k split -rs -p no:cacheprovider
+    profile=("${bench[@]}" --suite compiled --mode default --steps 8 --profile-row)
+    phase "profile static 1,024 x 1" 90 "${profile[@]}" static:compiled --lengths 1024 --batches 1
+    phase "profile paged_pool 1,024 x 1" 90 "${profile[@]}" paged_pool:compiled --lengths 1024 --batches 1
+    phase "profile quantized_values 4,096 x 8" 120 "${profile[@]}" quantized_values:compiled --lengths 4096 --batches 8
+    echo "== done after $SECONDS s" | tee -a "$log"
+    exit 0
+fi
 phase "compiled 4,096 x 8" 240 "${compiled[@]}" --lengths 4096 --batches 8 \
     --rows dynamic paged_pool:compiled sliding_ring:compiled quantized_values:compiled \
     --output "$out/compiled-4096x8.json"

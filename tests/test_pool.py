@@ -251,11 +251,13 @@ def test_an_offloaded_model_generates_on_pools_where_its_layers_run(tiny_llama_m
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_model_split_across_devices_gets_one_pool_per_device(tiny_llama_model):
-    """Layer 0 on the CPU, layer 1 on the GPU (accelerate's hooks move activations between them)."""
+    """Layer 0 on the CPU, layer 1 on the GPU (accelerate's hooks move activations between them). ``main_device``
+    is the CPU: by default accelerate offloads modules mapped to "cpu" and runs them on the GPU (one pool, there)."""
     from accelerate import dispatch_model
 
     model = dispatch_model(
         copy.deepcopy(tiny_llama_model),
+        main_device="cpu",
         device_map={
             "model.embed_tokens": "cpu",
             "model.rotary_emb": "cpu",

@@ -235,6 +235,34 @@ def _run_cells(model: PreTrainedModel, stream: torch.Tensor, config: CompiledBen
     return results
 
 
+def profile_row(model: PreTrainedModel, stream: torch.Tensor, config: CompiledBenchConfig, row: str) -> str:
+    """Where the time of ``row``'s decode steps goes at the first cell: the row runs once untimed (its compile),
+    then once under ``torch.profiler``. Returns the kernels launched and their device time per forward pass, and
+    the profiler's table of the top 20 operators by their own device time (CPU time on the CPU)."""
+    length, batch = config.cells[0]
+    rows = stream[: batch * length].view(batch, length).to(model.device)  # [batch, length]
+    with torch.no_grad():
+        prefill = prefill_rows(model, rows)
+    with unittest.mock.patch.object(torch._dynamo.config, "recompile_limit", RECOMPILE_LIMIT):
+        _run(model, prefill, rows, row, batch, config)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if model.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as profiler:
+            _run(model, prefill, rows, row, batch, config)
+    averages = profiler.key_averages()
+    forwards = config.warmup_steps + config.steps + 1
+    on_device = [event for event in averages if event.device_type != torch.autograd.DeviceType.CPU]
+    launched = sum(event.count for event in on_device)
+    device_ms = sum(event.self_device_time_total for event in on_device) / 1e3
+    sort = "self_device_time_total" if on_device else "self_cpu_time_total"
+    return (
+        f"{row} at {length:,} x {batch}, {forwards} forward passes (one prefill of one token per row, then decode "
+        f"steps): {launched / forwards:.0f} kernels and {device_ms / forwards:.3f} ms of device time per pass\n"
+        + averages.table(sort_by=sort, row_limit=20)
+    )
+
+
 def _summarize(
     runs: dict[str, list[dict]], first_call: dict[str, dict], length: int, batch: int
 ) -> list[CompiledResult]:
