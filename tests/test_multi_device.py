@@ -7,6 +7,7 @@ cache keeps every token), that each rank's pool holds its half of the heads and 
 took, and that a request that does not fit raises ``PoolExhaustedError`` on both ranks at the same step.
 """
 
+import copy
 import json
 import os
 import signal
@@ -26,7 +27,7 @@ from hf_kvcache import KVPool, PagedCache, PoolExhaustedError
 from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.errors import IncompatibleModelError
 from hf_kvcache.integration.registry import REGISTRY
-from hf_kvcache.integration.seams import placement_of
+from hf_kvcache.integration.seams import attention_modules, placement_of
 from hf_kvcache.memory.placement import Placement, agree, kv_heads_per_rank, layer_devices_from_map
 from hf_kvcache.memory.pools import DEFAULT_MAX_MEMORY_FRACTION
 
@@ -180,6 +181,22 @@ def test_layer_devices_follow_the_device_map_and_offloaded_layers_run_on_the_mai
     assert layer_devices_from_map(cpu_only, LAYERS) == (torch.device("cpu"),) * 4  # no GPU: disk runs on the CPU
     with pytest.raises(ValueError, match="places no module above"):
         layer_devices_from_map({"model.layers.0": 0}, LAYERS[1:2])
+
+
+def test_layers_run_where_accelerates_hooks_execute_them(tiny_llama_model):
+    """``dispatch_model(..., main_device="cpu")`` runs layers mapped to "cpu" on the CPU, not on the map's GPU: the
+    hook accelerate puts on a mapped module names its execution device, and the placement reads it there (it
+    placed such a layer on the GPU, and generate raised IncompatibleModelError: the GPU check's split test)."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    model = copy.deepcopy(tiny_llama_model)
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": 0, "lm_head": 0, "": 0}
+    layers = attention_modules(model, 2)
+    gpu = torch.device("cuda", 0)
+    assert layer_devices_from_map(device_map, layers, model) == (gpu, gpu)  # no hooks: accelerate's default rule
+    add_hook_to_module(model.model.layers[0], AlignDevicesHook(execution_device="cpu"))
+    add_hook_to_module(model.model.layers[1], AlignDevicesHook(execution_device=0))
+    assert layer_devices_from_map(device_map, layers, model) == (torch.device("cpu"), gpu)
 
 
 def test_placement_normalizes_its_devices():

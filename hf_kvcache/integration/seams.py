@@ -104,7 +104,7 @@ def placement_of(model: Any) -> Placement:
             )
     device_map = getattr(model, "hf_device_map", None) or {}
     if len(set(device_map.values())) > 1:
-        layer_devices = layer_devices_from_map(device_map, attention_modules(model, config.num_hidden_layers))
+        layer_devices = layer_devices_from_map(device_map, attention_modules(model, config.num_hidden_layers), model)
     return Placement(num_kv_heads, layer_devices, group)
 
 

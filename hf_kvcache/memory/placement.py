@@ -106,19 +106,22 @@ def kv_heads_per_rank(num_kv_heads: int, tp_plan: Mapping[str, str] | None, tp_s
 
 
 def layer_devices_from_map(
-    device_map: Mapping[str, int | str | torch.device], layer_modules: list[str]
+    device_map: Mapping[str, int | str | torch.device], layer_modules: list[str], model: Any = None
 ) -> tuple[torch.device, ...]:
     """The device each layer runs on, from a model's ``hf_device_map`` (accelerate's module -> device map).
 
-    A layer runs where the longest map key that is its module or a parent of it runs, by accelerate's rule
-    (``accelerate.dispatch_model``, which ``from_pretrained`` calls): on the key's device, except that keys
-    mapped to ``"cpu"`` or ``"disk"`` are offloaded: their weights are streamed to the main device (the map's
-    first other device, in the order of dispatch_model's set of them) and they run there; on a map with no other
-    device they run on the CPU.
+    Where ``model`` has one, the hook accelerate put on the layer's module or its nearest parent with one names the
+    device it runs on (``execution_device``). Otherwise a layer runs where the longest map key that is its module or
+    a parent of it runs, by the rule of ``accelerate.dispatch_model`` as ``from_pretrained`` calls it: on the key's
+    device, except that keys mapped to ``"cpu"`` or ``"disk"`` are offloaded: their weights are streamed to the main
+    device (the map's first other device, in the order of dispatch_model's set of them) and they run there; on a
+    map with no other device they run on the CPU (``dispatch_model(main_device="cpu")`` runs them there too: its
+    hooks say so).
 
     Args:
         device_map: e.g. ``{"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": "cpu", "lm_head": 0}``.
         layer_modules: the module name of each layer's attention, e.g. ``"model.layers.3.self_attn"``.
+        model: the model the map is of, to read its hooks (``None``: the map alone).
 
     Raises:
         ValueError: a layer's module is not covered by the map.
@@ -130,10 +133,29 @@ def layer_devices_from_map(
         keys = [key for key in device_map if key == "" or name == key or name.startswith(key + ".")]
         if not keys:
             raise ValueError(f"hf_device_map places no module above {name!r}; its keys are {sorted(device_map)}.")
-        key = max(keys, key=len)
-        value = device_map[key]
-        devices.append(_as_device(main_device if value in OFFLOADED else value))
+        value = device_map[max(keys, key=len)]
+        hooked = _hooked_device(model, name)
+        devices.append(_as_device(hooked if hooked is not None else main_device if value in OFFLOADED else value))
     return tuple(devices)
+
+
+def _hooked_device(model: Any, name: str) -> int | str | torch.device | None:
+    """The ``execution_device`` of the accelerate hook on module ``name`` of ``model`` or its nearest parent that
+    has one (``None``: no model, or no such hook)."""
+    if model is None:
+        return None
+    parts = name.split(".")
+    for end in range(len(parts), -1, -1):
+        try:
+            module = model.get_submodule(".".join(parts[:end]))
+        except AttributeError:
+            continue
+        hook = getattr(module, "_hf_hook", None)
+        for each in getattr(hook, "hooks", (hook,)):  # a SequentialHook holds several
+            device = getattr(each, "execution_device", None)
+            if device is not None:
+                return device
+    return None
 
 
 def _as_device(value: int | str | torch.device) -> torch.device:
