@@ -344,8 +344,8 @@ def test_a_default_pool_that_moves_takes_fixed_storage_once_within_its_budget(mo
     pool = KVPool(FORMAT, num_pages=4, max_pages=64, budget=budget, reserve=False)
     pages = pool.allocate(2)
     pool.keys[1, 0, pages[0]] = 7.0
-    new_storage = pool._new_storage
-    monkeypatch.setattr(pool, "_new_storage", lambda n: new_storage(n) if n <= 20 else torch.empty(2**62))
+    new_storage = pool.memory.new_storage
+    monkeypatch.setattr(pool.memory, "new_storage", lambda n: new_storage(n) if n <= 20 else torch.empty(2**62))
     assert pool.can_fix_storage and not pool.storage_is_fixed
     assert pool.fix_storage()  # 4 ids + 18 (half the budget's 36 left) -> 4 + 9
     storage = pool.storage
@@ -360,7 +360,7 @@ def test_a_default_pool_that_moves_takes_fixed_storage_once_within_its_budget(mo
     pool.check_integrity()
 
     stuck = KVPool(FORMAT, num_pages=4, max_pages=64, budget=MemoryBudget(40 * FORMAT.page_bytes), reserve=False)
-    monkeypatch.setattr(stuck, "_new_storage", lambda n: torch.empty(2**62))
+    monkeypatch.setattr(stuck.memory, "new_storage", lambda n: torch.empty(2**62))
     before = stuck.storage
     assert not stuck.fix_storage() and stuck.storage is before and stuck.max_pages == 64
     users = KVPool(FORMAT, num_pages=4, max_pages=64, reserve=False)

@@ -11,7 +11,7 @@ shape where memory is committed lazily (the CPU: the cap is reserved once with `
 pages opened are ever touched), so attention compiled for it never recompiles; on other devices (CUDA) the
 storage holds the opened pages only and a growth moves them into a larger one, under the pool's lock
 (``PoolStorage``: readers and writers take a snapshot and use its indices with it), until compiled decoding asks
-for storage that never moves (``fix_storage``).
+for storage that never moves (``fix_storage``). ``hf_kvcache.memory.growth`` holds the storage and its growth.
 
 Every free page is all zeros (pages are zeroed when opened, when freed, and when a cached page of the prefix
 index is evicted), so a slot a request has not written reads as zero, and attention that reads whole blocks in
@@ -38,6 +38,7 @@ from hf_kvcache.errors import PoolExhaustedError
 from hf_kvcache.memory.allocator import PageAllocator
 from hf_kvcache.memory.device_memory import MemoryBudget, commits_lazily
 from hf_kvcache.memory.format import PageFormat
+from hf_kvcache.memory.growth import GrowingStorage
 from hf_kvcache.memory.page_table import Allocator, PageTable
 from hf_kvcache.memory.placement import AgreedPages, normalize_device
 from hf_kvcache.memory.pools import PoolFactories, register_name
@@ -86,15 +87,12 @@ class KVPool(PoolFactories):
         alerts = PoolAlerts(alert_thresholds)
         self.format = page_format
         self.device = normalize_device(device)
-        self.max_pages = max_pages or num_pages
-        self.reserves = commits_lazily(self.device) if reserve is None else reserve
-        self._budget = budget
         self.name = name
         self.lock = threading.RLock()
         self._allocator = PageAllocator(num_pages, page_format.extent_pages, prefix_caching)
         self._prefix_epoch = 0
-        self.storage = self._reserve_storage(num_pages)
-        self._zero_range(0, self._storage_pages(num_pages))
+        reserves = commits_lazily(self.device) if reserve is None else reserve
+        self.memory = GrowingStorage(page_format, self.device, num_pages, max_pages or num_pages, budget, reserves)
         self._tables: weakref.WeakSet[PageTable] = weakref.WeakSet()
         self._alerts = alerts
         if name is not None:
@@ -138,94 +136,33 @@ class KVPool(PoolFactories):
             yield self.storage
 
     @property
+    def storage(self) -> PoolStorage:
+        """The current storage (``GrowingStorage``: a moving pool's changes when it grows, under the lock)."""
+        return self.memory.storage
+
+    @property
+    def max_pages(self) -> int:
+        """The page ids the pool may open at most, the null page included."""
+        return self.memory.max_pages
+
+    @property
     def storage_is_fixed(self) -> bool:
         """Whether the storage never moves: it holds every page id the pool may ever open (views of it stay valid)."""
-        return self.storage.num_pages >= self.max_pages
+        return self.memory.is_fixed
 
     @property
     def can_fix_storage(self) -> bool:
-        """Whether ``fix_storage`` may give the pool a storage that never moves: a default pool (it has a memory
-        budget) whose storage moves when it grows (CUDA's). A pool of the user's keeps the storage it was made with."""
-        return not self.storage_is_fixed and self._budget is not None
+        """Whether ``fix_storage`` may give the pool a storage that never moves (``GrowingStorage.can_fix``)."""
+        return self.memory.can_fix
 
     def fix_storage(self) -> bool:
-        """Gives a default pool whose storage moves when it grows one that never moves, for compiled decoding (a
-        CUDA graph replays over fixed addresses): storage for the page ids it holds and half the room left in its
-        memory budget (the other half stays for the default pools of other formats, which fix theirs in turn),
-        taken now (halved until the device grants it) and drawn from the budget at once. The pool then opens page ids
-        as before (zeroed when opened) and never moves them; its cap is what it took. Logged.
-
-        Returns:
-            whether the storage is fixed now.
-        """
+        """Gives a default pool whose storage moves when it grows one that never moves, for compiled decoding
+        (``GrowingStorage.fix``: its ids and half the room left in its budget). Returns whether it is fixed now."""
         with self.lock:
-            if self.storage_is_fixed or not self.can_fix_storage:
-                return self.storage_is_fixed
-            num_ids = self._allocator.num_pages + 1
-            half = self._budget.free_bytes // 2 // self.format.page_bytes
-            target = num_ids + max(0, min(self.max_pages - num_ids, half))
-            while True:
-                try:
-                    larger = self._new_storage(target)
-                    break
-                except (RuntimeError, MemoryError) as error:  # torch's out-of-memory errors are RuntimeErrors
-                    logger.warning("KV pool on %s could not take %d pages (%s).", self.device, target, error)
-                    if target == num_ids:
-                        return False  # not even the pages it holds: it keeps its storage (the steps run eager)
-                    target = num_ids + (target - num_ids) // 2
-            if not self._budget.reserve((target - num_ids) * self.format.page_bytes):
-                return False  # another default pool of this device took the room meanwhile
-            self._move_to(larger, num_ids)
-            self.max_pages, self._budget = target, None  # its bytes are all drawn from the budget already
-            logger.warning(
-                "KV pool on %s took its cap, %d pages (%.1f MiB: half the default pools' budget left), in a storage "
-                "that never moves, so that generate can compile its decode steps (a CUDA graph replays over fixed "
-                "addresses). Pass cache_config max_tokens for a fixed pool of another size, or "
-                "generate(disable_compile=True) to keep the default pool growing.",
-                *(self.device, target, target * self.format.page_bytes / 2**20),
-            )
-            return True
-
-    def _storage_pages(self, num_pages: int) -> int:
-        """Storage page ids for ``num_pages`` opened ones: whole extents (attention reads whole blocks)."""
-        extent = self.format.extent_pages
-        return -(-num_pages // extent) * extent
-
-    def _new_storage(self, num_pages: int) -> PoolStorage:
-        """Uninitialized storage for ``num_pages`` page ids (committed where touched only, on the CPU)."""
-        return PoolStorage.empty(self.format, self._storage_pages(num_pages), self.device)
-
-    def _reserve_storage(self, num_pages: int) -> PoolStorage:
-        """The storage a new pool starts with: its cap where it reserves (halved until the device grants it)."""
-        if not self.reserves or self.max_pages == num_pages:
-            return self._new_storage(num_pages)
-        while True:
-            try:
-                return self._new_storage(self.max_pages)
-            except (RuntimeError, MemoryError) as error:  # torch's out-of-memory errors are RuntimeErrors
-                if self.max_pages // 2 < num_pages:
-                    raise
-                logger.warning(
-                    "KV pool on %s could not reserve %d pages (%s); trying half.", self.device, self.max_pages, error
-                )
-                self.max_pages //= 2
-
-    def _move_to(self, larger: PoolStorage, num_ids: int) -> None:
-        """Copies the first ``num_ids`` page ids into ``larger`` and makes it the pool's storage (under the lock)."""
-        for old, new in zip(self.storage.tensors, larger.tensors):
-            new[:, :, :num_ids].copy_(old[:, :, :num_ids])
-        self.storage = larger
-
-    def _zero_range(self, start: int, end: int) -> None:
-        for tensor in self.storage.tensors:
-            tensor[:, :, start:end].zero_()
+            return self.memory.fix(self._allocator.num_pages + 1)
 
     def _growth_room(self) -> int:
-        """Page ids the pool can still open: up to ``max_pages``, and within its memory budget if it has one."""
-        room = self.max_pages - (self._allocator.num_pages + 1)
-        if self._budget is not None:
-            room = min(room, self._budget.free_bytes // self.format.page_bytes)
-        return max(0, room)
+        return self.memory.room(self._allocator.num_pages + 1)
 
     @property
     def capacity_pages(self) -> int:
@@ -234,33 +171,14 @@ class KVPool(PoolFactories):
             return self._allocator.num_pages + self._growth_room()
 
     def _grow(self, num_needed: int) -> bool:
-        """Doubles the opened page ids (as often as needed, within the room); False if ``num_needed`` more cannot fit.
-
-        All or nothing: if the device cannot allocate a larger storage, the pool stays as it was.
-        """
-        num_ids = self._allocator.num_pages + 1
-        room = self._growth_room()
-        if self._allocator.num_free + room < num_needed:
+        """Opens page ids until ``num_needed`` are free (``GrowingStorage.grow``); False if they cannot fit."""
+        opened = self.memory.grow(self._allocator.num_pages + 1, num_needed - self._allocator.num_free)
+        if not opened:
             return False
-        target = num_ids
-        while target - num_ids < num_needed - self._allocator.num_free:
-            target = min(num_ids + room, 2 * target)
-        num_bytes = (target - num_ids) * self.format.page_bytes
-        if self._budget is not None and not self._budget.reserve(num_bytes):
-            return False  # another default pool of this device took the room meanwhile
-        if target > self.storage.num_pages:  # not reserved: move the pages to a larger storage
-            try:
-                larger = self._new_storage(target)
-            except (RuntimeError, MemoryError) as error:  # torch's out-of-memory errors are RuntimeErrors
-                if self._budget is not None:
-                    self._budget.release(num_bytes)
-                logger.warning("KV pool on %s could not grow by %d bytes: %s", self.device, num_bytes, error)
-                return False
-            self._move_to(larger, num_ids)
-        self._zero_range(num_ids, self._storage_pages(target))  # whole extents: attention reads them whole
-        self._allocator.add_pages(target - num_ids)
+        self._allocator.add_pages(opened)
         logger.info(
-            "KV pool on %s grew to %d pages (%.1f MiB).", self.device, target, self.stats()["bytes_total"] / 2**20
+            "KV pool on %s grew to %d pages (%.1f MiB).",
+            *(self.device, self._allocator.num_pages + 1, self.stats()["bytes_total"] / 2**20),
         )
         return True
 
