@@ -335,6 +335,32 @@ def test_a_planned_step_reads_nothing_back_to_the_host_and_dispatches_what_dynam
     assert ops_bound is None or ops.ops <= ops_bound * dynamic_ops.ops, (ops.ops, dynamic_ops.ops)
 
 
+def test_planning_a_step_that_opens_no_page_moves_only_the_new_tokens_slot():
+    """Planning runs on the host before every compiled step, where a CUDA graph hides none of it: a step whose rows
+    read and write the pages of the step before dispatches only the two writes of the new token's slot and offset
+    (it rebuilt and copied the whole plan: 13 ops a step here, launches and host-to-device copies on a GPU).
+    A step that opens a page plans anew; the tokens are those of the eager steps."""
+    model = tiny_llama()
+    ids = random_ids(2, 19)  # page_size 16: generate leaves 20 tokens, position 31 ends the second page
+    out = generate(model, ids, "paged_pool", max_new_tokens=2, return_dict_in_generate=True)
+    cache, token = out.cache, out.sequences[:, -1:]
+    eager = generate(model, ids, "paged_pool", max_new_tokens=2, return_dict_in_generate=True).cache
+    cache.compiled_decoding, cache.runs_eager = True, False  # as generate sets them when it compiles
+    counts = []
+    with torch.no_grad():
+        for _ in range(13):  # positions 20 to 32: the step at 32 opens the third page
+            with OpCount() as planning:
+                assert cache.plan_decode(2, 1)
+            counts.append(planning.ops)
+            inputs = {"input_ids": token, "position_ids": None}
+            cache.start_planned(inputs)
+            logits = model(**inputs, cache=cache).logits[:, -1]
+            torch.testing.assert_close(logits, model(input_ids=token, cache=eager).logits[:, -1])
+            token = logits.argmax(-1, keepdim=True)
+    assert counts[0] > 2 and counts[-1] > 2, counts  # the first plan, and a step that opens a page
+    assert all(count <= 2 for count in counts[1:-1]), counts
+
+
 @pytest.mark.parametrize("name, config", [("paged_pool", {}), ("sliding_ring", {"window": 16, "sink_tokens": 2})])
 def test_an_eager_step_dispatches_what_dynamic_cache_does(name, config):
     """An eager decode step (gathered under sdpa: the write and the read of each layer) against ``DynamicCache``'s

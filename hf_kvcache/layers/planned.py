@@ -56,6 +56,15 @@ class PlannedRows:
             raise RuntimeError(f"A decode step writes from token {start}; the cache holds {self.num_tokens}.")
         self.written = start  # the steps before have run: every layer holds their tokens
         self._grow(batch, start, 1, None)
+        page_size, store = self.pool.format.page_size, self.store
+        plain = self.ring_pages is None and store.keys is None and store.quant is None and store.sink is None
+        step_key = (self.table.version, start // page_size, batch, capacity_pages) if plain else None
+        if step_key is not None and self.step_plan is not None and step_key == self._step_key:
+            # The same pages, read and written, as the step before: only the slot of the new token moves.
+            self.step_plan.write_offsets.fill_(start % page_size)
+            self.step_plan.mask = self._planned_mask(start, batch, capacity_pages, padding_only)
+            return self.step_plan
+        self._step_key = step_key
         pages, offsets, tokens, kv_offset = self._planned_reads(start, batch, capacity_pages)
         write_pages, write_offsets = self._planned_write(start, batch)
         residual = self._plan_values(start, tokens) if self.store.quant is not None else (None, None, None)

@@ -93,6 +93,7 @@ class PagedRows(PlannedRows):
         self._shared_prefill: tuple[int, list[int]] | None = None  # (num_tokens, identical_rows) of a prefill
         self.ring_pages: int | None = None  # pages of a row's ring (RingRows); None: the rows keep every page
         self.step_plan: StepPlan | None = None  # the decode step planned before the forward pass (plan_decode)
+        self._step_key: tuple[int, ...] | None = None  # what the step plan was made for, where it can be kept
         self._planned_values: torch.Tensor | None = None  # StepPlan.value_buffer
 
     @property

@@ -85,7 +85,8 @@ class PageTable:
             self.version += 1
         if self.row_extents:
             new_pages = {
-                row: self.allocator.extend(rows[row][-1] if rows[row] else None, num_new_pages) for row in leaders
+                row: self.allocator.extend(rows[row][-1] if rows[row] else None, num_new_pages) if num_new_pages else []
+                for row in leaders
             }
         else:
             new_pages = {row: fresh[i * num_new_pages : (i + 1) * num_new_pages] for i, row in enumerate(leaders)}
