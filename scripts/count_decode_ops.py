@@ -3,8 +3,9 @@
 For each cache: a prompt of ``--length`` essay tokens per row and two greedy tokens through ``generate``, then one
 decode step counted with a ``TorchDispatchMode``: eager (the path an uncompiled ``generate`` takes) and, for our
 caches, planned (``PoolCache.plan_decode``: the step ``generate`` compiles, run here without the compiler, so its
-ops are those the graph holds before fusion). A GPU launches a kernel for nearly each eager op. Writes JSON and
-prints a table.
+ops are those the graph holds before fusion; the second planned step, and apart, the ops its planning dispatched on
+the host before the forward pass, which a CUDA graph does not hide). A GPU launches a kernel for nearly each eager
+op. Writes JSON and prints a table.
 
 Example:
     python scripts/count_decode_ops.py --length 1024 --output benchmarks/decode_ops.json
@@ -46,19 +47,27 @@ class Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_step(model, ids: torch.Tensor, name: str, config: dict | None, planned: bool) -> Count:
+def count_step(model, ids: torch.Tensor, name: str, config: dict | None, planned: bool) -> tuple[Count, Count]:
+    """The counts of one decode step's forward pass and, planned, of its planning (of the second planned step: the
+    first makes the plan's tensors)."""
     kwargs = {} if config is None else {"cache_implementation": name, "cache_config": config}
     out = model.generate(ids, do_sample=False, max_new_tokens=2, return_dict_in_generate=True, **kwargs)
-    cache, inputs = out.cache, {"input_ids": out.sequences[:, -1:]}
-    if planned:
-        cache.compiled_decoding, cache.runs_eager = True, False  # as generate sets them when it compiles
-        if not cache.plan_decode(ids.shape[0], 1):
-            raise RuntimeError(f"{name}: the step could not be planned")
-        inputs["position_ids"] = None
+    cache, token = out.cache, out.sequences[:, -1:]
+    if not planned:
+        with torch.no_grad(), Count() as count:
+            model(input_ids=token, cache=cache)
+        return count, Count()
+    cache.compiled_decoding, cache.runs_eager = True, False  # as generate sets them when it compiles
+    for _ in range(2):
+        with Count() as planning:
+            if not cache.plan_decode(ids.shape[0], 1):
+                raise RuntimeError(f"{name}: the step could not be planned")
+        inputs = {"input_ids": token, "position_ids": None}
         cache.start_planned(inputs)
-    with torch.no_grad(), Count() as count:
-        model(**inputs, cache=cache)
-    return count
+        with torch.no_grad(), Count() as count:
+            logits = model(**inputs, cache=cache).logits
+        token = logits[:, -1:].argmax(-1)
+    return count, planning
 
 
 def main() -> None:
@@ -73,21 +82,23 @@ def main() -> None:
     rows = []
     for name, config in CACHES.items():
         for planned in (False, True) if config is not None else (False,):
-            count = count_step(model, ids, name, config, planned)
+            count, planning = count_step(model, ids, name, config, planned)
             rows.append(
                 {
                     "cache": name,
                     "step": "planned" if planned else "eager",
                     "ops": count.ops,
                     "host_reads": count.host_reads,
+                    "planning_ops": planning.ops,
+                    "planning_host_reads": planning.host_reads,
                 }
             )
     base = rows[0]["ops"]
-    print("| cache | step | aten ops | vs DynamicCache | host reads |\n|---|---|---:|---:|---:|")
+    print("| cache | step | aten ops | vs DynamicCache | host reads | planning ops |\n|---|---|---:|---:|---:|---:|")
     for row in rows:
         row["ops_vs_dynamic"] = row["ops"] / base
         cells = (row["cache"], row["step"], f"{row['ops']:,}", f"{row['ops_vs_dynamic']:.2f}x", str(row["host_reads"]))
-        print("| " + " | ".join(cells) + " |")
+        print("| " + " | ".join((*cells, str(row["planning_ops"]))) + " |")
     if args.output:
         record = {
             "benchmark": "decode_ops",
