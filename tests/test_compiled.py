@@ -241,7 +241,7 @@ def test_compiled_quantized_values_on_a_hybrid_model(compile_config):
 
 RING_CASES = {  # (model, cache, cache_config, whether the cache keeps what DynamicCache keeps)
     "mistral-paged_pool": (tiny_mistral, "paged_pool", {}, True),  # sliding layers as rings of the model's window
-    "gemma3-paged_pool": (tiny_gemma3, "paged_pool", {}, True),  # hybrid: rings and paged layers, two plans
+    "gemma3-paged_pool": (tiny_gemma3, "paged_pool", {}, True),  # hybrid: rings and growing layers, two plans
     "mistral-sliding_ring": (tiny_mistral, "sliding_ring", {}, True),
     "llama-sliding_ring": (tiny_llama, "sliding_ring", {"window": 16, "sink_tokens": 2}, False),  # the ring drops
     "llama-sliding_ring-no-sinks": (tiny_llama, "sliding_ring", {"window": 12}, False),
@@ -649,15 +649,17 @@ def gathered_decode_case(device: str, dtype: torch.dtype) -> tuple[tuple, torch.
     """``flex.gathered_decode``'s arguments for two rows of 10 tokens in 3 pages (row 0's first 2 padding), 4 KV heads
     of 3 query heads each, and the attention it must compute: each row over its own tokens, the KV heads repeated."""
     generator = torch.Generator().manual_seed(0)
-    kv_heads, group, head_dim, page_size, num_pages = 4, 3, 16, 4, 12
+    kv_heads, queries_per_kv_head, head_dim, page_size, num_pages = 4, 3, 16, 4, 12
     keys, values = torch.randn(2, 1, kv_heads, num_pages * page_size, head_dim, generator=generator).to(device, dtype)
-    query = torch.randn(2, kv_heads * group, 1, head_dim, generator=generator).to(device, dtype)
+    query = torch.randn(2, kv_heads * queries_per_kv_head, 1, head_dim, generator=generator).to(device, dtype)
     pages = torch.tensor([[[3, 7, 1, 0]], [[5, 2, 9, 0]]], device=device)  # page 0: the null page
     pads, num_tokens = torch.tensor([2, 0], device=device), torch.tensor([10], device=device)
     expected = []
     for row, pad in enumerate([2, 0]):
         slots = torch.cat([torch.arange(page * page_size, (page + 1) * page_size) for page in pages[row, 0, :3]])
-        row_keys, row_values = (tensor[:, :, slots[pad:10]].repeat_interleave(group, 1) for tensor in (keys, values))
+        row_keys, row_values = (
+            tensor[:, :, slots[pad:10]].repeat_interleave(queries_per_kv_head, 1) for tensor in (keys, values)
+        )
         expected.append(torch.nn.functional.scaled_dot_product_attention(query[row : row + 1], row_keys, row_values))
     arguments = (query, keys, values, pages, pads, num_tokens, page_size, None)
     return arguments, torch.cat(expected)

@@ -33,7 +33,7 @@ from hf_kvcache.memory.pools import DEFAULT_MAX_MEMORY_FRACTION
 
 REPO = Path(__file__).parents[1]
 TORCHRUN_TIMEOUT_S = 300
-"""A rank stuck in a collective would otherwise wait out the group's timeout (transformers sets 2 hours)."""
+"""A rank stuck in a collective would otherwise wait out the process group's timeout (transformers sets 2 hours)."""
 
 
 def free_loopback_port() -> int:
@@ -94,7 +94,7 @@ def test_tensor_parallel_tokens_equal_the_unsharded_model_and_dynamic_cache(
     unsharded, ranks = tensor_parallel_run
     for rank in ranks:
         assert rank["hf_kvcache"] == hf_kvcache.__file__  # the ranks ran this checkout
-        assert rank[f"{model_name}/tp"] == {"tp_size": 2, "group_size": 2}  # the group read from the device mesh
+        assert rank[f"{model_name}/tp"] == {"tp_size": 2, "process_group_size": 2}  # read from the device mesh
         dynamic = rank[f"{model_name}/dynamic"]["tokens"]
         assert dynamic == unsharded[f"{model_name}/dynamic"]["tokens"]
         for case in cases_of(cache_name):
@@ -204,7 +204,7 @@ def test_placement_normalizes_its_devices():
     assert placement.layer_devices == (torch.device("cpu"),) * 2 + (torch.device("meta"),) * 2
     assert placement.devices == [torch.device("cpu"), torch.device("meta")]
     assert Placement().devices == []
-    assert Placement(2, group="a group") == Placement(2)  # the process group takes no part in comparisons
+    assert Placement(2, process_group="a group") == Placement(2)  # the process group takes no part in comparisons
     with pytest.raises(ValueError, match="num_kv_heads must be >= 1"):
         Placement(0)
 
@@ -302,7 +302,7 @@ def test_prefix_caching_is_refused_under_tensor_parallelism_and_on_split_models(
             device="cpu",
             max_tokens=16,
             prefix_caching=True,
-            placement=Placement(1, group="a group"),
+            placement=Placement(1, process_group="a group"),
         )
     cache = split_cache(tiny_gemma3_model, "paged_pool", prefix_caching=True)
     with pytest.raises(ValueError, match="split over several devices"):

@@ -355,7 +355,7 @@ def test_pages_held_stop_growing_once_the_window_is_full(tiny_llama_model, sink_
 
 
 def test_hybrid_model_layers_draw_from_one_pool_in_groups(tiny_gemma3_model):
-    """Gemma 3 (3 sliding + 1 full): one group per layer; the sliding ones stay bounded, the full one grows."""
+    """Gemma 3 (3 sliding + 1 full): one layer group per layer; the sliding ones stay bounded, the full one grows."""
     config = tiny_gemma3_model.config
     assert layer_groups(layer_types(config)) == [[0], [1], [2], [3]]
     pool = KVPool.for_model(tiny_gemma3_model, max_tokens=2048)
@@ -377,7 +377,7 @@ def test_layer_groups_split_by_type_in_equal_sizes():
     assert layer_groups([full] * 4) == [[0, 1, 2, 3]]
     assert layer_groups(([sliding] * 5 + [full]) * 2) == [[0, 1], [2, 3], [4, 6], [7, 8], [9, 10], [5, 11]]
     groups = layer_groups(([sliding] * 5 + [full]) * 5)  # Gemma 3: 25 sliding + 5 full -> 6 groups of 5
-    assert [len(group) for group in groups] == [5] * 6 and sorted(sum(groups, [])) == list(range(30))
+    assert [len(layer_group) for layer_group in groups] == [5] * 6 and sorted(sum(groups, [])) == list(range(30))
     assert layer_groups([sliding, "dummy", full, sliding]) == [[0], [3], [2]]
     assert set(ATTENTION_LAYER_TYPES) >= {full, sliding}
 

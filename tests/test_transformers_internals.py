@@ -149,8 +149,8 @@ def test_python_requirements_check_reads_a_named_file(tmp_path):
 
 def test_a_model_loaded_without_tensor_parallelism_has_no_device_mesh():
     """``from_pretrained(..., tp_plan=...)`` sets ``model._device_mesh`` (``transformers.distributed.mixin``), whose
-    ``"tp"`` axis is the ranks' group; every model has the attribute, ``None`` until then. ``test_multi_device.py``
-    reads the group of a real tensor-parallel model under torchrun."""
+    ``"tp"`` axis is the ranks' process group; every model has the attribute, ``None`` until then.
+    ``test_multi_device.py`` reads the process group of a real tensor-parallel model under torchrun."""
     model = tiny_llama()
     assert any("_device_mesh" in vars(cls) for cls in type(model).__mro__)  # a class attribute, not a getattr default
     assert model._device_mesh is None and model.tp_size is None

@@ -130,7 +130,10 @@ def main() -> None:
     results: dict[str, Any] = {"hf_kvcache": hf_kvcache.__file__}
     for model_name in TP_MODELS:
         model = AutoModelForCausalLM.from_pretrained(root / model_name, tp_plan="auto")
-        results[f"{model_name}/tp"] = {"tp_size": model.tp_size, "group_size": tensor_parallel_group(model).size()}
+        results[f"{model_name}/tp"] = {
+            "tp_size": model.tp_size,
+            "process_group_size": tensor_parallel_group(model).size(),
+        }
         for case, (name, cache_config) in cases().items():
             results[f"{model_name}/{case}"] = run_case(model, name, cache_config)
         small = {"page_size": PAGE_SIZE, "max_tokens": SMALL_POOL_TOKENS}

@@ -24,7 +24,7 @@ class PagedBlockMask:
         num_pages: page ids of the storage's view that attention gets (``view_pages``, a multiple of
             ``extent_pages``): every page of the rows is below it.
         page_size / extent_pages: the pool's page geometry; a KV block is one extent.
-        group: query heads per KV head (the packed query rows of a decode step).
+        queries_per_kv_head: query heads per KV head (the packed query rows of a decode step).
         device: the pool's device.
 
     ``update(...)`` refills it in place from a page table, ``advance(...)`` moves it one token on; ``arguments``
@@ -35,14 +35,20 @@ class PagedBlockMask:
     """
 
     def __init__(
-        self, batch: int, num_pages: int, page_size: int, extent_pages: int, group: int, device: torch.device
+        self,
+        batch: int,
+        num_pages: int,
+        page_size: int,
+        extent_pages: int,
+        queries_per_kv_head: int,
+        device: torch.device,
     ) -> None:
-        self.batch, self.num_pages, self.page_size, self.extent_pages, self.group = (
+        self.batch, self.num_pages, self.page_size, self.extent_pages, self.queries_per_kv_head = (
             batch,
             num_pages,
             page_size,
             extent_pages,
-            group,
+            queries_per_kv_head,
         )
         num_extents = num_pages // extent_pages
         # Every list holds up to all extents: inductor asserts num_pages * page_size <= capacity * block size.

@@ -19,8 +19,9 @@ keeps ``pad[row] <= position < num_tokens``. A masked slot still enters the kern
 everything in the blocks a row visits must be finite: the row's pages, other live rows' pages (the caller checks
 they are its own rows', ``KVPool.foreign_pages``) and free pages (all zeros, ``hf_kvcache.memory.pool``).
 
-GQA is packed: the ``group`` query heads of a KV head become ``group`` query rows of it, so every page is read
-once per KV head and the kernel's products get ``group`` rows (1.7x faster than flex's own ``enable_gqa``).
+GQA is packed: the queries per KV head (the query heads sharing it) become query rows of that KV head, so every
+page is read once per KV head and the kernel's products get that many rows (1.7x faster than flex's own
+``enable_gqa``).
 
 The keys and values go in as a view of the storage's first pages only, as many as the step's pages need
 rounded up to a power of two extents (``block_mask.view_pages``): inductor's CPU kernel allocates two scratch
@@ -57,7 +58,7 @@ MIN_TORCH = Version("2.13")
 MAX_SHAPE_KEYS = 32
 """Compiled shape keys per process; a new shape past them takes the gather path (each costs a compile)."""
 Q_BLOCK = 128
-"""Query rows per block: one block for a decode step's packed query rows (``group`` of them)."""
+"""Query rows per block: one block for a decode step's packed query rows (the queries per KV head)."""
 MIN_IN_PLACE_TOKENS = 2048
 """Decode steps with fewer tokens than this over all rows (``batch x tokens``) gather instead: a compiled call
 costs a fixed 0.1-0.25 ms more than sdpa on this CPU, which the copy it saves repays only past about 1-2k tokens
@@ -272,7 +273,8 @@ def _decode(
     """``decode_attention`` with the mask as ``PagedBlockMask.arguments``."""
     batch, num_heads, _, head_dim = query.shape
     num_kv_heads = keys.shape[1]
-    packed = query.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [batch, kv heads, group, hd]
+    # [batch, kv heads, queries per KV head, head_dim]
+    packed = query.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     kv_indices, page_size, block_tokens = arguments[1], arguments[-2], arguments[-1]
     shape_key = (
         tuple(packed.shape),
@@ -360,9 +362,9 @@ def gathered_decode(
     """A decode step's attention over each row's ``pages`` (``[batch, 1, capacity]``) gathered from one layer's
     storage, keys ``pads[row] <= position < num_tokens`` seen; shapes as ``decode_attention``.
 
-    The ``group`` query heads of a KV head go in as ``group`` query rows of it (one token per row), so sdpa gets
-    no ``enable_gqa`` beside its mask: CUDA's fused kernels do not take both, and torch would run the math kernel,
-    which copies every key and value ``group`` times first."""
+    The queries per KV head (the query heads sharing it) go in as query rows of that KV head (one token per row),
+    so sdpa gets no ``enable_gqa`` beside its mask: CUDA's fused kernels do not take both, and torch would run the
+    math kernel, which first copies every key and value once per query head sharing it."""
     batch, num_heads, _, head_dim = query.shape
     num_kv_heads = keys.shape[1]
     heads = torch.arange(num_kv_heads, device=keys.device).view(1, -1, 1)

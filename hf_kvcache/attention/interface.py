@@ -14,7 +14,7 @@ This attention ANDs the layout into the model's mask and is ``"sdpa"`` otherwise
 masks (``sdpa_mask``); an unmasked decode step of grouped KV heads on CPU packs each KV head's query heads as
 its query rows (``packed_decode_attention``: its keys and values read once, not once per query head).
 
-The paged layers (``PagedRows.attend``) hand a decode step's keys over as the pool's storage itself, with a
+The growing layers (``PagedRows.attend``) hand a decode step's keys over as the pool's storage itself, with a
 ``PagedRead``: this attention then runs compiled FlexAttention over the pages where they lie
 (``attention.flex``), after checking that the model's mask hides exactly each row's leading padding; anything it
 cannot do in place (a mask with holes, softcapping, attention sinks, training, a shape that does not compile) it
@@ -52,8 +52,8 @@ that returns the pool's storage for attention to read in place (``None`` for the
 def model_attention(model: torch.nn.Module, name: str | None) -> Iterator[torch.nn.Module]:
     """Runs ``model`` under ``attn_implementation=name`` for the block (``None``: its own), then under its own again.
 
-    ``model.set_attn_implementation`` walks the model (about 3 ms for a 30-layer model): switch per group of
-    forward passes, not per pass.
+    ``model.set_attn_implementation`` walks the model (about 3 ms for a 30-layer model): switch once for a
+    run of forward passes, not per pass.
     """
     own = attn_implementation(model.config)
     if name is None or name == own:
@@ -159,8 +159,9 @@ def packed_decode_attention(
         ``[batch, 1, heads, head_dim]`` (transformers' attention output layout).
     """
     batch, heads, _, head_dim = query.shape
-    packed = query.reshape(batch, key.shape[1], heads // key.shape[1], head_dim)  # [batch, kv_heads, group, head_dim]
-    output = F.scaled_dot_product_attention(packed, key, value, scale=scaling)  # [batch, kv_heads, group, head_dim]
+    # [batch, kv_heads, queries per KV head, head_dim], in and out
+    packed = query.reshape(batch, key.shape[1], heads // key.shape[1], head_dim)
+    output = F.scaled_dot_product_attention(packed, key, value, scale=scaling)
     return output.reshape(batch, 1, heads, head_dim)
 
 

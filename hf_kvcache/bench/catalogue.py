@@ -194,7 +194,7 @@ def bench_pools(
     use-alert thresholds. The rings share one pool: each run gives all its pages back, consecutive for the next.
     """
     # Whole extents per row (128 tokens, PageFormat.extent_pages), and one more for the null page's extent (page 0 is
-    # never handed out, so that extent is never whole): rows of paged layers take pages in aligned extents, and a pool
+    # never handed out, so that extent is never whole): rows of growing layers take pages in aligned extents, and a pool
     # too tight for that hands out single pages, which attention cannot read in place.
     block = max(page_size, KV_BLOCK_TOKENS)
     max_tokens = (batch * math.ceil(capacity / block) + 1) * block

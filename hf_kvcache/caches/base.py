@@ -208,7 +208,7 @@ class PoolCache(PlannedDecoding):
             worst = self.worst_case_pages(num_rows, num_tokens, page_size, placed)
             held = sum(1 for held_device, _ in self._held_pages() if held_device == placed)
             requested = worst - held
-            available = agree([pool.num_available_pages], binder.placement.group, placed)[0]
+            available = agree([pool.num_available_pages], binder.placement.process_group, placed)[0]
             if requested > available:
                 raise PoolExhaustedError(
                     requested,
@@ -233,7 +233,7 @@ class PoolCache(PlannedDecoding):
         than a page at a time, so that each row's pages follow one another on a fresh pool and attention can read
         them in place (``attention.interface``); those pages are held, and counted as held, from the first write.
         The attention mask tells each row's leading padding, so that a ring's sinks are the row's first *real*
-        tokens, and so that paged layers reading in place hide it (``PagedRows.attend``).
+        tokens, and so that growing layers reading in place hide it (``PagedRows.attend``).
 
         Args:
             num_tokens: tokens a row may hold at most (``generate``: prompt + ``max_new_tokens`` - 1).

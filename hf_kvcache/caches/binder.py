@@ -105,8 +105,9 @@ class PoolBinder:
             policy = self.policies[layer_group_idx]
             config = self.config
             heads = getattr(config, "num_attention_heads", 1)
-            query_group = max(1, heads // (getattr(config, "num_key_value_heads", None) or heads))  # rank-invariant
-            rows = policy.make_rows(pool, reads_slots, query_group, self.placement.group)
+            kv_heads = getattr(config, "num_key_value_heads", None) or heads
+            queries_per_kv_head = max(1, heads // kv_heads)  # rank-invariant
+            rows = policy.make_rows(pool, reads_slots, queries_per_kv_head, self.placement.process_group)
             self.rows[(device, layer_group_idx)] = rows
             rows.set_plan(self.planned_tokens, self.pad_lengths)
         return rows
@@ -164,7 +165,7 @@ class PoolBinder:
                 model's collectives), or split over several devices (one pool per device, each with a part of the
                 layer groups, none of which holds a whole prefix).
         """
-        if self.placement.group is not None:
+        if self.placement.process_group is not None:
             raise ValueError(
                 "Prefix caching is not supported under tensor parallelism: the ranks' prefix indexes are not agreed, "
                 "so they could reuse prefixes of different lengths. Leave cache_config prefix_caching unset, and "
@@ -196,7 +197,7 @@ class PoolBinder:
             return KVPool(page_format, num_pages, device)
         pool = self.pool
         if pool is None:
-            pool = KVPool.default(page_format, device, self.placement.group)
+            pool = KVPool.default(page_format, device, self.placement.process_group)
             if prefix_caching:
                 pool.enable_prefix_caching()
             return pool

@@ -29,7 +29,7 @@ class PlannedDecoding(Cache):
         binder = self._binder
         if self.runs_eager:  # generate's rule said no for this request: masks may then be skipped as Dynamic's
             return False
-        if binder.placement.group is not None or len({at for at in binder.layer_group_devices if at}) > 1:
+        if binder.placement.process_group is not None or len({at for at in binder.layer_group_devices if at}) > 1:
             return False
         # A compiled step (a CUDA graph above all) needs storage that never moves: CPU default pools, fixed pools,
         # and default pools that move (CUDA's), which take fixed storage before the steps compile (fix_pool_storage).

@@ -41,25 +41,25 @@ class RowPolicy:
         return math.ceil(num_tokens / page_size)
 
     def make_rows(
-        self, pool: KVPool, reads_slots: Callable[[], bool], query_group: int = 1, group: Any = None
+        self, pool: KVPool, reads_slots: Callable[[], bool], queries_per_kv_head: int = 1, process_group: Any = None
     ) -> PagedRows:
         """The rows of a layer group on ``pool``.
 
         Args:
             reads_slots: does the model's attention read a ``KeyLayout`` (and a ``PagedRead``).
-            query_group: query heads per KV head.
-            group: the process group of a tensor-parallel model's ranks (``Placement.group``).
+            queries_per_kv_head: query heads per KV head.
+            process_group: the process group of a tensor-parallel model's ranks (``Placement.process_group``).
         """
         if self.window is None:
             return PagedRows(
                 pool,
                 self.residual_length,
                 reads_in_place=reads_slots,
-                query_group=query_group,
-                group=group,
+                queries_per_kv_head=queries_per_kv_head,
+                process_group=process_group,
                 exact_tokens=self.exact_tokens,
             )
-        return RingRows(pool, self.window, self.sink_tokens, self.residual_length, reads_slots, group)
+        return RingRows(pool, self.window, self.sink_tokens, self.residual_length, reads_slots, process_group)
 
 
 def reads_key_layouts(config: PreTrainedConfig) -> bool:

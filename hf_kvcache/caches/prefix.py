@@ -214,9 +214,9 @@ class PrefixTracker:
             return
         page_size = self.page_size
         pages: list[tuple[PageKey, int]] = []
-        for group, rows in rows_of.items():
+        for layer_group, rows in rows_of.items():
             end = min(rows.written, self.num_recorded)
-            first, last = self._published.get(group, 0), end // page_size
+            first, last = self._published.get(layer_group, 0), end // page_size
             if last <= first or rows.table.num_rows != len(self._clean):
                 continue
             self._extend_chains(last)
@@ -226,8 +226,8 @@ class PrefixTracker:
                     continue
                 for row, clean in enumerate(self._clean):
                     if clean:
-                        pages.append(((self._chains[row][token_page], group), rows.table.rows[row][position]))
-            self._published[group] = last
+                        pages.append(((self._chains[row][token_page], layer_group), rows.table.rows[row][position]))
+            self._published[layer_group] = last
         if pages:
             self.pool.publish(pages)
 
@@ -245,7 +245,7 @@ class PrefixTracker:
         self.num_recorded = min(self.num_recorded, num_tokens)
         pages = num_tokens // self.page_size
         self._chains = [chain[:pages] for chain in self._chains]
-        self._published = {group: min(count, pages) for group, count in self._published.items()}
+        self._published = {layer_group: min(count, pages) for layer_group, count in self._published.items()}
 
     def reset(self) -> None:
         """Forgets the tokens (the cache was emptied)."""
@@ -323,7 +323,7 @@ class PrefixTracker:
         pages = start // self.page_size  # chain keys past the first page written now may change
         if any(len(chain) > pages for chain in self._chains):
             self._chains = [chain[:pages] for chain in self._chains]
-            self._published = {group: min(count, pages) for group, count in self._published.items()}
+            self._published = {layer_group: min(count, pages) for layer_group, count in self._published.items()}
 
     def _extend_chains(self, num_pages: int) -> None:
         """Computes each row's chain keys up to token page ``num_pages`` (recorded tokens only)."""
@@ -339,19 +339,19 @@ class PrefixTracker:
     def _longest(self, rows_of: "dict[int, PagedRows]", num_pages: int) -> int:
         """The most token pages (at most ``num_pages``) whose pages every row finds for every layer group."""
         pool, chains = self.pool, self._chains
-        for group, rows in rows_of.items():  # a layer group keeping every token needs every page: a run from 0
+        for layer_group, rows in rows_of.items():  # a layer group keeping every token needs every page: a run from 0
             if not isinstance(rows, RingRows):
                 num_pages = min(
                     num_pages,
                     *(
-                        next((d for d in range(num_pages) if pool.lookup((chain[d], group)) is None), num_pages)
+                        next((d for d in range(num_pages) if pool.lookup((chain[d], layer_group)) is None), num_pages)
                         for chain in chains
                     ),
                 )
-        rings = {group: rows for group, rows in rows_of.items() if isinstance(rows, RingRows)}
+        rings = {layer_group: rows for layer_group, rows in rows_of.items() if isinstance(rows, RingRows)}
         while num_pages and not all(
-            pool.lookup((chain[d], group)) is not None
-            for group, rows in rings.items()
+            pool.lookup((chain[d], layer_group)) is not None
+            for layer_group, rows in rings.items()
             for d in rows.prefix_layout(num_pages)
             if d is not None
             for chain in chains
@@ -363,10 +363,12 @@ class PrefixTracker:
         """Takes the prefix's pages (and fresh ones where a ring needs no token page) and attaches them; False
         (nothing taken) if the fresh pages do not fit."""
         pool = self.pool
-        layouts = {group: rows.prefix_layout(num_pages) for group, rows in rows_of.items()}
+        layouts = {layer_group: rows.prefix_layout(num_pages) for layer_group, rows in rows_of.items()}
         pages = {
-            group: [[None if d is None else pool.lookup((chain[d], group)) for d in layout] for chain in self._chains]
-            for group, layout in layouts.items()
+            layer_group: [
+                [None if d is None else pool.lookup((chain[d], layer_group)) for d in layout] for chain in self._chains
+            ]
+            for layer_group, layout in layouts.items()
         }
         found = [page for table in pages.values() for row in table for page in row if page is not None]
         pool.share(found)
@@ -376,7 +378,7 @@ class PrefixTracker:
         except PoolExhaustedError:
             pool.free(found)
             return False
-        for group, table in pages.items():
+        for layer_group, table in pages.items():
             filled = [[next(fresh) if page is None else page for page in row] for row in table]
-            rows_of[group].attach(filled, num_pages * self.page_size)
+            rows_of[layer_group].attach(filled, num_pages * self.page_size)
         return True

@@ -101,7 +101,7 @@ def refuse_kv_reuse(config: PreTrainedConfig, cache_name: str) -> None:
 def residual_row_policy(
     layer_type: str, layer_kwargs: dict[str, Any], residual_length: int, exact_tokens: int = 0
 ) -> RowPolicy:
-    """A quantized cache's rows: sliding layers as rings of their window, the others paged (with their first
+    """A quantized cache's rows: sliding layers as rings of their window, the others growing (with their first
     ``exact_tokens`` tokens in full precision); both with the residual window of ``residual_length`` tokens."""
     if layer_type == "sliding_attention":
         return RowPolicy(window=layer_kwargs["sliding_window"], is_sliding=True, residual_length=residual_length)

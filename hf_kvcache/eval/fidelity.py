@@ -135,17 +135,17 @@ def compare_in_decode_mode(
     seconds = dict.fromkeys(caches, 0.0)
     bounds = [0, prefill_tokens, *range(prefill_tokens + chunk_size, seq_len - 1, chunk_size), seq_len - 1]
     ordered = sorted(candidates, key=lambda spec: spec.attn_implementation is not None)  # the model's own first
-    groups = [
-        (name, list(group)) for name, group in itertools.groupby(ordered, key=lambda spec: spec.attn_implementation)
+    by_attention = [
+        (name, list(same)) for name, same in itertools.groupby(ordered, key=lambda spec: spec.attn_implementation)
     ]
     for start, end in tqdm(list(zip(bounds, bounds[1:])), desc="decode-mode eval", disable=not progress):
         chunk, labels = input_ids[:, start:end], input_ids[:, start + 1 : end + 1]
         with model_attention(model, baseline.attn_implementation):
             base_logits = _forward(model, chunk, caches[baseline.label], seconds, baseline.label)
         results[baseline.label].append(fidelity_from_logits(base_logits, base_logits, labels))
-        for attention, group in groups:
+        for attention, attention_specs in by_attention:
             with model_attention(model, attention):
-                for spec in group:
+                for spec in attention_specs:
                     logits = _forward(model, chunk, caches[spec.label], seconds, spec.label)
                     results[spec.label].append(fidelity_from_logits(logits, base_logits, labels))
     return {

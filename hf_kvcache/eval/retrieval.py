@@ -189,12 +189,12 @@ def accuracy_table(results: Sequence[RetrievalResult]) -> dict[str, dict[str, An
         by_cache.setdefault(result.cache, []).append(result)
     return {
         label: {
-            "accuracy": _accuracy(group),
-            "num_samples": len(group),
-            "by_length": _rows(group, ("task", "target_length")),
-            "by_depth": _rows(group, ("task", "target_length", "depth")),
+            "accuracy": _accuracy(records),
+            "num_samples": len(records),
+            "by_length": _rows(records, ("task", "target_length")),
+            "by_depth": _rows(records, ("task", "target_length", "depth")),
         }
-        for label, group in by_cache.items()
+        for label, records in by_cache.items()
     }
 
 

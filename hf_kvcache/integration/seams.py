@@ -79,25 +79,25 @@ def build_cache(name: str, model: Any, cache_config: dict[str, Any] | None) -> C
 
 
 def placement_of(model: Any) -> Placement:
-    """Where ``model``'s KV lives, as seen from this process: the KV heads this rank holds and its ranks' group (a
-    tensor-parallel model), the device each layer runs on (a model split over devices).
+    """Where ``model``'s KV lives, as seen from this process: the KV heads this rank holds and its ranks' process
+    group (a tensor-parallel model), the device each layer runs on (a model split over devices).
 
     Reads what transformers sets up: ``model.tp_size`` and ``model.tp_plan`` (public properties; ``from_pretrained(
-    ..., tp_plan="auto")`` under ``torchrun``) for the heads, the device mesh's ``"tp"`` axis for the group, and
-    ``model.hf_device_map`` (``from_pretrained(..., device_map=...)``) where it names more than one device.
+    ..., tp_plan="auto")`` under ``torchrun``) for the heads, the device mesh's ``"tp"`` axis for the process group,
+    and ``model.hf_device_map`` (``from_pretrained(..., device_map=...)``) where it names more than one device.
 
     Raises:
-        IncompatibleModelError: the KV heads do not split evenly over the ranks, the ranks' group is unknown, or
-            the layers of a split model cannot be told apart.
+        IncompatibleModelError: the KV heads do not split evenly over the ranks, the ranks' process group is
+            unknown, or the layers of a split model cannot be told apart.
     """
     config = model.config.get_text_config(decoder=True)
-    num_kv_heads = group = layer_devices = None
+    num_kv_heads = process_group = layer_devices = None
     tp_size = getattr(model, "tp_size", None) or 1
     if tp_size > 1:
         heads = PageFormat.from_model_config(config, model.dtype).num_kv_heads
         num_kv_heads = kv_heads_per_rank(heads, model.tp_plan, tp_size)
-        group = tensor_parallel_group(model)
-        if group is None:
+        process_group = tensor_parallel_group(model)
+        if process_group is None:
             raise IncompatibleModelError(
                 f"The model is tensor parallel over {tp_size} ranks, but has no device mesh to tell its ranks' "
                 "process group. Load it with from_pretrained(..., tp_plan='auto') under torchrun."
@@ -105,7 +105,7 @@ def placement_of(model: Any) -> Placement:
     device_map = getattr(model, "hf_device_map", None) or {}
     if len(set(device_map.values())) > 1:
         layer_devices = layer_devices_from_map(device_map, attention_modules(model, config.num_hidden_layers), model)
-    return Placement(num_kv_heads, layer_devices, group)
+    return Placement(num_kv_heads, layer_devices, process_group)
 
 
 def attention_modules(model: Any, num_layers: int) -> list[str]:

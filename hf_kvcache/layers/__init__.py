@@ -8,8 +8,8 @@
 - ``read_path``: how attention reads a step's pages (gathered, a run, in place) and the block mask in place uses;
 - ``planned``: the rows' planned steps (``PlannedRows``); ``rows``: ``PagedRows``, the page table and the index
   tensors attention needs, in place or gathered;
-- ``paged``: a layer that keeps every token; ``ring``: the sliding ring, a fixed set of pages per row (``RingRows``);
-  ``ring_layer``: its layer.
+- ``paged``: the growing layer, which keeps every token; ``ring``: the sliding ring, a fixed set of pages per row
+  (``RingRows``); ``ring_layer``: its layer.
 """
 
 from hf_kvcache.layers.paged import PagedLayer

@@ -7,7 +7,7 @@ at 4) and its codes written to the pool, once: they never change while the page 
 page decoded into a buffer reused from layer to layer, with the page still filling put over its slots.
 
 Rows count tokens from their ``shift`` (a ring's rows: from their first real token, so that a ring page, which
-holds ``page_size`` consecutive tokens of its row, fills in order; paged rows: from 0). Token ``u`` of a row (so
+holds ``page_size`` consecutive tokens of its row, fills in order; growing rows: from 0). Token ``u`` of a row (so
 counted) lies in its *token page* ``u // page_size``, at position ``u // page_size`` of the row's pages, or for a
 ring of ``ring_pages`` pages, ``(u // page_size) % ring_pages``.
 
@@ -87,7 +87,7 @@ class KeyPages:
             key_states: ``[batch, heads, n, head_dim]``.
             page_ids: ``[batch, num_pages]`` the rows' pages (their page table).
             shifts: the token each row counts from (``0``, or a ring row's leading padding).
-            ring_pages: the ring's pages per row (``None``: paged rows keep every page).
+            ring_pages: the ring's pages per row (``None``: growing rows keep every page).
         """
         if key_states.requires_grad:
             key_states = key_states.detach()
@@ -222,7 +222,7 @@ class KeyPages:
         size = (batch, heads, m * page_size if num_tokens is None else min(num_tokens, m * page_size), head_dim)
         return pages.as_strided(size, (row, batch * row, head_dim, 1))  # one op: [heads, batch, ...] permuted, cut
 
-    # ----- planned decode steps (compiled; paged rows): tensor operations only --------------------
+    # ----- planned decode steps (compiled; growing rows): tensor operations only ------------------
 
     def plan_decode(
         self,
@@ -255,7 +255,7 @@ class KeyPages:
         self.filled_unencoded = start + 1 if any(self._fills(start + 1, shifts)) else None
         for layer_in_group in self.partial:
             self.written[layer_in_group] = start + 1
-        # Paged rows count from 0 (one plan for every row); a ring's, from their first real token.
+        # Growing rows count from 0 (one plan for every row); a ring's, from their first real token.
         row_shifts = torch.tensor(shifts if ring_pages is not None else [0], device=device).view(-1, 1)
         local_start = start - row_shifts  # [batch or 1, 1]
         filling = (

@@ -1,4 +1,5 @@
-"""The paged layer: a model layer's keys and values in pool pages, growing a page at a time."""
+"""The growing layer: a model layer's keys and values in pool pages, growing a page at a time (``PagedLayer``, also
+the base of the ring's layer)."""
 
 from collections.abc import Callable
 

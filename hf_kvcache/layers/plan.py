@@ -40,7 +40,7 @@ class StepPlan:
             (``None`` both for rows that keep every page: they decode ``pages``).
         filling_page / filling_coded: keys coded a page at a time: ``[batch or 1, 1]`` where each row's page still
             filling lies among the pages the step decodes (its keys go over that page's), and ``[batch or 1, 1, 1,
-            1]`` whether the step fills it (then it is read through its encoding). Paged rows count from token 0, so
+            1]`` whether the step fills it (then it is read through its encoding). Growing rows count from token 0, so
             one plan serves every row; a ring's rows count from their first real token (``KeyPages``).
         mask: a ``PagedBlockMask`` where attention reads the pages in place (FlexAttention over the storage, in
             the graph), refilled before each step; ``None``: the step gathers ``pages``.

@@ -30,13 +30,15 @@ class ReadPath:
         pool / table: the layer group's pool and page table.
         reads_in_place: whether the model's attention reads a ``PagedRead`` (``attn_implementation="hf_kvcache"``),
             asked once per step.
-        query_group: query heads per KV head (the packed query rows of a decode step).
+        queries_per_kv_head: query heads per KV head (the packed query rows of a decode step).
     """
 
-    def __init__(self, pool: KVPool, table: PageTable, reads_in_place: Callable[[], bool], query_group: int) -> None:
+    def __init__(
+        self, pool: KVPool, table: PageTable, reads_in_place: Callable[[], bool], queries_per_kv_head: int
+    ) -> None:
         self.pool, self.table = pool, table
         self.reads_in_place = reads_in_place
-        self.query_group = query_group
+        self.queries_per_kv_head = queries_per_kv_head
         self.mask: block_mask.PagedBlockMask | None = None  # reused from step to step, refilled in place
         # The extents the mask visits, [visited] and as runs (quantized values: what is dequantized).
         self.extents: tuple[torch.Tensor, list[tuple[int, int]]] | None = None
@@ -108,7 +110,7 @@ class ReadPath:
             num_pages = block_mask.view_pages(1 + max(held), fmt.extent_pages, pool.storage.num_pages)
             if self.mask is None or self.mask.batch != batch or self.mask.num_pages < num_pages:
                 self.mask = block_mask.PagedBlockMask(
-                    batch, num_pages, fmt.page_size, fmt.extent_pages, self.query_group, pool.device
+                    batch, num_pages, fmt.page_size, fmt.extent_pages, self.queries_per_kv_head, pool.device
                 )
             page_ids, pads = inputs(batch)
             extents = self.mask.update(page_ids, num_tokens, pads)

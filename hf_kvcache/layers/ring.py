@@ -12,7 +12,7 @@ tokens: row ``r``'s first ``pad_lengths[r]`` tokens are padding, and its tokens 
     logical slot s  ->  slot s % page_size of page rows[r][s // page_size]
 
 The first ``sink_tokens + ring_slots`` tokens fill the pages in order (the table grows a page at
-a time, like the paged layer); after that every new token overwrites the oldest ring slot in
+a time, like the growing layer); after that every new token overwrites the oldest ring slot in
 place and no page is ever taken again. ``ring_slots`` is the window rounded up to whole pages
 plus one spare page, so a step of up to ``page_size`` new tokens is written before it is read
 without overwriting a token it still attends to, and a ``crop`` of as many tokens stays exact.
@@ -68,7 +68,7 @@ class RingRows(PagedRows):
         residual_length: as for ``PagedRows``.
         reads_slots: whether the model's attention reads a ``KeyLayout`` (``attn_implementation="hf_kvcache"``),
             asked once per step: then keys may come in slot order, as views of the pages.
-        group: as for ``PagedRows``.
+        process_group: as for ``PagedRows``.
     """
 
     values_by_page = False  # a ring's slots wrap around: each token's value codes are written with it
@@ -80,9 +80,9 @@ class RingRows(PagedRows):
         sink_tokens: int = 0,
         residual_length: int = 0,
         reads_slots: Callable[[], bool] = lambda: False,
-        group: Any = None,
+        process_group: Any = None,
     ) -> None:
-        super().__init__(pool, residual_length, row_extents=False, group=group)
+        super().__init__(pool, residual_length, row_extents=False, process_group=process_group)
         self._reads_slots = reads_slots
         page_size = pool.format.page_size
         if self.store.keys is not None and sink_tokens:

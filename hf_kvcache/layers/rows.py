@@ -50,8 +50,8 @@ class PagedRows(PlannedRows):
             place in blocks of an extent (``hf_kvcache.attention.flex``).
         reads_in_place: whether the model's attention reads a ``PagedRead`` (``attn_implementation="hf_kvcache"``),
             asked once per step.
-        query_group: query heads per KV head (the packed query rows of a decode step).
-        group: the process group of a tensor-parallel model's ranks, whose tables must stay alike: their page
+        queries_per_kv_head: query heads per KV head (the packed query rows of a decode step).
+        process_group: the process group of a tensor-parallel model's ranks, whose tables must stay alike: their page
             allocations and the sharing of identical rows are agreed over it (``hf_kvcache.memory.placement``).
         exact_tokens: first tokens of a row whose keys and values attention gets in full precision (quantized pools).
 
@@ -68,21 +68,21 @@ class PagedRows(PlannedRows):
         residual_length: int = 0,
         row_extents: bool = True,
         reads_in_place: Callable[[], bool] = lambda: False,
-        query_group: int = 1,
-        group: Any = None,
+        queries_per_kv_head: int = 1,
+        process_group: Any = None,
         exact_tokens: int = 0,
     ) -> None:
         self.pool = pool
-        self.group = group
+        self.process_group = process_group
         self.store = SlotStore(pool, residual_length, self.values_by_page, exact_tokens)
-        self.table = pool.new_table(row_extents, group)
+        self.table = pool.new_table(row_extents, process_group)
         self.written = 0  # tokens every layer of the layer group has written (see write)
         self._last_layer = pool.format.num_layers - 1
         self.planned_tokens = 0  # tokens a row is expected to reach (``PoolCache.plan``)
         self.pad_lengths: list[int] | None = None  # leading padding of each row (``PoolCache.plan``); None: none
         self._pads: torch.Tensor | None = None  # ``pad_lengths`` as a [batch] tensor, see _pad_tensor
         # How attention reads a step's pages, and the block mask in place uses
-        self.path = ReadPath(pool, self.table, reads_in_place, query_group)
+        self.path = ReadPath(pool, self.table, reads_in_place, queries_per_kv_head)
         # (start, num_tokens, storage pages) -> (positions, slot indices) of a step's residual window (_residual_slots)
         self._residual: tuple[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
         self._version = -1  # table version the cached indices below were built for
@@ -122,7 +122,7 @@ class PagedRows(PlannedRows):
         self.end_step(layer_in_group, start + key_states.shape[-2])
 
     def key_shifts(self, batch: int) -> list[int]:
-        """The token each row counts its pages from (``KeyPages``): paged rows store padding too, from 0."""
+        """The token each row counts its pages from (``KeyPages``): growing rows store padding too, from 0."""
         return [0] * batch
 
     def _write_keys(self, layer_in_group: int, storage: PoolStorage, start: int, key_states: torch.Tensor) -> None:
@@ -254,7 +254,7 @@ class PagedRows(PlannedRows):
             if start != self.num_tokens:
                 raise RuntimeError(f"A layer writes from token {start}; the cache holds {self.num_tokens}.")
             identical_rows = find_identical_rows(key_states, value_states) if start == 0 else None
-            if start == 0 and batch > 1 and self.group is not None:
+            if start == 0 and batch > 1 and self.process_group is not None:
                 identical_rows = self._agreed_identical_rows(identical_rows, batch)
             self._grow(batch, start, num_new, identical_rows)
             self._shared_prefill = (end, identical_rows) if identical_rows else None
@@ -289,7 +289,7 @@ class PagedRows(PlannedRows):
             self._pads = None
 
     def check_crop(self, num_tokens: int) -> None:
-        """Paged rows keep every token, so any crop is exact."""
+        """Growing rows keep every token, so any crop is exact."""
 
     def crop(self, num_tokens: int) -> None:
         self._apply(lambda: self.table.crop(num_tokens))
@@ -315,7 +315,7 @@ class PagedRows(PlannedRows):
 
     def prefix_layout(self, num_pages: int) -> list[int | None]:
         """Which token page each page of a row holds right after its first ``num_pages`` full token pages were
-        written (``None``: a page that holds none the row still needs). Paged rows: all of them, in order."""
+        written (``None``: a page that holds none the row still needs). Growing rows: all of them, in order."""
         return list(range(num_pages))
 
     def token_page_position(self, token_page: int) -> int | None:
@@ -346,7 +346,8 @@ class PagedRows(PlannedRows):
     def _agreed_identical_rows(self, identical_rows: list[int] | None, batch: int) -> list[int] | None:
         """The identical rows every rank found (each sees only its share of the heads); ``None`` where they differ."""
         firsts = identical_rows or list(range(batch))
-        extremes = agree(firsts + [-first for first in firsts], self.group, self.pool.device)  # [min..., -max...]
+        # [min..., -max...]
+        extremes = agree(firsts + [-first for first in firsts], self.process_group, self.pool.device)
         same = extremes[:batch] == [-first for first in extremes[batch:]]
         return identical_rows if same else None
 
@@ -364,7 +365,9 @@ class PagedRows(PlannedRows):
             )
             for row, first in enumerate(firsts)
         ]
-        differing = [row for row, flag in enumerate(agree(differs, self.group, self.pool.device, "max")) if flag]
+        differing = [
+            row for row, flag in enumerate(agree(differs, self.process_group, self.pool.device, "max")) if flag
+        ]
         if differing:
             self._apply(lambda: self.table.make_private(differing))
             self._shared_prefill = (end, [row if row in differing else first for row, first in enumerate(firsts)])

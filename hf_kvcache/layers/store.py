@@ -263,7 +263,7 @@ class SlotStore:
             if self.residual is not None:
                 self.residual.overlay(layer_in_group, values, end, limit, end if newest is None else newest)
         coded = (keys if self.keys is not None else None, values if self.quant is not None else None)
-        if self.sink is not None and limit == end:  # tokens in order from 0: paged rows
+        if self.sink is not None and limit == end:  # tokens in order from 0: growing rows
             self.sink.overlay(layer_in_group, *coded, end)
         if step is not None:  # coded keys and values come in buffers of their own: the step's go over them
             for out, states in zip(coded, step):

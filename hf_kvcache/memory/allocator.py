@@ -12,7 +12,7 @@ blocks of ``extent_pages * page_size`` tokens (``hf_kvcache.attention.flex``). T
 - ``extend(anchor, num)``: the next ``num`` pages of one row whose last page is ``anchor``. Each comes
   right after the previous one while that stays inside its extent and is free, else as the first page
   of the lowest extent that is wholly free, else (no whole extent left: a growable ``KVPool`` grows first where
-  it can, see ``extents_needed``) as a single page. Rows of paged layers grow this way: each holds its pages in
+  it can, see ``extents_needed``) as a single page. Rows of growing layers grow this way: each holds its pages in
   runs of whole extents, and a new row never starts in an extent another row has begun, so rows of different
   requests interleave by whole extents only.
 - ``allocate(num)``: single pages, the highest free ids, handed out in ascending order. Rings and

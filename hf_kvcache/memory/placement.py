@@ -6,7 +6,7 @@ transformers runs a model over several devices in two ways, and a cache follows 
   on its share of the heads, so a rank's cache holds ``num_kv_heads`` heads per layer (the config's divided by
   the TP size) and its pool is cut for that many. The ranks of one request wait for each other in the model's
   collectives, so they must take the same cache decisions: every page allocation and every sharing of identical
-  rows is agreed over the ranks' process ``group`` (``agree``). A request that does not fit then raises
+  rows is agreed over the ranks' process group (``agree``). A request that does not fit then raises
   ``PoolExhaustedError`` on every rank at the same step, rather than on one rank while the others wait for it.
 - **Split models** (``device_map`` over several devices, accelerate): each layer runs on one device
   (``layer_devices``), and each device gets one pool, cut for the layers placed on it only.
@@ -52,13 +52,13 @@ class Placement:
         layer_devices: the device each model layer writes its states on (a split model); ``None`` when every
             layer runs on one device, or where they run is learnt at the first write (one pool per device then,
             each cut for all layers).
-        group: the ``torch.distributed`` process group whose ranks run each request together (tensor parallel);
-            ``None`` for a model in one process.
+        process_group: the ``torch.distributed`` process group whose ranks run each request together (tensor
+            parallel); ``None`` for a model in one process.
     """
 
     num_kv_heads: int | None = None
     layer_devices: tuple[torch.device, ...] | None = None
-    group: Any = field(default=None, compare=False)
+    process_group: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is not None and self.num_kv_heads < 1:
@@ -166,20 +166,20 @@ def _as_device(value: int | str | torch.device) -> torch.device:
     return normalize_device(value)
 
 
-def agree(values: list[int], group: Any, device: torch.device, op: str = "min") -> list[int]:
-    """The elementwise ``op`` (``"min"`` or ``"max"``) of ``values`` over the ranks of ``group``.
+def agree(values: list[int], process_group: Any, device: torch.device, op: str = "min") -> list[int]:
+    """The elementwise ``op`` (``"min"`` or ``"max"``) of ``values`` over the ranks of ``process_group``.
 
-    A collective: every rank of the group must call it, in the same order relative to the model's own
-    collectives. ``group=None`` returns ``values`` as they are.
+    A collective: every rank of the process group must call it, in the same order relative to the model's own
+    collectives. ``process_group=None`` returns ``values`` as they are.
 
     Args:
         device: where the reduction runs (a pool's device: the CPU for gloo, the GPU for NCCL).
     """
-    if group is None:
+    if process_group is None:
         return list(values)
     reduce_op = {"min": torch.distributed.ReduceOp.MIN, "max": torch.distributed.ReduceOp.MAX}[op]
     tensor = torch.tensor(values, dtype=torch.long, device=device)  # [len(values)]
-    torch.distributed.all_reduce(tensor, op=reduce_op, group=group)
+    torch.distributed.all_reduce(tensor, op=reduce_op, group=process_group)
     return tensor.tolist()
 
 
@@ -192,7 +192,7 @@ class AgreedPages:
     group or copy on write, beside the model's two per layer and token): if one cannot (its pool at its cap, its
     device out of memory), every rank raises ``PoolExhaustedError``, naming the fewest pages any rank had, with
     nothing taken. No rank goes on alone into the model's next collective, where it would wait for the others
-    until the group's timeout.
+    until the process group's timeout.
 
     The prefix index's operations (``publish``, ``lookup``, and the ``share``/``allocate`` of a reused prefix) are
     not agreed: a rank's index could find a prefix of another length than the others', so prompt reuse is refused
@@ -200,12 +200,12 @@ class AgreedPages:
 
     Args:
         pool: this rank's pool (a ``KVPool``).
-        group: the ``torch.distributed`` process group of the ranks.
+        process_group: the ``torch.distributed`` process group of the ranks.
     """
 
-    def __init__(self, pool: Any, group: Any) -> None:
+    def __init__(self, pool: Any, process_group: Any) -> None:
         self.pool = pool
-        self.group = group
+        self.process_group = process_group
 
     def ensure_free(self, num: int) -> None:
         """Makes sure ``num`` pages are free on every rank (a page table asks before it takes any)."""
@@ -218,7 +218,7 @@ class AgreedPages:
             ready = True
         except PoolExhaustedError:
             ready = False
-        everyone, fewest = agree([int(ready), available], self.group, pool.device)
+        everyone, fewest = agree([int(ready), available], self.process_group, pool.device)
         if everyone:
             return
         raise PoolExhaustedError(

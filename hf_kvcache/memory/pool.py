@@ -323,15 +323,15 @@ class KVPool(PoolFactories):
         with self.lock:
             self._allocator.index.record_lookup(num_rows, tokens_reused_per_row, tokens_per_row)
 
-    def new_table(self, row_extents: bool = False, group: Any = None) -> PageTable:
+    def new_table(self, row_extents: bool = False, process_group: Any = None) -> PageTable:
         """An empty page table drawing from this pool, counted in its statistics.
 
         Args:
             row_extents: ``PageTable``'s ``row_extents``.
-            group: the process group of a tensor-parallel model's ranks: the table's allocations are then agreed
-                over it (``AgreedPages``).
+            process_group: the process group of a tensor-parallel model's ranks: the table's allocations are then
+                agreed over it (``AgreedPages``).
         """
-        allocator: Allocator = self if group is None else AgreedPages(self, group)
+        allocator: Allocator = self if process_group is None else AgreedPages(self, process_group)
         table = PageTable(allocator, self.format.page_size, row_extents)
         with self.lock:
             self._tables.add(table)

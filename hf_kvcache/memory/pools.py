@@ -130,7 +130,7 @@ class PoolFactories:
         return pool
 
     @classmethod
-    def default(cls, page_format: PageFormat, device: str | torch.device, group: Any = None) -> Self:
+    def default(cls, page_format: PageFormat, device: str | torch.device, process_group: Any = None) -> Self:
         """The shared growable pool for this format and device, made on first use.
 
         It opens room for ``DEFAULT_INITIAL_TOKENS`` tokens first and doubles when full, up to
@@ -143,9 +143,9 @@ class PoolFactories:
         never moves).
 
         Args:
-            group: the process group of a tensor-parallel model's ranks: the budget is then the smallest of theirs
-                (their RAM or free memory differ), so every rank's default pools can hold as many pages. A
-                collective: every rank of the group calls it, at each call.
+            process_group: the process group of a tensor-parallel model's ranks: the budget is then the smallest
+                of theirs (their RAM or free memory differ), so every rank's default pools can hold as many pages.
+                A collective: every rank of the process group calls it, at each call.
         """
         device = normalize_device(device)
         with _REGISTRY_LOCK:
@@ -156,8 +156,8 @@ class PoolFactories:
                 else:
                     memory = device_memory.memory_limit_bytes()
                 budget = _DEFAULT_BUDGETS[device] = MemoryBudget(int(memory * DEFAULT_MAX_MEMORY_FRACTION))
-        if group is not None:  # outside the lock: the other ranks may take a while to get here
-            budget.limit_to(agree([budget.total_bytes], group, device)[0])
+        if process_group is not None:  # outside the lock: the other ranks may take a while to get here
+            budget.limit_to(agree([budget.total_bytes], process_group, device)[0])
         with _REGISTRY_LOCK:
             pool = _DEFAULT_POOLS.get((page_format, device))
             if pool is None:

@@ -34,7 +34,7 @@ def pool_stats(
     a request can take ``pages_free + pages_cached``). ``bytes_total`` is the memory of the opened pages, which
     is what the pool has committed: opened pages are zeroed, and the rest of a reserved storage
     (``bytes_reserved``, a CPU default pool's cap) is never touched. ``pages_unfilled`` counts pages held that no
-    token has been written to yet (a ring takes its planned pages at its first write); rows of paged layers
+    token has been written to yet (a ring takes its planned pages at its first write); rows of growing layers
     place their pages in extents but never hold one ahead. ``utilization`` is the bytes of the tokens held
     divided by the bytes of the pages caches hold (1.0 when every held page is full; shared pages count once).
     ``live_tables`` counts the page tables of caches not yet garbage collected (0 again once every cache is
