@@ -130,3 +130,37 @@ def test_unmasked_decode_packs_the_query_heads_of_each_kv_head(monkeypatch, batc
     reference, _ = sdpa_attention_forward(module, query, key, value, None, scaling=0.25)
     assert packed.shape == reference.shape == (batch, 1, heads, 16)
     torch.testing.assert_close(packed, reference, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+def test_a_masked_decode_step_packs_the_query_heads_where_transformers_would_repeat_the_kv_heads(
+    monkeypatch, mask_dtype
+):
+    """A decode step of grouped KV heads under a mask, as a compiled step gets one (transformers builds the mask of
+    a compileable cache; under dynamo its sdpa repeats every key and value once per query head): this attention
+    packs each KV head's query heads as query rows under the same mask instead, so sdpa reads the KV heads as they
+    are, and equals transformers' sdpa to float rounding."""
+    import transformers.integrations.sdpa_attention as transformers_sdpa
+
+    batch, heads, kv_heads = 2, 9, 3
+    module = torch.nn.Module().eval()
+    module.num_key_value_groups, module.is_causal = heads // kv_heads, True
+    query = torch.randn(batch, heads, 1, 16)  # [batch, heads, 1, head_dim]
+    key, value = torch.randn(2, batch, kv_heads, 40, 16)  # [batch, kv_heads, 40, head_dim] each
+    seen = torch.arange(40) >= torch.tensor([[0], [7]])  # [batch, 40]: the second row's 7 tokens of left padding
+    mask = (
+        seen if mask_dtype == torch.bool else torch.zeros(batch, 40).masked_fill(~seen, torch.finfo(torch.float32).min)
+    )
+    mask = mask.view(batch, 1, 1, 40)
+    reference, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
+    monkeypatch.setattr(transformers_sdpa, "is_torchdynamo_compiling", lambda: True)  # as inside generate's graph
+    sdpa, shapes = F.scaled_dot_product_attention, []
+    monkeypatch.setattr(
+        F,
+        "scaled_dot_product_attention",
+        lambda q, k, *a, **kw: shapes.append((q.shape, k.shape)) or sdpa(q, k, *a, **kw),
+    )
+    packed, _ = banded_sdpa_attention(module, query, key, value, mask, scaling=0.25)
+    assert shapes == [((batch, kv_heads, heads // kv_heads, 16), (batch, kv_heads, 40, 16))]
+    assert packed.shape == reference.shape == (batch, 1, heads, 16)
+    torch.testing.assert_close(packed, reference, rtol=0, atol=1e-6)
