@@ -112,20 +112,6 @@ def test_banded_attention_without_a_band_is_sdpa(tiny_llama_model):
     assert_same_generation(expected, paged)
 
 
-@pytest.fixture
-def in_place_reads(monkeypatch):
-    """Counts the ring layers' reads of their pages in place (slot order, no gather)."""
-    counted = {"reads": 0}
-    slot_views = RingRows._slot_views
-
-    def counting(self, layer_in_group):
-        counted["reads"] += 1
-        return slot_views(self, layer_in_group)
-
-    monkeypatch.setattr(RingRows, "_slot_views", counting)
-    return counted
-
-
 @pytest.mark.parametrize("window,sink_tokens", [(8, 0), (8, 3), (20, 4)])
 @pytest.mark.parametrize("chunks", [[1], [9, 1], [5, 3, 1, 20, 2], [16]])
 def test_pages_read_in_place_equal_pages_gathered(tiny_llama_model, window, sink_tokens, chunks):
@@ -150,9 +136,7 @@ def test_pages_read_in_place_equal_pages_gathered(tiny_llama_model, window, sink
 @pytest.mark.parametrize("model_name", SLIDING_MODELS)
 @pytest.mark.parametrize("lengths,new_tokens", [([5, 3], 2), ([9, 4], 16), ([23, 16, 17], 40)])
 @pytest.mark.parametrize("name", ["sliding_ring", "paged_pool"])
-def test_pages_read_in_place_match_dynamic_cache_with_padding(
-    model_name, lengths, new_tokens, name, request, in_place_reads
-):
+def test_pages_read_in_place_match_dynamic_cache_with_padding(model_name, lengths, new_tokens, name, request):
     """The model's own sliding mask and left padding, put in slot order by the layout's mask columns."""
     model = request.getfixturevalue(model_name)
     ids, mask = padded_batch(lengths)
@@ -160,7 +144,7 @@ def test_pages_read_in_place_match_dynamic_cache_with_padding(
     pool = KVPool.for_model(model, max_tokens=1024)  # fresh: a row's pages are consecutive
     with banded_attention(model):
         ring = run(model, ids, mask, max_new_tokens=new_tokens, cache_implementation=name, cache_config={"pool": pool})
-    assert in_place_reads["reads"] > 0
+    assert ring.past_key_values.read_counts()["in place"] > 0
     assert_same_generation(reference, ring)
 
 
@@ -289,7 +273,7 @@ def test_imposed_window_with_left_padding_matches_unpadded_rows(tiny_llama_model
     [("sdpa", "gathered"), ("eager", "gathered"), (ATTENTION_NAME, "gathered"), (ATTENTION_NAME, "in place")],
 )
 @pytest.mark.parametrize("window,sink_tokens", [(8, 4), (8, 1), (20, 3)])
-def test_sinks_are_each_rows_first_real_tokens(tiny_llama_model, attention, path, window, sink_tokens, in_place_reads):
+def test_sinks_are_each_rows_first_real_tokens(tiny_llama_model, attention, path, window, sink_tokens):
     """A left-padded batch with sinks decodes every row exactly as the row does alone (30 greedy tokens, the
     prompts reaching past the window and not), under every attention and on both read paths."""
     ids, mask = padded_batch([30, 6, 19])
@@ -301,7 +285,7 @@ def test_sinks_are_each_rows_first_real_tokens(tiny_llama_model, attention, path
             patch.setattr(RingRows, "_first_page", lambda self: None)  # never consecutive: always gather
         pool = KVPool.for_model(tiny_llama_model, max_tokens=2048)  # fresh: a row's pages are consecutive
         batch = run(tiny_llama_model, ids, mask, **settings, cache_config={**cache_config, "pool": pool})
-        assert (in_place_reads["reads"] > 0) == (path == "in place")
+        assert (batch.past_key_values.read_counts()["in place"] > 0) == (path == "in place")
         for row in range(ids.shape[0]):
             alone = ids[row : row + 1, mask[row].bool()]
             single = run(tiny_llama_model, alone, torch.ones_like(alone), **settings, cache_config=cache_config)
@@ -457,7 +441,7 @@ def test_ring_on_a_grown_pool_matches_dynamic(tiny_mistral_model, reserve):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_rings_read_in_place_match_dynamic_cache(tiny_mistral_model, in_place_reads):
+def test_cuda_rings_read_in_place_match_dynamic_cache(tiny_mistral_model):
     model = copy.deepcopy(tiny_mistral_model).to("cuda")
     ids, mask = (tensor.to("cuda") for tensor in padded_batch([23, 16, 17]))
     reference = run(model, ids, mask, max_new_tokens=40)
@@ -466,13 +450,13 @@ def test_cuda_rings_read_in_place_match_dynamic_cache(tiny_mistral_model, in_pla
         ring = run(
             model, ids, mask, max_new_tokens=40, cache_implementation="sliding_ring", cache_config={"pool": pool}
         )
-    assert in_place_reads["reads"] > 0
+    assert ring.past_key_values.read_counts()["in place"] > 0
     assert_same_generation(reference, ring)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_banded_attention_takes_a_fused_kernel(tiny_llama_model, in_place_reads):
+def test_cuda_banded_attention_takes_a_fused_kernel(tiny_llama_model):
     """With a mask and grouped KV heads, hf_kvcache attention runs on a fused sdpa kernel on CUDA: with the math
     kernel disabled it still runs (torch raises "No available kernel" otherwise), and equals the math kernel."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -486,7 +470,7 @@ def test_cuda_banded_attention_takes_a_fused_kernel(tiny_llama_model, in_place_r
         pool = KVPool.for_model(model, max_tokens=1024)
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION]):
             fused = run(model, ids, mask, **settings, cache_config={"window": 8, "sink_tokens": 2, "pool": pool})
-    assert in_place_reads["reads"] > 0
+    assert fused.past_key_values.read_counts()["in place"] > 0
     assert torch.equal(fused.sequences, reference.sequences)
 
 
