@@ -11,8 +11,9 @@ where that is not enough:
   that order, and its band says which slots hold a token the step may see.
 
 This attention ANDs the layout into the model's mask and is ``"sdpa"`` otherwise, with the same
-masks (``sdpa_mask``); an unmasked decode step of grouped KV heads on CPU packs each KV head's query heads as
-its query rows (``packed_decode_attention``: its keys and values read once, not once per query head).
+masks (``sdpa_mask``); a decode step of grouped KV heads, under a mask or (on CPU) without one, packs each KV
+head's query heads as its query rows (``packed_decode_attention``: its keys and values read once, not once per
+query head, and never copied per query head as transformers' sdpa does inside a compiled graph).
 
 The growing layers (``PagedRows.attend``) hand a decode step's keys over as the pool's storage itself, with a
 ``PagedRead``: this attention then runs compiled FlexAttention over the pages where they lie
