@@ -12,7 +12,7 @@ where that is not enough:
 
 This attention ANDs the layout into the model's mask and is ``"sdpa"`` otherwise, with the same
 masks (``sdpa_mask``); a decode step of grouped KV heads, under a mask or (on CPU) without one, packs each KV
-head's query heads as its query rows (``packed_decode_attention``: its keys and values read once, not once per
+head's query heads as its query rows (``flex.packed_decode_attention``: its keys and values read once, not once per
 query head, and never copied per query head as transformers' sdpa does inside a compiled graph).
 
 The growing layers (``PagedRows.attend``) hand a decode step's keys over as the pool's storage itself, with a
@@ -97,7 +97,7 @@ def banded_sdpa_attention(
         key, value = read.gather()
     if layout is None:
         if _packs_decode(module, query, key, attention_mask, kwargs):
-            return packed_decode_attention(query, key, value, kwargs.get("scaling"), attention_mask), None
+            return flex.packed_decode_attention(query, key, value, kwargs.get("scaling"), attention_mask), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     allowed = layout.band.unsqueeze(1)  # [batch, 1, n, num_keys]: includes causality
     if attention_mask is None:
@@ -131,47 +131,16 @@ def banded_sdpa_attention(
 def _packs_decode(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict
 ) -> bool:
-    """Whether ``packed_decode_attention`` computes what transformers' sdpa would: one decode token per row, grouped
-    KV heads, nothing else applied; under a mask, one for every head of the token (a compiled step's: transformers
-    builds the mask of a compileable cache, and inside dynamo its sdpa repeats every key and value once per query
-    head); without one on CPU only (elsewhere transformers' grouped kernel serves)."""
+    """Whether ``flex.packed_decode_attention`` computes what transformers' sdpa would: one decode token per row,
+    grouped KV heads, nothing else applied; under a mask, one for every head of the token (a compiled step's:
+    transformers builds the mask of a compileable cache, and inside dynamo its sdpa repeats every key and value once
+    per query head); without one on CPU only (elsewhere transformers' grouped kernel serves)."""
     extras = any(kwargs.get(name) is not None for name in ("softcap", "position_bias", "s_aux", "sinks"))
     if query.shape[2] != 1 or query.shape[1] == key.shape[1] or extras or module.training:
         return False
     if attention_mask is None:
         return query.device.type == "cpu"
     return attention_mask.dim() == 4 and attention_mask.shape[1] == attention_mask.shape[2] == 1
-
-
-def packed_decode_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scaling: float | None,
-    attention_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """A decode step's attention with the query heads of each KV head packed as query rows of it.
-
-    Unmasked, transformers' sdpa takes torch's grouped path (``enable_gqa``), which on CPU reads a KV head's keys and
-    values once per query head; packed, the kernel reads them once per KV head (at 4,096 tokens, 3 KV heads of 3
-    query heads: 15% less time per call). Masked, transformers' sdpa inside a compiled graph copies every key and
-    value once per query head first (``repeat_kv``); packed, the token's mask serves every row. The same sums in
-    another order: equal to float rounding.
-
-    Args:
-        query: ``[batch, heads, 1, head_dim]``. key, value: ``[batch, kv_heads, n, head_dim]``.
-        attention_mask: ``None``, or the token's ``[batch or 1, 1, 1, >= n]`` mask (boolean, or additive floats).
-
-    Returns:
-        ``[batch, 1, heads, head_dim]`` (transformers' attention output layout).
-    """
-    batch, heads, _, head_dim = query.shape
-    # [batch, kv_heads, queries per KV head, head_dim], in and out
-    packed = query.reshape(batch, key.shape[1], heads // key.shape[1], head_dim)
-    if attention_mask is not None:
-        attention_mask = attention_mask[..., : key.shape[2]]  # [batch or 1, 1, 1, n]: broadcast over the rows
-    output = F.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)
-    return output.reshape(batch, 1, heads, head_dim)
 
 
 def paged_attention(
