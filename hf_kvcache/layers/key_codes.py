@@ -40,12 +40,11 @@ class KeyCodes:
         # Kept for a step's layers: (page table, its ids flattened), (decode buffer, its even and odd rows).
         self._gather_ids: tuple[torch.Tensor, torch.Tensor] | None = None
         self._halves: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._targets: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None  # (targets, store's index)
 
     def store(self, layer_in_group: int, storage: PoolStorage, pages: torch.Tensor, targets: torch.Tensor) -> None:
         """Encodes full pages ``[batch, heads, m, page_size, head_dim]`` into pool pages ``targets [batch, m]``."""
         fmt, quant = self.format, self.quant
-        heads, num_pages = fmt.num_kv_heads, storage.num_pages
-        head_pages = (torch.arange(heads, device=targets.device).view(-1, 1, 1) * num_pages + targets).reshape(-1)
         if fmt.keys_per_channel:  # each channel's page_size tokens: [batch, heads, m, head_dim, page_size]
             codes, scale, zero = quantize(pages.transpose(-1, -2), quant)  # codes [..., head_dim, page_size // 2]
             # Stored row-major, [page_size // 2, head_dim], so that they decode a token row at a time.
@@ -53,11 +52,12 @@ class KeyCodes:
         else:
             codes, scale, zero = quantize(pages, quant)
             parts = ((storage.keys, codes), (storage.key_scales, join_scales(scale, zero)))
-        for tensor, part in parts:
-            layer = tensor[layer_in_group]
-            flat = layer.view(heads * num_pages, -1)  # [heads * pages, a page's numbers]
-            source = part.transpose(0, 1).reshape(-1, flat.shape[1])  # (head, row, page) order, a page per head
-            flat.index_copy_(0, head_pages, source.to(tensor.dtype))
+        if self._targets is None or self._targets[0] is not targets:  # once for a step's layers
+            heads = torch.arange(fmt.num_kv_heads, device=targets.device).view(-1, 1, 1)
+            self._targets = (targets, (heads, targets.unsqueeze(0)))  # -> [heads, batch, m]
+        for tensor, part in parts:  # part [batch, heads, m, *a page's shape] to each head's pages
+            pool_pages = storage.page_view(tensor, layer_in_group, tuple(part.shape[3:]))  # [heads, pages, *shape]
+            pool_pages.index_put_(self._targets[1], part.transpose(0, 1).to(tensor.dtype))
 
     def decode(
         self, layer_in_group: int, storage: PoolStorage, page_ids: torch.Tensor, dtype: torch.dtype
@@ -118,4 +118,4 @@ class KeyCodes:
         return dequantize(*quantize(pages, self.quant), self.quant, pages.dtype)
 
     def release(self) -> None:
-        self._gather_ids = self._halves = None
+        self._gather_ids = self._halves = self._targets = None

@@ -50,8 +50,8 @@ def dequantize_channels_into(
         work.copy_(codes)
     else:
         low, high = halves if halves is not None else channel_halves(work, fmt)
-        low.copy_(codes & 0xF)
-        high.copy_(codes >> 4)
+        torch.bitwise_and(codes, 0xF, out=low)  # computed on the bytes, written as float32: one op each
+        torch.bitwise_right_shift(codes, 4, out=high)
     _codes_to_values(work, scale, zero, fmt)
     if work is not out:
         out.copy_(work)

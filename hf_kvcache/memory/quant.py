@@ -156,8 +156,8 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Ten
     groups = x.float().unflatten(-1, (fmt.num_scale_groups, fmt.group_size))  # [..., num_scale_groups, group_size]
     low, high = groups.aminmax(dim=-1)  # [..., num_scale_groups]
     if fmt.compact_params:
-        scale, zero = _compact_params(low, high, fmt.max_code)
-        stored, base = compact_scale_and_base(scale, zero)  # base: exact
+        scale, zero, stored, steps = _compact_params(low, high, fmt.max_code)
+        base = steps * stored  # exact, as compact_scale_and_base has it
     else:
         # A float32 minimum is stored as it is (the common case: rounding it down would take six more small ops).
         zero = low if dtype == torch.float32 else _round_down(low, dtype)
@@ -171,34 +171,38 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Ten
     return (codes if fmt.bits == 8 else pack_int4(codes)), scale, zero
 
 
-def _compact_params(low: torch.Tensor, high: torch.Tensor, max_code: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The compact ``(scale word, zero)`` (int16, int8) of groups spanning ``[low, high]`` (float32)."""
+def _compact_params(low: torch.Tensor, high: torch.Tensor, max_code: int) -> tuple[torch.Tensor, ...]:
+    """The compact ``(scale word, zero)`` (int16, int8) of groups spanning ``[low, high]`` (float32), with the scale
+    (float16) and the zero in scale steps (float32) that ``compact_scale_and_steps`` reads back from them."""
     lowest, highest = COMPACT_ZERO_RANGE
     # range / max_code, or wide enough for the zero to reach the minimum (the factor covers the scale's rounding).
     wanted = torch.maximum((high - low) / max_code, low.abs() * (ZERO_STEPS * (1 + 2**-7) / highest))
-    half = wanted.clamp(max=torch.finfo(torch.float16).max).to(torch.float16).view(torch.int16).int()
+    half = wanted.clamp_(max=torch.finfo(torch.float16).max).to(torch.float16).view(torch.int16)  # <= 0x7BFF
     scale_bits = ((half + 4) >> 3).clamp_(max=COMPACT_SCALE_MAX_BITS)  # nearest 7-bit mantissa (ties up)
-    scale = (scale_bits << 3).to(torch.int16).view(torch.float16).float()
-    zero = torch.round(low * ZERO_STEPS / torch.where(scale > 0, scale, 1)).int().clamp_(lowest, highest)
-    zero = torch.where(scale > 0, zero, 0)
-    word = ((scale_bits << 4) | (zero & (ZERO_STEPS - 1))).to(torch.int16)  # wraps bit 15 into the sign
-    return word, (zero >> 4).to(torch.int8)
+    scale = (scale_bits << 3).view(torch.float16)
+    # A scale of 0 (a group within 3.2e-6 of constant, |low| below 2.7e-5) divides by 1, and its zero rounds to 0.
+    zero = (low * ZERO_STEPS / torch.where(scale > 0, scale, 1)).round_().int().clamp_(lowest, highest)
+    word = (zero & (ZERO_STEPS - 1)).add_(scale_bits, alpha=ZERO_STEPS).to(torch.int16)  # wraps bit 15 to the sign
+    return word, (zero >> 4).to(torch.int8), scale, zero.div(ZERO_STEPS)
 
 
 def compact_scale_and_base(word: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The float32 ``(scale, base)`` of compact parameters (int16 words and int8 zeros of any equal shape): a value
     is ``base + code * scale``."""
     scale, steps = compact_scale_and_steps(word, zero)
-    return scale, steps * scale
+    return scale.float(), steps * scale
 
 
 def compact_scale_and_steps(word: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float32 scale and the zero in scale steps (``z / 16``) of compact parameters. ``code + z / 16`` is exact
-    in float32 (16 bits), so ``(code + z / 16) * scale`` is ``base + code * scale`` rounded once, as the reference's
-    exact product plus exact base (12 bits times 8) is: the two orders agree bitwise."""
-    scale = ((word >> 1) & 0x7FF8).view(torch.float16).float()
-    # z = 16 * (its high bits) + its low 4 bits: one add (the low bits are below the sum's, so it equals the OR)
-    steps = torch.add(word & (ZERO_STEPS - 1), zero, alpha=ZERO_STEPS).float().div_(ZERO_STEPS)
+    """The scale and the zero in scale steps (``z / 16``, float32) of compact parameters. The scale comes as the
+    float16 it is (exact in float32, to which it promotes in any product with float32 values: one op fewer than a
+    cast). ``code + z / 16`` is exact in float32 (16 bits), so ``(code + z / 16) * scale`` is ``base + code * scale``
+    rounded once, as the reference's exact product plus exact base (12 bits times 8) is: the two orders agree
+    bitwise."""
+    scale = ((word >> 1) & 0x7FF8).view(torch.float16)
+    # z = 16 * (its high bits) + its low 4 bits: one add (the low bits are below the sum's, so it equals the OR);
+    # an integer's true division is float32, and z / 16 is exact in it
+    steps = torch.add(word & (ZERO_STEPS - 1), zero, alpha=ZERO_STEPS).div(ZERO_STEPS)
     return scale, steps
 
 
