@@ -4,8 +4,9 @@ For each cache: a prompt of ``--length`` essay tokens per row and two greedy tok
 decode step counted with a ``TorchDispatchMode``: eager (the path an uncompiled ``generate`` takes) and, for our
 caches, planned (``PoolCache.plan_decode``: the step ``generate`` compiles, run here without the compiler, so its
 ops are those the graph holds before fusion; the second planned step, and apart, the ops its planning dispatched on
-the host before the forward pass, which a CUDA graph does not hide). A GPU launches a kernel for nearly each eager
-op. Writes JSON and prints a table.
+the host before the forward pass, which a CUDA graph does not hide); eager, also the ops of the 16 steps after it,
+one of which fills a page (a quantized cache codes its keys' or values' page there). A GPU launches a kernel for
+nearly each eager op. Writes JSON and prints a table.
 
 Example:
     python scripts/count_decode_ops.py --length 1024 --output benchmarks/decode_ops.json
@@ -47,16 +48,31 @@ class Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_step(model, ids: torch.Tensor, name: str, config: dict | None, planned: bool) -> tuple[Count, Count]:
+def count_page(model, cache, token: torch.Tensor) -> int:
+    """The aten ops of ``page_size`` (16) eager decode steps from ``cache`` fed ``token`` then the greedy tokens: one
+    of them fills a page (the steps of a quantized cache that code their keys' or values' page)."""
+    total = 0
+    with torch.no_grad():
+        for _ in range(16):
+            with Count() as count:
+                logits = model(input_ids=token, cache=cache).logits
+            total += count.ops
+            token = logits[:, -1:].argmax(-1)
+    return total
+
+
+def count_step(
+    model, ids: torch.Tensor, name: str, config: dict | None, planned: bool
+) -> tuple[Count, Count, int | None]:
     """The counts of one decode step's forward pass and, planned, of its planning (of the second planned step: the
-    first makes the plan's tensors)."""
+    first makes the plan's tensors); eager, the ops of a page of steps after it (``count_page``)."""
     kwargs = {} if config is None else {"cache_implementation": name, "cache_config": config}
     out = model.generate(ids, do_sample=False, max_new_tokens=2, return_dict_in_generate=True, **kwargs)
     cache, token = out.cache, out.sequences[:, -1:]
     if not planned:
         with torch.no_grad(), Count() as count:
             model(input_ids=token, cache=cache)
-        return count, Count()
+        return count, Count(), count_page(model, cache, token)
     cache.compiled_decoding, cache.runs_eager = True, False  # as generate sets them when it compiles
     for _ in range(2):
         with Count() as planning:
@@ -67,7 +83,7 @@ def count_step(model, ids: torch.Tensor, name: str, config: dict | None, planned
         with torch.no_grad(), Count() as count:
             logits = model(**inputs, cache=cache).logits
         token = logits[:, -1:].argmax(-1)
-    return count, planning
+    return count, planning, None
 
 
 def main() -> None:
@@ -82,7 +98,7 @@ def main() -> None:
     rows = []
     for name, config in CACHES.items():
         for planned in (False, True) if config is not None else (False,):
-            count, planning = count_step(model, ids, name, config, planned)
+            count, planning, page_ops = count_step(model, ids, name, config, planned)
             rows.append(
                 {
                     "cache": name,
@@ -91,14 +107,20 @@ def main() -> None:
                     "host_reads": count.host_reads,
                     "planning_ops": planning.ops,
                     "planning_host_reads": planning.host_reads,
+                    "page_ops": page_ops,
                 }
             )
-    base = rows[0]["ops"]
-    print("| cache | step | aten ops | vs DynamicCache | host reads | planning ops |\n|---|---|---:|---:|---:|---:|")
+    base, base_page = rows[0]["ops"], rows[0]["page_ops"]
+    print(
+        "| cache | step | aten ops | vs DynamicCache | host reads | planning ops | a page of steps vs DynamicCache |\n"
+        "|---|---|---:|---:|---:|---:|---:|"
+    )
     for row in rows:
         row["ops_vs_dynamic"] = row["ops"] / base
+        row["page_ops_vs_dynamic"] = None if row["page_ops"] is None else row["page_ops"] / base_page
         cells = (row["cache"], row["step"], f"{row['ops']:,}", f"{row['ops_vs_dynamic']:.2f}x", str(row["host_reads"]))
-        print("| " + " | ".join((*cells, str(row["planning_ops"]))) + " |")
+        page = "" if row["page_ops"] is None else f"{row['page_ops_vs_dynamic']:.2f}x"
+        print("| " + " | ".join((*cells, str(row["planning_ops"]), page)) + " |")
     if args.output:
         record = {
             "benchmark": "decode_ops",

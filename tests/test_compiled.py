@@ -384,19 +384,14 @@ def test_an_eager_step_dispatches_what_dynamic_cache_does(name, config):
 
 
 @pytest.mark.parametrize(
-    "name, config, page_bound",
-    [
-        ("quantized_values", {"bits": 4}, 1.5),
-        # The step that fills a page codes its keys and values (about 4.3x DynamicCache's step on its own).
-        ("quantized_kv", {"key_bits": 4, "value_bits": 4}, 1.7),
-    ],
+    "name, config",
+    [("quantized_values", {"bits": 4}), ("quantized_kv", {"key_bits": 4, "value_bits": 4})],
     ids=["quantized_values", "quantized_kv"],
 )
-def test_an_eager_quantized_step_dispatches_at_most_its_bound(name, config, page_bound):
+def test_an_eager_quantized_step_dispatches_at_most_its_bound(name, config):
     """Eager decode steps of a quantized cache against ``DynamicCache``'s, on SmolLM2's depth (30 layers), over one
-    page (16 steps, one of which fills a page and codes it): each step that fills no page at most 1.5x
-    ``DynamicCache``'s aten ops (the issue's target), the whole page at most ``page_bound`` times, and no read back to
-    the host."""
+    page (16 steps, one of which fills a page and codes it): each step that fills no page, and the whole page, at most
+    1.5x ``DynamicCache``'s aten ops (the issue's target), and no read back to the host."""
     model = tiny_llama(num_hidden_layers=30)
     ids = random_ids(2, 30)
     out = generate(model, ids, max_new_tokens=1, return_dict_in_generate=True)
@@ -417,7 +412,7 @@ def test_an_eager_quantized_step_dispatches_at_most_its_bound(name, config, page
     assert all(ours <= 1.5 * dynamic for ours, dynamic in steps), steps
     steps.append(fills)
     totals = [sum(step[index] for step in steps) for index in (0, 1)]
-    assert totals[0] <= page_bound * totals[1], (totals, totals[0] / totals[1])
+    assert totals[0] <= 1.5 * totals[1], (totals, totals[0] / totals[1])
 
 
 PLANNED_CASES = {

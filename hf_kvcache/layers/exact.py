@@ -65,6 +65,13 @@ class ResidualValues:
         buffer = self.buffers[layer_in_group]
         return buffer.index_select(2, torch.arange(first, end, device=buffer.device) % self.length)
 
+    def take_all(self, first: int, end: int) -> tuple[list[int], torch.Tensor]:
+        """Every layer's held tokens ``[first, end)`` at once (all within the window): ``(layers, [layers, batch,
+        heads, end - first, head_dim])``, three ops for the layer group."""
+        layers = sorted(self.buffers)
+        windows = torch.stack([self.buffers[layer] for layer in layers])  # [layers, batch, heads, length, head_dim]
+        return layers, windows.index_select(3, self._positions(first, end, windows.device))
+
     def select_rows(self, indices: list[int]) -> None:
         for layer_in_group, buffer in self.buffers.items():
             self.buffers[layer_in_group] = buffer[torch.tensor(indices, device=buffer.device)]

@@ -40,9 +40,10 @@ class KeyPages:
         self.partial: dict[int, torch.Tensor] = {}  # layer_in_group -> [batch, heads, page_size, head_dim]
         self.written: dict[int, int] = {}  # layer_in_group -> tokens written (padding included)
         self.filled_unencoded: int | None = None  # the end of a page the last planned step filled, not yet encoded
-        # Kept for a step's layers: ((start, shifts, heads, head_dim), where its key goes in the pages still filling),
+        # Kept for a step's layers: ((start, shifts, heads, head_dim), where its key goes in the pages still filling,
+        # the rows' pages, and for a step that fills pages where each row's goes and which rows fill it);
         # ((batch, pages, page still filling), where it goes in read).
-        self._step_slot: tuple[tuple, torch.Tensor] | None = None
+        self._step_slot: tuple[tuple, torch.Tensor, torch.Tensor, tuple | None] | None = None
         self._partial_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (partial, heads first)
         self._filling: tuple[tuple[int, int, int], torch.Tensor] | None = None
 
@@ -93,7 +94,7 @@ class KeyPages:
             key_states = key_states.detach()
         if self.filled_unencoded is not None and self.filled_unencoded == start:  # the step after a planned one
             self._encode_partial(storage, page_ids, start, shifts, ring_pages)  # that filled a page, not planned
-        if self._write_in_place(layer_in_group, start, key_states, shifts):
+        if self._write_in_place(layer_in_group, storage, start, key_states, page_ids, shifts, ring_pages):
             return
         batch, page_size, device = key_states.shape[0], self.page_size, key_states.device
         firsts, ends = self._pages_before(start, shifts), self._pages_before(start + key_states.shape[2], shifts)
@@ -117,22 +118,49 @@ class KeyPages:
         self._heads_first(layer_in_group, partial)  # made here, where the page changes, once
         self.written[layer_in_group] = start + key_states.shape[2]
 
-    def _write_in_place(self, layer_in_group: int, start: int, key_states: torch.Tensor, shifts: list[int]) -> bool:
-        """A decode step's key put in its slot of each row's page still filling, if no row's page fills (one op:
-        ``write``'s general path encodes a page that fills). ``False``: not such a step, nothing written."""
+    def _write_in_place(
+        self,
+        layer_in_group: int,
+        storage: PoolStorage,
+        start: int,
+        key_states: torch.Tensor,
+        page_ids: torch.Tensor,
+        shifts: list[int],
+        ring_pages: int | None,
+    ) -> bool:
+        """A decode step's key put in its slot of each row's page still filling (one op); the rows whose page it
+        fills get that page encoded to their pool page, and a page still filling of zeros (the general path of
+        ``write`` took and gathered every row's tokens to do the same). ``False``: not a decode step after one
+        of the rows' tokens, nothing written."""
         partial = self.partial.get(layer_in_group)
         batch, heads, num_new, head_dim = key_states.shape
         if num_new != 1 or partial is None or partial.shape[0] != batch or self.written.get(layer_in_group) != start:
             return False
         key = (start, tuple(shifts), heads, head_dim)
-        if self._step_slot is None or self._step_slot[0] != key:
+        if self._step_slot is None or self._step_slot[0] != key or self._step_slot[2] is not page_ids:
             offsets = [start - shift for shift in shifts]
-            if min(offsets) < 0 or any(offset % self.page_size == self.page_size - 1 for offset in offsets):
-                return False  # a row before its first token, or a page that fills: the general path
-            slot = torch.tensor([offset % self.page_size for offset in offsets], device=partial.device)
-            self._step_slot = (key, slot.view(batch, 1, 1, 1).expand(batch, heads, 1, head_dim))
-        partial.scatter_(2, self._step_slot[1], key_states.to(partial.dtype))
+            if min(offsets) < 0:
+                return False  # a row before its first token: the general path
+            device = partial.device
+            slot = torch.tensor([offset % self.page_size for offset in offsets], device=device)
+            fills = self._fills(start + 1, shifts)
+            filled = None
+            if any(fills):  # each row's pool page of the page it fills (the null page: a row whose page does not)
+                position = self._position(torch.tensor(self._pages_before(start, shifts), device=device), ring_pages)
+                targets = page_ids.gather(1, position.clamp(max=page_ids.shape[1] - 1).view(-1, 1))  # [batch, 1]
+                mask = torch.tensor(fills, device=device).view(-1, 1)
+                filled = (targets.masked_fill(~mask, NULL_PAGE), None if all(fills) else mask.view(-1, 1, 1, 1))
+            self._step_slot = (key, slot.view(batch, 1, 1, 1).expand(batch, heads, 1, head_dim), page_ids, filled)
+        _, slot, _, filled = self._step_slot
+        partial.scatter_(2, slot, key_states.to(partial.dtype))
         self.written[layer_in_group] = start + 1
+        if filled is not None:
+            targets, rows = filled
+            self.codes.store(layer_in_group, storage, partial.unsqueeze(2), targets)
+            if rows is None:  # every slot is written again before it is read
+                partial.zero_()
+            else:
+                partial.masked_fill_(rows, 0)
         return True
 
     def _page_tokens(self, token_pages: torch.Tensor) -> torch.Tensor:

@@ -108,18 +108,24 @@ class PagedRows(PlannedRows):
             key_states / value_states: ``[batch, heads, n, head_dim]``.
         """
         self.begin_step(start, key_states, value_states)
+        num_new = key_states.shape[-2]
+        pages = self.store.value_pages_to_write(start, start + num_new)
+        deferred = pages is not None and self.store.defers_value_pages(start, num_new, pages[0])
         with self.pool.held() as storage:  # the storage cannot move under the write (a growth that reallocates)
-            index = self._write_index(start, key_states.shape[-2], storage)
+            index = self._write_index(start, num_new, storage)
             self.store.write(layer_in_group, storage, index, key_states, value_states)
             self._write_keys(layer_in_group, storage, start, key_states)
-            pages = self.store.value_pages_to_write(start, start + value_states.shape[-2])
-            if pages is not None:
+            if pages is not None and not deferred:
                 first, last = pages
                 index = self._slot_index(first, last - first, storage)
                 values = value_states[:, :, : last - start]
                 self.store.write_value_pages(layer_in_group, storage, index, first, start, values)
         self.store.remember(layer_in_group, start, value_states, key_states)
-        self.end_step(layer_in_group, start + key_states.shape[-2])
+        if deferred and layer_in_group == self._last_layer:  # every layer's page, coded at once
+            with self.pool.held() as storage:
+                first, last = pages
+                self.store.code_value_pages(storage, self._slot_index(first, last - first, storage), first, last)
+        self.end_step(layer_in_group, start + num_new)
 
     def key_shifts(self, batch: int) -> list[int]:
         """The token each row counts its pages from (``KeyPages``): growing rows store padding too, from 0."""

@@ -125,6 +125,24 @@ class SlotStore:
             values = torch.cat([self.residual.take(layer_in_group, first, start), values], dim=2)
         self._write_codes(layer_in_group, storage, index, values)
 
+    def defers_value_pages(self, start: int, num_new: int, first: int) -> bool:
+        """By page: whether a step writing tokens ``[start, start + num_new)`` leaves the codes of its pages, from
+        token ``first`` (``value_pages_to_write``), to ``code_value_pages`` after the layer group's last layer: a
+        decode step, whose pages the residual windows still hold whole after it (attention reads them from there)."""
+        return num_new == 1 and first >= start + 1 - self.residual.length
+
+    def code_value_pages(self, storage: PoolStorage, index: torch.Tensor, first: int, last: int) -> None:
+        """By page, after the last layer of a decode step that ``defers_value_pages``: the codes of tokens ``[first,
+        last)`` of every layer of the layer group, from the residual windows, stored into their slots ``index
+        [batch, heads, n]`` at once (a quantization per layer made the step dispatch about 47 ops a layer). Inside
+        ``KVPool.held()``, like ``write``."""
+        layers, values = self.residual.take_all(first, last)  # [layers, batch, heads, n, head_dim]
+        codes, scale, zero = quantize(values, self.quant)
+        where = (torch.tensor(layers, device=index.device).view(-1, 1, 1, 1), index)  # -> [layers, batch, heads, n]
+        for tensor, part in ((storage.values, codes), (storage.value_scales, join_scales(scale, zero))):
+            by_layer = tensor.view(tensor.shape[0], -1, tensor.shape[-1])  # [layers, slots, last_dim]
+            by_layer.index_put_(where, part if part.dtype == tensor.dtype else part.to(tensor.dtype))
+
     def stored(self, end: int) -> None:
         """Every layer has written tokens up to ``end``: by page, the codes of its full pages are in the pool."""
         if self.by_page:  # a step inside a page a crop left coded in part keeps that part
