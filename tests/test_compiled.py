@@ -458,6 +458,29 @@ def decode_step(model, cache, token: torch.Tensor, mask: torch.Tensor, planned: 
     return model(**inputs, cache=cache).logits[:, -1]
 
 
+class GatheredDtypes(TorchDispatchMode):
+    """The dtypes of the tensors gathered with index tensors (``aten.index``: ``storage[index]``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.index.Tensor:
+            self.dtypes.add(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_planned_int4_key_step_gathers_its_scale_words_as_bytes():
+    """Inductor's CPU code vectorizes no load of a gathered int16 tensor: a compiled ``quantized_kv`` step that
+    gathered the int16 words of its compact key scales decoded every key in a scalar loop (a fifth of the step at
+    4,096 tokens). A planned step gathers the words as their bytes (the decode computes the scale from them)."""
+    model, planned, _, token, mask = planned_and_eager_twins("quantized_kv-k4v4")
+    with torch.no_grad(), GatheredDtypes() as gathered:
+        decode_step(model, planned, token, mask, planned=True)
+    assert torch.uint8 in gathered.dtypes and torch.int16 not in gathered.dtypes, gathered.dtypes
+
+
 @pytest.mark.parametrize("case", list(PLANNED_CASES))
 def test_planned_steps_compute_what_eager_steps_do(case):
     """Planned steps run eagerly (no compiler numerics) against eager steps on a twin cache, past a page filling

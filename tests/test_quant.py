@@ -11,8 +11,11 @@ from hypothesis import strategies as st
 
 from hf_kvcache.memory.dequant import dequantize_channels, dequantize_channels_into, dequantize_into
 from hf_kvcache.memory.quant import (
+    COMPACT_SCALE_MAX_BITS,
     QuantFormat,
     compact_scale_and_base,
+    compact_scale_and_steps,
+    compact_scale_and_steps_from_bytes,
     dequantize,
     pack_int4,
     quantize,
@@ -247,6 +250,18 @@ def test_dequantize_channels_into_equals_dequantize_bitwise(case, out_dtype):
     reference = dequantize(codes, scale, zero, fmt, out_dtype).mT
     assert torch.equal(out, reference)
     assert torch.equal(dequantize_channels(codes.mT.contiguous(), scale.mT, zero.mT, fmt, out_dtype), reference)
+
+
+def test_compact_parameters_decode_from_their_bytes_as_from_their_words():
+    """Every compact scale word a quantization stores (scale bits up to ``COMPACT_SCALE_MAX_BITS``, any low nibble),
+    with zeros over their range, read as its little-endian bytes (as a compiled decode gathers it): the scale and
+    steps ``compact_scale_and_steps`` reads from the word, bitwise, subnormal scales included."""
+    words = torch.arange(COMPACT_SCALE_MAX_BITS + 1, dtype=torch.int32).view(-1, 1) << 4 | torch.arange(16)
+    words = words.flatten().to(torch.int16)  # bit 15 wraps into the sign, as stored
+    zeros = torch.arange(-128, 128, dtype=torch.int8).repeat(len(words) // 256 + 1)[: len(words)]
+    expected = compact_scale_and_steps(words, zeros)
+    actual = compact_scale_and_steps_from_bytes(words.view(torch.uint8), zeros)  # [2 * n] bytes, low first
+    assert all(torch.equal(a.float(), e.float()) for a, e in zip(actual, expected))
 
 
 @FAST

@@ -6,6 +6,7 @@ the page's tokens (``memory.quant``, compact parameters), stored row-major so th
 still filling.
 """
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -105,7 +106,10 @@ class KeyCodes:
         batch, heads, num_pages = codes.shape[:3]
         if fmt.keys_per_channel:  # a page's codes row-major [page_size // 2, head_dim], a scale per channel
             codes = codes.view(batch, heads, num_pages, quant.code_dim, fmt.head_dim)
-            scale, zero = storage.key_scales[index].unsqueeze(-2), storage.key_zeros[index].unsqueeze(-2)
+            words = storage.key_scales
+            if quant.compact_params and sys.byteorder == "little":  # gathered as bytes: see dequantize_channels
+                words = words.view(torch.uint8)
+            scale, zero = words[index].unsqueeze(-2), storage.key_zeros[index].unsqueeze(-2)
             return dequantize_channels(codes, scale, zero, quant, dtype)
         scales, groups = storage.key_scales[index], quant.num_scale_groups
         return dequantize(codes, scales[..., :groups], scales[..., groups:], quant, dtype)

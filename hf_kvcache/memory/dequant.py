@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from hf_kvcache.memory.quant import QuantFormat, compact_scale_and_steps
+from hf_kvcache.memory.quant import QuantFormat, compact_scale_and_steps, compact_scale_and_steps_from_bytes
 
 
 def _float32_work(out: torch.Tensor, work: torch.Tensor | None) -> torch.Tensor:
@@ -68,14 +68,17 @@ def dequantize_channels(
 ) -> torch.Tensor:
     """``dequantize_channels_into`` as one expression, returning ``[..., head_dim, columns]`` in ``dtype`` (bitwise
     equal): row-major codes unpack to row-major values, so that a compiled graph fuses it into one kernel over
-    contiguous memory (through the reference's transposes it ran 1.9x slower, compiled, on a CPU)."""
+    contiguous memory (through the reference's transposes it ran 1.9x slower, compiled, on a CPU). Compact
+    parameters' words may come as their bytes, ``scale [..., 1, 2 * columns]`` uint8
+    (``compact_scale_and_steps_from_bytes``)."""
     if fmt.bits == 8:
         values = codes.float()
     else:
         rows = codes.unsqueeze(-2)  # [..., code_dim, 1, columns]: rows 2i (low nibble) and 2i + 1 (high)
         values = torch.cat((rows & 0xF, rows >> 4), dim=-2).flatten(-3, -2).float()  # [..., head_dim, columns]
     if fmt.compact_params:
-        scale, steps = compact_scale_and_steps(scale, zero)
+        from_bytes = scale.dtype == torch.uint8
+        scale, steps = (compact_scale_and_steps_from_bytes if from_bytes else compact_scale_and_steps)(scale, zero)
         return ((values + steps) * scale).to(dtype)
     return (values * scale.float() + zero.float()).to(dtype)
 
