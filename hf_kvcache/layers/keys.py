@@ -298,6 +298,15 @@ class KeyPages:
         slots = torch.where((tokens >= 0) & (local >= 0), local % (ring_pages * page_size), 0)
         return pages, slots.unsqueeze(1).unsqueeze(-1), *filling
 
+    def replan_decode(self, plan: "Any", start: int, shifts: list[int]) -> None:
+        """``plan_decode`` for a planned step at ``start`` that keeps the step before's plan (growing rows, the same
+        page still filling): only whether the step fills that page changes (one op)."""
+        fills = any(self._fills(start + 1, shifts))
+        self.filled_unencoded = start + 1 if fills else None
+        for layer_in_group in self.partial:
+            self.written[layer_in_group] = start + 1
+        plan.filling_coded.fill_(fills)
+
     def _fills(self, end: int, shifts: list[int]) -> list[bool]:
         """Whether each row's token ``end - 1`` is the last of a page (row counted)."""
         return [end - shift > 0 and (end - shift) % self.page_size == 0 for shift in shifts]

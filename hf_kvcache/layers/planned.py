@@ -57,13 +57,21 @@ class PlannedRows:
         self.written = start  # the steps before have run: every layer holds their tokens
         self._grow(batch, start, 1, None)
         page_size, store = self.pool.format.page_size, self.store
-        plain = self.ring_pages is None and store.keys is None and store.quant is None and store.sink is None
-        step_key = (self.table.version, start // page_size, batch, capacity_pages) if plain else None
-        if step_key is not None and self.step_plan is not None and step_key == self._step_key:
-            # The same pages, read and written, as the step before: only the slot of the new token moves.
-            self.step_plan.write_offsets.fill_(start % page_size)
-            self.step_plan.mask = self._planned_mask(start, batch, capacity_pages, padding_only)
-            return self.step_plan
+        # Rows that keep every page, with no sink (a ring's reads slide, a sink fills: they plan every step anew)
+        keeps = self.ring_pages is None and store.sink is None
+        step_key = (self.table.version, start // page_size, batch, capacity_pages, padding_only) if keeps else None
+        plan = self.step_plan
+        if step_key is not None and plan is not None and step_key == self._step_key and plan.value_buffer is None:
+            # The same pages, read and written, as the step before: the slot of the new token moves, and a quantized
+            # cache's residual window and whether the step fills the keys' page still filling.
+            plan.write_offsets.fill_(start % page_size)
+            if store.quant is not None:
+                store.replan_residual(plan, start)
+            if store.keys is not None:
+                store.keys.replan_decode(plan, start, self.key_shifts(batch))
+            # Quantized values read in place plan anew (value_buffer): these gathered, as the step before
+            plan.mask = self._planned_mask(start, batch, capacity_pages, padding_only) if store.quant is None else None
+            return plan
         self._step_key = step_key
         pages, offsets, tokens, kv_offset = self._planned_reads(start, batch, capacity_pages)
         write_pages, write_offsets = self._planned_write(start, batch)
@@ -81,7 +89,6 @@ class PlannedRows:
         if mask is not None and self.store.quant is not None:
             in_place_values = self._plan_values_in_place(start, batch, capacity_pages)
             mask = mask if in_place_values[0] is not None else None
-        plan = self.step_plan
         fresh = plan is None or plan.pages.shape != pages.shape or (plan.offsets is None) != (offsets is None)
         fresh = fresh or _shapes(plan.in_place_values) != _shapes(in_place_values)
         fresh = fresh or _shapes(plan.keys_read) != _shapes(keys_read) or _shapes(plan.sink) != _shapes(sink)

@@ -75,6 +75,7 @@ class SlotStore:
         self._buffers: dict[str, torch.Tensor] = {}  # flat, reused for dequantized values (and float32 work)
         self._views: dict[str, tuple[tuple, torch.Tensor]] = {}  # name -> (shape, dtype, inference mode), its view
         self._spread_bytes: tuple[torch.Tensor, torch.Size, torch.Tensor] | None = None  # (spread, shape, as bytes)
+        self._residual_tokens: torch.Tensor | None = None  # the token of each key of the last planned step
         self.keys = KeyPages(pool.format, self._buffer) if pool.format.key_format is not None else None
         self.sink = ExactSink(exact_tokens) if exact_tokens and pool.format.encodes else None
 
@@ -162,12 +163,27 @@ class SlotStore:
         residual = self.residual
         if residual is None:
             return None, None, None
+        self._residual_tokens = tokens
         end = start + 1
         oldest = residual.first = max(residual.first, end - residual.length)  # the step overwrites what is older
         held = (tokens >= oldest) & (tokens < end)  # tokens >= 0 there
         index = tokens.clamp(min=0) % residual.length
         write = torch.full((1,), start % residual.length, device=tokens.device)
         return write, index.unsqueeze(1), held.unsqueeze(1).unsqueeze(-1)
+
+    def replan_residual(self, plan: "Any", start: int) -> None:
+        """A planned step at ``start`` that reads the keys of the step before's plan (``PagedRows.plan_decode``):
+        the step codes its token, and the residual window moves on by it (``plan_residual``'s tensors refilled in
+        place, five ops)."""
+        self.coded = start + 1
+        residual = self.residual
+        if residual is None:
+            return
+        end = start + 1
+        oldest = residual.first = max(residual.first, end - residual.length)
+        plan.residual_write.fill_(start % residual.length)
+        tokens = self._residual_tokens  # [batch or 1, num_keys], as planned
+        torch.logical_and(tokens >= oldest, tokens < end, out=plan.residual_held.view(tokens.shape))
 
     def write_planned_values(
         self, layer_in_group: int, storage: PoolStorage, plan: "Any", value_states: torch.Tensor
