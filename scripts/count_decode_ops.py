@@ -44,7 +44,9 @@ class Count(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
-        self.host_reads += func in HOST_READS
+        # indexing with a boolean mask reads the mask back to size its result
+        masked = func is torch.ops.aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1])
+        self.host_reads += masked or func in HOST_READS
         return func(*args, **(kwargs or {}))
 
 

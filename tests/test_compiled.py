@@ -280,15 +280,16 @@ def test_a_compiled_ring_takes_no_new_graph_for_another_prompt_length(compile_co
 
 
 class HostReads(TorchDispatchMode):
-    """Counts the aten ops that read a tensor's value back to the host (``.item()``, ``.tolist()``, ``bool()``)."""
+    """Counts the aten ops that read a tensor's value back to the host (``.item()``, ``bool()``, ``nonzero``, and
+    indexing with a boolean mask, whose result's size the host must read)."""
 
     def __init__(self):
         super().__init__()
         self.reads = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default):
-            self.reads += 1
+        masked = func is torch.ops.aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1])
+        self.reads += masked or func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default)
         return func(*args, **(kwargs or {}))
 
 
@@ -393,6 +394,28 @@ def test_an_eager_step_dispatches_what_dynamic_cache_does(name, config):
                 assert reads.reads == 0
                 counts.append(ops.ops)
             assert counts[0] <= 1.1 * counts[1], counts
+
+
+def test_a_ring_that_wrapped_reads_nothing_back_to_the_host():
+    """Every step of a ring that has wrapped writes slots of pages rows may share (beams: copy-on-write), and asks
+    which: each row's come from host arithmetic on the rows' padding (they came from a boolean mask over a tensor of
+    slots, a read back to the host that stalls a GPU's queue every step), in an eager step and in the planning of a
+    planned one (a left-padded batch: the rows' slots differ)."""
+    model = tiny_llama()
+    ids, mask = random_padded_batch([60, 47], 128, torch.Generator().manual_seed(2))  # a ring of 48 slots, wrapped
+    config = {"window": 16, "sink_tokens": 2}
+    kwargs = {"max_new_tokens": 1, "attention_mask": mask, "cache_config": config, "return_dict_in_generate": True}
+    for planned in (False, True):
+        out = generate(model, ids, "sliding_ring", **kwargs)
+        cache, token = out.cache, out.sequences[:, -1:]
+        step_mask = torch.cat([mask, torch.ones(2, 2, dtype=torch.long)], dim=1)
+        with torch.no_grad(), HostReads() as reads:
+            if planned:
+                cache.compiled_decoding, cache.runs_eager = True, False  # as generate sets them when it compiles
+                assert cache.plan_decode(2, 1, step_mask)
+            else:  # no mask: transformers reads one back to check for padding
+                model(input_ids=token, cache=cache)
+        assert reads.reads == 0, planned
 
 
 @pytest.mark.parametrize(

@@ -485,3 +485,22 @@ def test_a_step_past_an_imposed_window_warns_where_the_model_hands_no_kwargs(tin
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         SlidingRingCache(config, window=8).update(states[0], states[1], 0, kwargs={})
+
+
+@pytest.mark.parametrize("window, sink_tokens", [(40, 0), (40, 4), (16, 2), (100, 16)])
+def test_the_pages_a_step_takes_are_those_of_its_tokens_slots(tiny_llama_model, window, sink_tokens):
+    """``RingRows._pages_taking`` (host arithmetic, what copy-on-write asks every step of a wrapped ring) against its
+    slow twin: the pages of ``_slots``' slots of every token of every row, for steps of one token and chunks longer
+    than the ring, around the sinks and the wrap, rows padded differently."""
+    rows = RingRows(KVPool.for_model(tiny_llama_model, max_tokens=4096), window, sink_tokens)
+    page_size, generator = rows.pool.format.page_size, torch.Generator().manual_seed(0)
+    for _ in range(300):
+        pads = torch.randint(0, 30, (3,), generator=generator).tolist()
+        rows.set_plan(0, pads)
+        end = int(torch.randint(1, 4 * rows.num_slots, (1,), generator=generator))
+        first = max(
+            end - int(torch.randint(1, 2 * rows.num_slots, (1,), generator=generator)), 0, end - rows.ring_slots
+        )
+        slots = rows._slots(torch.arange(first, end).expand(3, -1))
+        expected = sorted(set((slots[slots >= 0] // page_size).tolist()))
+        assert rows._pages_taking(3, first, end) == expected, (pads, first, end)

@@ -190,11 +190,16 @@ class RingRows(PagedRows):
         return pages, offsets, tokens, first - sinks
 
     def _planned_write(self, start: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[batch, 1, 1]`` the page and the slot in it of the ring slot a planned step's token at ``start`` takes."""
-        page_size = self.pool.format.page_size
-        slots = self._slots(torch.full((batch, 1), start, device=self.pool.device))  # [batch, 1]
-        pages = self._page_ids().gather(1, slots // page_size)
-        return pages.view(batch, 1, 1), (slots % page_size).view(batch, 1, 1)
+        """``[batch, 1, 1]`` the page and the slot in it of the ring slot a planned step's token at ``start`` takes
+        (``_slots``' slot, from the host's page table: two small copies to the device, no op on its tensors)."""
+        page_size, sinks = self.pool.format.page_size, self.sink_tokens
+        pads = self.pad_lengths if self.pad_lengths is not None and len(self.pad_lengths) == batch else [0] * batch
+        slots = [
+            start - pad if start - pad < sinks else sinks + (start - pad - sinks) % self.ring_slots for pad in pads
+        ]
+        pages = [row[slot // page_size] for row, slot in zip(self.table.rows, slots)]
+        device = self.pool.device
+        return tuple(torch.tensor(v, device=device).view(batch, 1, 1) for v in (pages, [s % page_size for s in slots]))
 
     def check_crop(self, num_tokens: int) -> None:
         """Raises ``ValueError`` if cropping to ``num_tokens`` needs tokens the ring has overwritten."""
@@ -265,11 +270,28 @@ class RingRows(PagedRows):
         # Slots written again (a wrapped ring) or taken ahead (planned) may sit in pages rows share (beams);
         # a prefill's pages are all new, and rows sharing them are identical.
         if start > 0 and (start < held or end > self.num_slots):
-            tokens = torch.arange(max(start, end - self.ring_slots), end, device=self.pool.device)
-            slots = self._slots(tokens.expand(batch, -1))
-            pages = sorted(set((slots[slots >= 0] // self.pool.format.page_size).tolist()))
+            pages = self._pages_taking(batch, max(start, end - self.ring_slots), end)
             self._apply(lambda: self.table.make_private(list(range(batch)), pages))
         self.total = end
+
+    def _pages_taking(self, batch: int, first: int, end: int) -> list[int]:
+        """Which of a row's pages (by position) the tokens ``[first, end)`` of any row take (``_slots``'s slots, at
+        most ``ring_slots`` tokens after the sinks), ascending: host arithmetic on the rows' padding, where a mask
+        over a tensor of slots read its result back to the host."""
+        page_size, sinks, ring = self.pool.format.page_size, self.sink_tokens, self.ring_slots
+        pads = self.pad_lengths if self.pad_lengths is not None and len(self.pad_lengths) == batch else [0] * batch
+        spans = []  # (first slot, end slot) of each row's tokens
+        for pad in set(pads):
+            low, high = max(first - pad, 0), end - pad  # counted from the row's first real token
+            if low < min(high, sinks):
+                spans.append((low, min(high, sinks)))
+            low = max(low, sinks)
+            if high > low:  # ring slots from (low - sinks) % ring on, wrapping once at most
+                slot = (low - sinks) % ring
+                count = min(high - low, ring)
+                spans += [(sinks + slot, sinks + min(slot + count, ring)), (sinks, sinks + slot + count - ring)]
+        pages = {page for a, b in spans if b > a for page in range(a // page_size, (b - 1) // page_size + 1)}
+        return sorted(pages)
 
     def _slots(self, tokens: torch.Tensor, lost_before: int | None = None) -> torch.Tensor:
         """``[batch, n]`` logical slot of each row's token ``tokens [batch, n]``; ``-1`` where the row keeps none.
