@@ -192,8 +192,7 @@ class RingRows(PagedRows):
     def _planned_write(self, start: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[batch, 1, 1]`` the page and the slot in it of the ring slot a planned step's token at ``start`` takes
         (``_slots``' slot, from the host's page table: two small copies to the device, no op on its tensors)."""
-        page_size, sinks = self.pool.format.page_size, self.sink_tokens
-        pads = self.pad_lengths if self.pad_lengths is not None and len(self.pad_lengths) == batch else [0] * batch
+        page_size, sinks, pads = self.pool.format.page_size, self.sink_tokens, self._pad_list(batch)
         slots = [
             start - pad if start - pad < sinks else sinks + (start - pad - sinks) % self.ring_slots for pad in pads
         ]
@@ -279,7 +278,7 @@ class RingRows(PagedRows):
         most ``ring_slots`` tokens after the sinks), ascending: host arithmetic on the rows' padding, where a mask
         over a tensor of slots read its result back to the host."""
         page_size, sinks, ring = self.pool.format.page_size, self.sink_tokens, self.ring_slots
-        pads = self.pad_lengths if self.pad_lengths is not None and len(self.pad_lengths) == batch else [0] * batch
+        pads = self._pad_list(batch)
         spans = []  # (first slot, end slot) of each row's tokens
         for pad in set(pads):
             low, high = max(first - pad, 0), end - pad  # counted from the row's first real token

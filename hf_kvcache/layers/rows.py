@@ -279,11 +279,14 @@ class PagedRows(PlannedRows):
         """``ReadPath``'s ``MaskInputs``: the page table ``[batch, num_pages]`` and the rows' padding ``[batch]``."""
         return self._page_ids(), self._pad_tensor(batch)
 
+    def _pad_list(self, batch: int) -> list[int]:
+        """The leading padding of each of ``batch`` rows (zeros where the cache was not told)."""
+        return self.pad_lengths if self.pad_lengths is not None and len(self.pad_lengths) == batch else [0] * batch
+
     def _pad_tensor(self, batch: int) -> torch.Tensor:
-        """``[batch]`` leading padding of each row (zeros where the cache was not told)."""
+        """``_pad_list`` as a ``[batch]`` tensor, kept."""
         if self._pads is None or self._pads.shape[0] != batch:
-            pads = self.pad_lengths if self.pad_lengths is not None and len(self.pad_lengths) == batch else [0] * batch
-            self._pads = torch.tensor(pads, dtype=torch.long, device=self.pool.device)
+            self._pads = torch.tensor(self._pad_list(batch), dtype=torch.long, device=self.pool.device)
         return self._pads
 
     def select_rows(self, indices: list[int]) -> None:
