@@ -141,15 +141,12 @@ class KeyPages:
             offsets = [start - shift for shift in shifts]
             if min(offsets) < 0:
                 return False  # a row before its first token: the general path
-            device = partial.device
-            slot = torch.tensor([offset % self.page_size for offset in offsets], device=device)
+            slot = torch.tensor([offset % self.page_size for offset in offsets], device=partial.device)
             fills = self._fills(start + 1, shifts)
             filled = None
-            if any(fills):  # each row's pool page of the page it fills (the null page: a row whose page does not)
-                position = self._position(torch.tensor(self._pages_before(start, shifts), device=device), ring_pages)
-                targets = page_ids.gather(1, position.clamp(max=page_ids.shape[1] - 1).view(-1, 1))  # [batch, 1]
-                mask = torch.tensor(fills, device=device).view(-1, 1)
-                filled = (targets.masked_fill(~mask, NULL_PAGE), None if all(fills) else mask.view(-1, 1, 1, 1))
+            if any(fills):
+                targets, mask = self._filled_targets(page_ids, start + 1, shifts, ring_pages)
+                filled = (targets, None if all(fills) else mask.view(-1, 1, 1, 1))
             self._step_slot = (key, slot.view(batch, 1, 1, 1).expand(batch, heads, 1, head_dim), page_ids, filled)
         _, slot, _, filled = self._step_slot
         partial.scatter_(2, slot, key_states.to(partial.dtype))
@@ -280,9 +277,7 @@ class KeyPages:
         page_size, device = self.page_size, page_ids.device
         if self.filled_unencoded == start:  # the last step, planned, filled pages: encode them from there
             self._encode_partial(storage, page_ids, start, shifts, ring_pages)
-        self.filled_unencoded = start + 1 if any(self._fills(start + 1, shifts)) else None
-        for layer_in_group in self.partial:
-            self.written[layer_in_group] = start + 1
+        self._advance_planned(start, shifts)
         # Growing rows count from 0 (one plan for every row); a ring's, from their first real token.
         row_shifts = torch.tensor(shifts if ring_pages is not None else [0], device=device).view(-1, 1)
         local_start = start - row_shifts  # [batch or 1, 1]
@@ -301,15 +296,30 @@ class KeyPages:
     def replan_decode(self, plan: "Any", start: int, shifts: list[int]) -> None:
         """``plan_decode`` for a planned step at ``start`` that keeps the step before's plan (growing rows, the same
         page still filling): only whether the step fills that page changes (one op)."""
+        plan.filling_coded.fill_(self._advance_planned(start, shifts))
+
+    def _advance_planned(self, start: int, shifts: list[int]) -> bool:
+        """A planned step at ``start`` writes its token in every layer; whether it fills a row's page (encoded the
+        step after, ``filled_unencoded``)."""
         fills = any(self._fills(start + 1, shifts))
         self.filled_unencoded = start + 1 if fills else None
         for layer_in_group in self.partial:
             self.written[layer_in_group] = start + 1
-        plan.filling_coded.fill_(fills)
+        return fills
 
     def _fills(self, end: int, shifts: list[int]) -> list[bool]:
         """Whether each row's token ``end - 1`` is the last of a page (row counted)."""
         return [end - shift > 0 and (end - shift) % self.page_size == 0 for shift in shifts]
+
+    def _filled_targets(
+        self, page_ids: torch.Tensor, end: int, shifts: list[int], ring_pages: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool page of the page each row's token ``end - 1`` fills, ``[batch, 1]`` (the null page where it fills
+        none), and which rows it fills, ``[batch]``."""
+        filled = torch.tensor(self._fills(end, shifts), device=page_ids.device)  # [batch]
+        token_pages = torch.tensor([max(end - shift, 1) for shift in shifts], device=page_ids.device) // self.page_size
+        position = self._position(token_pages - 1, ring_pages).clamp(max=page_ids.shape[1] - 1).view(-1, 1)
+        return page_ids.gather(1, position).masked_fill(~filled.view(-1, 1), NULL_PAGE), filled
 
     def _encode_partial(
         self, storage: PoolStorage, page_ids: torch.Tensor, end: int, shifts: list[int], ring_pages: int | None
@@ -317,10 +327,7 @@ class KeyPages:
         """Encodes the page ending at token ``end`` that the rows whose page it fills (``_fills``) hold whole as their
         page still filling (the page a planned step filled: planned steps encode it one step late, the step that
         filled it only wrote its last key there)."""
-        filled = torch.tensor(self._fills(end, shifts), device=page_ids.device)  # [batch]
-        token_pages = torch.tensor([max(end - shift, 1) for shift in shifts], device=page_ids.device) // self.page_size
-        position = self._position(token_pages - 1, ring_pages).clamp(max=page_ids.shape[1] - 1).view(-1, 1)
-        targets = page_ids.gather(1, position).masked_fill(~filled.view(-1, 1), NULL_PAGE)  # [batch, 1]
+        targets, filled = self._filled_targets(page_ids, end, shifts, ring_pages)
         for layer_in_group, partial in self.partial.items():
             self.codes.store(layer_in_group, storage, partial.unsqueeze(2), targets)
             partial.masked_fill_(filled.view(-1, 1, 1, 1), 0)  # every slot is written again before it is read

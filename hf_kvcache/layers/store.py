@@ -164,8 +164,7 @@ class SlotStore:
         if residual is None:
             return None, None, None
         self._residual_tokens = tokens
-        end = start + 1
-        oldest = residual.first = max(residual.first, end - residual.length)  # the step overwrites what is older
+        end, oldest = start + 1, self._window_after(start)
         held = (tokens >= oldest) & (tokens < end)  # tokens >= 0 there
         index = tokens.clamp(min=0) % residual.length
         write = torch.full((1,), start % residual.length, device=tokens.device)
@@ -179,11 +178,16 @@ class SlotStore:
         residual = self.residual
         if residual is None:
             return
-        end = start + 1
-        oldest = residual.first = max(residual.first, end - residual.length)
+        oldest = self._window_after(start)
         plan.residual_write.fill_(start % residual.length)
         tokens = self._residual_tokens  # [batch or 1, num_keys], as planned
-        torch.logical_and(tokens >= oldest, tokens < end, out=plan.residual_held.view(tokens.shape))
+        torch.logical_and(tokens >= oldest, tokens < start + 1, out=plan.residual_held.view(tokens.shape))
+
+    def _window_after(self, start: int) -> int:
+        """The oldest token the residual window holds after a step writes token ``start`` (it overwrites older ones)."""
+        residual = self.residual
+        residual.first = max(residual.first, start + 1 - residual.length)
+        return residual.first
 
     def write_planned_values(
         self, layer_in_group: int, storage: PoolStorage, plan: "Any", value_states: torch.Tensor
