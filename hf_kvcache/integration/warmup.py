@@ -60,6 +60,54 @@ def warmup_lengths(max_tokens: int, page_size: int, prompt_tokens: int) -> list[
     return [pages * page_size for pages in buckets]
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_arguments(
+    model: Any,
+    cache_implementation: Any,
+    batch_sizes: Any,
+    max_tokens: Any,
+    cache_config: Any,
+    compile_config: Any,
+    prompt_tokens: Any,
+) -> None:
+    """Checks ``warmup``'s arguments before any work.
+
+    Raises:
+        TypeError: an argument of the wrong type (named, with its value and the type allowed).
+        ValueError: an argument out of its range (named, with its value and the range allowed).
+    """
+    if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "generate", None)):
+        raise TypeError(f"model={type(model).__name__}: give the transformers model requests will run (with generate).")
+    if not isinstance(cache_implementation, str):
+        raise TypeError(
+            f"cache_implementation={cache_implementation!r}: give one of our cache names, {sorted(REGISTRY)}."
+        )
+    if cache_implementation not in REGISTRY:
+        raise ValueError(f"cache_implementation={cache_implementation!r} is not one of ours: {sorted(REGISTRY)}.")
+    if not isinstance(batch_sizes, (tuple, list)) or not all(_is_int(size) for size in batch_sizes):
+        raise TypeError(f"batch_sizes={batch_sizes!r}: give a tuple or list of ints, such as (1, 2, 4).")
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise ValueError(f"batch_sizes={batch_sizes!r}: give one or more batch sizes of 1 or more.")
+    if not _is_int(prompt_tokens):
+        raise TypeError(f"prompt_tokens={prompt_tokens!r}: give an int of 1 or more.")
+    if prompt_tokens < 1:
+        raise ValueError(f"prompt_tokens={prompt_tokens!r}: give an int of 1 or more.")
+    if not _is_int(max_tokens):
+        raise TypeError(f"max_tokens={max_tokens!r}: give an int of at least prompt_tokens + 2 ({prompt_tokens + 2}).")
+    if max_tokens < prompt_tokens + 2:
+        raise ValueError(
+            f"max_tokens={max_tokens!r} leaves no room for two new tokens after prompt_tokens={prompt_tokens}: give "
+            f"at least {prompt_tokens + 2}."
+        )
+    if cache_config is not None and not isinstance(cache_config, dict):
+        raise TypeError(f"cache_config={cache_config!r}: give a dict of the cache's options, or None.")
+    if compile_config is not None and not isinstance(compile_config, CompileConfig):
+        raise TypeError(f"compile_config={compile_config!r}: give a transformers.CompileConfig, or None.")
+
+
 def warmup(
     model: Any,
     cache_implementation: str,
@@ -84,15 +132,12 @@ def warmup(
         One ``WarmedShape`` per batch size and bucket, in the order run.
 
     Raises:
-        ValueError: an unknown cache name, a bad size, or ``generate`` would not compile this cache here (then
-            there is nothing to warm: the message says why and what to change).
+        TypeError / ValueError: an argument of the wrong type or value (checked before any work: the message
+            names the argument, its value and what is allowed).
+        ValueError: ``generate`` would not compile this cache here (then there is nothing to warm: the message
+            says why and what to change).
     """
-    if cache_implementation not in REGISTRY:
-        raise ValueError(f"cache_implementation={cache_implementation!r} is not one of ours: {sorted(REGISTRY)}.")
-    if not batch_sizes or min(batch_sizes) < 1:
-        raise ValueError(f"batch_sizes={batch_sizes!r}: give one or more batch sizes of 1 or more.")
-    if max_tokens < prompt_tokens + 2:
-        raise ValueError(f"max_tokens={max_tokens} leaves no room for two new tokens after {prompt_tokens}.")
+    _check_arguments(model, cache_implementation, batch_sizes, max_tokens, cache_config, compile_config, prompt_tokens)
     page_size = REGISTRY[cache_implementation].page_format(model.config, model.dtype, cache_config or {}).page_size
     vocab = model.config.vocab_size
     shapes: list[WarmedShape] = []
