@@ -262,3 +262,27 @@ def test_threads_find_each_others_pages_and_race_on_one_prefix(tiny_llama_model)
     # thread's own 2 (38 prompt tokens and 5 fed back: 10 full pages)
     assert stats["pages_cached"] == stats["pages_used"] == 8 + 4 * 2
     pool.check_integrity()
+
+
+@pytest.mark.parametrize("case", ["one_page_prompt", "left_padded_batch"])
+def test_beams_on_a_prefix_caching_pool_equal_dynamic_cache(tiny_llama_model, case):
+    # Beam search reorders the rows right after the prefill, also when the prompt held no full page to look up
+    # (a prompt of at most one page) or a row was padded: the lookup never built those rows' chain keys.
+    model = tiny_llama_model
+    if case == "one_page_prompt":
+        ids, mask = random_ids(2, PAGE_SIZE, seed=3), None
+    else:
+        ids = random_ids(2, 3 * PAGE_SIZE + 1, seed=4)
+        mask = torch.ones_like(ids)
+        mask[0, :5] = 0
+    kwargs = {"num_beams": 3, "num_return_sequences": 2, "max_new_tokens": 6, "do_sample": False}
+    if mask is not None:
+        kwargs["attention_mask"] = mask
+    expected = model.generate(ids, **kwargs)
+    pool = prefix_pool(model, "paged_pool")
+    for _ in range(2):  # the second call finds what the first published
+        out = model.generate(ids, cache_implementation="paged_pool", cache_config={"pool": pool}, **kwargs)
+        assert torch.equal(out, expected)
+    pool.check_integrity()
+    stats = pool.stats()
+    assert stats["live_tables"] == 0 and stats["pages_used"] == stats["pages_cached"]  # only published pages stay

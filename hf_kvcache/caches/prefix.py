@@ -238,8 +238,9 @@ class PrefixTracker:
         if self._tokens is None or any(not 0 <= index < len(self._clean) for index in indices):
             return
         self._tokens = self._tokens[torch.tensor(indices)]
+        built = len(self._chains) == len(self._clean)  # chain keys are computed on demand (_extend_chains)
+        self._chains = [list(self._chains[index]) for index in indices] if built else []
         self._clean = [self._clean[index] for index in indices]
-        self._chains = [list(self._chains[index]) for index in indices]
 
     def crop(self, num_tokens: int) -> None:
         self.num_recorded = min(self.num_recorded, num_tokens)
