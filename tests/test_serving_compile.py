@@ -2,11 +2,15 @@
 when its cache is released, requests in other threads survive a compile, and after ``warmup`` requests on a busy
 pool compile nothing."""
 
+import gc
+
 import pytest
 import torch
 from transformers import CompileConfig
 
+from hf_kvcache.memory.pool import KVPool
 from hf_kvcache.testing import tiny_llama
+from tests.helpers import random_ids
 
 
 @pytest.fixture
@@ -55,3 +59,45 @@ def test_warmup_names_a_bad_argument_before_any_work(compile_config, monkeypatch
     model, name = call.pop("model", model), call.pop("cache_implementation")
     with pytest.raises(error, match=named):
         warmup(model, name, **call)
+
+
+@pytest.fixture
+def no_cyclic_collector():
+    """Python's cyclic collector off for the test, as between its automatic runs."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
+def test_a_compiled_call_releases_its_pages_when_its_cache_is_released(compile_config, no_cyclic_collector):
+    """Dynamo leaves the objects it traced (the compiled step's cache among them) in a reference cycle of its own
+    trackers: the call that compiled held its pages until the cyclic collector ran, where other calls release them
+    as the output is dropped."""
+    model = tiny_llama()
+    pool = KVPool.for_model(model, max_tokens=256)
+    for _ in range(2):  # the first call compiles, the second does not
+        out = model.generate(
+            random_ids(2, 21),
+            do_sample=False,
+            max_new_tokens=6,
+            cache_implementation="paged_pool",
+            cache_config={"pool": pool},
+            compile_config=compile_config,
+            return_dict_in_generate=True,
+        )
+        assert out.cache.compiled_decoding and pool.stats()["pages_used"] > 0
+        del out
+        assert pool.stats()["pages_used"] == 0
+        pool.check_integrity()
+
+
+def test_warmup_leaves_no_page_held(compile_config, no_cyclic_collector):
+    """Each warm-up generation compiles in its last step: its cache's pages come back before ``warmup`` returns."""
+    from hf_kvcache import warmup
+
+    model = tiny_llama()
+    pool = KVPool.for_model(model, max_tokens=256)
+    warmup(model, "paged_pool", max_tokens=40, cache_config={"pool": pool}, compile_config=compile_config)
+    assert pool.stats()["pages_used"] == 0
+    pool.check_integrity()

@@ -4,9 +4,11 @@ apart from the cache so that layers and the cache's finalizer hold it without a 
 
 import dataclasses
 import functools
+import gc
 import threading
 
 import torch
+import torch._dynamo.utils
 from transformers import PreTrainedConfig
 
 from hf_kvcache.caches.options import CacheOptions
@@ -246,6 +248,7 @@ class PoolBinder:
 
 _DEFERRED: list[PoolBinder] = []  # binders of caches collected while torch.compile traced (release_when_safe)
 _DEFERRED_LOCK = threading.Lock()
+_GRAPHS_SEEN = [0]  # dynamo's count of graphs compiled at the last release_deferred (under _DEFERRED_LOCK)
 
 
 def _tracing() -> bool:
@@ -265,8 +268,21 @@ def release_when_safe(binder: PoolBinder) -> None:
 
 
 def release_deferred() -> None:
-    """Releases the caches collected while torch.compile traced (``release_when_safe``)."""
-    if not _DEFERRED or _tracing():
+    """Releases the caches collected while torch.compile traced (``release_when_safe``), and the caches a compile
+    left held: dynamo keeps every object it traced (a compiled step's cache among them) in a reference cycle of its
+    own trackers that outlives the compile, which only Python's cyclic collector frees. Where dynamo compiled a
+    graph since the last call, this runs that collection once, so that a cache the compile traced is finalized (its
+    pages returned) as soon as nothing else holds it. Called before each planned step and each generation of our
+    caches, and by ``warmup`` after each shape."""
+    if _tracing():
+        return
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    if graphs != _GRAPHS_SEEN[0]:
+        with _DEFERRED_LOCK:
+            compiled, _GRAPHS_SEEN[0] = graphs != _GRAPHS_SEEN[0], graphs
+        if compiled:
+            gc.collect()  # finalizes the caches only the compile's leftovers held (release_when_safe)
+    if not _DEFERRED:
         return
     with _DEFERRED_LOCK:
         binders = _DEFERRED[:]

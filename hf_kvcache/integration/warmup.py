@@ -19,6 +19,7 @@ import torch
 import torch._dynamo
 from transformers import CompileConfig, StoppingCriteria, StoppingCriteriaList
 
+from hf_kvcache.caches.binder import release_deferred
 from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.layers.plan import capacity_bucket
 
@@ -165,6 +166,8 @@ def warmup(
                 )
             seconds = time.perf_counter() - started
             graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+            del out
+            release_deferred()  # the pages of the cache the compile traced, before the next shape or request
             shape = WarmedShape(batch_size, length, seconds, graphs)
             shapes.append(shape)
             logger.info(
