@@ -10,16 +10,25 @@ class PoolExhaustedError(RuntimeError):
         requested_pages: pages the failing request asked for.
         free_pages: pages free when it asked.
         total_pages: usable pages of the pool (the cap, for a pool that grows).
+        exceeds_pool: the request needs more pages than the whole pool holds: it can never fit, however many free
+            up (otherwise it may fit once other requests give pages back).
     """
 
     def __init__(self, requested_pages: int, free_pages: int, total_pages: int, hint: str = "") -> None:
         self.requested_pages = requested_pages
         self.free_pages = free_pages
         self.total_pages = total_pages
-        message = (
-            f"KV pool exhausted: the request needs {requested_pages} pages but only {free_pages} of "
-            f"{total_pages} are free."
-        )
+        self.exceeds_pool = requested_pages > total_pages
+        if self.exceeds_pool:
+            message = (
+                f"KV pool too small: the request needs {requested_pages} pages, more than the pool's {total_pages} "
+                f"pages in all ({free_pages} free now), so it can never fit."
+            )
+        else:
+            message = (
+                f"KV pool exhausted: the request needs {requested_pages} pages but only {free_pages} of "
+                f"{total_pages} are free now; the others are held by requests in flight."
+            )
         super().__init__(f"{message} {hint}".strip())
 
 

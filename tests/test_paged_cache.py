@@ -176,7 +176,9 @@ def test_request_larger_than_pool_fails_alone(tiny_llama_model):
     first = run(tiny_llama_model, ids, mask, max_new_tokens=5, cache=cache_a)
     held = pool.stats()["pages_used"]
     big, big_mask = padded_batch([60, 50, 40, 55], seed=6)
-    with pytest.raises(PoolExhaustedError, match=r"needs \d+ pages but only \d+ of 10 are free.*max_tokens") as error:
+    with pytest.raises(
+        PoolExhaustedError, match=r"needs 16 pages, more than the pool's 10 pages in all.*max_tokens"
+    ) as error:
         tiny_llama_model.generate(
             big,
             attention_mask=big_mask,
@@ -184,7 +186,7 @@ def test_request_larger_than_pool_fails_alone(tiny_llama_model):
             cache_implementation="paged_pool",
             cache_config={"pool": pool},
         )
-    assert error.value.total_pages == 10
+    assert error.value.total_pages == 10 and error.value.exceeds_pool
     del error
     gc.collect()
     assert pool.stats()["pages_used"] == held

@@ -127,7 +127,8 @@ def test_threads_with_every_cache_match_their_solo_runs(model_name, request):
 
 
 def test_request_overflowing_mid_generation_fails_alone(tiny_llama_model):
-    """Two requests hold pages; a third overflows the pool mid-generation; the two finish as when run alone.
+    """Two requests hold pages; a third, without admission check, overflows the pool mid-generation; the two finish
+    as when run alone.
 
     Logits processors order the threads: the small requests prefill, then wait at their first token
     while the big one runs until the pool is exhausted.
@@ -166,6 +167,7 @@ def test_request_overflowing_mid_generation_fails_alone(tiny_llama_model):
                 max_new_tokens=60,
                 min_new_tokens=60,
                 logits_processor=LogitsProcessorList([Checkpoint(note_step)]),
+                cache_config={"admission_check": False},  # on, it would be refused before its prefill
             )
         except PoolExhaustedError as error:
             # Only figures are kept: the error's traceback holds the frames that hold the failed cache.
@@ -200,7 +202,9 @@ def test_admission_check_refuses_before_any_forward(tiny_llama_model, cache_name
     calls, handle = count_forwards(model)
     try:
         # 3 rows of 10 + 40 - 1 tokens: 3 x 7 pages kept in full, 3 x 4 in a ring of 16 + 2 sinks; 9 are free.
-        with pytest.raises(PoolExhaustedError, match=r"only 9 of 10 are free.*admission_check refused.*3 rows"):
+        with pytest.raises(
+            PoolExhaustedError, match=r"pool's 10 pages in all \(9 free now\).*admission_check refused.*3 rows"
+        ):
             generate_on(model, cache_name, pool, *big, max_new_tokens=40, cache_config=checked)
         with pytest.raises(PoolExhaustedError, match="admission_check refused") as error:  # passed as `cache=`
             run(model, *big, max_new_tokens=40, cache=new_cache(model, cache_name, pool, **checked))
@@ -221,18 +225,52 @@ def test_admission_check_refuses_before_any_forward(tiny_llama_model, cache_name
     assert_pools_empty(pool)
 
 
+def test_a_request_that_cannot_fit_fails_alone_before_taking_a_page_by_default(tiny_llama_model, cache_name):
+    # No admission_check key: a request whose worst case exceeds the free room is refused before any forward, so it
+    # never takes the pages other requests need; the error says whether the pool is busy or simply too small.
+    model = tiny_llama_model
+    pool = pools_for(model, max_tokens=80)[cache_name]  # 10 pages of 8 tokens
+    held = new_cache(model, cache_name, pool)
+    run(model, *padded_batch([10, 10, 10]), max_new_tokens=15, cache=held)  # 3 rows of 24 tokens: 9 pages
+    before = pool.stats()
+    calls, handle = count_forwards(model)
+    try:
+        with pytest.raises(PoolExhaustedError, match=r"needs 3 pages but only 1 of 10 are free now.*Retry") as busy:
+            generate_on(model, cache_name, pool, *padded_batch([10]), max_new_tokens=10)
+        with pytest.raises(PoolExhaustedError, match=r"more than the pool's 10 pages in all.*can never fit") as small:
+            generate_on(model, cache_name, pool, *padded_batch([10, 8, 9]), max_new_tokens=400)
+    finally:
+        handle.remove()
+    assert calls[0] == 0 and pool.stats() == before
+    assert not busy.value.exceeds_pool and small.value.exceeds_pool
+    # Opting out keeps the old behaviour: the request starts, and fails when a page it needs is not free.
+    with pytest.raises(PoolExhaustedError):
+        generate_on(
+            model,
+            cache_name,
+            pool,
+            *padded_batch([10, 8, 9]),
+            max_new_tokens=400,
+            min_new_tokens=400,
+            cache_config={"admission_check": False},
+        )
+    del held
+    gc.collect()
+    assert_pools_empty(pool)
+
+
 def test_admission_counts_a_ring_up_to_its_size_and_a_growable_pool_up_to_its_cap(tiny_llama_model):
     model = tiny_llama_model
     pool = pools_for(model, max_tokens=80)["sliding_ring"]  # 10 pages of 8 tokens
     checked = {"admission_check": True}
     ids, mask = padded_batch([12, 9], seed=4)
     # 2 rows of 211 tokens: 2 x 27 pages kept in full, 2 x 4 in a ring of 16 + 2 sinks.
-    with pytest.raises(PoolExhaustedError, match="needs 54 pages but only 10 of 10"):
+    with pytest.raises(PoolExhaustedError, match="needs 54 pages, more than the pool's 10 pages in all"):
         generate_on(model, "paged_pool", pool, ids, mask, max_new_tokens=200, cache_config=checked)
     generate_on(model, "sliding_ring", pool, ids, mask, max_new_tokens=200, min_new_tokens=200, cache_config=checked)
     assert pool.stats()["high_water_pages"] == 8
     growable = KVPool(PageFormat.from_model_config(model.config, torch.float32, page_size=8), num_pages=3, max_pages=40)
-    with pytest.raises(PoolExhaustedError, match="needs 54 pages but only 39 of 39"):
+    with pytest.raises(PoolExhaustedError, match="needs 54 pages, more than the pool's 39 pages in all"):
         generate_on(model, "paged_pool", growable, ids, mask, max_new_tokens=200, cache_config=checked)
     assert growable.stats()["pages_total"] == 2  # refused without growing
     generate_on(model, "paged_pool", growable, ids, mask, max_new_tokens=100, min_new_tokens=100, cache_config=checked)

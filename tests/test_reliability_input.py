@@ -52,7 +52,7 @@ SHARED_KEY_ERRORS = [
     ({"max_tokens": 0}, ValueError, r"max_tokens must be a positive int, got 0"),
     ({"pool": 3}, TypeError, r"cache_config pool must be a KVPool or a pool's name, got int"),
     ({"pool": "no-such-pool"}, ValueError, r"No pool named 'no-such-pool'"),
-    ({"admission_check": "yes"}, TypeError, r"admission_check must be True or False, got 'yes' \(str\)"),
+    ({"admission_check": "yes"}, TypeError, r"admission_check must be True, False or None, got 'yes' \(str\)"),
 ]
 OWN_KEY_ERRORS = {
     "sliding_ring": [

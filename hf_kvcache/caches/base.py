@@ -6,6 +6,7 @@ Subclasses state only which layer kind each model layer gets (``_make_layer``).
 
 import dataclasses
 import functools
+import logging
 import weakref
 from typing import Any, Self
 
@@ -25,6 +26,15 @@ from hf_kvcache.memory.pool import KVPool
 from hf_kvcache.transformers_internals import DummyLayer, layer_types_and_kwargs
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+logger = logging.getLogger("hf_kvcache")
+
+
+@functools.cache
+def _log_unchecked_admission() -> None:
+    logger.warning(
+        "Requests are not checked for admission: the model's parameters are offloaded without a device map, so the "
+        "pool its layers use is known at their first write only. Load it with a device_map to check them."
+    )
 
 
 class PoolCache(PlannedDecoding):
@@ -192,10 +202,14 @@ class PoolCache(PlannedDecoding):
 
         Raises:
             PoolExhaustedError: the worst case needs more pages than a pool has free or can still grow into.
-            IncompatibleModelError: the model's parameters are offloaded without a device map (no pool to check).
+            IncompatibleModelError: the model's parameters are offloaded without a device map (no pool to check) and
+                ``admission_check`` is ``True`` (by default such a request is not checked, logged once).
         """
         binder = self._binder
         placed_devices = binder.placement.devices_for(device)
+        if not placed_devices and self.options.admission_check is None:  # the default: checked where it can be
+            _log_unchecked_admission()
+            return
         if not placed_devices:
             raise IncompatibleModelError(
                 "admission_check=True cannot check this request: the model's parameters are offloaded (on meta) "
@@ -210,15 +224,18 @@ class PoolCache(PlannedDecoding):
             requested = worst - held
             available = agree([pool.num_available_pages], binder.placement.process_group, placed)[0]
             if requested > available:
+                capacity = pool.capacity_pages
+                retry = "" if requested > capacity else "Retry once requests in flight have given pages back, or: "
                 raise PoolExhaustedError(
                     requested,
                     available,
-                    pool.capacity_pages,
+                    capacity,
                     f"admission_check refused the request before any compute: {num_rows} rows of up to "
                     f"{num_tokens} tokens need up to {worst} pages of {page_size} tokens in "
-                    f"{len(binder.layer_groups_on(placed))} layer group(s) on {placed}. Lower the batch size, "
-                    "num_beams/num_return_sequences or max_new_tokens, or give the pool more room "
-                    "(KVPool.for_model(..., max_tokens=...) or cache_config max_tokens).",
+                    f"{len(binder.layer_groups_on(placed))} layer group(s) on {placed}. {retry}lower the batch "
+                    "size, num_beams/num_return_sequences or max_new_tokens, or give the pool more room "
+                    "(KVPool.for_model(..., max_tokens=...) or cache_config max_tokens); admission_check=False lets "
+                    "the request start and fail when a page it needs is not free.",
                 )
 
     def bind_pools(self, device: torch.device, dtype: torch.dtype) -> None:

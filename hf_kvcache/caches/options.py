@@ -24,8 +24,12 @@ class CacheOptions:
         max_tokens: give this cache a fixed-budget pool of its own holding this many tokens.
         admission_check: before any compute, ``generate`` refuses a request whose worst-case page need
             (rows x pages for prompt + ``max_new_tokens``) exceeds what the pool has free or can still grow
-            into, with a ``PoolExhaustedError``. A check, not a reservation: requests running at the same
-            time may still take the pages, and a request that passes can then fail mid-generation.
+            into, with a ``PoolExhaustedError`` (``exceeds_pool``: more than the whole pool), so that a request
+            that cannot fit fails alone instead of taking the pages other requests need. A check, not a
+            reservation: requests running at the same time may still take the pages, and a request that passes
+            can then fail mid-generation. ``None`` (the default): on wherever the pool is known before the first
+            write (not for a model offloaded without a device map); ``True``: on, and such a model is refused;
+            ``False``: off.
         prefix_caching: reuse prompt pages across ``generate`` calls through the pool's prefix index
             (``hf_kvcache.caches.prefix``). ``True``: the default pool or ``max_tokens`` pool the cache draws from
             keeps one (a given ``pool`` must have been built with ``prefix_caching=True``); ``None``: only where a
@@ -37,7 +41,7 @@ class CacheOptions:
     page_size: int = DEFAULT_PAGE_SIZE
     pool: Any = None
     max_tokens: int | None = None
-    admission_check: bool = False
+    admission_check: bool | None = None
     prefix_caching: bool | None = None
     prefix_namespace: str = ""
 
@@ -52,9 +56,9 @@ class CacheOptions:
                 raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}.")
             if self.pool is not None:
                 raise ValueError("Set either pool or max_tokens in cache_config, not both.")
-        if not isinstance(self.admission_check, bool):
+        if self.admission_check is not None and not isinstance(self.admission_check, bool):
             raise TypeError(
-                f"admission_check must be True or False, got {self.admission_check!r} "
+                f"admission_check must be True, False or None, got {self.admission_check!r} "
                 f"({type(self.admission_check).__name__})."
             )
         if self.prefix_caching is not None and not isinstance(self.prefix_caching, bool):

@@ -26,7 +26,8 @@ class PagedCache(PoolCache):
             geometry, dtype and device.
         page_size: token slots per page of a pool this cache makes (default or ``max_tokens``).
         max_tokens: give this cache a fixed-budget pool of its own for this many tokens.
-        admission_check: ``generate`` refuses up front a request whose worst case does not fit (``CacheOptions``).
+        admission_check: ``generate`` refuses up front a request whose worst case does not fit (``CacheOptions``;
+            default: on wherever the pool is known before the first write; ``False``: off).
         prefix_caching: reuse prompt pages across ``generate`` calls through the pool's prefix index
             (``CacheOptions``; default: where a given pool keeps one).
         prefix_namespace: pages are published and found under this name only (``CacheOptions``).
@@ -41,7 +42,7 @@ class PagedCache(PoolCache):
         pool: KVPool | str | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
         max_tokens: int | None = None,
-        admission_check: bool = False,
+        admission_check: bool | None = None,
         prefix_caching: bool | None = None,
         prefix_namespace: str = "",
         dtype: torch.dtype | None = None,

@@ -121,7 +121,7 @@ class QuantizedKVCache(PoolCache):
         pool: KVPool | str | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
         max_tokens: int | None = None,
-        admission_check: bool = False,
+        admission_check: bool | None = None,
         prefix_caching: bool | None = None,
         prefix_namespace: str = "",
         dtype: torch.dtype | None = None,

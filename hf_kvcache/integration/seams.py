@@ -138,8 +138,8 @@ def check_request(
 ) -> None:
     """Checks a request on one of our caches before ``generate`` runs any forward pass.
 
-    Rejects an empty prompt (the model itself would fail on it with an obscure reshape error) and, with the
-    cache's ``admission_check`` option, a request whose worst case does not fit its pool; tells the cache how
+    Rejects an empty prompt (the model itself would fail on it with an obscure reshape error) and, unless the
+    cache's ``admission_check`` option is off, a request whose worst case does not fit its pool; tells the cache how
     long its rows will grow (``PoolCache.plan``).
 
     Args:
@@ -148,7 +148,7 @@ def check_request(
 
     Raises:
         ValueError: the prompt has no tokens.
-        PoolExhaustedError: ``admission_check`` is on and the request could overflow the pool.
+        PoolExhaustedError: ``admission_check`` is not off and the request could overflow the pool.
     """
     for key in ("attention_mask", "position_ids"):  # [rows, prompt_length] where generate has made them
         value = model_kwargs.get(key)
@@ -167,7 +167,7 @@ def check_request(
     cache.compiled_decoding, cache.runs_eager = bool(compiled), not compiled
     mask = model_kwargs.get("attention_mask")  # [rows, prompt_length]; generate drops it when all ones
     cache.plan(max_cache_length, mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None)
-    if cache.options.admission_check:
+    if cache.options.admission_check is not False:
         num_rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
         cache.check_admission(num_rows, max_cache_length, model.device, model.dtype)
 
