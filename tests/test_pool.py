@@ -12,6 +12,8 @@ from helpers import random_ids
 
 import hf_kvcache  # noqa: F401
 from hf_kvcache import KVPool, PagedCache, PageFormat, PoolExhaustedError
+from hf_kvcache.integration.registry import REGISTRY
+from hf_kvcache.layers.window import ring_num_slots
 from hf_kvcache.memory import device_memory
 from hf_kvcache.memory import pool as pool_storage_module
 from hf_kvcache.memory import pools as pool_module
@@ -65,6 +67,30 @@ def test_stats_track_use_and_utilization(tiny_llama_model):
     del cache
     gc.collect()
     assert pool.stats()["pages_used"] == 0
+
+
+@pytest.mark.parametrize("cache_name", ["paged_pool", "sliding_ring"])
+def test_utilization_counts_real_tokens_not_left_padding(tiny_llama_model, cache_name):
+    # A left-padded batch: 3 real tokens of 16 in the short row, whose pages hold its padding's slots (growing rows)
+    # or start at its first real token (a ring). Only tokens count as held.
+    model = tiny_llama_model
+    config = {"window": 16, "sink_tokens": 0} if cache_name == "sliding_ring" else {}
+    pool = KVPool.for_model(
+        model, max_tokens=512, page_size=4, **REGISTRY[cache_name].pool_kwargs(model.config, model.dtype, config)
+    )
+    ids = random_ids(2, 16, seed=7)
+    mask = torch.ones_like(ids)
+    mask[1, :13] = 0
+    cache = REGISTRY[cache_name].cache_class.from_cache_config(model.config, config | {"pool": pool})
+    model.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=False, cache=cache)
+    stats = pool.stats()
+    real = (16 + 8) + (3 + 8)  # each row: its real prompt tokens and the 8 new tokens written back
+    if cache_name == "sliding_ring":  # the full row keeps the ring's slots: its window and the page it fills
+        real = min(16 + 8, ring_num_slots(16, 0, 4)) + (3 + 8)  # the full row has wrapped
+    assert stats["tokens_held"] == real
+    assert stats["utilization"] == pytest.approx(real / (stats["pages_used"] * 4))
+    del cache
+    gc.collect()
 
 
 def test_alerts_fire_once_per_upward_crossing(caplog):

@@ -83,6 +83,7 @@ class RingRows(PagedRows):
         process_group: Any = None,
     ) -> None:
         super().__init__(pool, residual_length, row_extents=False, process_group=process_group)
+        self.table.pads_held = False  # a row's slots start at its first real token
         self._reads_slots = reads_slots
         page_size = pool.format.page_size
         if self.store.keys is not None and sink_tokens:
@@ -95,7 +96,6 @@ class RingRows(PagedRows):
         self.num_slots = ring_num_slots(window, sink_tokens, page_size)  # logical slots per row
         self.ring_slots = self.num_slots - sink_tokens
         self.ring_pages = self.num_slots // page_size
-        self.total = 0  # tokens written per row, evicted ones included
         self._step: RingStep | None = None  # the current step's, see _step_index
         self._slot_index: tuple[int, torch.Tensor] | None = None  # (storage pages, slot indices): _logical_slot_indices
         self._base: int | None = None  # see _first_page
@@ -104,6 +104,15 @@ class RingRows(PagedRows):
     @property
     def num_tokens(self) -> int:
         return self.total
+
+    @property
+    def total(self) -> int:
+        """Tokens written per row, evicted ones included: the table's ``num_filled``, which its statistics read."""
+        return self.table.num_filled or 0
+
+    @total.setter
+    def total(self, value: int) -> None:
+        self.table.num_filled = value
 
     @property
     def max_step(self) -> int:

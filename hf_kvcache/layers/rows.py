@@ -273,6 +273,7 @@ class PagedRows(PlannedRows):
     def set_plan(self, planned_tokens: int, pad_lengths: list[int] | None) -> None:
         """The tokens a row is expected to reach, and each row's leading padding (``PoolCache.plan``)."""
         self.planned_tokens, self.pad_lengths, self._pads = planned_tokens, pad_lengths, None
+        self.table.pads = list(pad_lengths) if pad_lengths is not None else None
         self.path.stale()
 
     def mask_inputs(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:

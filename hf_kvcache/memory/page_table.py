@@ -37,6 +37,8 @@ class PageTable:
         self.rows: list[list[int]] = []
         self.num_tokens = 0
         self.num_filled: int | None = None  # tokens written per row, where fewer than num_tokens (a ring's plan)
+        self.pads: list[int] | None = None  # leading padding of each row (generate's left padding); None: none
+        self.pads_held = True  # the rows' pages hold their padding's slots; False: a row starts at its first token
         self.version = 0  # bumped whenever a page id in ``rows`` changes
 
     @property
@@ -160,6 +162,8 @@ class PageTable:
         if any(not 0 <= index < len(self.rows) for index in indices):
             raise ValueError(f"Row indices {indices} out of range for a cache of {len(self.rows)} rows.")
         new_rows = [list(self.rows[index]) for index in indices]
+        if self.pads is not None and len(self.pads) == len(self.rows):
+            self.pads = [self.pads[index] for index in indices]
         for row in new_rows:
             self.allocator.share(row)
         self.release_rows()
@@ -193,14 +197,20 @@ class PageTable:
         self.num_filled = None
 
     def filled_slots(self) -> dict[int, int]:
-        """Filled slots of each distinct page this table holds (0 for a page taken ahead of its tokens)."""
-        num_filled = self.num_tokens if self.num_filled is None else min(self.num_filled, self.num_tokens)
+        """Slots holding a token (not padding) of each distinct page this table holds (0 for a page taken ahead of
+        its tokens or holding only padding)."""
+        written = self.num_tokens if self.num_filled is None else self.num_filled  # positions, padding included
+        pads = self.pads if self.pads is not None and len(self.pads) == len(self.rows) else [0] * len(self.rows)
+        page_size = self.page_size
         filled: dict[int, int] = {}
-        for row in self.rows:
+        for row, pad in zip(self.rows, pads, strict=True):
+            # the slots of the row's tokens: from its first token at its padded position, or from slot 0
+            first, end = (
+                (pad, min(written, self.num_tokens)) if self.pads_held else (0, min(written - pad, self.num_tokens))
+            )
             for index, page in enumerate(row):
-                filled[page] = max(
-                    filled.get(page, 0), min(self.page_size, max(0, num_filled - index * self.page_size))
-                )
+                tokens = min(end, (index + 1) * page_size) - max(first, index * page_size)
+                filled[page] = max(filled.get(page, 0), tokens, 0)
         return filled
 
     def check_integrity(self) -> None:

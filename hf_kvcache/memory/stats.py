@@ -35,8 +35,10 @@ def pool_stats(
     is what the pool has committed: opened pages are zeroed, and the rest of a reserved storage
     (``bytes_reserved``, a CPU default pool's cap) is never touched. ``pages_unfilled`` counts pages held that no
     token has been written to yet (a ring takes its planned pages at its first write); rows of growing layers
-    place their pages in extents but never hold one ahead. ``utilization`` is the bytes of the tokens held
-    divided by the bytes of the pages caches hold (1.0 when every held page is full; shared pages count once).
+    place their pages in extents but never hold one ahead. ``tokens_held`` counts the slots holding a token, not a
+    row's padding (left-padded rows of growing layers hold their padding's slots); ``utilization`` is the bytes of the
+    tokens held divided by the bytes of the pages caches hold (1.0 when every held page is full of tokens; shared
+    pages count once).
     ``live_tables`` counts the page tables of caches not yet garbage collected (0 again once every cache is
     gone). The prefix index's counts are in rows (one prompt each): ``prefix_lookups`` rows looked up,
     ``prefix_hits`` rows that reused at least a page, ``prefix_tokens_reused`` prompt tokens not prefilled,
