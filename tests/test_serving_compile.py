@@ -101,3 +101,64 @@ def test_warmup_leaves_no_page_held(compile_config, no_cyclic_collector):
     warmup(model, "paged_pool", max_tokens=40, cache_config={"pool": pool}, compile_config=compile_config)
     assert pool.stats()["pages_used"] == 0
     pool.check_integrity()
+
+
+@pytest.fixture
+def in_place_model(monkeypatch):
+    """Tiny Llama under ``attn_implementation="hf_kvcache"``, every decode step long enough to read in place."""
+    from hf_kvcache.attention import flex
+
+    monkeypatch.setattr(flex, "MIN_IN_PLACE_TOKENS", 0)
+    monkeypatch.setattr(flex, "KERNELS", flex.CompiledKernels())  # nothing compiled yet in this process
+    model = tiny_llama()
+    model.set_attn_implementation("hf_kvcache")
+    return model
+
+
+def graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def test_requests_in_other_threads_survive_a_compile(in_place_model):
+    """While torch compiles, ``torch.compiler.is_compiling()`` is true in every thread, and the context variables of
+    transformers' kernelized attention (the ``kernels`` package's, Llama's) switch to one process-wide value: other
+    threads' forwards failed (``TypeError`` on a ``Token``). The in-place kernel that compiles inside a request
+    holds the other threads' module calls until it is compiled: every ``DynamicCache`` request in them succeeds."""
+    import threading
+
+    from hf_kvcache.attention import flex
+
+    model = in_place_model
+    short = random_ids(1, 9, seed=3)
+    expected = model.generate(short, do_sample=False, max_new_tokens=3)
+    failures: list[str] = []
+    done = [0]
+    stop = threading.Event()
+
+    def traffic() -> None:
+        while not stop.is_set():
+            try:
+                out = model.generate(short, do_sample=False, max_new_tokens=3)  # DynamicCache
+                assert torch.equal(out, expected)
+                done[0] += 1
+            except Exception as error:  # noqa: BLE001  (any failure of a request counts)
+                failures.append(f"{type(error).__name__}: {error}"[:200])
+
+    threads = [threading.Thread(target=traffic) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    try:
+        while done[0] < 3:
+            stop.wait(0.01)
+        ids = random_ids(2, 21)
+        out = model.generate(ids, do_sample=False, max_new_tokens=4, cache_implementation="paged_pool")
+        before = done[0]
+        while done[0] < before + 3 and not failures:
+            stop.wait(0.01)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert flex.compile_seconds(), "the request compiled no kernel"
+    assert torch.equal(out, tiny_llama().generate(ids, do_sample=False, max_new_tokens=4))
+    assert not failures, f"{len(failures)} of {len(failures) + done[0]} requests failed: {sorted(set(failures))[:3]}"

@@ -39,11 +39,12 @@ Past ``MAX_SHAPE_KEYS`` keys, or where compiling is impossible (``unavailable``)
 (``hf_kvcache.attention.kernels``), the slow twin this is tested against.
 """
 
+import contextlib
 import logging
 import threading
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +74,66 @@ class FlexUnavailable(RuntimeError):
         self.reason = reason
 
 
+class ForwardGate:
+    """Holds every other thread's ``nn.Module`` calls while this process compiles.
+
+    While torch compiles (in any thread), ``torch.compiler.is_compiling()`` is true in every thread, and code that
+    asks it switches its state to one process-wide value: the context variables of transformers' kernelized
+    attention (the ``kernels`` package's, which Llama, Mistral and Gemma 3 use) and of its output capturing. Another
+    thread that starts a forward then meets a ``Token`` in place of its own value and fails, whatever its cache. So a
+    compile that runs inside a request (``CompiledKernels.run``) runs with the gate closed: a global forward
+    pre-hook, installed for the compile only, makes every other thread wait at its next module call, where it holds
+    no such state half set (a forward sets it on entering a module, and ones already inside finish with their
+    own). Closing waits ``PAUSE_SECONDS`` before the compile starts, so that a thread inside a module's first lines
+    (past the hook, before its state is set) sets it while the flag is still false. Reentrant in its thread; a second
+    thread that closes it waits for the first to open it. Inside a graph dynamo traces the hook does nothing.
+    """
+
+    PAUSE_SECONDS = 0.02
+
+    def __init__(self) -> None:
+        self.condition = threading.Condition()
+        self.owner: int | None = None  # the thread that closed the gate
+        self.depth = 0
+        self.handle: torch.utils.hooks.RemovableHandle | None = None
+        self.waits = 0  # module calls held so far (a statistic for tests)
+
+    @contextlib.contextmanager
+    def closed(self) -> Iterator[None]:
+        """Closes the gate for the block: other threads' module calls wait until it ends."""
+        me = threading.get_ident()
+        with self.condition:
+            while self.owner not in (None, me):
+                self.condition.wait()
+            self.owner, self.depth = me, self.depth + 1
+            first = self.depth == 1
+            if first:
+                self.handle = torch.nn.modules.module.register_module_forward_pre_hook(self._hold)
+        if first:
+            time.sleep(self.PAUSE_SECONDS)
+        try:
+            yield
+        finally:
+            with self.condition:
+                self.depth -= 1
+                if self.depth == 0:
+                    self.handle.remove()
+                    self.handle, self.owner = None, None
+                    self.condition.notify_all()
+
+    def _hold(self, module: torch.nn.Module, args: tuple) -> None:
+        """The pre-hook: waits while another thread holds the gate closed."""
+        if torch.compiler.is_dynamo_compiling() or self.owner in (None, threading.get_ident()):
+            return
+        with self.condition:
+            self.waits += 1
+            while self.owner not in (None, threading.get_ident()):
+                self.condition.wait()
+
+
+FORWARDS = ForwardGate()
+
+
 class CompiledKernels:
     """What this process knows of compiled FlexAttention, behind one lock: the function compiled for each shape key
     (its first call, the compile, succeeded: ready; or why it failed), the seconds each compile took, why a device
@@ -91,7 +152,7 @@ class CompiledKernels:
 
     def run(self, shape_key: tuple, arguments: tuple) -> torch.Tensor:
         """Runs the function compiled for ``shape_key``, compiling it first in the first call (under the lock:
-        threads wait for one compile).
+        threads wait for one compile; other threads' module calls wait at ``FORWARDS`` while it compiles).
 
         Raises:
             FlexUnavailable: the shape failed to compile, or would be past ``MAX_SHAPE_KEYS``.
@@ -100,13 +161,9 @@ class CompiledKernels:
         if shape_key in self.ready:
             return self.functions[shape_key](*arguments)
         with self.lock:
-            if shape_key in self.failed:
-                raise FlexUnavailable(self.failed[shape_key])
-            if shape_key not in self.ready and len(self.ready) + len(self.failed) >= MAX_SHAPE_KEYS:
-                raise FlexUnavailable(
-                    f"{MAX_SHAPE_KEYS} shapes are compiled already: every new shape gathers from here on (raise "
-                    "hf_kvcache.attention.flex.MAX_SHAPE_KEYS to compile more; each costs 10-20 s)"
-                )
+            self._check(shape_key)
+        with FORWARDS.closed(), self.lock:
+            self._check(shape_key)
             started = time.perf_counter()
             try:
                 if shape_key not in self.functions:
@@ -122,6 +179,17 @@ class CompiledKernels:
                     "Compiled in-place paged attention for %s in %.1f s.", shape_key[:3], self.seconds[shape_key]
                 )
         return output
+
+    def _check(self, shape_key: tuple) -> None:
+        """Raises ``FlexUnavailable`` where ``shape_key`` failed to compile, or is new and past ``MAX_SHAPE_KEYS``
+        (under the lock)."""
+        if shape_key in self.failed:
+            raise FlexUnavailable(self.failed[shape_key])
+        if shape_key not in self.ready and len(self.ready) + len(self.failed) >= MAX_SHAPE_KEYS:
+            raise FlexUnavailable(
+                f"{MAX_SHAPE_KEYS} shapes are compiled already: every new shape gathers from here on (raise "
+                "hf_kvcache.attention.flex.MAX_SHAPE_KEYS to compile more; each costs 10-20 s)"
+            )
 
     def obstacle(self, kind: str) -> str | None:
         """Why a device type cannot compile FlexAttention (``None``: it can), found once."""
