@@ -119,6 +119,39 @@ def graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_after_warmup_requests_on_a_busy_pool_compile_nothing(compile_config, in_place_model, compiled):
+    """Other live requests' pages push a request's pages to higher page ids, and attention's view of the storage
+    grows with them: warmup compiles every view the pool can give, so that the requests compile no graph and no
+    kernel, in place all the same."""
+    from hf_kvcache import warmup
+    from hf_kvcache.attention import flex
+
+    model, config = in_place_model, compile_config if compiled else None
+    pool = KVPool.for_model(model, max_tokens=6000)  # 376 pages: views of 256 pages (32 extents) and 376
+    warmup(model, "paged_pool", batch_sizes=(2,), max_tokens=64, cache_config={"pool": pool}, compile_config=config)
+    torch._dynamo.config.error_on_recompile = True
+    kernels, compiled_graphs, calls = len(flex.compile_seconds()), graphs(), flex.call_count()
+    ids = random_ids(2, 21)
+    reference = tiny_llama().generate(ids, do_sample=False, max_new_tokens=12)
+    for held in (0, 296, 0):  # other requests hold page ids below this: none, most of the pool, none again
+        others = pool.allocate(pool.stats()["pages_free"]) if held else []
+        pool.free([page for page in others if page >= held])
+        others = [page for page in others if page < held]
+        out = model.generate(
+            ids,
+            do_sample=False,
+            max_new_tokens=12,
+            cache_implementation="paged_pool",
+            cache_config={"pool": pool},
+            compile_config=config,
+        )
+        pool.free(others)
+        assert torch.equal(out, reference)
+    assert (len(flex.compile_seconds()), graphs()) == (kernels, compiled_graphs)
+    assert flex.call_count() - calls >= 3 * 10 * model.config.num_hidden_layers  # read in place
+
+
 def test_requests_in_other_threads_survive_a_compile(in_place_model):
     """While torch compiles, ``torch.compiler.is_compiling()`` is true in every thread, and the context variables of
     transformers' kernelized attention (the ``kernels`` package's, Llama's) switch to one process-wide value: other

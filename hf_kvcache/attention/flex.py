@@ -362,7 +362,11 @@ def _decode(
         torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),
     )
-    output = KERNELS.run(shape_key, (packed, keys, values, *arguments, scale))
+    if torch.is_grad_enabled():
+        output = KERNELS.run(shape_key, (packed, keys, values, *arguments, scale))
+    else:  # below autograd, as inside hf_kvcache::paged_decode: both paths meet one compiled graph's guards
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            output = KERNELS.run(shape_key, (packed, keys, values, *arguments, scale))
     return output.reshape(batch, num_heads, 1, head_dim)
 
 

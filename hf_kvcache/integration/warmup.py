@@ -1,5 +1,6 @@
 """Compiles ahead of traffic: ``warmup`` runs, once, the decode shapes a serving loop will meet, so that no user
-request pays a compile (14-75 s on a CPU) or a CUDA graph recording.
+request pays a compile (14-75 s on a CPU) or a CUDA graph recording, and no compile runs while other threads serve
+(``flex.ForwardGate``).
 
 A compiled decode step's shape is its batch and the keys it reads per row: a capacity bucket of pages for layers
 that keep every token (``hf_kvcache.layers.plan.capacity_bucket``: a request's bucket follows from its prompt +
@@ -8,10 +9,19 @@ batch size and bucket up to ``max_tokens``, stopped two tokens in, with the ``co
 pass (``generate`` keeps one compiled forward per model and compiles again when the config changes). Dynamo makes
 a dimension it has seen change dynamic, so most buckets cost no graph of their own; a CUDA graph
 (``mode="reduce-overhead"``) is recorded per shape, here rather than in a request.
+
+A step that reads pages in place (``attn_implementation="hf_kvcache"``, eager or compiled) also has the view of the
+pool's storage attention gets (``block_mask.view_pages``): it covers the rows' highest page id, so on a pool that
+other requests share their pages push it to a larger power of two extents, a new kernel and a new graph. For each
+batch size, ``warmup`` runs the first shape that reads in place once more in each larger view, with the pages
+below it held as other requests' would be. Without a ``compile_config`` it warms the eager in-place steps alone
+(one kernel per batch and view), on a CPU too.
 """
 
+import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,9 +29,12 @@ import torch
 import torch._dynamo
 from transformers import CompileConfig, StoppingCriteria, StoppingCriteriaList
 
+from hf_kvcache.attention import block_mask, flex
 from hf_kvcache.caches.binder import release_deferred
+from hf_kvcache.errors import PoolExhaustedError
 from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.layers.plan import capacity_bucket
+from hf_kvcache.memory.pool import KVPool
 
 logger = logging.getLogger("hf_kvcache")
 
@@ -35,12 +48,17 @@ class WarmedShape:
         max_tokens: tokens a row was planned to reach (prompt + ``max_new_tokens`` - 1): the bucket's last.
         seconds: wall time of the short generation (its first decode step's compile included).
         graphs: graphs dynamo compiled during it (0: an earlier one served the shape).
+        held_pages: pages held below the rows' while it ran, as other requests' would be (0: none), so that its
+            rows' pages lie in a larger view of the pool's storage.
+        in_place_calls: calls of the in-place attention kernel during it (0: every step gathered its pages).
     """
 
     batch_size: int
     max_tokens: int
     seconds: float
     graphs: int
+    held_pages: int = 0
+    in_place_calls: int = 0
 
 
 class _StopAfter(StoppingCriteria):
@@ -119,7 +137,12 @@ def warmup(
     prompt_tokens: int = 8,
 ) -> list[WarmedShape]:
     """Compiles the decode steps of ``cache_implementation`` for every batch size and capacity bucket up to
-    ``max_tokens``, before any request: a short ``generate`` per shape (two new tokens), logged and returned.
+    ``max_tokens``, and the in-place attention kernels of every view of a shared pool, before any request: a short
+    ``generate`` per shape (two new tokens), logged and returned.
+
+    With a ``compile_config``, the steps ``generate`` compiles (one graph per batch, bucket and view); without one,
+    the eager steps that read pages in place under ``attn_implementation="hf_kvcache"`` (one kernel per batch and
+    view: on a CPU too, where ``generate`` compiles nothing unasked).
 
     Args:
         model: the model requests will run (its compiled forward is kept on it by ``generate``).
@@ -130,52 +153,128 @@ def warmup(
         prompt_tokens: the prompt of each warm-up generation (random token ids).
 
     Returns:
-        One ``WarmedShape`` per batch size and bucket, in the order run.
+        One ``WarmedShape`` per generation, in the order run.
 
     Raises:
         TypeError / ValueError: an argument of the wrong type or value (checked before any work: the message
             names the argument, its value and what is allowed).
-        ValueError: ``generate`` would not compile this cache here (then there is nothing to warm: the message
-            says why and what to change).
+        ValueError: there is nothing to compile: ``generate`` would not compile this cache here (with a
+            ``compile_config``), or no step reads pages in place (without one); the message says why and what to
+            change.
     """
     _check_arguments(model, cache_implementation, batch_sizes, max_tokens, cache_config, compile_config, prompt_tokens)
     page_size = REGISTRY[cache_implementation].page_format(model.config, model.dtype, cache_config or {}).page_size
-    vocab = model.config.vocab_size
+    run = functools.partial(_generate, model, cache_implementation, cache_config, compile_config)
     shapes: list[WarmedShape] = []
     for batch_size in batch_sizes:
-        ids = torch.randint(vocab, (batch_size, prompt_tokens), generator=torch.Generator().manual_seed(batch_size))
-        for length in warmup_lengths(max_tokens, page_size, prompt_tokens):
-            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-            started = time.perf_counter()
-            out = model.generate(
-                ids.to(model.device),
-                attention_mask=torch.ones_like(ids, device=model.device),
-                do_sample=False,
-                max_new_tokens=length - prompt_tokens + 1,  # plans rows of `length` tokens: the bucket
-                stopping_criteria=StoppingCriteriaList([_StopAfter(prompt_tokens + 2)]),
-                cache_implementation=cache_implementation,
-                cache_config=cache_config,
-                compile_config=compile_config,
-                return_dict_in_generate=True,
-            )
-            if not out.cache.compiled_decoding:
+        if compile_config is not None:
+            lengths = warmup_lengths(max_tokens, page_size, prompt_tokens)
+            prompt = prompt_tokens
+        else:  # an eager step reads in place from MIN_IN_PLACE_TOKENS over its rows (its tokens decide)
+            prompt = max(prompt_tokens, -(-flex.MIN_IN_PLACE_TOKENS // batch_size))
+            lengths = [prompt + 2] if prompt + 1 <= max_tokens else []  # its first decode step holds prompt + 1
+        views_done = False
+        for length in lengths:
+            shape, out = run(batch_size, prompt, length)
+            if compile_config is not None and not out.cache.compiled_decoding:
                 raise ValueError(
                     f"generate does not compile {cache_implementation} here (is_compileable="
                     f"{out.cache.is_compileable}, device {model.device}): on a CPU pass a compile_config with "
-                    "_compile_all_devices = True; a cache whose pool moves when it grows needs cache_config max_tokens."
+                    "_compile_all_devices = True; a cache whose pool moves when it grows needs cache_config "
+                    "max_tokens."
                 )
-            seconds = time.perf_counter() - started
-            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+            pool = out.cache.pool
             del out
             release_deferred()  # the pages of the cache the compile traced, before the next shape or request
-            shape = WarmedShape(batch_size, length, seconds, graphs)
             shapes.append(shape)
-            logger.info(
-                "warmup %s: batch %d, rows up to %d tokens: %.1f s, %d graph(s)",
-                cache_implementation,
-                batch_size,
-                length,
-                seconds,
-                shape.graphs,
-            )
+            if shape.in_place_calls and not views_done and _shares_pool(cache_config) and pool is not None:
+                # The first shape read in place: the same in each larger view of the pool's storage.
+                shapes += _warm_views(run, pool, batch_size, prompt, length)
+                views_done = True
+    if compile_config is None and not any(shape.in_place_calls for shape in shapes):
+        raise ValueError(
+            f"no eager step of {cache_implementation} reads pages in place here, so there is nothing to compile "
+            "without a compile_config (in-place reads need attn_implementation='hf_kvcache', "
+            f"{flex.MIN_IN_PLACE_TOKENS} tokens over a step's rows within max_tokens={max_tokens}, full-precision "
+            "keys and a device that compiles FlexAttention). To warm generate's compiled steps, pass the "
+            "compile_config the requests will pass (on a CPU, one with _compile_all_devices = True)."
+        )
     return shapes
+
+
+def _shares_pool(cache_config: dict[str, Any] | None) -> bool:
+    """Whether requests write to one pool (the default, or one given), where other requests' pages may lie below
+    theirs; with ``max_tokens`` (and no prefix caching) each cache makes a fresh pool of its own."""
+    config = cache_config or {}
+    return config.get("max_tokens") is None or bool(config.get("prefix_caching"))
+
+
+def _warm_views(run: Callable, pool: KVPool, batch_size: int, prompt: int, length: int) -> list[WarmedShape]:
+    """Runs a generation of ``batch_size`` rows of ``length`` tokens whose pages lie in each larger view of the
+    pool's storage that in-place attention may read (``block_mask.view_pages``: powers of two extents from
+    ``MIN_VIEW_EXTENTS``, up to the whole storage), the pages below held as other requests would hold them."""
+    shapes = []
+    view = pool.format.extent_pages * block_mask.MIN_VIEW_EXTENTS
+    while view < pool.storage.num_pages:
+        held = _hold_extents_below(pool, view)
+        try:
+            shape, out = run(batch_size, prompt, length, held_pages=len(held))
+            del out
+        finally:
+            pool.free(held)
+        release_deferred()
+        shapes.append(shape)
+        view *= 2
+    return shapes
+
+
+def _hold_extents_below(pool: KVPool, first_page: int) -> list[int]:
+    """Takes the pool's wholly free extents below ``first_page``, lowest first, as other requests' rows would hold
+    them, so that the next rows start at ``first_page`` or above (where the pool has room). Returns the pages."""
+    held: list[int] = []
+    try:
+        while True:
+            pages = pool.extend(None, pool.format.extent_pages)
+            if pages[0] >= first_page:
+                pool.free(pages)
+                return held
+            held += pages
+    except PoolExhaustedError:
+        return held
+
+
+def _generate(
+    model: Any,
+    cache_implementation: str,
+    cache_config: dict[str, Any] | None,
+    compile_config: CompileConfig | None,
+    batch_size: int,
+    prompt_tokens: int,
+    length: int,
+    held_pages: int = 0,
+) -> tuple[WarmedShape, Any]:
+    """One warm-up generation: ``batch_size`` rows of ``prompt_tokens`` random tokens planned to reach ``length``
+    tokens (the bucket), stopped two tokens in; its shape, logged, and ``generate``'s output."""
+    generator = torch.Generator().manual_seed(batch_size)
+    ids = torch.randint(model.config.vocab_size, (batch_size, prompt_tokens), generator=generator).to(model.device)
+    graphs, calls = torch._dynamo.utils.counters["stats"]["unique_graphs"], flex.call_count()
+    started = time.perf_counter()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=length - prompt_tokens + 1,  # plans rows of `length` tokens: the bucket
+        stopping_criteria=StoppingCriteriaList([_StopAfter(prompt_tokens + 2)]),
+        cache_implementation=cache_implementation,
+        cache_config=cache_config,
+        compile_config=compile_config,
+        return_dict_in_generate=True,
+    )
+    seconds = time.perf_counter() - started
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+    shape = WarmedShape(batch_size, length, seconds, graphs, held_pages, flex.call_count() - calls)
+    logger.info(
+        "warmup %s: batch %d, rows up to %d tokens, %d pages held below them: %.1f s, %d graph(s), %d in-place calls",
+        *(cache_implementation, batch_size, length, held_pages, seconds, graphs, shape.in_place_calls),
+    )
+    return shape, out
