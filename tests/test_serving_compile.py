@@ -177,6 +177,7 @@ def test_requests_in_other_threads_survive_a_compile(in_place_model):
             except Exception as error:  # noqa: BLE001  (any failure of a request counts)
                 failures.append(f"{type(error).__name__}: {error}"[:200])
 
+    waits = flex.FORWARDS.waits
     threads = [threading.Thread(target=traffic) for _ in range(3)]
     for thread in threads:
         thread.start()
@@ -193,5 +194,6 @@ def test_requests_in_other_threads_survive_a_compile(in_place_model):
         for thread in threads:
             thread.join()
     assert flex.compile_seconds(), "the request compiled no kernel"
+    assert flex.FORWARDS.waits > waits, "no other thread's module call waited for the compile"
     assert torch.equal(out, tiny_llama().generate(ids, do_sample=False, max_new_tokens=4))
     assert not failures, f"{len(failures)} of {len(failures) + done[0]} requests failed: {sorted(set(failures))[:3]}"

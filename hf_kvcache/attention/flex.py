@@ -36,7 +36,8 @@ softmax scale, threads, grad mode), paid once per process (about 15 s cold on a 
 on-disk cache warm). Each key gets its own compiled function with its own code object: dynamo counts
 ``recompile_limit`` (8) per code object and past it silently runs flex uncompiled, 100x slower over the whole pool.
 Past ``MAX_SHAPE_KEYS`` keys, or where compiling is impossible (``unavailable``), callers take the gather path
-(``hf_kvcache.attention.kernels``), the slow twin this is tested against.
+(``hf_kvcache.attention.kernels``), the slow twin this is tested against. While a shape compiles, other threads wait
+at their next module call (``ForwardGate``); ``hf_kvcache.integration.warmup`` compiles the shapes before traffic.
 """
 
 import contextlib

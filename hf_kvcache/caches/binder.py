@@ -274,16 +274,13 @@ def release_deferred() -> None:
     graph since the last call, this runs that collection once, so that a cache the compile traced is finalized (its
     pages returned) as soon as nothing else holds it. Called before each planned step and each generation of our
     caches, and by ``warmup`` after each shape."""
-    if _tracing():
-        return
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    if graphs != _GRAPHS_SEEN[0]:
-        with _DEFERRED_LOCK:
-            compiled, _GRAPHS_SEEN[0] = graphs != _GRAPHS_SEEN[0], graphs
-        if compiled:
-            gc.collect()  # finalizes the caches only the compile's leftovers held (release_when_safe)
-    if not _DEFERRED:
+    if (graphs == _GRAPHS_SEEN[0] and not _DEFERRED) or _tracing():
         return
+    with _DEFERRED_LOCK:
+        compiled, _GRAPHS_SEEN[0] = graphs != _GRAPHS_SEEN[0], graphs
+    if compiled:
+        gc.collect()  # finalizes the caches only the compile's leftovers held (release_when_safe)
     with _DEFERRED_LOCK:
         binders = _DEFERRED[:]
         _DEFERRED.clear()
