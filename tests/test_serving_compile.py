@@ -197,3 +197,50 @@ def test_requests_in_other_threads_survive_a_compile(in_place_model):
     assert flex.FORWARDS.waits > waits, "no other thread's module call waited for the compile"
     assert torch.equal(out, tiny_llama().generate(ids, do_sample=False, max_new_tokens=4))
     assert not failures, f"{len(failures)} of {len(failures) + done[0]} requests failed: {sorted(set(failures))[:3]}"
+
+
+def test_serving_from_threads_after_warmup_compiles_nothing(in_place_model):
+    """The rule of docs/attention.md: ``warmup`` before the threads start, then requests of the warmed batch size on
+    a shared pool, while other threads hold its pages and run ``DynamicCache`` requests, compile nothing and all
+    succeed."""
+    import threading
+
+    from hf_kvcache import warmup
+    from hf_kvcache.attention import flex
+
+    model = in_place_model
+    pool = KVPool.for_model(model, max_tokens=6000)
+    warmup(model, "paged_pool", batch_sizes=(2,), max_tokens=64, cache_config={"pool": pool})
+    kernels, waits = len(flex.compile_seconds()), flex.FORWARDS.waits
+    ids, short = random_ids(2, 21), random_ids(1, 9, seed=3)
+    expected = {2: tiny_llama().generate(ids, do_sample=False, max_new_tokens=12)}
+    expected[1] = model.generate(short, do_sample=False, max_new_tokens=3)
+    failures: list[str] = []
+
+    def requests(batch: int, rounds: int) -> None:
+        for round_idx in range(rounds):
+            try:
+                if batch == 1:  # DynamicCache
+                    out = model.generate(short, do_sample=False, max_new_tokens=3)
+                else:
+                    held = pool.extend(None, 136) if round_idx % 2 else []  # other requests' pages, the lowest free
+                    out = model.generate(
+                        ids,
+                        do_sample=False,
+                        max_new_tokens=12,
+                        cache_implementation="paged_pool",
+                        cache_config={"pool": pool},
+                    )
+                    pool.free(held)
+                assert torch.equal(out, expected[batch])
+            except Exception as error:  # noqa: BLE001  (any failure of a request counts)
+                failures.append(f"{type(error).__name__}: {error}"[:200])
+
+    threads = [threading.Thread(target=requests, args=(batch, 6)) for batch in (2, 2, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures[:3]
+    assert (len(flex.compile_seconds()), flex.FORWARDS.waits) == (kernels, waits)
+    assert pool.stats()["pages_used"] == 0
