@@ -9,7 +9,7 @@ from transformers import AttentionInterface, AttentionMaskInterface, DynamicCach
 
 import hf_kvcache
 from hf_kvcache import KVPool, PagedCache
-from hf_kvcache.attention.interface import ATTENTION_NAME, banded_sdpa_attention
+from hf_kvcache.attention.interface import ATTENTION_NAME, banded_sdpa_attention, model_attention_mask
 from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.integration.seams import check_transformers_version
 from hf_kvcache.transformers_internals import (
@@ -17,7 +17,6 @@ from hf_kvcache.transformers_internals import (
     prepare_cache_method,
     prepare_inputs_method,
     sdpa_attention_forward,
-    sdpa_mask,
 )
 
 
@@ -43,7 +42,7 @@ def test_register_is_idempotent_and_undoable():
     assert names == cache_implementations()
     assert prepare_inputs_method() is not original_inputs and prepare_inputs_method().__wrapped__ is original_inputs
     assert AttentionInterface._global_mapping[ATTENTION_NAME] is banded_sdpa_attention
-    assert AttentionMaskInterface._global_mapping[ATTENTION_NAME] is sdpa_mask
+    assert AttentionMaskInterface._global_mapping[ATTENTION_NAME] is model_attention_mask
 
 
 @pytest.mark.parametrize("name,expected", [(None, DynamicCache), ("dynamic", DynamicCache), ("static", StaticCache)])

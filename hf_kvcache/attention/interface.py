@@ -18,28 +18,42 @@ query head, and never copied per query head as transformers' sdpa does inside a 
 The growing layers (``PagedRows.attend``) hand a decode step's keys over as the pool's storage itself, with a
 ``PagedRead``: this attention then runs compiled FlexAttention over the pages where they lie
 (``attention.flex``), after checking that the model's mask hides exactly each row's leading padding; anything it
-cannot do in place (a mask with holes, softcapping, attention sinks, training, a shape that does not compile) it
-does on the same keys gathered, the slow twin. A single row on consecutive pages comes as a plain view of them
-(``kernels.run_view``, no ``PagedRead``) and takes the sdpa path like any keys. Load the model with it, or switch an
-existing one::
+cannot do in place (a mask with holes, training, a shape that does not compile) it does on the same keys gathered,
+the slow twin. A single row on consecutive pages comes as a plain view of them (``kernels.run_view``, no
+``PagedRead``) and takes the sdpa path like any keys.
+
+What sdpa does not apply (softcapping, attention sinks, a position bias: ``NOT_APPLIED_BY_SDPA``), and every layer of
+a model that refuses sdpa, runs the model's own ``eager_attention_forward`` over the keys gathered in time order
+(``own_attention``), never sdpa without it. A model whose attention modules use the cache's keys or values besides
+handing them to this function (``hands_states_to_attention_only``) gets them in time order from its layers.
+
+Load the model with it, or switch an existing one::
 
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="hf_kvcache")
     model.set_attn_implementation("hf_kvcache")
 
 ``integration.register`` adds the name through transformers' public ``AttentionInterface`` and
-``AttentionMaskInterface``; nothing about ``"sdpa"`` or ``"eager"`` changes.
+``AttentionMaskInterface`` (``model_attention_mask``); nothing about ``"sdpa"`` or ``"eager"`` changes.
 """
 
+import ast
 import contextlib
+import importlib
+import inspect
 import logging
-from collections.abc import Iterator
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionMaskInterface
 
 from hf_kvcache.attention import flex
 from hf_kvcache.attention.kernels import read_planned_view
 from hf_kvcache.attention.reads import KEY_LAYOUT, PAGED_READ, PagedRead
+from hf_kvcache.errors import IncompatibleModelError
 from hf_kvcache.transformers_internals import attn_implementation, sdpa_attention_forward
 
 ATTENTION_NAME = "hf_kvcache"
@@ -80,22 +94,26 @@ def banded_sdpa_attention(
     Args:
         attention_mask: the model's ``[batch, 1, n, num_visible]`` mask (boolean, or additive floats), or
             ``None`` for plain causal attention.
-        kwargs: passed on to ``sdpa_attention_forward`` (``scaling``, ``dropout``, ...).
+        kwargs: passed on to ``sdpa_attention_forward`` or the model's own attention function (``scaling``,
+            ``dropout``, ``softcap``, ``s_aux``, ...).
     """
+    own = own_attention(module, kwargs)  # the model's own attention function where sdpa cannot compute it
     plans = kwargs.pop(PLANNED_READS, None)
     plan = plans[module.layer_idx] if plans is not None else None
     if plan is not None:  # the keys and values are the pool's storage, read through the step's plan
-        if _extras(kwargs) is None and not module.training:
+        if own is None and not module.training:
             output = flex.planned_attention(query, key, value, plan.mask, plan.pages, kwargs.get("scaling"))
             return output.transpose(1, 2).contiguous(), None
         key, value = read_planned_view(key, plan), read_planned_view(value, plan)  # the model's mask applies
     read, layout = kwargs.pop(PAGED_READ, None), kwargs.pop(KEY_LAYOUT, None)  # what the layer handed over
     if read is not None:
-        output = paged_attention(module, query, key, value, read, attention_mask, kwargs)
+        output = None if own is not None else paged_attention(module, query, key, value, read, attention_mask, kwargs)
         if output is not None:
             return output, None
         key, value = read.gather()
     if layout is None:
+        if own is not None:
+            return own(module, query, key, value, _additive_mask(module, attention_mask, query, key), **kwargs)
         if _packs_decode(module, query, key, attention_mask, kwargs):
             return flex.packed_decode_attention(query, key, value, kwargs.get("scaling"), attention_mask), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -113,7 +131,9 @@ def banded_sdpa_attention(
             attention_mask = attention_mask & allowed
         else:
             attention_mask = attention_mask.masked_fill(~allowed, torch.finfo(attention_mask.dtype).min)
-    if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None or module.training:
+    if own is not None:
+        return own(module, query, key, value, _additive_mask(module, attention_mask, query, key), **kwargs)
+    if module.training:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     grouped = query.shape[1] != key.shape[1]
     if grouped and query.device.type != "cpu":
@@ -135,8 +155,7 @@ def _packs_decode(
     grouped KV heads, nothing else applied; under a mask, one for every head of the token (a compiled step's:
     transformers builds the mask of a compileable cache, and inside dynamo its sdpa repeats every key and value once
     per query head); without one on CPU only (elsewhere transformers' grouped kernel serves)."""
-    extras = any(kwargs.get(name) is not None for name in ("softcap", "position_bias", "s_aux", "sinks"))
-    if query.shape[2] != 1 or query.shape[1] == key.shape[1] or extras or module.training:
+    if query.shape[2] != 1 or query.shape[1] == key.shape[1] or module.training:
         return False
     if attention_mask is None:
         return query.device.type == "cpu"
@@ -162,10 +181,6 @@ def paged_attention(
     Returns:
         ``[batch, 1, heads, head_dim]`` (transformers' attention output layout).
     """
-    extra = _extras(kwargs)
-    if extra is not None:
-        flex.log_path(extra, f"the model's attention uses {extra}, which the in-place kernel does not apply")
-        return None
     if module.training or query.shape[2] != 1:
         return None
     if not _hides_padding_only(read, attention_mask):
@@ -184,9 +199,188 @@ def paged_attention(
     return output.transpose(1, 2).contiguous()
 
 
+NOT_APPLIED_BY_SDPA = ("softcap", "s_aux", "sinks", "position_bias")
+"""The attention kwargs a model passes for what sdpa does not compute: logit softcapping, attention sinks, a
+relative position bias. A layer whose attention passes one runs the model's own attention function instead."""
+
+
 def _extras(kwargs: dict) -> str | None:
-    """What the model's attention applies that in-place FlexAttention does not (``None``: nothing)."""
-    return next((name for name in ("softcap", "s_aux", "position_bias", "sinks") if kwargs.get(name) is not None), None)
+    """What the model's attention applies that sdpa and in-place FlexAttention do not (``None``: nothing)."""
+    return next((name for name in NOT_APPLIED_BY_SDPA if kwargs.get(name) is not None), None)
+
+
+OwnAttention = Callable[..., tuple[torch.Tensor, Any]]
+"""A modeling file's ``eager_attention_forward(module, query, key, value, attention_mask, **kwargs)``."""
+
+# What this module finds out about a model's code, once per attention module class or modeling module: plain dicts,
+# which a compiled forward pass reads without a graph break.
+_OWN: dict[tuple[type, str | None], OwnAttention | None] = {}  # own_attention's answers
+_REFUSES_SDPA: dict[str, bool] = {}  # refuses_sdpa's answers
+_HANDS_STATES_ONLY: dict[str, bool] = {}  # hands_states_to_attention_only's answers
+
+
+def own_attention(module: torch.nn.Module, kwargs: dict) -> OwnAttention | None:
+    """The model's own attention function (its modeling file's ``eager_attention_forward``) where sdpa would compute
+    something else for ``module``: its call passes a kwarg of ``NOT_APPLIED_BY_SDPA``, or the model refuses
+    ``attn_implementation="sdpa"`` (``refuses_sdpa``). ``None``: sdpa computes what the model does.
+
+    Raises:
+        IncompatibleModelError: the model needs its own attention and its modeling file defines none.
+    """
+    key = (type(module), _extras(kwargs))
+    if key not in _OWN:
+        _OWN[key] = _find_own_attention(*key)
+    return _OWN[key]
+
+
+def _find_own_attention(module_class: type, feature: str | None) -> OwnAttention | None:
+    modeling = sys.modules.get(module_class.__module__)
+    if feature is None and not refuses_sdpa(module_class.__module__):
+        return None
+    reason = f"passes {feature!r}" if feature is not None else "belongs to a model that refuses sdpa"
+    function = getattr(modeling, "eager_attention_forward", None)
+    if not callable(function):
+        raise IncompatibleModelError(
+            f"{module_class.__name__} {reason}, which sdpa does not apply, and its modeling file "
+            f"({module_class.__module__}) defines no eager_attention_forward that attn_implementation="
+            f"{ATTENTION_NAME!r} could run instead: load the model with attn_implementation='eager'."
+        )
+    flex.log_once(
+        f"own:{module_class.__module__}.{module_class.__qualname__}:{feature}",
+        logging.INFO,
+        f"{module_class.__name__} {reason}, which sdpa does not apply: attn_implementation={ATTENTION_NAME!r} runs "
+        "the model's own eager_attention_forward over its keys and values, gathered in time order.",
+    )
+    return function
+
+
+def refuses_sdpa(modeling_name: str) -> bool:
+    """Whether a model class of the modeling module ``modeling_name`` refuses ``attn_implementation="sdpa"``
+    (its ``_supports_sdpa`` is false), as transformers checks when the attention is set."""
+    if modeling_name not in _REFUSES_SDPA:
+        modeling = sys.modules.get(modeling_name)
+        if modeling is None:  # no model of it was built: nothing to refuse yet
+            return False
+        _REFUSES_SDPA[modeling_name] = any(
+            getattr(value, "_supports_sdpa", None) is False
+            for value in vars(modeling).values()
+            if isinstance(value, type) and value.__module__ == modeling_name
+        )
+    return _REFUSES_SDPA[modeling_name]
+
+
+def _additive_mask(
+    module: torch.nn.Module, attention_mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor
+) -> torch.Tensor | None:
+    """The mask as an eager attention function adds it to the scores: ``[batch, 1, n, num_keys]`` floats (0: seen),
+    from a boolean mask (true: seen) or from ``None`` (causal for a causal module, the queries the last keys)."""
+    if attention_mask is None:
+        num_new, num_keys = query.shape[2], key.shape[2]
+        if num_new == 1 or not getattr(module, "is_causal", True):
+            return None
+        new = torch.arange(num_keys - num_new, num_keys, device=query.device).unsqueeze(1)  # [n, 1]
+        attention_mask = (torch.arange(num_keys, device=query.device) <= new)[None, None]  # [1, 1, n, num_keys]
+    if attention_mask.dtype != torch.bool:
+        return attention_mask
+    scores = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device)  # [batch, 1, n, num_keys]
+    return scores.masked_fill(~attention_mask, torch.finfo(query.dtype).min)
+
+
+def model_attention_mask(**kwargs) -> torch.Tensor | None:
+    """The mask builder of ``attn_implementation="hf_kvcache"`` (``AttentionMaskInterface``): sdpa's boolean mask,
+    or for a model that refuses sdpa the additive float mask that its own code was written for (GIT's attention
+    modules add the mask to their scores themselves). ``kwargs``: what transformers' mask functions take."""
+    config = kwargs.get("config")
+    modeling = _modeling_name(type(config).__module__) if config is not None else None
+    kind = "eager" if modeling is not None and refuses_sdpa(modeling) else "sdpa"
+    return _MASKS[kind](**kwargs)
+
+
+_MASKS = AttentionMaskInterface()  # transformers' mask builders by name
+
+
+def hands_states_to_attention_only(config: Any) -> bool:
+    """Whether every attention module of ``config``'s modeling file hands the keys and values its cache returns to
+    the attention function and to nothing else, read from their ``forward``'s source: only then may a layer return
+    the pool's storage or slots out of time order (with a ``PagedRead`` or ``KeyLayout``), which only this
+    attention reads. A module that computes attention itself (GIT) or reads the values besides (Doge) gets them
+    gathered in time order."""
+    modeling = _modeling_name(type(config).__module__)
+    if modeling is None:
+        return False
+    if modeling not in _HANDS_STATES_ONLY:
+        _HANDS_STATES_ONLY[modeling] = _modeling_hands_states_only(modeling)
+    return _HANDS_STATES_ONLY[modeling]
+
+
+def _modeling_name(config_module: str) -> str | None:
+    """``transformers.models.x.modeling_x`` for ``transformers.models.x.configuration_x`` (``None``: not named so)."""
+    package, _, name = config_module.rpartition(".")
+    return f"{package}.modeling_{name.removeprefix('configuration_')}" if name.startswith("configuration_") else None
+
+
+def _modeling_hands_states_only(modeling_name: str) -> bool:
+    try:
+        modeling = sys.modules.get(modeling_name) or importlib.import_module(modeling_name)
+    except ImportError:
+        return False
+    classes = [
+        value for value in vars(modeling).values() if isinstance(value, type) and value.__module__ == modeling_name
+    ]
+    verdicts = [_hands_states_only(cls) for cls in classes if "forward" in vars(cls)]
+    verdicts = [verdict for verdict in verdicts if verdict is not None]
+    if not all(verdicts):
+        flex.log_once(
+            f"states:{modeling_name}",
+            logging.INFO,
+            f"{modeling_name} uses the keys or values its cache returns besides handing them to the attention "
+            "function: its layers return them gathered in time order.",
+        )
+    return bool(verdicts) and all(verdicts)
+
+
+def _hands_states_only(module_class: type) -> bool | None:
+    """Whether ``module_class.forward`` uses the pair ``keys, values = <cache>.update(...)`` returns only as
+    arguments of its ``attention_interface(...)`` call; ``None`` where it updates no cache (or has no source)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(module_class.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    update = next((node for node in ast.walk(tree) if _is_cache_update(node)), None)
+    if update is None:
+        return None
+    names = {target.id for target in update.targets[0].elts}
+    handed = {
+        id(argument)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and _called_name(node) == "attention_interface"
+        for argument in [*node.args, *(keyword.value for keyword in node.keywords)]
+    }
+    after = (update.end_lineno, update.end_col_offset)
+    return not any(
+        isinstance(node, ast.Name)
+        and node.id in names
+        and isinstance(node.ctx, ast.Load)
+        and (node.lineno, node.col_offset) >= after
+        and id(node) not in handed
+        for node in ast.walk(tree)
+    )
+
+
+def _is_cache_update(node: ast.AST) -> bool:
+    """``a, b = <something>.update(...)``."""
+    if not isinstance(node, ast.Assign) or len(node.targets) != 1 or not isinstance(node.value, ast.Call):
+        return False
+    target = node.targets[0]
+    pair = isinstance(target, ast.Tuple) and len(target.elts) == 2
+    return pair and all(isinstance(name, ast.Name) for name in target.elts) and _called_name(node.value) == "update"
+
+
+def _called_name(call: ast.Call) -> str:
+    function = call.func
+    if isinstance(function, ast.Name):
+        return function.id
+    return function.attr if isinstance(function, ast.Attribute) else ""
 
 
 def _hides_padding_only(read: PagedRead, attention_mask: torch.Tensor | None) -> bool:

@@ -8,7 +8,7 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
-from hf_kvcache.attention.interface import ATTENTION_NAME
+from hf_kvcache.attention.interface import ATTENTION_NAME, hands_states_to_attention_only
 from hf_kvcache.layers import PagedRows, RingRows
 from hf_kvcache.layers.window import ring_num_slots
 from hf_kvcache.memory.pool import KVPool
@@ -63,5 +63,6 @@ class RowPolicy:
 
 
 def reads_key_layouts(config: PreTrainedConfig) -> bool:
-    """Whether the model attends with ``attn_implementation="hf_kvcache"``, which reads a ring's ``KeyLayout``."""
-    return attn_implementation(config) == ATTENTION_NAME
+    """Whether the model attends with ``attn_implementation="hf_kvcache"``, which reads a ring's ``KeyLayout`` (and a
+    ``PagedRead``), and its attention modules hand the keys and values they get to that attention alone."""
+    return attn_implementation(config) == ATTENTION_NAME and hands_states_to_attention_only(config)

@@ -29,7 +29,7 @@ from packaging.version import Version
 from transformers import AttentionInterface, AttentionMaskInterface, Cache
 from transformers import __version__ as transformers_version
 
-from hf_kvcache.attention.interface import ATTENTION_NAME, banded_sdpa_attention
+from hf_kvcache.attention.interface import ATTENTION_NAME, banded_sdpa_attention, model_attention_mask
 from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.errors import IncompatibleModelError
 from hf_kvcache.integration.registry import REGISTRY
@@ -40,7 +40,6 @@ from hf_kvcache.transformers_internals import (
     prepare_cache_method,
     prepare_inputs_method,
     remove_attention,
-    sdpa_mask,
     set_cache_implementations,
     set_prepare_cache_method,
     set_prepare_inputs_method,
@@ -232,7 +231,7 @@ def register() -> None:
         set_prepare_cache_method(functools.wraps(_original_prepare)(_prepare_cache_for_generation))
         set_prepare_inputs_method(functools.wraps(_original_inputs)(_prepare_inputs_for_generation))
         AttentionInterface.register(ATTENTION_NAME, banded_sdpa_attention)
-        AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+        AttentionMaskInterface.register(ATTENTION_NAME, model_attention_mask)
 
 
 def unregister() -> None:
