@@ -142,6 +142,14 @@ def test_models_that_refuse_sdpa_get_their_own_attention(model_type):
     assert_equals_own(model, "eager", [5, 11])
 
 
+def test_moshi_sliding_layers_through_paged_pool():
+    """Moshi's layers are sliding for its cache (``sliding_window``) but its mask is plainly causal: a prompt sees
+    all of itself, as with DynamicCache, and decode steps their window."""
+    model = tiny("moshi", "sdpa", sliding_window=8)
+    assert_equals_own(model, "sdpa", [5, 12], "paged_pool")
+    assert_equals_own(model, "sdpa", [30], "paged_pool")
+
+
 def test_xlm_roberta_xl_decoder_through_sliding_ring():
     model = tiny("xlm-roberta-xl", "sdpa", is_decoder=True, num_key_value_heads=None)
     assert_equals_own(model, "sdpa", [5, 12], "sliding_ring", {"window": 64})

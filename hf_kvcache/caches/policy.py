@@ -59,7 +59,9 @@ class RowPolicy:
                 process_group=process_group,
                 exact_tokens=self.exact_tokens,
             )
-        return RingRows(pool, self.window, self.sink_tokens, self.residual_length, reads_slots, process_group)
+        return RingRows(
+            pool, self.window, self.sink_tokens, self.residual_length, reads_slots, process_group, self.is_sliding
+        )
 
 
 def reads_key_layouts(config: PreTrainedConfig) -> bool:

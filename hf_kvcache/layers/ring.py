@@ -69,6 +69,9 @@ class RingRows(PagedRows):
         reads_slots: whether the model's attention reads a ``KeyLayout`` (``attn_implementation="hf_kvcache"``),
             asked once per step: then keys may come in slot order, as views of the pages.
         process_group: as for ``PagedRows``.
+        is_sliding: the model's own mask applies the window (a sliding layer of the model): a step of several tokens
+            sees itself and the ``window - 1`` tokens before it, as with transformers' sliding layer, and the model's
+            mask decides among them; ``False`` where the ring imposes the window on a full-attention layer.
     """
 
     values_by_page = False  # a ring's slots wrap around: each token's value codes are written with it
@@ -81,9 +84,11 @@ class RingRows(PagedRows):
         residual_length: int = 0,
         reads_slots: Callable[[], bool] = lambda: False,
         process_group: Any = None,
+        is_sliding: bool = False,
     ) -> None:
         super().__init__(pool, residual_length, row_extents=False, process_group=process_group)
         self.table.pads_held = False  # a row's slots start at its first real token
+        self.is_sliding = is_sliding
         self._reads_slots = reads_slots
         page_size = pool.format.page_size
         if self.store.keys is not None and sink_tokens:
@@ -343,7 +348,7 @@ class RingRows(PagedRows):
             layout = None  # a single new token sees every visible one
             if num_new > 1:
                 keys = torch.cat([visible, new_tokens], dim=1) if last == start else visible
-                layout = KeyLayout(band(keys, start, num_new, self.window, self.sink_tokens, pads))
+                layout = KeyLayout(band(keys, start, num_new, self.window, self.sink_tokens, pads, self.is_sliding))
             visible_slots = self._slots(visible)
             read = self._slot_indices(visible_slots, storage).view(-1)
             write = self._slot_indices(written, storage)
@@ -364,7 +369,7 @@ class RingRows(PagedRows):
         offset, num_visible = first - sinks, sinks + start + num_new - first  # the model's mask: get_mask_sizes
         # A row's sinks before the mask's first column stand under its sink columns (real and earlier for the row).
         columns = torch.where(tokens >= offset, tokens - offset, local).clamp(0, num_visible - 1)
-        layout_band = band(tokens, start, num_new, self.window, self.sink_tokens, pads.squeeze(1))
+        layout_band = band(tokens, start, num_new, self.window, self.sink_tokens, pads.squeeze(1), self.is_sliding)
         return KeyLayout(layout_band, columns)
 
     def _first_page(self) -> int | None:

@@ -11,7 +11,13 @@ from hf_kvcache.attention.reads import KeyLayout
 
 
 def band(
-    tokens: torch.Tensor, start: int, num_new: int, window: int, sink_tokens: int, pad_lengths: torch.Tensor
+    tokens: torch.Tensor,
+    start: int,
+    num_new: int,
+    window: int,
+    sink_tokens: int,
+    pad_lengths: torch.Tensor,
+    step_sees_itself: bool = False,
 ) -> torch.Tensor:
     """``[batch, num_new, n]``: may new token ``start + i`` of row ``b`` see token ``tokens[b, j]``?
 
@@ -21,11 +27,15 @@ def band(
     Args:
         tokens: ``[batch, n]`` the token each key holds.
         pad_lengths: ``[batch]`` leading padding tokens of each row.
+        step_sees_itself: each new token sees the step's earlier tokens and the ``window - 1`` tokens before the step
+            (what transformers' sliding layer returns: the model's own mask applies its window among them), rather
+            than only the ``window`` tokens up to itself.
     """
     query = torch.arange(start, start + num_new, device=tokens.device).view(1, -1, 1)  # [1, num_new, 1]
     keys = tokens.unsqueeze(1)  # [batch, 1, n]
     pads = pad_lengths.view(-1, 1, 1)  # [batch, 1, 1]
-    seen = (keys <= query) & ((keys > query - window) | (keys - pads < sink_tokens))
+    reach = start if step_sees_itself else query  # the token whose window bounds what a new token sees
+    seen = (keys <= query) & ((keys > reach - window) | (keys - pads < sink_tokens))
     return (seen & (keys >= pads)) | (query < pads)
 
 
