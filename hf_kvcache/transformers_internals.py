@@ -78,7 +78,7 @@ def layer_types_and_kwargs(config: PreTrainedConfig) -> tuple[list[str], list[di
 def commit_hash(config: PreTrainedConfig) -> str | None:
     """The hub revision a model's config was loaded from; ``None`` where the config does not say.
 
-    transformers 5 no longer keeps ``_commit_hash`` on a loaded config (it pops the key), so this is ``None``
+    transformers 5 does not keep ``_commit_hash`` on a loaded config (it pops the key), so this is ``None``
     with the releases we support (``tests/test_transformers_internals.py`` pins it).
     """
     return getattr(config, "_commit_hash", None)

@@ -1,9 +1,8 @@
-"""``QuantizedKVCache``: keys and values both stored as codes on the shared pool (issue 17).
+"""``QuantizedKVCache``: keys and values both stored as codes on the shared pool.
 
 Keys are encoded a page at a time, once, when the page fills (``hf_kvcache.layers.keys``): int8 per token, or int4
 per channel over the page's tokens (keys have outlier channels: KIVI); values as in ``quantized_values``. Scales
-are stored in 2 bytes (float16 for a float32 model), the int4 keys' zeros as int8: on SmolLM2 in float32 the pool
-holds 7,200 bytes per token with int4 keys and values, under transformers' quanto int4 ``QuantizedCache`` (7,492).
+are stored in 2 bytes (float16 for a float32 model), the int4 keys' zeros as int8 (bytes per token: docs/caches.md).
 """
 
 import dataclasses

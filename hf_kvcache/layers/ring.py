@@ -289,8 +289,8 @@ class RingRows(PagedRows):
 
     def _pages_taking(self, batch: int, first: int, end: int) -> list[int]:
         """Which of a row's pages (by position) the tokens ``[first, end)`` of any row take (``_slots``'s slots, at
-        most ``ring_slots`` tokens after the sinks), ascending: host arithmetic on the rows' padding, where a mask
-        over a tensor of slots read its result back to the host."""
+        most ``ring_slots`` tokens after the sinks), ascending: host arithmetic on the rows' padding, so that no
+        tensor is read back to the host."""
         page_size, sinks, ring = self.pool.format.page_size, self.sink_tokens, self.ring_slots
         pads = self._pad_list(batch)
         spans = []  # (first slot, end slot) of each row's tokens

@@ -68,7 +68,7 @@ def dequantize_channels(
 ) -> torch.Tensor:
     """``dequantize_channels_into`` as one expression, returning ``[..., head_dim, columns]`` in ``dtype`` (bitwise
     equal): row-major codes unpack to row-major values, so that a compiled graph fuses it into one kernel over
-    contiguous memory (through the reference's transposes it ran 1.9x slower, compiled, on a CPU). Compact
+    contiguous memory (not through the reference's transposes). Compact
     parameters' words may come as their bytes, ``scale [..., 1, 2 * columns]`` uint8
     (``compact_scale_and_steps_from_bytes``)."""
     if fmt.bits == 8:
@@ -107,11 +107,11 @@ def dequantize_into(
     """Dequantizes into a preallocated buffer, bitwise equal to ``dequantize(..., out.dtype)``.
 
     The codes are copied into a float32 buffer (``out`` itself when it is float32) and turned into values in
-    place with a multiply and an add (two fast elementwise passes; ``addcmul`` with a per-group broadcast is
-    several times slower on CPU). int4 first spreads each byte's two nibbles over the two bytes of an int16
+    place with a multiply and an add (two elementwise passes, faster on CPU than ``addcmul`` with a per-group
+    broadcast). int4 first spreads each byte's two nibbles over the two bytes of an int16
     (``byte + 240 * high``: low nibble in the low byte), which on a little-endian machine are the even and odd
-    channels' codes in order, then converts them in one contiguous copy (1.7x faster on CPU than writing the
-    nibbles to the even and odd channels with two strided copies, which a big-endian machine still does).
+    channels' codes in order, then converts them in one contiguous copy (a big-endian machine writes the nibbles to
+    the even and odd channels with two strided copies instead).
 
     Args:
         out: ``[..., head_dim]`` floating, written in place; may be a view into a larger buffer.
@@ -119,8 +119,8 @@ def dequantize_into(
         work: a float32 buffer of ``out``'s shape, reused across calls when ``out`` is not float32 (made if
             ``None``).
         spread: int4 on a little-endian machine: int16 buffers for the spread codes and their high nibbles, each of
-            ``codes``' shape (a pair, or one ``[2, *codes.shape]`` tensor), reused across calls (made if ``None``; two
-            fresh allocations per call cost ~20% of it); a third, ``spread_bytes`` of the first, saves two ops.
+            ``codes``' shape (a pair, or one ``[2, *codes.shape]`` tensor), reused across calls so that no call
+            allocates (made if ``None``); a third, ``spread_bytes`` of the first, saves two ops.
     """
     if fmt.num_scale_groups > 1:  # [..., groups, 1], over each group's channels
         scale, zero = scale.unsqueeze(-1), zero.unsqueeze(-1)

@@ -15,9 +15,8 @@ DEFAULT_PAGE_SIZE = 16
 MAX_PAGE_SIZE = 4096
 KV_BLOCK_TOKENS = 128
 """Tokens attention reads in place as one block (``attention.flex``): rows take their pages in aligned extents of
-``KV_BLOCK_TOKENS // page_size`` pages. Compiled FlexAttention on CPU pays a fixed cost per block: at 4,096 tokens
-x batch 8 (SmolLM2's heads, one layer) 16-token blocks ran at 0.57x StaticCache's attention, 64 at 0.91x, 128 at
-0.99x, 256 at 1.05x; 128 keeps a row's last block small."""
+``KV_BLOCK_TOKENS // page_size`` pages. Compiled FlexAttention pays a fixed cost per block, so blocks are large;
+128 still keeps a row's last block small (docs/attention.md)."""
 
 
 def check_page_size(page_size: int) -> int:
@@ -76,9 +75,9 @@ class PageFormat:
     keys are stored as codes too, a page at a time (encoded once, when the page's last slot is written):
 
     - ``key_bits=8``: per token, a scale and zero per scale group of ``key_group_size`` channels;
-    - ``key_bits=4``: per channel over the page's ``page_size`` tokens (keys have outlier channels; int4 per token
-      loses 6.9% perplexity on SmolLM2 where this loses 0.35%, issue 17), a scale and a zero per channel and page
-      in 3 bytes (``QuantFormat.compact_params``: the float32 math's grid to within 1/10 of a step).
+    - ``key_bits=4``: per channel over the page's ``page_size`` tokens (keys have outlier channels, which int4 per
+      token loses; docs/caches.md), a scale and a zero per channel and page in 3 bytes
+      (``QuantFormat.compact_params``: the float32 math's grid to within 1/10 of a step).
 
     Scales (and float zeros) are stored in ``scale_dtype``, by default ``dtype``.
     """

@@ -24,8 +24,8 @@ mantissa bits (a float16's exponent and top 7 mantissa bits, relative error <= 2
 group's minimum rounded to nearest 1/16 of that scale (``|z| <= 2047``; a minimum beyond 2047 / 16 steps widens the
 scale to ``|minimum| * 16 / 2047``). The minimum then gets code 0 and the maximum code ``max_code``, each within
 1/10 of a step, as the float32 math ``min + round((x - min) / scale) * scale`` has them (a zero "in whole scale
-steps", or one rounded down with a scale rounded up, moves the grid off the group's ends: on SmolLM2's keys, whose
-16-token groups have both ends among their 16 values, that cost 31% more squared error than the math). Stored:
+steps", or one rounded down with a scale rounded up, would move the grid off the group's ends, where its
+minimum and maximum lie). Stored:
 an int16 ``scale`` word (bits 15..4: the scale's float16 bits 14..3; bits 3..0: the low 4 bits of ``z``) and an int8
 ``zero`` (``z >> 4``). For finite inputs with ``|x| <= 32752``, ``|x - stored| <= scale / 2 + 2**-14`` (the
 absolute term: scales below float16's normal range); a constant group of 0 stores scale 0 and is exact.
@@ -211,8 +211,8 @@ def compact_scale_and_steps_from_bytes(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``compact_scale_and_steps`` of words given as their bytes, ``[..., 2 * n]`` uint8 (little-endian: a word's low
     byte first) with zeros ``[..., n]``: bitwise the same scale (as float32) and steps, computed in int32 with no
-    float16 bit-cast. A compiled decode gathers the words so: inductor's CPU code vectorizes no gathered int16 load,
-    and decoded the keys in a scalar loop, 6x slower."""
+    float16 bit-cast. A compiled decode gathers the words so because inductor's CPU code vectorizes no gathered int16
+    load."""
     bits = word_bytes[..., 0::2].int() | (word_bytes[..., 1::2].int() << 8)  # the words' 16 bits, [..., n]
     half = (bits >> 1) & 0x7FF8  # the scale's float16 bits: sign 0, exponent at most 30 (COMPACT_SCALE_MAX_BITS)
     # A normal float16's float32 bits: the exponent rebased (+112) above the mantissa, both moved up 13 bits; a
