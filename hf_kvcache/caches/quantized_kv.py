@@ -102,9 +102,8 @@ class QuantizedKVCache(PoolCache):
         residual_length: newest tokens whose values attention gets in full precision.
         sink_tokens: first tokens of a row whose keys and values attention gets in full precision.
         pool / page_size / max_tokens / admission_check / prefix_caching / prefix_namespace / dtype / device /
-            placement: as for
-            ``PagedCache`` (a given pool must be built with ``KVPool.for_model(..., **REGISTRY["quantized_kv"]
-            .pool_kwargs(model.config, model.dtype, cache_config))``).
+            placement: as for ``PagedCache`` (a given pool must be built with
+            ``KVPool.for_model(..., **REGISTRY["quantized_kv"].pool_kwargs(model.config, model.dtype, cache_config))``).
     """
 
     options_class = QuantizedKVOptions

@@ -10,9 +10,8 @@ out as the storage's slots, the visited pages only (``values_in_place``). The ne
 tokens are served in full precision from ``ResidualValues`` instead of their codes; where that window holds at least
 a page (and the rows keep every page), the codes are written a page at a time, when the page fills
 (``write_value_pages``: one quantization per page instead of one per token; attention reads the tokens of the page
-still filling from the window). With a format that sets
-``key_bits``, keys are stored as codes a page at a time (``hf_kvcache.layers.keys``): the rows write and read them
-through ``SlotStore.keys``.
+still filling from the window). With a format that sets ``key_bits``, keys are stored as codes a page at a time
+(``hf_kvcache.layers.keys``): the rows write and read them through ``SlotStore.keys``.
 """
 
 import math
@@ -135,7 +134,7 @@ class SlotStore:
     def code_value_pages(self, storage: PoolStorage, index: torch.Tensor, first: int, last: int) -> None:
         """By page, after the last layer of a decode step that ``defers_value_pages``: the codes of tokens ``[first,
         last)`` of every layer of the layer group, from the residual windows, stored into their slots ``index
-        [batch, heads, n]`` at once (a quantization per layer made the step dispatch about 47 ops a layer). Inside
+        [batch, heads, n]`` at once (one quantization for all layers keeps the step's op count low). Inside
         ``KVPool.held()``, like ``write``."""
         layers, values = self.residual.take_all(first, last)  # [layers, batch, heads, n, head_dim]
         codes, scale, zero = quantize(values, self.quant)
@@ -322,10 +321,9 @@ class SlotStore:
 
         Only the pages of ``extents`` (what the step's mask visits) are dequantized, into a buffer shaped as the
         storage's first ``num_pages`` pages that the layers of the layer group reuse (pages outside them are never
-        read); the residual window's
-        tokens are then written over their slots in full precision. Extents in at most ``MAX_RUNS`` runs of
-        consecutive ids (a fresh pool's rows) are dequantized straight from their codes' slices into their slots';
-        others are gathered, dequantized and scattered (two more passes over the values).
+        read); the residual window's tokens are then written over their slots in full precision. Extents in at most
+        ``MAX_RUNS`` runs of consecutive ids (a fresh pool's rows) are dequantized straight from their codes' slices
+        into their slots'; others are gathered, dequantized and scattered (two more passes over the values).
 
         Args:
             extents: ``[visited]`` extent ids, ascending.
