@@ -12,22 +12,14 @@ feeds. A ``PrefixTracker`` keeps them (``[rows, tokens]``, CPU) with each row's 
   rest when the cache is released), so that concurrent requests find each other's pages while they run.
 
 What a page holds must not depend on how the tokens before it were split into forward passes, so a tracker only
-publishes pages a plain prefill would compute alike (up to float rounding) and refuses what it cannot make exact:
+publishes pages a plain prefill would compute alike (up to float rounding) and refuses what it cannot make exact
+(docs/prefix-caching.md lists each case): rows with padding or custom position ids, inputs other than token ids,
+4-D attention masks, offloaded weights; caches that store codes (a plain prefill reads the prompt's own keys and
+values exact, a reused prompt would read codes); rings whose sinks are not whole pages, or whose window is imposed
+on full-attention layers under an attention other than ``hf_kvcache``. Other rings are rebuilt from their sink
+pages and the last ``ring_pages - 1`` token pages of the prefix (all their window sees), published while the ring
+held them.
 
-- rows with padding or custom position ids, and calls with inputs other than token ids (embeddings, images) take
-  no part; a batch with such a row reuses nothing (its other rows still publish);
-- layer groups that are rings (sliding layers of hybrid models, ``sliding_ring``'s windows) keep their state
-  exact: a ring's page holds one whole token page when ``sink_tokens`` is a multiple of ``page_size`` (the model's
-  sliding layers have no sinks), so a ring is rebuilt from its sink pages and the last ``ring_pages - 1`` token
-  pages (all its window sees) of the prefix, published while the ring held them. A ring with other sinks is
-  refused, and so is a window the ring imposes on full-attention layers under an attention other than
-  ``hf_kvcache`` (there a prompt past the window attends in full, so its pages depend on the split);
-
-Caches that store keys or values as codes (``quantized_values``, ``quantized_kv``) are refused: a plain prefill
-reads the prompt's own keys and values exact (``SlotStore.read``), where a reused prompt would read its pages as
-codes, so its logits would differ from a fresh run's; such a cache prefills every prompt.
-
-A call with a 4-D attention mask, or on a model whose weights are offloaded (on the meta device), takes no part.
 The index is keyed on what computes the keys and values (``model_fingerprint``, recomputed at every call: the
 model's class, config, dtype, adapters and a sample of its weights and buffers), the cache's ``prefix_namespace``,
 its attention semantics (each layer group's window, sinks and whether the model's mask applies it) and the page
