@@ -38,9 +38,8 @@ def pool_stats(
     place their pages in extents but never hold one ahead. ``tokens_held`` counts the slots holding a token, not a
     row's padding (left-padded rows of growing layers hold their padding's slots); ``utilization`` is the bytes of the
     tokens held divided by the bytes of the pages caches hold (1.0 when every held page is full of tokens; shared
-    pages count once).
-    ``live_tables`` counts the page tables of caches not yet garbage collected (0 again once every cache is
-    gone). The prefix index's counts are in rows (one prompt each): ``prefix_lookups`` rows looked up,
+    pages count once). ``live_tables`` counts the page tables of caches not yet garbage collected (0 again once
+    every cache is gone). The prefix index's counts are in rows (one prompt each): ``prefix_lookups`` rows looked up,
     ``prefix_hits`` rows that reused at least a page, ``prefix_tokens_reused`` prompt tokens not prefilled,
     ``prefix_hit_rate`` the share of looked-up prompt tokens that were reused.
     """
