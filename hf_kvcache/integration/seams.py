@@ -20,6 +20,7 @@ all four back exactly as they were.
 """
 
 import functools
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,7 @@ from packaging.version import Version
 from transformers import AttentionInterface, AttentionMaskInterface, Cache
 from transformers import __version__ as transformers_version
 
+from hf_kvcache.attention import flex
 from hf_kvcache.attention.interface import ATTENTION_NAME, banded_sdpa_attention, model_attention_mask
 from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.errors import IncompatibleModelError
@@ -134,16 +136,20 @@ def check_request(
     model_kwargs: dict[str, Any],
     batch_size: int,
     max_cache_length: int,
+    generation_mode: str | None = None,
 ) -> None:
     """Checks a request on one of our caches before ``generate`` runs any forward pass.
 
     Rejects an empty prompt (the model itself would fail on it with an obscure reshape error) and, unless the
     cache's ``admission_check`` option is off, a request whose worst case does not fit its pool; tells the cache how
-    long its rows will grow (``PoolCache.plan``).
+    long its rows will grow (``PoolCache.plan``); decides whether ``generate`` compiles the request's steps: where
+    its own rule says so and every compiled step feeds one token (``several_tokens_a_step`` tells the requests whose
+    steps feed more, which run eager: the cache is then not compileable for them).
 
     Args:
         batch_size: prompts in the request; each runs ``max(num_beams, num_return_sequences)`` rows.
         max_cache_length: tokens a row may hold at most (``max_length - 1``, as transformers sizes static caches).
+        generation_mode: ``generate``'s decoding method (a ``GenerationMode``, which is a ``str``).
 
     Raises:
         ValueError: the prompt has no tokens.
@@ -160,6 +166,10 @@ def check_request(
     compiles = getattr(model, "_valid_auto_compile_criteria", None)  # generate's own rule (StaticCache's)
     cache.runs_eager = False
     compiled = compiles is not None and compiles(model_kwargs | {"cache": cache}, generation_config)
+    why_eager = several_tokens_a_step(generation_config, generation_mode) if compiled else None
+    if why_eager is not None:  # a step of several tokens is not planned: the request runs eager
+        flex.log_once(f"compiled:{why_eager[0]}", logging.WARNING, why_eager[1])
+        compiled = False
     compiled = compiled and cache.fix_pool_storage()  # a default pool that moves when it grows takes fixed storage
     # A cache that says it is compileable gets a materialized mask at every step, even eager (transformers skips
     # it only for caches that are not): once generate's rule said no, it says no.
@@ -171,6 +181,28 @@ def check_request(
         cache.check_admission(num_rows, max_cache_length, model.device, model.dtype)
 
 
+def several_tokens_a_step(generation_config: Any, generation_mode: str | None) -> tuple[str, str] | None:
+    """Why ``generate`` would run steps of several tokens through the compiled forward of a request: a key to say it
+    once by and the message; ``None`` where every compiled step feeds one token (a decode step).
+
+    ``generate`` picks the compiled forward once for a loop of steps: chunked prefill runs every chunk through it, and
+    assisted decoding (prompt lookup, an assistant model) every step after the prompt, each feeding the candidate
+    tokens. Only one-token steps are planned, so these requests run eager.
+    """
+    if generation_config.prefill_chunk_size is not None:
+        return "prefill_chunk_size", (
+            "Compiled decoding is off for requests with prefill_chunk_size: generate runs each chunk, several tokens, "
+            "through the compiled forward, and only one-token steps are planned, so such a request runs eager (leave "
+            "prefill_chunk_size unset to compile its decode steps)."
+        )
+    if generation_mode == "assisted_generation":
+        return "assisted", (
+            "Compiled decoding is off for prompt lookup and assisted decoding: every step after the prompt feeds the "
+            "candidate tokens, several a step, and only one-token steps are planned, so such a request runs eager."
+        )
+    return None
+
+
 def _prepare_cache_for_generation(
     self, generation_config, model_kwargs, generation_mode, batch_size: int, max_cache_length: int
 ):
@@ -178,7 +210,8 @@ def _prepare_cache_for_generation(
     if name not in REGISTRY:
         result = _original_prepare(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
         if isinstance(model_kwargs.get("cache"), PoolCache):  # one of our caches, passed as `cache=`
-            check_request(self, model_kwargs["cache"], generation_config, model_kwargs, batch_size, max_cache_length)
+            cache = model_kwargs["cache"]
+            check_request(self, cache, generation_config, model_kwargs, batch_size, max_cache_length, generation_mode)
         return result
     if model_kwargs.get("cache") is not None:
         raise ValueError(
@@ -187,7 +220,7 @@ def _prepare_cache_for_generation(
     if generation_config.use_cache is False:
         return None
     cache = build_cache(name, self, generation_config.cache_config)
-    check_request(self, cache, generation_config, model_kwargs, batch_size, max_cache_length)
+    check_request(self, cache, generation_config, model_kwargs, batch_size, max_cache_length, generation_mode)
     model_kwargs["cache"] = cache
     return None
 
