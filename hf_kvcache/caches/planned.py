@@ -27,7 +27,9 @@ class PlannedDecoding(Cache):
         an exact sink) on one device, so a decode step can be planned before the forward pass (``plan_decode``) and
         run as tensor operations only."""
         binder = self._binder
-        if self.runs_eager:  # generate's rule said no for this request: masks may then be skipped as Dynamic's
+        # generate's rule said no for this request, or its steps feed several tokens (seams.check_request): masks
+        # may then be skipped as Dynamic's
+        if self.runs_eager:
             return False
         if binder.placement.process_group is not None or len({at for at in binder.layer_group_devices if at}) > 1:
             return False

@@ -9,7 +9,8 @@ The only module that changes transformers, through exactly three seams (plus one
    save and load.
 2. ``GenerationMixin._prepare_cache_for_generation``: wrapped so that our names build our cache;
    every other name goes to the original method untouched. It runs before any forward pass, so the
-   wrapper also checks requests on our caches there (``check_request``: empty prompts, ``admission_check``).
+   wrapper also checks requests on our caches there (``check_request``: empty prompts, ``admission_check``,
+   whether the request's steps compile).
 3. ``GenerationMixin.prepare_inputs_for_generation``: wrapped so that one of our caches that reuses prompts
    (``PoolCache.prefix``) sees the token ids: before the first forward pass it attaches the prompt's cached prefix
    and ``generate`` feeds only the rest; before every forward pass it records the ids fed, to publish full pages.
