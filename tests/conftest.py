@@ -12,7 +12,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 from collections.abc import Callable
 
 import pytest
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+import torch._dynamo
+from transformers import CompileConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_kvcache import KVPool
 from hf_kvcache.bundled import load_bundled_model
@@ -29,6 +30,26 @@ def fresh_default_pools():
     KVPool.drop_defaults()
     yield
     KVPool.drop_defaults()
+
+
+@pytest.fixture(scope="module")
+def compile_config() -> CompileConfig:
+    """What generate compiles with on a CPU: the whole forward pass as one graph, on every device (transformers
+    compiles only on CUDA unasked)."""
+    config = CompileConfig(mode="default", fullgraph=True)
+    config._compile_all_devices = True  # a class attribute in transformers 5.24, not a constructor argument
+    return config
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's compiled code and counters reset before and after the test; recompiles allowed again after it.
+    Modules that count graphs use it for every test (``pytestmark = pytest.mark.usefixtures("fresh_dynamo")``)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.config.error_on_recompile = False
+    torch._dynamo.reset()
 
 
 @pytest.fixture(scope="session")

@@ -62,9 +62,12 @@ def test_allocator_random_operations_keep_integrity(ops):
 def test_allocator_errors_name_the_numbers():
     allocator = PageAllocator(4)
     allocator.allocate(2)
-    with pytest.raises(PoolExhaustedError, match="needs 5 pages but only 1 of 3 are free") as error:
+    with pytest.raises(PoolExhaustedError, match="needs 2 pages but only 1 of 3 are free now") as error:
+        allocator.allocate(2)
+    assert (error.value.requested_pages, error.value.free_pages, error.value.total_pages) == (2, 1, 3)
+    assert not error.value.exceeds_pool
+    with pytest.raises(PoolExhaustedError, match=r"needs 5 pages, more than the pool's 3 pages in all \(1 free now\)"):
         allocator.allocate(5)
-    assert (error.value.requested_pages, error.value.free_pages, error.value.total_pages) == (5, 1, 3)
     with pytest.raises(ValueError, match="not allocated"):
         allocator.free([1])  # single pages come from the top: 2 and 3 are held
     with pytest.raises(ValueError, match="num_pages must be >= 2"):

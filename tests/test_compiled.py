@@ -20,21 +20,7 @@ from hf_kvcache.layers.plan import capacity_bucket
 from hf_kvcache.testing import random_padded_batch, tiny_gemma3, tiny_llama, tiny_mistral
 from tests.helpers import random_ids
 
-
-@pytest.fixture(scope="module")
-def compile_config() -> CompileConfig:
-    config = CompileConfig(mode="default", fullgraph=True)
-    config._compile_all_devices = True  # a class attribute in transformers 5.24, not a constructor argument
-    return config
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    yield
-    torch._dynamo.config.error_on_recompile = False
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def graphs() -> int:

@@ -17,6 +17,8 @@ from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.testing import tiny_llama, tiny_mistral
 from tests.helpers import random_ids
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 CACHES = ["paged_pool", "sliding_ring", "quantized_values", "quantized_kv"]
 CHUNK_SIZE = 5  # a prompt of 13 tokens feeds chunks of 5, 5 and 3: two chunk sizes
 
@@ -35,14 +37,6 @@ def models() -> dict:
     for model in built.values():
         model.generation_config.eos_token_id = None
     return built
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def graphs() -> int:

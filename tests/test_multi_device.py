@@ -132,8 +132,8 @@ def test_tensor_parallel_default_pools_agree_on_the_smallest_budget(tensor_paral
 @pytest.mark.torchrun
 @pytest.mark.parametrize("model_name", list(TP_MODELS))
 def test_tensor_parallel_exhaustion_fails_on_every_rank_at_the_same_step(tensor_parallel_run, model_name):
-    """A pool too small for the request (each registered cache), the admission check, and pools of different sizes
-    on the two ranks (rank 1's runs out first): both ranks raise PoolExhaustedError at the same step."""
+    """A pool too small for the request (each registered cache, admission off), the admission check, and pools of
+    different sizes on the two ranks (rank 1's runs out first): both ranks raise PoolExhaustedError at the same step."""
     _, ranks = tensor_parallel_run
     for how in [*(f"exhausted/{name}" for name in REGISTRY), "refused", "uneven"]:
         outcomes = [rank[f"{model_name}/{how}"] for rank in ranks]

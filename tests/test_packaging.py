@@ -140,7 +140,15 @@ def test_readme_commands_install_the_extras_they_run():
     main, tests = commands
     assert "scripts/evaluate_caches.py" in main and re.search(r"\.\[[a-z,]*eval", main)
     assert "pytest" in tests and ".[dev]" in tests
-    assert tests in (ROOT / ".ci" / "run").read_text(), ".ci/run must run the README's test command"
+    # CI runs both exactly as written: .ci/readme extracts them, .ci/run runs the tests and .ci/main-job the main job
+    extracted = [
+        subprocess.run([ROOT / ".ci" / "readme", str(n)], capture_output=True, text=True, check=True).stdout.strip()
+        for n in (1, 2)
+    ]
+    assert extracted == [main, tests]
+    ci_run, main_job = (ROOT / ".ci" / "run").read_text(), (ROOT / ".ci" / "main-job").read_text()
+    assert "$(.ci/readme 2)" in ci_run and "\n.ci/main-job\n" in ci_run, ".ci/run must run both README commands"
+    assert "$(.ci/readme 1)" in main_job and "HF_KVCACHE_HOME" in main_job
 
 
 IMPORTS_WITHOUT = [

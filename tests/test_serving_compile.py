@@ -6,27 +6,12 @@ import gc
 
 import pytest
 import torch
-from transformers import CompileConfig
 
 from hf_kvcache.memory.pool import KVPool
 from hf_kvcache.testing import tiny_llama
 from tests.helpers import random_ids
 
-
-@pytest.fixture
-def compile_config() -> CompileConfig:
-    config = CompileConfig(mode="default", fullgraph=True)
-    config._compile_all_devices = True  # a class attribute in transformers 5.24, not a constructor argument
-    return config
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    yield
-    torch._dynamo.config.error_on_recompile = False
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 @pytest.mark.parametrize(
