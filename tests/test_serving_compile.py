@@ -100,6 +100,18 @@ def in_place_model(monkeypatch):
     return model
 
 
+def on_pool(model, ids, pool: KVPool, compile_config=None):
+    """Twelve greedy tokens through ``paged_pool`` on ``pool`` (compiled with ``compile_config``, if given)."""
+    return model.generate(
+        ids,
+        do_sample=False,
+        max_new_tokens=12,
+        cache_implementation="paged_pool",
+        cache_config={"pool": pool},
+        compile_config=compile_config,
+    )
+
+
 def graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
@@ -123,14 +135,7 @@ def test_after_warmup_requests_on_a_busy_pool_compile_nothing(compile_config, in
         others = pool.allocate(pool.stats()["pages_free"]) if held else []
         pool.free([page for page in others if page >= held])
         others = [page for page in others if page < held]
-        out = model.generate(
-            ids,
-            do_sample=False,
-            max_new_tokens=12,
-            cache_implementation="paged_pool",
-            cache_config={"pool": pool},
-            compile_config=config,
-        )
+        out = on_pool(model, ids, pool, compile_config=config)
         pool.free(others)
         assert torch.equal(out, reference)
     assert (len(flex.compile_seconds()), graphs()) == (kernels, compiled_graphs)
@@ -209,13 +214,7 @@ def test_serving_from_threads_after_warmup_compiles_nothing(in_place_model):
                     out = model.generate(short, do_sample=False, max_new_tokens=3)
                 else:
                     held = pool.extend(None, 136) if round_idx % 2 else []  # other requests' pages, the lowest free
-                    out = model.generate(
-                        ids,
-                        do_sample=False,
-                        max_new_tokens=12,
-                        cache_implementation="paged_pool",
-                        cache_config={"pool": pool},
-                    )
+                    out = on_pool(model, ids, pool)
                     pool.free(held)
                 assert torch.equal(out, expected[batch])
             except Exception as error:  # noqa: BLE001  (any failure of a request counts)
