@@ -2,13 +2,16 @@
 
 The models are random-init, deterministic (seeded) and small enough for unit tests:
 ``vocab_size=128``, ``hidden_size=64``, 4 attention heads over 2 KV heads, ``head_dim=16``. Building one needs
-only torch and transformers (nothing is downloaded).
+only torch and transformers (nothing is downloaded). Besides Llama, Mistral and Gemma 3, ``tiny_hybrid`` builds
+hybrid models whose layers alternate linear attention or convolution with full attention.
 """
 
 from typing import Any
 
 import torch
 from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
@@ -88,6 +91,43 @@ def tiny_gemma3(sliding_window: int = 8, seed: int = 0, **overrides: Any) -> Gem
         "query_pre_attn_scalar": _TINY_SIZES["head_dim"],
     }
     return _build_tiny(Gemma3ForCausalLM, Gemma3TextConfig, seed, {**settings, **overrides})
+
+
+HYBRIDS = {
+    # Qwen3.5: Gated DeltaNet linear attention (a convolution and a recurrent state per layer) beside full attention
+    "qwen3_5_text": {
+        "layer_types": ["linear_attention", "full_attention"] * 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+    },
+    # LFM2: short convolutions beside full attention; a larger init spreads its logits (with the default, greedy
+    # repeats one token)
+    "lfm2": {"layer_types": ["conv", "full_attention"] * 2, "block_ff_dim": 128, "initializer_range": 0.2},
+}
+"""The hybrid models ``tiny_hybrid`` builds: their ``model_type`` and the settings beside the tiny sizes."""
+
+
+def tiny_hybrid(model_type: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
+    """Builds a random-init 4-layer hybrid model of ``HYBRIDS``: layers of linear attention (``qwen3_5_text``) or
+    convolution (``lfm2``), each followed by a full-attention layer.
+
+    Args:
+        model_type: a key of ``HYBRIDS``.
+        seed: Seed for ``torch.manual_seed`` before the weights are initialized.
+        **overrides: config fields that replace the tiny defaults.
+
+    Returns:
+        An fp32 model in eval mode using SDPA attention.
+    """
+    settings = {**_TINY_SIZES, "num_hidden_layers": 4, **HYBRIDS[model_type], **overrides}
+    config = AutoConfig.for_model(model_type, **settings)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(torch.float32).eval()
+    model.generation_config.pad_token_id = config.pad_token_id
+    model.generation_config.eos_token_id = config.eos_token_id
+    return model
 
 
 def random_padded_batch(

@@ -40,6 +40,7 @@ INSIDE = {
         "prefix",
         "binder",
         "planned",
+        "state_layers",
         "base",
         "entry",
         "paged",

@@ -1,7 +1,8 @@
 """Plumbing shared by our caches: finding the pool, row changes, returning pages.
 
-A cache is a thin ``transformers.Cache`` whose layers draw pages from one pool per device.
-Subclasses state only which layer kind each model layer gets (``_make_layer``).
+A cache is a thin ``transformers.Cache`` whose attention layers draw pages from one pool per device; its other
+layers (linear attention, convolution state, ...) are transformers' own (``StateLayers``). Subclasses state only
+which layer kind each attention layer gets (``_make_layer``).
 """
 
 import dataclasses
@@ -18,14 +19,15 @@ from hf_kvcache.caches.options import CacheOptions
 from hf_kvcache.caches.planned import PlannedDecoding
 from hf_kvcache.caches.policy import RowPolicy
 from hf_kvcache.caches.prefix import PrefixTracker
+from hf_kvcache.caches.state_layers import StateLayers
 from hf_kvcache.errors import IncompatibleModelError, PoolExhaustedError
 from hf_kvcache.layers import GATHER, IN_PLACE, RUN, PagedLayer, RingLayer
-from hf_kvcache.memory.format import PageFormat, layer_groups
+from hf_kvcache.memory.format import PAGED_LAYER_TYPES, PageFormat, layer_groups, no_paged_layers
 from hf_kvcache.memory.placement import Placement, agree, normalize_device
 from hf_kvcache.memory.pool import KVPool
 from hf_kvcache.transformers_internals import DummyLayer, layer_types_and_kwargs
 
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+ATTENTION_LAYER_TYPES = PAGED_LAYER_TYPES
 logger = logging.getLogger("hf_kvcache")
 
 
@@ -40,9 +42,11 @@ def _log_unchecked_admission() -> None:
 class PoolCache(PlannedDecoding):
     """A ``transformers.Cache`` whose layers live in pool pages.
 
-    The model's layers are split into layer groups of one attention type (``config.layer_groups``); each
+    The model's attention layers are split into layer groups of one attention type (``config.layer_groups``); each
     layer group has its own page table, and a subclass says which tokens each one keeps
-    (``_row_policy``): every token, or a ring of the last ``window``.
+    (``_row_policy``): every token, or a ring of the last ``window``. Layers of other types (a hybrid model's linear
+    attention or convolution layers) keep the layer objects transformers' ``DynamicCache`` makes for them, outside
+    the pool (``StateLayers``); a model with no attention layer to page is refused.
 
     On a model split over devices (``placement.layer_devices``), the layers of each device make their own layer
     groups, which draw from a pool on that device cut for them only.
@@ -67,14 +71,11 @@ class PoolCache(PlannedDecoding):
     ) -> None:
         config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = layer_types_and_kwargs(config)
-        unsupported = sorted({kind for kind in layer_types if kind not in (*ATTENTION_LAYER_TYPES, "dummy")})
-        if unsupported:
-            raise IncompatibleModelError(
-                f"{type(config).__name__} has layers of type {unsupported}; hf_kvcache caches serve attention layers "
-                "only. Serve it with transformers' own caches (leave cache_implementation unset)."
-            )
         self.options = options
         groups = layer_groups(layer_types)
+        if not groups:
+            raise IncompatibleModelError(no_paged_layers(config, layer_types))
+        self._state_layers = StateLayers(config, layer_types)
         page_format = PageFormat.from_model_config(config, torch.float32)
         if (page_format.num_layers, page_format.num_layer_groups) != (len(groups[0]), len(groups)):
             raise IncompatibleModelError(
@@ -95,6 +96,7 @@ class PoolCache(PlannedDecoding):
             bind = functools.partial(self._binder.rows_for, layer_group_idx)
             for layer_in_group, layer_idx in enumerate(members):
                 layers[layer_idx] = self._make_layer(layer_idx, layer_in_group, bind, policies[layer_group_idx])
+        self._state_layers.place(layers)
         super().__init__(layers=layers)
         self.compiled_decoding = False  # generate compiles the decode steps: plan them (hf_kvcache.integration.seams)
         self.runs_eager = False  # generate will not compile this request (then is_compileable says False)
@@ -267,11 +269,13 @@ class PoolCache(PlannedDecoding):
             rows.set_plan(num_tokens, pad_lengths)
 
     def memory_stats(self) -> dict[str, int]:
-        """Pages this cache holds (shared pages once), the KV bytes it holds, and the tokens per row.
+        """Pages this cache holds (shared pages once), the bytes it holds, and the tokens per row.
 
-        ``bytes_held`` counts the pages plus ``residual_bytes``, the full-precision values of the newest
-        ``residual_length`` tokens a quantized cache keeps outside the pool. ``pages_unfilled``: pages held that no
-        token has been written to yet (a ring's planned pages before its tokens reach them).
+        ``bytes_held`` counts the pages plus what the cache holds outside the pool: ``residual_bytes``, the
+        full-precision values of the newest ``residual_length`` tokens a quantized cache keeps, and ``state_bytes``,
+        the states transformers' own layers of a hybrid model hold (``StateLayers``: linear attention's recurrent and
+        convolution states, ...). ``pages_unfilled``: pages held that no token has been written to yet (a ring's
+        planned pages before its tokens reach them).
         """
         pages = self._held_pages()
         unfilled = sum(
@@ -280,11 +284,13 @@ class PoolCache(PlannedDecoding):
         page_bytes = {device: pool.format.page_bytes for device, pool in self._binder.pools.items()}
         num_rows = max((rows.table.num_rows for rows in self._binder.rows.values()), default=0)
         residual_bytes = sum(rows.store.residual_bytes for rows in self._binder.rows.values())
+        state_bytes = self._state_layers.state_bytes()
         return {
             "pages_held": len(pages),
             "pages_unfilled": unfilled,
-            "bytes_held": sum(page_bytes[device] for device, _ in pages) + residual_bytes,
+            "bytes_held": sum(page_bytes[device] for device, _ in pages) + residual_bytes + state_bytes,
             "residual_bytes": residual_bytes,
+            "state_bytes": state_bytes,
             "num_rows": num_rows,
             "tokens_per_row": self.get_seq_length(),
         }
@@ -305,8 +311,23 @@ class PoolCache(PlannedDecoding):
         bound = self._binder.rows.items()
         return {(device, page) for (device, _), rows in bound for row in rows.table.rows for page in row}
 
-    def _row_layers(self):
-        return [layer for layer in self.layers if not isinstance(layer, DummyLayer)]
+    def _row_layers(self) -> list[PagedLayer]:
+        """The layers on the pool (not transformers' own, not ``DummyLayer``)."""
+        return [layer for layer in self.layers if isinstance(layer, PagedLayer)]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens each row holds: layer ``layer_idx``'s count, or the first layer on the pool's where that one is
+        transformers' own (a linear-attention layer counts in a tensor) or holds nothing (``DummyLayer``)."""
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+        if not isinstance(layer, PagedLayer):
+            layer = next(iter(self._row_layers()), None)
+        return 0 if layer is None else layer.get_seq_length()
+
+    @property
+    def is_compileable(self) -> bool:
+        """``PlannedDecoding.is_compileable``, and transformers' own layers say so too (a linear-attention layer's
+        states keep static addresses, updated in place, unless it records its past)."""
+        return super().is_compileable and self._state_layers.is_compileable
 
     # ----- prompt reuse (hf_kvcache.caches.prefix; driven by hf_kvcache.integration.seams) ---------
 
@@ -340,7 +361,7 @@ class PoolCache(PlannedDecoding):
         for device in self._binder.placement.devices_for(model.device)[:1]:  # the first layer's
             self._binder.bind(device, model.dtype)
         tracker = self._binder.prefix
-        if tracker is None or not tracker.begin_call(model, input_ids, inputs):
+        if tracker is None or not tracker.begin_call(model, input_ids, inputs, self._state_layers.refusal()):
             return next_sequence_length
         if next_sequence_length is None or self.get_seq_length():
             return next_sequence_length
@@ -363,6 +384,7 @@ class PoolCache(PlannedDecoding):
                 rows.select_rows(indices)
         if self._binder.prefix is not None:
             self._binder.prefix.select_rows(indices)
+        self._state_layers.select_rows(indices)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row ``i`` becomes old row ``beam_idx[i]``; pages are shared, not copied."""
@@ -380,15 +402,26 @@ class PoolCache(PlannedDecoding):
         self._select_rows(indices.flatten().tolist())
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Removes the last ``-tokens_to_remove`` tokens (``tokens_to_remove <= 0``), returning emptied pages."""
+        """Removes the last ``-tokens_to_remove`` tokens (``tokens_to_remove <= 0``), returning emptied pages.
+
+        transformers' own layers are cropped as transformers crops them: a recurrent state only where it records
+        its past (``activate_past_recording``); ``crop(0)`` shrinks recorded states back to their working size.
+
+        Raises:
+            ValueError: ``tokens_to_remove > 0``, or a ring or a recurrent state cannot give back what the crop needs
+                (nothing is cropped then).
+        """
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}.")
+        self._state_layers.check_crop(tokens_to_remove)
         if tokens_to_remove == 0:
+            self._state_layers.crop(0)
             return
         self.end_planning()
         keep = max(0, self.get_seq_length() + tokens_to_remove)
         for rows in self._binder.rows.values():
             rows.check_crop(keep)  # all or nothing: a ring may not hold what the crop needs
+        self._state_layers.crop(tokens_to_remove)
         for rows in self._binder.rows.values():
             rows.crop(keep)
         if self._binder.prefix is not None:
@@ -401,8 +434,10 @@ class PoolCache(PlannedDecoding):
         self.release()
 
     def release(self) -> None:
-        """Returns every page to the pool; the cache is empty afterwards."""
+        """Returns every page to the pool and drops the states of transformers' own layers; the cache is empty
+        afterwards."""
         self.end_planning()
         self._binder.release()
+        self._state_layers.release(self.layers)
         for layer in self._row_layers():
             layer.num_tokens = 0

@@ -14,11 +14,12 @@ feeds. A ``PrefixTracker`` keeps them (``[rows, tokens]``, CPU) with each row's 
 What a page holds must not depend on how the tokens before it were split into forward passes, so a tracker only
 publishes pages a plain prefill would compute alike (up to float rounding) and refuses what it cannot make exact
 (docs/prefix-caching.md lists each case): rows with padding or custom position ids, inputs other than token ids,
-4-D attention masks, offloaded weights; caches that store codes (a plain prefill reads the prompt's own keys and
-values exact, a reused prompt would read codes); rings whose sinks are not whole pages, or whose window is imposed
-on full-attention layers under an attention other than ``hf_kvcache``. Other rings are rebuilt from their sink
-pages and the last ``ring_pages - 1`` token pages of the prefix (all their window sees), published while the ring
-held them.
+4-D attention masks, offloaded weights; caches with layers whose state lives outside the pool (a hybrid model's
+linear attention or convolution layers: ``StateLayers.refusal``); caches that store codes (a plain prefill reads
+the prompt's own keys and values exact, a reused prompt would read codes); rings whose sinks are not whole pages,
+or whose window is imposed on full-attention layers under an attention other than ``hf_kvcache``. Other rings are
+rebuilt from their sink pages and the last ``ring_pages - 1`` token pages of the prefix (all their window sees),
+published while the ring held them.
 
 The index is keyed on what computes the keys and values (``model_fingerprint``, recomputed at every call: the
 model's class, config, dtype, adapters and a sample of its weights and buffers), the cache's ``prefix_namespace``,
@@ -135,14 +136,17 @@ class PrefixTracker:
 
     # ----- a generate call --------------------------------------------------------------------
 
-    def begin_call(self, model: torch.nn.Module, input_ids: torch.Tensor, inputs: dict[str, Any]) -> bool:
+    def begin_call(
+        self, model: torch.nn.Module, input_ids: torch.Tensor, inputs: dict[str, Any], refusal: str | None = None
+    ) -> bool:
         """Checks a call's first inputs; False (and nothing published from now on) if it cannot take part.
 
         Args:
             input_ids: ``[rows, length]`` every token of the call's sequences so far (the prompt).
             inputs: the other ``prepare_inputs_for_generation`` arguments.
+            refusal: the cache's own reason not to take part (its layers hold state outside the pool), if any.
         """
-        reason = self._refusal(model, inputs)
+        reason = refusal or self._refusal(model, inputs)
         root = None
         if reason is None:
             try:

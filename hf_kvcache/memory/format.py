@@ -28,6 +28,12 @@ def check_page_size(page_size: int) -> int:
     return page_size
 
 
+PAGED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+"""Layer types whose keys and values live in pool pages. Layers of other types (linear attention, convolution and
+state-space states, indexer keys, layers that carry both a state and keys) hold no pages: the caches keep
+transformers' own cache layers for them, outside the pool."""
+
+
 def layer_types(config: Any) -> list[str]:
     """The attention type of each layer of a (decoder) config: ``full_attention``, ``sliding_attention``, ...
 
@@ -49,17 +55,28 @@ def layer_types(config: Any) -> list[str]:
 
 
 def layer_groups(types: list[str]) -> list[list[int]]:
-    """Splits the cached layers into equal *layer groups* of one attention type each (``dummy`` layers left out).
+    """Splits the paged layers into equal *layer groups* of one attention type each (layers of a type not in
+    ``PAGED_LAYER_TYPES``, ``dummy`` ones included, left out).
 
     A page spans the layers of one layer group, and each layer group has its own page table, so layers
     that keep different tokens (a full layer keeps all, a sliding layer only its window) never share a
     page. The layer group size is the greatest common divisor of the layer counts of each type: a model of
     one type is one layer group of all its layers; Gemma 3 (25 sliding + 5 full layers) is 6 groups of 5.
     """
-    kinds = [kind for kind in dict.fromkeys(types) if kind != "dummy"]
+    kinds = [kind for kind in dict.fromkeys(types) if kind in PAGED_LAYER_TYPES]
     members = {kind: [idx for idx, other in enumerate(types) if other == kind] for kind in kinds}
     size = math.gcd(*(len(layers) for layers in members.values()))
     return [layers[i : i + size] for layers in members.values() for i in range(0, len(layers), size)]
+
+
+def no_paged_layers(config: Any, types: list[str]) -> str:
+    """Why a model none of whose layers is paged (a pure state-space model such as Mamba) is refused."""
+    kinds = sorted(set(types) - {"dummy"})
+    return (
+        f"{type(config).__name__} has layers of type {kinds} and none of {list(PAGED_LAYER_TYPES)}: hf_kvcache caches "
+        "page attention layers only, and this model has none to page. Serve it with transformers' own caches "
+        "(DynamicCache, or the model's own cache: leave cache_implementation unset)."
+    )
 
 
 @dataclass(frozen=True)
@@ -185,6 +202,10 @@ class PageFormat:
             )
         num_heads = getattr(config, "num_attention_heads", None)
         num_layers = getattr(config, "num_hidden_layers", None)
+        types = layer_types(config) if num_layers is not None else []
+        groups = layer_groups(types)
+        if types and not groups:
+            raise IncompatibleModelError(no_paged_layers(config, types))
         if num_heads is None or num_layers is None:
             raise IncompatibleModelError(
                 f"{type(config).__name__} has no num_attention_heads/num_hidden_layers: not an attention model. "
@@ -192,5 +213,4 @@ class PageFormat:
             )
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        groups = layer_groups(layer_types(config))
         return cls(len(groups[0]), num_kv_heads, head_dim, dtype, page_size, len(groups))

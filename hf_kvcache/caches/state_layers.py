@@ -1,0 +1,125 @@
+"""The layers of a cache that hold no attention KV we page keep transformers' own cache layers (``StateLayers``):
+linear attention's recurrent and convolution states, state-space and short-convolution states, indexer keys, layers
+that carry both a state and keys. Each is the object ``DynamicCache`` makes for its layer type (same class, same
+construction), held outside the pool; the model reads and writes it through ``Cache``'s own methods
+(``update_conv_state``, ``update_recurrent_state``, ...), which find it in ``cache.layers``.
+
+A recurrent state exists only at the end of the tokens it has seen: it moves with its rows (beams, returned
+sequences), but it cannot be cut back to a page boundary, so a cache with such layers does not reuse prompts
+(``refusal``), and it can be cropped only where transformers' layer records its past (``activate_past_recording``,
+as assisted decoding does)."""
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PreTrainedConfig
+
+from hf_kvcache.errors import IncompatibleModelError
+from hf_kvcache.memory.format import PAGED_LAYER_TYPES
+from hf_kvcache.transformers_internals import cache_layer_state
+
+
+class StateLayers:
+    """transformers' own layers of one cache, by model layer index: every layer whose type is neither paged
+    (``PAGED_LAYER_TYPES``) nor ``dummy``.
+
+    Args:
+        config: the model's decoder config.
+        layer_types: each layer's type, as transformers' caches read them (``layer_types_and_kwargs``).
+
+    Raises:
+        IncompatibleModelError: a layer type has no layer class in transformers' ``DynamicCache`` (its modeling module
+            registers it; import the model first).
+    """
+
+    def __init__(self, config: PreTrainedConfig, layer_types: list[str]) -> None:
+        self.config = config
+        self.types = {idx: kind for idx, kind in enumerate(layer_types) if kind not in (*PAGED_LAYER_TYPES, "dummy")}
+        self.layers: dict[int, Any] = self._made()
+
+    def __bool__(self) -> bool:
+        return bool(self.types)
+
+    def _made(self) -> dict[int, Any]:
+        """Fresh layers, as ``DynamicCache`` makes them."""
+        if not self.types:
+            return {}
+        try:
+            made = DynamicCache(config=self.config).layers
+        except KeyError as error:
+            raise IncompatibleModelError(
+                f"{type(self.config).__name__} has a layer of type {error} for which transformers' DynamicCache has no "
+                "cache layer: import the model (its modeling module registers the layer type) before the cache."
+            ) from error
+        return {idx: made[idx] for idx in self.types}
+
+    def place(self, cache_layers: list[Any]) -> None:
+        """Puts these layers in their places of a cache's ``layers``."""
+        for idx, layer in self.layers.items():
+            cache_layers[idx] = layer
+
+    def release(self, cache_layers: list[Any]) -> None:
+        """Drops the states and their memory: fresh layers take their places in ``cache_layers`` (a reset layer would
+        keep its tensors, whose batch size the next prompt may not share)."""
+        self.layers = self._made()
+        self.place(cache_layers)
+
+    @property
+    def is_compileable(self) -> bool:
+        """Whether every layer is (transformers' rule: a linear-attention layer keeps static addresses, updated in
+        place, unless it records its past; a layer that grows its keys is not)."""
+        return all(layer.is_compileable for layer in self.layers.values())
+
+    def refusal(self) -> str | None:
+        """Why a cache with these layers does not reuse prompts (``None``: it has none)."""
+        if not self.types:
+            return None
+        kinds = sorted(set(self.types.values()))
+        return (
+            f"layers {sorted(self.types)} ({', '.join(kinds)}) keep a recurrent or convolution state (or keys of "
+            "their own) outside the pool, which exists only at the end of the tokens it has seen, not at a page of "
+            "the prompt: a cached prefix could not restore it, so prompts are neither reused nor published."
+        )
+
+    def select_rows(self, indices: list[int]) -> None:
+        """Row ``i`` becomes old row ``indices[i]`` in every state (beams, repeats, kept rows): each layer's own
+        ``reorder_cache``, which moves all it holds (transformers' linear-attention layers have no other row change)."""
+        order = torch.tensor(indices, dtype=torch.long)
+        for layer in self.layers.values():
+            layer.reorder_cache(order)
+
+    def check_crop(self, tokens_to_remove: int) -> None:
+        """Refuses a crop a layer cannot make, before anything is cropped.
+
+        Raises:
+            ValueError: a layer keeps a recurrent state that does not record its past.
+        """
+        fixed = [idx for idx, layer in self.layers.items() if getattr(layer, "record_past", True) is False]
+        if tokens_to_remove < 0 and fixed:
+            raise ValueError(
+                f"Cannot crop {-tokens_to_remove} tokens: layers {fixed} ({self.types[fixed[0]]}) keep a recurrent "
+                "state that exists only at the end of the tokens seen. Call cache.activate_past_recording() before "
+                "the forward passes to be undone (as assisted decoding does), as transformers' own caches require."
+            )
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Crops every layer that can (``check_crop`` first); ``crop(0)`` shrinks recorded states back to their
+        working size, as in transformers."""
+        for layer in self.layers.values():
+            if getattr(layer, "record_past", True):
+                layer.crop(tokens_to_remove)
+
+    def state_bytes(self) -> int:
+        """Bytes of the tensors these layers hold (states, their recorded past, keys of their own), each once, their
+        token counters aside."""
+        seen: dict[tuple[int, int], int] = {}
+        pending = [value for layer in self.layers.values() for value in cache_layer_state(layer)]
+        while pending:
+            value = pending.pop()
+            if isinstance(value, torch.Tensor) and value.ndim:  # counters (0-d) aside
+                seen[(value.untyped_storage().data_ptr(), value.storage_offset())] = value.nbytes
+            elif isinstance(value, dict):
+                pending += value.values()
+            elif isinstance(value, list | tuple):
+                pending += value
+        return sum(seen.values())
