@@ -45,9 +45,9 @@ def prompt(batch: str) -> tuple[torch.Tensor, dict]:
 def test_only_caches_whose_steps_can_be_planned_are_compileable():
     llama, mistral = tiny_llama(), tiny_mistral()
     cache = PagedCache(llama.config)
-    assert not cache.is_compileable  # the default pool is not bound yet: whether its storage stays is not known
+    assert cache.is_compileable  # whatever pool it is bound to: a pool's storage never moves
     cache.bind_pools(llama.device, llama.dtype)
-    assert cache.is_compileable  # the CPU's default pools reserve their cap: their storage never moves
+    assert cache.is_compileable
     assert build_cache("paged_pool", llama, {}).is_compileable  # built for generate: bound
     assert build_cache("paged_pool", llama, {"max_tokens": 256}).is_compileable
     assert build_cache("paged_pool", mistral, {}).is_compileable  # its sliding layers are rings, planned too
@@ -57,10 +57,8 @@ def test_only_caches_whose_steps_can_be_planned_are_compileable():
     # Keys coded a page at a time in a ring (a sliding layer) are planned too, and so are exact sinks.
     assert build_cache("quantized_kv", mistral, dict(REGISTRY["quantized_kv"].example_config)).is_compileable
     assert build_cache("quantized_kv", llama, {"key_bits": 4, "value_bits": 4, "sink_tokens": 16}).is_compileable
-    # A pool of the user's whose storage moves when it grows is not: a compiled step would read stale pages (a
-    # default pool that moves, CUDA's, takes fixed storage first: test_a_default_pool_that_moves_when_it_grows_...).
-    moving = KVPool(PageFormat.from_model_config(llama.config, torch.float32), num_pages=4, max_pages=64, reserve=False)
-    assert not build_cache("paged_pool", llama, {"pool": moving}).is_compileable
+    growable = KVPool(PageFormat.from_model_config(llama.config, torch.float32), num_pages=4, max_pages=64)
+    assert build_cache("paged_pool", llama, {"pool": growable}).is_compileable
 
 
 @pytest.mark.parametrize(
@@ -124,43 +122,25 @@ def test_prefix_reuse_and_crop_under_compile(compile_config):
     pool.check_integrity()
 
 
-def test_caches_not_compileable_run_eager_under_a_compile_config(compile_config):
-    model = tiny_llama()
-    ids = random_ids(2, 21)
-    pool = KVPool(PageFormat.from_model_config(model.config, torch.float32), num_pages=4, max_pages=64, reserve=False)
-    config = {"pool": pool}  # storage that moves when it grows
-    eager = generate(model, ids, "paged_pool", max_new_tokens=8, cache_config=config)
-    compiled = generate(model, ids, "paged_pool", compile_config, max_new_tokens=8, cache_config=config)
-    assert torch.equal(compiled, eager)
-    assert graphs() == 0
-
-
-def test_a_default_pool_that_moves_when_it_grows_takes_fixed_storage_once_for_compiled_steps(
-    compile_config, fresh_default_pools, monkeypatch, caplog
+def test_a_default_pool_that_commits_at_once_compiles_from_the_first_request_on_one_storage(
+    compile_config, fresh_default_pools, monkeypatch
 ):
-    """CUDA's default pools commit what they reserve, so they open pages as needed and move them to a larger storage
-    when they grow, which a compiled step cannot follow (a CUDA graph replays over fixed addresses): the first GPU
-    run found ``generate(cache_implementation="paged_pool")`` eager there, 42 ms a step against 6.6 compiled. When
-    generate would compile, a default pool takes every page it may open (within its budget) once, in a storage that
-    never moves, and the steps compile. The CPU's default pools are made to commit as CUDA's do here; a pool of the
-    user's that moves stays as it is (``test_caches_not_compileable_run_eager_under_a_compile_config``)."""
-    from hf_kvcache.memory import pool as pool_module
+    """CUDA's default pools commit what they allocate, so each takes its storage once when it is made (half the room
+    left in the budget), and compiled steps read it from the first request on: the first GPU run found
+    ``generate(cache_implementation="paged_pool")`` eager there (42 ms a step against 6.6 compiled) while its pool
+    moved its pages as it grew. The CPU's default pools are made to commit as CUDA's do here."""
+    from hf_kvcache.memory import device_memory
 
-    monkeypatch.setattr(pool_module, "commits_lazily", lambda device: False)
+    monkeypatch.setattr(device_memory, "commits_lazily", lambda device: False)
     model = tiny_llama()
     ids = random_ids(2, 21)
     eager = generate(model, ids, "paged_pool", max_new_tokens=8)
     pool = KVPool.default(PageFormat.from_model_config(model.config, torch.float32), "cpu")
-    opened = pool.stats()["pages_total"]
-    assert not pool.storage_is_fixed and pool.storage.num_pages < pool.max_pages
-    with caplog.at_level("WARNING", logger="hf_kvcache"):
-        compiled = generate(model, ids, "paged_pool", compile_config, max_new_tokens=8)
+    storage, addresses = pool.storage, [tensor.data_ptr() for tensor in pool.storage.tensors]
+    compiled = generate(model, ids, "paged_pool", compile_config, max_new_tokens=8)
     assert torch.equal(compiled, eager)
     assert graphs() > 0
-    assert pool.storage_is_fixed and pool.stats()["pages_total"] == opened  # taken, not opened
-    assert "never moves" in caplog.text and "max_tokens" in caplog.text
-    again = generate(model, ids, "paged_pool", compile_config, max_new_tokens=8)
-    assert torch.equal(again, eager)
+    assert pool.storage is storage and [tensor.data_ptr() for tensor in pool.storage.tensors] == addresses
 
 
 QUANTIZED_VALUES = {  # residual windows of a page (codes written by page eager), less than one, none

@@ -15,9 +15,7 @@ from hf_kvcache import KVPool, PagedCache, PageFormat, PoolExhaustedError
 from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.layers.window import ring_num_slots
 from hf_kvcache.memory import device_memory
-from hf_kvcache.memory import pool as pool_storage_module
 from hf_kvcache.memory import pools as pool_module
-from hf_kvcache.memory.device_memory import MemoryBudget
 from hf_kvcache.memory.placement import normalize_device
 
 FORMAT = PageFormat(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32, page_size=16)
@@ -120,26 +118,70 @@ def test_exhaustion_is_all_or_nothing():
     assert pool.stats()["pages_used"] == 3
 
 
-@pytest.mark.parametrize("reserve", [True, False], ids=["reserved", "moved"])
-def test_growable_pool_doubles_up_to_its_cap(reserve):
-    """A growable pool opens page ids in doublings up to its cap. Reserved (the CPU's default): one storage for
-    the pool's life, so views of it and compiled attention stay valid. Not reserved (CUDA's default): a growth
-    moves the pages into a larger storage, their contents with them."""
-    pool = KVPool(FORMAT, num_pages=4, max_pages=20, reserve=reserve)
+def test_growable_pool_doubles_up_to_its_cap():
+    """A growable pool opens page ids in doublings up to its cap, in one storage made for the cap when the pool is
+    (the CPU commits only the pages opened): views of it and compiled attention stay valid for the pool's life."""
+    pool = KVPool(FORMAT, num_pages=4, max_pages=20)
     storage = pool.storage
-    assert pool.storage_is_fixed == reserve and storage.num_pages == (24 if reserve else 8)
+    assert storage.num_pages == 24  # 20 ids in whole extents of 8 pages
     pages = pool.allocate(3)
     pool.keys[1, 0, pages[0]] = 7.0
     pages += pool.allocate(5)  # 4 ids -> 8 is not enough -> 16
-    assert pool.stats()["pages_total"] == 15 and (pool.storage is storage) == reserve
+    assert pool.stats()["pages_total"] == 15 and pool.storage is storage
     assert pool.stats()["bytes_total"] == 16 * FORMAT.page_bytes  # committed: the opened pages (null included)
     pages += pool.allocate(9)  # 7 free -> capped at 20 ids
-    assert pool.stats()["pages_total"] == 19 and pool.storage.num_pages == 24
+    assert pool.stats()["pages_total"] == 19 and pool.storage is storage
     with pytest.raises(PoolExhaustedError, match="needs 5 pages but only 2 of 19 are free"):
         pool.allocate(5)
     assert (pool.keys[1, 0, pages[0]] == 7.0).all() and pool.keys[:, :, 20:].eq(0).all()  # unopened ids: zeros
     pool.free(pages)
     assert pool.keys.eq(0).all() and pool.values.eq(0).all()  # free pages are zeros
+    pool.check_integrity()
+
+
+def default_pool_budget(monkeypatch, num_pages: int, lazily: bool) -> None:
+    """The default pools made next share a budget of ``num_pages`` pages of ``FORMAT``, on a CPU that commits memory
+    where it is touched (``lazily``) or, as CUDA does, at once."""
+    cap = num_pages * FORMAT.page_bytes
+    monkeypatch.setattr(device_memory, "memory_limit_bytes", lambda: int(cap / pool_module.DEFAULT_MAX_MEMORY_FRACTION))
+    monkeypatch.setattr(device_memory, "commits_lazily", lambda device: lazily)
+
+
+@pytest.mark.parametrize("lazily", [True, False], ids=["commits-lazily", "commits-at-once"])
+def test_a_default_pools_storage_never_moves_as_it_opens_pages(monkeypatch, fresh_default_pools, lazily):
+    """A default pool's storage tensors are made once, for every page id it may open, and never replaced: opening
+    more pages keeps the same tensors at the same addresses, so slot indices and compiled graphs never depend on a
+    growth. Where memory is committed where touched (the CPU) and where it is committed at once (CUDA's)."""
+    default_pool_budget(monkeypatch, 1000, lazily)
+    pool = KVPool.default(FORMAT, "cpu")
+    tensors = pool.storage.tensors
+    addresses = [tensor.data_ptr() for tensor in tensors]
+    opened = pool.stats()["pages_total"]
+    pages = pool.allocate(opened + 1)  # more than it opened first: it opens more
+    assert pool.stats()["pages_total"] > opened
+    assert all(now is before for now, before in zip(pool.storage.tensors, tensors, strict=True))
+    assert [tensor.data_ptr() for tensor in pool.storage.tensors] == addresses
+    pool.free(pages)
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize("lazily", [True, False], ids=["commits-lazily", "commits-at-once"])
+def test_a_default_pools_opened_pages_are_zeros(monkeypatch, fresh_default_pools, lazily):
+    """The storage is uninitialized past the pages opened (``torch.empty``: on CUDA, whatever the memory held):
+    each page id the pool opens, and the rest of its extent, is zeroed as it opens, so pages handed out are zeros."""
+    default_pool_budget(monkeypatch, 1000, lazily)
+    pool = KVPool.default(FORMAT, "cpu")
+    extent = FORMAT.extent_pages
+    first = -(-(pool.stats()["pages_total"] + 1) // extent) * extent  # the opened ids, in whole extents
+    assert pool.storage.num_pages > first
+    for tensor in pool.storage.tensors:
+        tensor[:, :, first:].fill_(float("nan"))  # what an uninitialized storage may hold
+    pages = pool.allocate(pool.stats()["pages_total"] + 1)
+    opened = -(-(pool.stats()["pages_total"] + 1) // extent) * extent
+    assert opened > first
+    assert all(tensor[:, :, :opened].eq(0).all() for tensor in pool.storage.tensors)
+    assert pool.keys[:, :, pages].eq(0).all() and pool.values[:, :, pages].eq(0).all()
+    pool.free(pages)
     pool.check_integrity()
 
 
@@ -331,66 +373,29 @@ def test_devices_are_normalized_and_mismatches_named(tiny_llama_model, monkeypat
         )
 
 
-def test_a_failed_growth_leaves_the_pool_as_it_was(monkeypatch):
-    """A growth that moves pages allocates keys, values and scales before it switches: an allocation failure in
-    between changes nothing, the request fails alone with PoolExhaustedError, and the pool grows later."""
+def test_a_storage_the_device_refuses_is_halved_until_granted(monkeypatch, caplog):
+    """A pool's storage, made once for its cap, is halved until the device grants it (keys, values and scales are
+    allocated one after the other: a refusal in between starts over), logged; never below the pages it opens first."""
     page_format = PageFormat(2, 2, 16, torch.float32, value_bits=4, value_group_size=16)
-    pool = KVPool(page_format, num_pages=4, max_pages=64, reserve=False)
-    table = pool.new_table()
-    table.grow(1, 3 * 16)  # 3 pages
-    empty, calls, before = torch.empty, {"n": 0}, pool.storage
+    empty = torch.empty
 
-    def failing(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:  # the values, after the keys were made
+    def refusing(*shape, **kwargs):  # [layers, heads, pages, ...]: more than 16 pages of values are refused
+        if len(shape) > 2 and shape[2] > 16 and kwargs.get("dtype") == torch.uint8:
             raise RuntimeError("DefaultCPUAllocator: can't allocate memory (injected)")
-        return empty(*args, **kwargs)
+        return empty(*shape, **kwargs)
 
-    monkeypatch.setattr(torch, "empty", failing)
-    with pytest.raises(PoolExhaustedError, match="needs 5 pages"):
-        table.grow(1, 5 * 16)
+    monkeypatch.setattr(torch, "empty", refusing)
+    with caplog.at_level("WARNING", logger="hf_kvcache"):
+        pool = KVPool(page_format, num_pages=4, max_pages=64)
+    assert pool.max_pages == 16 and pool.storage.num_pages == 16
+    assert "could not take 64 pages" in caplog.text and "could not take 32 pages" in caplog.text
+    with pytest.raises(RuntimeError, match="injected"):
+        KVPool(page_format, num_pages=20, max_pages=64)  # 16 pages would not hold the 20 it opens
     monkeypatch.undo()
-    assert pool.storage is before and pool.stats()["pages_total"] == 3
-    assert pool.stats()["pages_used"] == 3 and table.num_tokens == 3 * 16
-    pool.check_integrity()
-    table.grow(1, 5 * 16)
-    assert pool.storage is not before and pool.stats()["pages_total"] == 15  # 4 ids -> 8 is not enough -> 16
-    pool.check_integrity()
-    table.release()
-    pool.check_integrity()
-
-
-def test_a_default_pool_that_moves_takes_fixed_storage_once_within_its_budget(monkeypatch):
-    """Before compiled steps (``PoolCache.fix_pool_storage``): a default pool whose storage moves when it grows
-    (CUDA's) takes storage for its page ids and half the room left in its budget, once, halved until the device
-    grants it, and draws it from the budget at once; later growths open pages without moving them. One that cannot
-    have even the pages it holds keeps its storage; a pool of the user's that moves is left as it is."""
-    budget = MemoryBudget(40 * FORMAT.page_bytes)
-    budget.reserve(4 * FORMAT.page_bytes)  # as KVPool.default does for the ids it opens first
-    pool = KVPool(FORMAT, num_pages=4, max_pages=64, budget=budget, reserve=False)
-    pages = pool.allocate(2)
-    pool.keys[1, 0, pages[0]] = 7.0
-    new_storage = pool.memory.new_storage
-    monkeypatch.setattr(pool.memory, "new_storage", lambda n: new_storage(n) if n <= 20 else torch.empty(2**62))
-    assert pool.can_fix_storage and not pool.storage_is_fixed
-    assert pool.fix_storage()  # 4 ids + 18 (half the budget's 36 left) -> 4 + 9
-    storage = pool.storage
-    assert pool.storage_is_fixed and pool.max_pages == 13 and not pool.can_fix_storage
-    assert budget.used_bytes == 13 * FORMAT.page_bytes and pool.stats()["pages_total"] == 3  # taken, not opened
-    assert (pool.keys[1, 0, pages[0]] == 7.0).all()
-    pages += pool.allocate(10)
-    assert pool.storage is storage and pool.stats()["pages_total"] == 12
-    with pytest.raises(PoolExhaustedError, match="needs 1 pages but only 0 of 12 are free"):
-        pool.allocate(1)
+    pages = pool.allocate(15)
+    assert pool.stats()["pages_total"] == 15
     pool.free(pages)
     pool.check_integrity()
-
-    stuck = KVPool(FORMAT, num_pages=4, max_pages=64, budget=MemoryBudget(40 * FORMAT.page_bytes), reserve=False)
-    monkeypatch.setattr(stuck.memory, "new_storage", lambda n: torch.empty(2**62))
-    before = stuck.storage
-    assert not stuck.fix_storage() and stuck.storage is before and stuck.max_pages == 64
-    users = KVPool(FORMAT, num_pages=4, max_pages=64, reserve=False)
-    assert not users.can_fix_storage and not users.fix_storage() and not users.storage_is_fixed
 
 
 def test_default_pools_of_a_device_share_one_memory_cap(monkeypatch, fresh_default_pools):
@@ -418,23 +423,29 @@ def test_default_pools_of_a_device_share_one_memory_cap(monkeypatch, fresh_defau
     second.check_integrity()
 
 
-def test_default_pools_of_two_formats_both_take_fixed_storage_for_compiled_steps(monkeypatch, fresh_default_pools):
-    """Where default pools move when they grow (CUDA's), each format's pool takes fixed storage when generate first
-    compiles on it: the first takes half the room left in the budget, so the next format's pool still gets room (it
-    got none, and then the first step past its few pages failed with PoolExhaustedError)."""
+def test_default_pools_that_commit_at_once_take_half_the_room_left_each(monkeypatch, fresh_default_pools, caplog):
+    """Where memory is committed at once (CUDA's), a default pool takes its storage when it is made: half the room
+    left in its device's budget, drawn from the budget at once and logged with the knob that sizes a pool otherwise,
+    so that the next format's pool still gets room (half of the rest). Every page it took then opens, unmoved."""
     small, large = FORMAT, PageFormat(2, 2, 16, torch.float32, page_size=32)
-    cap = 1000 * small.page_bytes
-    monkeypatch.setattr(device_memory, "memory_limit_bytes", lambda: int(cap / pool_module.DEFAULT_MAX_MEMORY_FRACTION))
-    monkeypatch.setattr(pool_storage_module, "commits_lazily", lambda device: False)
-    first, second = KVPool.default(small, "cpu"), KVPool.default(large, "cpu")
+    default_pool_budget(monkeypatch, 1000, lazily=False)
+    with caplog.at_level("WARNING", logger="hf_kvcache"):
+        first = KVPool.default(small, "cpu")
+    assert "took 500 pages" in caplog.text and "never moves" in caplog.text and "max_tokens" in caplog.text
     budget = KVPool.default_budget("cpu")
-    room = budget.free_bytes
-    assert first.fix_storage() and second.fix_storage()
-    first_bytes = first.max_pages * small.page_bytes
-    assert first_bytes - first.stats()["bytes_total"] == pytest.approx(room / 2, abs=small.page_bytes)
-    assert second.capacity_pages >= budget.total_bytes // 4 // large.page_bytes - 8
-    second.new_table().grow(1, second.capacity_pages * large.page_size)  # every page it took opens, unmoved
-    assert budget.used_bytes <= cap
+    assert first.max_pages == 500 and budget.used_bytes == 500 * small.page_bytes
+    second = KVPool.default(large, "cpu")
+    assert second.max_pages == 125  # half of the 250 pages of twice the size left
+    assert budget.used_bytes == 500 * small.page_bytes + 125 * large.page_bytes <= budget.total_bytes
+    used = budget.used_bytes
+    for pool, page_format in ((first, small), (second, large)):
+        storage = pool.storage
+        table = pool.new_table()
+        table.grow(1, pool.capacity_pages * page_format.page_size)  # every page it took opens
+        assert pool.stats()["pages_total"] == pool.max_pages - 1 and pool.storage is storage
+        table.release()
+        pool.check_integrity()
+    assert budget.used_bytes == used  # drawn once, when the pools were made
 
 
 @pytest.mark.parametrize(

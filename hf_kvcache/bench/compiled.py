@@ -8,9 +8,7 @@ on CUDA ``"reduce-overhead"``: CUDA graphs), and ``generate`` decides, by its ow
 
 For each (length, batch) the prompt rows (consecutive slices of the essays' token stream) are prefilled once with a
 ``DynamicCache`` and loaded into each run's fresh cache through ``cache.update`` (a copy, not a forward pass); our
-caches draw from the default pool, as ``generate(cache_implementation=...)`` would (on CUDA, where a default pool
-moves its pages when it grows, the first compiled row makes it take its cap in a storage that never moves,
-``KVPool.fix_storage``; the eager rows then run on that storage too, as a process's later requests would).
+caches draw from the default pool, as ``generate(cache_implementation=...)`` would.
 ``generate`` then gets the prompt plus its next token, so that its own prefill feeds that one token, and runs
 ``warmup_steps + steps`` decode steps (eager rows with ``disable_compile``: on CUDA ``generate`` would compile a
 compileable cache's steps unasked); a logits processor stamps the time of each step and the timed steps' median

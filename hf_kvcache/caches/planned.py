@@ -2,7 +2,6 @@
 (``is_compileable``), and each decode step planned before the forward pass in the seam that sees every forward
 (``hf_kvcache.integration.seams``), then run as tensor operations only."""
 
-import logging
 import math
 from typing import Any
 
@@ -25,26 +24,13 @@ class PlannedDecoding(Cache):
         """Whether ``generate`` may compile the model's forward with this cache (as it does for ``StaticCache``):
         every layer group keeps its tokens (all of them, or a ring's; in full precision or as codes, with or without
         an exact sink) on one device, so a decode step can be planned before the forward pass (``plan_decode``) and
-        run as tensor operations only."""
+        run as tensor operations only (a pool's storage never moves: what a step reads stays where it was)."""
         binder = self._binder
         # generate's rule said no for this request, or its steps feed several tokens (seams.check_request): masks
         # may then be skipped as Dynamic's
         if self.runs_eager:
             return False
-        if binder.placement.process_group is not None or len({at for at in binder.layer_group_devices if at}) > 1:
-            return False
-        # A compiled step (a CUDA graph above all) needs storage that never moves: CPU default pools, fixed pools,
-        # and default pools that move (CUDA's), which take fixed storage before the steps compile (fix_pool_storage).
-        pools = list(binder.pools.values()) or ([binder.pool] if binder.pool is not None else [])
-        if not pools:
-            return self.options.max_tokens is not None  # unbound: only a fixed pool of its own is known to stay
-        return all(pool.storage_is_fixed or pool.can_fix_storage for pool in pools)
-
-    def fix_pool_storage(self) -> bool:
-        """Before ``generate`` compiles the steps: gives each default pool whose storage moves one that never moves
-        (``KVPool.fix_storage``). Returns whether every pool's storage is fixed."""
-        pools = list(self._binder.pools.values())
-        return all([pool.fix_storage() for pool in pools]) and bool(pools)
+        return binder.placement.process_group is None and len({at for at in binder.layer_group_devices if at}) <= 1
 
     def plan_decode(self, num_rows: int, num_new: int | None, attention_mask: torch.Tensor | None = None) -> bool:
         """Before a decode step of ``generate``, and before its inputs are prepared (they may build the attention
@@ -62,15 +48,7 @@ class PlannedDecoding(Cache):
         release_deferred()
         binder = self._binder
         rows_of = list(binder.rows.values())
-        wanted = self.compiled_decoding and num_new == 1 and bool(rows_of)
-        if not wanted or not all(rows.plannable for rows in rows_of):
-            if wanted:
-                flex.log_once(
-                    "compiled:moves",
-                    logging.WARNING,
-                    "Compiled decoding runs the eager step: the pool's storage moves when it grows (a pool made "
-                    "with reserve=False); give the cache a fixed pool (cache_config max_tokens, or KVPool.for_model).",
-                )
+        if not (self.compiled_decoding and num_new == 1 and rows_of):
             self.end_planning()
             return False
         start = self.get_seq_length()

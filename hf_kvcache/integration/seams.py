@@ -163,7 +163,7 @@ def check_request(
                 f"The prompt is empty ({key} has shape {list(value.shape)}): generate needs at least one input token "
                 "per row to start from, e.g. the tokenizer's bos_token_id."
             )
-    cache.bind_pools(model.device, model.dtype)  # whether the cache is compileable depends on its pools
+    cache.bind_pools(model.device, model.dtype)  # whether the cache is compileable depends on its pools' devices
     compiles = getattr(model, "_valid_auto_compile_criteria", None)  # generate's own rule (StaticCache's)
     cache.runs_eager = False
     compiled = compiles is not None and compiles(model_kwargs | {"cache": cache}, generation_config)
@@ -171,7 +171,6 @@ def check_request(
     if why_eager is not None:  # a step of several tokens is not planned: the request runs eager
         flex.log_once(f"compiled:{why_eager[0]}", logging.WARNING, why_eager[1])
         compiled = False
-    compiled = compiled and cache.fix_pool_storage()  # a default pool that moves when it grows takes fixed storage
     # A cache that says it is compileable gets a materialized mask at every step, even eager (transformers skips
     # it only for caches that are not): once generate's rule said no, it says no.
     cache.compiled_decoding, cache.runs_eager = bool(compiled), not compiled

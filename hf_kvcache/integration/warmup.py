@@ -180,8 +180,7 @@ def warmup(
                 raise ValueError(
                     f"generate does not compile {cache_implementation} here (is_compileable="
                     f"{out.cache.is_compileable}, device {model.device}): on a CPU pass a compile_config with "
-                    "_compile_all_devices = True; a cache whose pool moves when it grows needs cache_config "
-                    "max_tokens."
+                    "_compile_all_devices = True."
                 )
             pool = out.cache.pool
             del out

@@ -29,11 +29,6 @@ def _shapes(tensors: tuple[torch.Tensor | None, ...]) -> list[torch.Size | None]
 class PlannedRows:
     """The planned-step half of ``PagedRows`` (which it is a base of): its attributes are ``PagedRows``'."""
 
-    @property
-    def plannable(self) -> bool:
-        """Whether a decode step can be planned: on a storage that never moves."""
-        return self.pool.storage_is_fixed
-
     def plan_decode(self, start: int, batch: int, capacity_pages: int, padding_only: bool = True) -> StepPlan:
         """Before a decode step of one new token per row at ``start``: grows the table (page allocation,
         copy-on-write) and writes the step's slots and what attention reads into the ``step_plan`` tensors, in place

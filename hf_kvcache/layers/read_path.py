@@ -83,12 +83,6 @@ class ReadPath:
             return RUN
         if num_new != 1 or batch * num_tokens < flex.MIN_IN_PLACE_TOKENS:
             return GATHER  # prefill (compute-bound), or a step whose compiled call would cost more than the copy
-        if not pool.storage_is_fixed:
-            flex.log_path(
-                "moves",
-                "the pool's storage moves when it grows (reserve=False: CUDA's default pools until generate compiles)",
-            )
-            return GATHER
         reason = flex.unavailable(pool.device)
         if reason is not None:
             flex.log_path("unavailable", reason)

@@ -36,11 +36,10 @@ Attention may also be handed a ``KeyLayout`` (in its kwargs, ``hf_kvcache.attent
   see, itself and the ``window - 1`` before it plus the sinks. On a model's sliding layer the
   model's mask says the same; on a full-attention layer, where the ring imposes the window and the
   model's mask is plainly causal, the band makes prefill see exactly what decoding does;
-- with that attention, and where each row's pages are consecutive in a pool whose storage never moves
-  (``KVPool.storage_is_fixed``) with full-precision values (a fresh pool), nothing is gathered at all: attention
-  gets a view of the rows' pages, every slot in slot order, and the layout's band (which slot holds a token the step may
-  see) and ``mask_columns`` (where each slot's token sits in the model's time-ordered mask, see
-  ``get_mask_sizes``). The update is then only the write: O(1) per token.
+- with that attention, and where each row's pages are consecutive in a pool with full-precision values (a fresh
+  pool), nothing is gathered at all: attention gets a view of the rows' pages, every slot in slot order, and the
+  layout's band (which slot holds a token the step may see) and ``mask_columns`` (where each slot's token sits in
+  the model's time-ordered mask, see ``get_mask_sizes``). The update is then only the write: O(1) per token.
 """
 
 from collections.abc import Callable
@@ -102,7 +101,7 @@ class RingRows(PagedRows):
         self.ring_slots = self.num_slots - sink_tokens
         self.ring_pages = self.num_slots // page_size
         self._step: RingStep | None = None  # the current step's, see _step_index
-        self._slot_index: tuple[int, torch.Tensor] | None = None  # (storage pages, slot indices): _logical_slot_indices
+        self._slot_index: torch.Tensor | None = None  # see _logical_slot_indices
         self._base: int | None = None  # see _first_page
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # see _slot_views
 
@@ -322,9 +321,8 @@ class RingRows(PagedRows):
 
     def _step_index(self, start: int, num_new: int, batch: int, storage: PoolStorage, hands_over: bool) -> RingStep:
         """The step's slot indices into ``storage``: built by the layer group's first layer of the step, reused by
-        the rest (rebuilt if the storage grew meanwhile). In place (slot order) needs a ``KeyLayout`` handed over."""
-        key = (start, num_new, storage.num_pages)
-        if self._step is None or (self._step.start, self._step.num_new, self._step.storage_pages) != key:
+        the rest. In place (slot order) needs a ``KeyLayout`` handed over."""
+        if self._step is None or (self._step.start, self._step.num_new) != (start, num_new):
             device = self.pool.device
             end = start + num_new
             sinks, first = visible_span(start, num_new, self.window, self.sink_tokens)
@@ -336,7 +334,7 @@ class RingRows(PagedRows):
             if num_new <= self.max_step and in_place:
                 index = self._slot_indices(written, storage).reshape(-1)  # (batch, head, token) order
                 layout = self._slot_layout(start, num_new, sinks, first)
-                self._step = RingStep(start, num_new, layout, storage.num_pages, write_slots=index)
+                self._step = RingStep(start, num_new, layout, write_slots=index)
                 return self._step
             last = end if num_new <= self.max_step else start
             window = torch.arange(first, last, device=device).expand(batch, -1)  # [batch, last - first]
@@ -352,9 +350,7 @@ class RingRows(PagedRows):
             visible_slots = self._slots(visible)
             read = self._slot_indices(visible_slots, storage).view(-1)
             write = self._slot_indices(written, storage)
-            self._step = RingStep(
-                start, num_new, layout, storage.num_pages, write_index=write, read=read, read_slots=visible_slots
-            )
+            self._step = RingStep(start, num_new, layout, write_index=write, read=read, read_slots=visible_slots)
         return self._step
 
     def _slot_layout(self, start: int, num_new: int, sinks: int, first: int) -> KeyLayout:
@@ -373,14 +369,13 @@ class RingRows(PagedRows):
         return KeyLayout(layout_band, columns)
 
     def _first_page(self) -> int | None:
-        """The rows' first page in a pool of full-precision values whose storage never moves, when every row's
-        pages follow one another (row after row), so that a view of the pool is all of them in order; ``None``
-        otherwise."""
+        """The rows' first page in a pool of full-precision values, when every row's pages follow one another (row
+        after row), so that a view of the pool is all of them in order; ``None`` otherwise."""
         if self._base is None:
-            pool, ids = self.pool, self._page_ids()
+            ids = self._page_ids()
             base = int(ids[0, 0])
-            in_place = pool.storage_is_fixed and not pool.format.encodes
-            if in_place and torch.equal(ids.flatten(), torch.arange(base, base + ids.numel(), device=ids.device)):
+            consecutive = torch.equal(ids.flatten(), torch.arange(base, base + ids.numel(), device=ids.device))
+            if consecutive and not self.pool.format.encodes:
                 self._base = base
             else:
                 self._base = -1
@@ -418,21 +413,21 @@ class RingRows(PagedRows):
     def _logical_slot_indices(self, num_pages: int) -> torch.Tensor:
         """``[batch, heads, slots + 1]``: the slot index of each logical slot in the flattened layer view of a storage
         of ``num_pages`` pages, then the null page's first slot's."""
-        if self._slot_index is None or self._slot_index[0] != num_pages:
+        if self._slot_index is None:
             fmt, ids = self.pool.format, self._page_ids()
             indices = page_slot_indices(ids, fmt.num_kv_heads, num_pages, fmt.page_size)  # [batch, heads, slots]
             first = torch.zeros_like(ids[:, :1])  # [batch, 1]
             null = slot_indices(
                 first + NULL_PAGE, first, fmt.num_kv_heads, num_pages, fmt.page_size
             )  # [batch, heads, 1]
-            self._slot_index = (num_pages, torch.cat([indices, null], dim=2))
-        return self._slot_index[1]
+            self._slot_index = torch.cat([indices, null], dim=2)
+        return self._slot_index
 
     def _store(
         self, layer_in_group: int, start: int, num_new: int, key_states: torch.Tensor, value_states: torch.Tensor
     ) -> None:
         """Writes the step's states ``[batch, heads, num_new, head_dim]`` into their slots (gathered steps), under
-        ``KVPool.held`` so that a growth cannot move the pages meanwhile."""
+        ``KVPool.held``."""
         self.store.remember(layer_in_group, start, value_states)
         with self.pool.held() as storage:
             step = self._step_index(start, num_new, key_states.shape[0], storage, hands_over=False)  # gathered steps

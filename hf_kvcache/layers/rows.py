@@ -55,8 +55,7 @@ class PagedRows(PlannedRows):
             allocations and the sharing of identical rows are agreed over it (``hf_kvcache.memory.placement``).
         exact_tokens: first tokens of a row whose keys and values attention gets in full precision (quantized pools).
 
-    Index tensors depend on the table and on the storage's page count (``PoolStorage``): they are rebuilt when
-    either changes.
+    Index tensors depend on the table: they are rebuilt when it changes (the pool's storage never does).
     """
 
     values_by_page = True
@@ -83,13 +82,13 @@ class PagedRows(PlannedRows):
         self._pads: torch.Tensor | None = None  # ``pad_lengths`` as a [batch] tensor, see _pad_tensor
         # How attention reads a step's pages, and the block mask in place uses
         self.path = ReadPath(pool, self.table, reads_in_place, queries_per_kv_head)
-        # (start, num_tokens, storage pages) -> (positions, slot indices) of a step's residual window (_residual_slots)
+        # (start, num_tokens, view pages) -> (positions, slot indices) of a step's residual window (_residual_slots)
         self._residual: tuple[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
         self._version = -1  # table version the cached indices below were built for
         self._ids: torch.Tensor | None = None
-        self._all_slots: tuple[int, torch.Tensor] | None = None  # (storage pages, slot indices): see _slots
+        self._all_slots: torch.Tensor | None = None  # slot indices: see _slots
         self._read: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (slot indices, num_tokens, flat): read
-        self._write: tuple[int, int, int, torch.Tensor] | None = None  # (start, num_new, storage pages, slot indices)
+        self._write: tuple[int, int, torch.Tensor] | None = None  # (start, num_new, slot indices): see _write_index
         self._shared_prefill: tuple[int, list[int]] | None = None  # (num_tokens, identical_rows) of a prefill
         self.ring_pages: int | None = None  # pages of a row's ring (RingRows); None: the rows keep every page
         self.step_plan: StepPlan | None = None  # the decode step planned before the forward pass (plan_decode)
@@ -111,7 +110,7 @@ class PagedRows(PlannedRows):
         num_new = key_states.shape[-2]
         pages = self.store.value_pages_to_write(start, start + num_new)
         deferred = pages is not None and self.store.defers_value_pages(start, num_new, pages[0])
-        with self.pool.held() as storage:  # the storage cannot move under the write (a growth that reallocates)
+        with self.pool.held() as storage:
             index = self._write_index(start, num_new, storage)
             self.store.write(layer_in_group, storage, index, key_states, value_states)
             self._write_keys(layer_in_group, storage, start, key_states)
@@ -412,10 +411,9 @@ class PagedRows(PlannedRows):
     def _write_index(self, start: int, num_new: int, storage: PoolStorage) -> torch.Tensor:
         """``[batch, heads, n]`` slot indices of tokens ``[start, start + n)`` in ``storage``
         (``kernels.slot_indices``), kept for the step's other layers."""
-        key = (start, num_new, storage.num_pages)
-        if self._write is None or self._write[:3] != key:
-            self._write = (*key, self._slot_index(start, num_new, storage))
-        return self._write[3]
+        if self._write is None or self._write[:2] != (start, num_new):
+            self._write = (start, num_new, self._slot_index(start, num_new, storage))
+        return self._write[2]
 
     def _slot_index(self, start: int, num_new: int, storage: PoolStorage) -> torch.Tensor:
         """``_write_index``, not kept (a page's value codes, written once in a while: ``SlotStore.by_page``)."""
@@ -423,10 +421,8 @@ class PagedRows(PlannedRows):
 
     def _slots(self, storage: PoolStorage) -> torch.Tensor:
         """``[batch, heads, pages * page_size]`` the slot indices of every slot of the rows' pages in ``storage``
-        (``kernels.page_slot_indices``), kept while the table and the storage's page count stay: a step's writes and
-        reads are slices of them."""
-        if self._all_slots is None or self._all_slots[0] != storage.num_pages:
+        (``kernels.page_slot_indices``), kept while the table stays: a step's writes and reads are slices of them."""
+        if self._all_slots is None:
             fmt = self.pool.format
-            indices = page_slot_indices(self._page_ids(), fmt.num_kv_heads, storage.num_pages, fmt.page_size)
-            self._all_slots = (storage.num_pages, indices)
-        return self._all_slots[1]
+            self._all_slots = page_slot_indices(self._page_ids(), fmt.num_kv_heads, storage.num_pages, fmt.page_size)
+        return self._all_slots

@@ -89,9 +89,9 @@ class SlotStore:
         """Stores new states ``[batch, heads, n, head_dim]`` into the slots ``index`` (slot indices) of ``storage``.
 
         Call it inside ``KVPool.held()`` with the storage it yields, and ``index`` built for it
-        (``kernels.slot_indices``): a growth that moves the pages cannot then lose the write. The pool holds
-        inference state: what is stored is detached from any autograd graph. Encoded keys are not written here
-        (``KeyPages.write``, a page at a time), nor values written by page (``write_value_pages``).
+        (``kernels.slot_indices``). The pool holds inference state: what is stored is detached from any autograd
+        graph. Encoded keys are not written here (``KeyPages.write``, a page at a time), nor values written by page
+        (``write_value_pages``).
         """
         key_states, value_states = _detached(key_states), _detached(value_states)
         if self.keys is None:

@@ -66,7 +66,6 @@ class RingStep:
         start / num_new: the step's first token and its number of new tokens.
         layout: what attention must know beyond the model's mask; ``None`` for a single new token read in time
             order (it sees every key).
-        storage_pages: the page count of the storage the indices below are built for (``PoolStorage``).
         write_slots: in place only: ``[batch * heads * num_new]`` the slot indices (``kernels.slot_indices``) the
             new states go to, in ``(batch, head, token)`` order.
         write_index: gathered only: ``[batch, heads, num_new]`` the new tokens' slot indices (``kernels.slot_indices``).
@@ -78,7 +77,6 @@ class RingStep:
     start: int
     num_new: int
     layout: KeyLayout | None
-    storage_pages: int
     write_slots: torch.Tensor | None = None
     write_index: torch.Tensor | None = None
     read: torch.Tensor | None = None

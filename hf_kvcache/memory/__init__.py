@@ -9,6 +9,6 @@
 - ``storage``: the tensors page ids address and their layout (``PoolStorage``); ``pools``: how pools are made and
   found (for a model, by name, the default pool of a format and device); ``stats``: statistics, alerts, the
   integrity check;
-- ``growth``: a pool's storage and how it grows, moves or is fixed for compiled decoding (``GrowingStorage``);
-- ``pool``: ``KVPool``, one storage and its growth, the allocator and the page tables under one lock.
+- ``pool``: ``KVPool``, one storage made for its cap, the page ids it opens, the allocator and the page tables
+  under one lock.
 """

@@ -4,14 +4,14 @@ Storage. One tensor per kind, shaped once for the pool's life, holds every page 
 (``num_layers`` layers of one attention type; a model has ``num_layer_groups`` of them, each with its own page table,
 so a page id serves one layer group): ``hf_kvcache.memory.storage`` lays them out.
 
-Page 0 is the null page. A pool *opens* page ids as it needs them: a fixed pool all at once; a growable one
-(the default pools) ``DEFAULT_INITIAL_TOKENS`` worth first, then doubling up to its cap, all or nothing (a
-growth that cannot be had leaves the pool as it was, and the request fails alone). Its storage never changes
-shape where memory is committed lazily (the CPU: the cap is reserved once with ``torch.empty``, and only the
-pages opened are ever touched), so attention compiled for it never recompiles; on other devices (CUDA) the
-storage holds the opened pages only and a growth moves them into a larger one, under the pool's lock
-(``PoolStorage``: readers and writers take a snapshot and use its indices with it), until compiled decoding asks
-for storage that never moves (``fix_storage``). ``hf_kvcache.memory.growth`` holds the storage and its growth.
+Page 0 is the null page. The storage is made once, with the pool, for every page id it may ever open (its cap,
+``max_pages``; halved until the device grants it), and never replaced: slot indices, views of it and graphs
+compiled over it stay valid for the pool's life. A pool *opens* page ids as it needs them: a fixed pool all at
+once; a growable one (the default pools) ``DEFAULT_INITIAL_TOKENS`` worth first, then doubling up to its cap, all
+or nothing (a growth its memory budget cannot give leaves the pool as it was, and the request fails alone). The
+ids opened are zeroed in whole extents as they open; only they are touched, so where memory is committed where
+touched (the CPU, ``torch.empty``) the pool commits what it has opened. ``hf_kvcache.memory.pools`` says how much
+a default pool takes on each device.
 
 Every free page is all zeros (pages are zeroed when opened, when freed, and when a cached page of the prefix
 index is evicted), so a slot a request has not written reads as zero, and attention that reads whole blocks in
@@ -36,9 +36,8 @@ import torch
 
 from hf_kvcache.errors import PoolExhaustedError
 from hf_kvcache.memory.allocator import PageAllocator
-from hf_kvcache.memory.device_memory import MemoryBudget, commits_lazily
+from hf_kvcache.memory.device_memory import MemoryBudget
 from hf_kvcache.memory.format import PageFormat
-from hf_kvcache.memory.growth import GrowingStorage
 from hf_kvcache.memory.page_table import Allocator, PageTable
 from hf_kvcache.memory.placement import AgreedPages, normalize_device
 from hf_kvcache.memory.pools import PoolFactories, register_name
@@ -56,10 +55,9 @@ class KVPool(PoolFactories):
         page_format: geometry and dtype of a page.
         num_pages: page ids to open now, the null page included (>= 2).
         device: where the storage lives.
-        max_pages: let the pool grow, in doublings, up to this many page ids; ``None`` for a fixed pool.
-        budget: a memory budget the pool's growth also draws from (the default pools of a device share one).
-        reserve: reserve storage for ``max_pages`` up front, so that it never changes (default: where memory is
-            committed lazily, ``commits_lazily``); otherwise a growth moves the pages to a larger storage.
+        max_pages: let the pool open page ids, in doublings, up to this many (its storage holds them all from the
+            start; halved until the device grants it); ``None`` for a fixed pool.
+        budget: a memory budget the ids the pool opens also draw from (the CPU's default pools share one).
         name: register the pool under this name so a ``cache_config`` can say ``{"pool": name}``.
         alert_thresholds: fractions of the pool's capacity whose upward crossing logs a warning and
             calls the alert callbacks (once per crossing).
@@ -75,7 +73,6 @@ class KVPool(PoolFactories):
         *,
         max_pages: int | None = None,
         budget: MemoryBudget | None = None,
-        reserve: bool | None = None,
         name: str | None = None,
         alert_thresholds: tuple[float, ...] = (0.9,),
         prefix_caching: bool = False,
@@ -91,8 +88,10 @@ class KVPool(PoolFactories):
         self.lock = threading.RLock()
         self._allocator = PageAllocator(num_pages, page_format.extent_pages, prefix_caching)
         self._prefix_epoch = 0
-        reserves = commits_lazily(self.device) if reserve is None else reserve
-        self.memory = GrowingStorage(page_format, self.device, num_pages, max_pages or num_pages, budget, reserves)
+        self.max_pages = max_pages or num_pages  # page ids it may open at most, the null page included
+        self.budget = budget
+        self.storage = self._new_storage(num_pages)  # made once: the pool's for its life
+        self._zero_range(0, self._storage_pages(num_pages))
         self._tables: weakref.WeakSet[PageTable] = weakref.WeakSet()
         self._alerts = alerts
         if name is not None:
@@ -116,7 +115,7 @@ class KVPool(PoolFactories):
 
     @property
     def keys(self) -> torch.Tensor:
-        """``[num_layers, num_kv_heads, num_storage_pages, page_size, head_dim]``, the current storage's keys."""
+        """``[num_layers, num_kv_heads, num_storage_pages, page_size, head_dim]``, the storage's keys."""
         return self.storage.keys
 
     @property
@@ -131,38 +130,39 @@ class KVPool(PoolFactories):
     def held(self) -> Iterator[PoolStorage]:
         """Holds the pool for a change of several steps (writes at slots planned from a table, a table change of
         several pages, a lookup and the attach of what it found): until the block exits no other thread takes,
-        frees, evicts or moves pages, and the storage yielded (the current one) stays the pool's."""
+        frees or evicts pages. Yields the storage."""
         with self.lock:
             yield self.storage
 
-    @property
-    def storage(self) -> PoolStorage:
-        """The current storage (``GrowingStorage``: a moving pool's changes when it grows, under the lock)."""
-        return self.memory.storage
+    def _new_storage(self, num_ids: int) -> PoolStorage:
+        """Uninitialized storage for ``max_pages`` ids, whose cap is halved until the device grants it (never below
+        the ``num_ids`` opened first)."""
+        while True:
+            try:
+                return PoolStorage.empty(self.format, self._storage_pages(self.max_pages), self.device)
+            except (RuntimeError, MemoryError) as error:  # torch's out-of-memory errors are RuntimeErrors
+                if self.max_pages // 2 < num_ids:
+                    raise
+                logger.warning(
+                    "KV pool on %s could not take %d pages (%s); trying half.", self.device, self.max_pages, error
+                )
+                self.max_pages //= 2
 
-    @property
-    def max_pages(self) -> int:
-        """The page ids the pool may open at most, the null page included."""
-        return self.memory.max_pages
+    def _storage_pages(self, num_ids: int) -> int:
+        """Storage page ids for ``num_ids`` opened ones: whole extents (attention reads whole blocks)."""
+        extent = self.format.extent_pages
+        return -(-num_ids // extent) * extent
 
-    @property
-    def storage_is_fixed(self) -> bool:
-        """Whether the storage never moves: it holds every page id the pool may ever open (views of it stay valid)."""
-        return self.memory.is_fixed
-
-    @property
-    def can_fix_storage(self) -> bool:
-        """Whether ``fix_storage`` may give the pool a storage that never moves (``GrowingStorage.can_fix``)."""
-        return self.memory.can_fix
-
-    def fix_storage(self) -> bool:
-        """Gives a default pool whose storage moves when it grows one that never moves, for compiled decoding
-        (``GrowingStorage.fix``: its ids and half the room left in its budget). Returns whether it is fixed now."""
-        with self.lock:
-            return self.memory.fix(self._allocator.num_pages + 1)
+    def _zero_range(self, start: int, end: int) -> None:
+        for tensor in self.storage.tensors:
+            tensor[:, :, start:end].zero_()
 
     def _growth_room(self) -> int:
-        return self.memory.room(self._allocator.num_pages + 1)
+        """Page ids that can still open: up to ``max_pages``, within the memory budget if any."""
+        room = self.max_pages - self._allocator.num_pages - 1
+        if self.budget is not None:
+            room = min(room, self.budget.free_bytes // self.format.page_bytes)
+        return max(0, room)
 
     @property
     def capacity_pages(self) -> int:
@@ -171,11 +171,19 @@ class KVPool(PoolFactories):
             return self._allocator.num_pages + self._growth_room()
 
     def _grow(self, num_needed: int) -> bool:
-        """Opens page ids until ``num_needed`` are free (``GrowingStorage.grow``); False if they cannot fit."""
-        opened = self.memory.grow(self._allocator.num_pages + 1, num_needed - self._allocator.num_free)
-        if not opened:
+        """Opens page ids in doublings, as often as needed for ``num_needed`` free ones (within the room), zeroed in
+        whole extents; all or nothing. False if they cannot fit."""
+        num_ids, num_wanted = self._allocator.num_pages + 1, num_needed - self._allocator.num_free
+        room = self._growth_room()
+        if room < num_wanted:
             return False
-        self._allocator.add_pages(opened)
+        target = num_ids
+        while target - num_ids < num_wanted:
+            target = min(num_ids + room, 2 * target)
+        if self.budget is not None and not self.budget.reserve((target - num_ids) * self.format.page_bytes):
+            return False  # another default pool of this device took the room meanwhile
+        self._zero_range(num_ids, self._storage_pages(target))  # whole extents: attention reads them whole
+        self._allocator.add_pages(target - num_ids)
         logger.info(
             "KV pool on %s grew to %d pages (%.1f MiB).",
             *(self.device, self._allocator.num_pages + 1, self.stats()["bytes_total"] / 2**20),

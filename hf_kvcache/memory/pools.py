@@ -1,6 +1,6 @@
 """How pools are made and found (``PoolFactories``, which ``KVPool`` takes its constructors from): for a model's
-geometry under a budget, by name, the shared default pool of a format and device (growing within one memory budget
-per device), and the shared fixed pool of a ``max_tokens`` budget. The registries of named and shared pools live
+geometry under a budget, by name, the shared default pool of a format and device (within one memory budget per
+device), and the shared fixed pool of a ``max_tokens`` budget. The registries of named and shared pools live
 here, under one lock."""
 
 import dataclasses
@@ -21,7 +21,7 @@ logger = logging.getLogger("hf_kvcache")
 DEFAULT_INITIAL_TOKENS = 4096
 """A default pool opens room for this many tokens first, then doubles as needed."""
 DEFAULT_MAX_MEMORY_FRACTION = 0.5
-"""The default pools of one device grow, together, up to this fraction of the memory (CPU: the RAM, or the
+"""The default pools of one device hold, together, at most this fraction of the memory (CPU: the RAM, or the
 container's limit where lower; CUDA: the free memory when the first of them was made)."""
 DEFAULT_MAX_POOL_PAGES = 1 << 16
 """A default pool holds at most this many pages (a million tokens of pages of 16): attention reads its storage
@@ -133,14 +133,14 @@ class PoolFactories:
     def default(cls, page_format: PageFormat, device: str | torch.device, process_group: Any = None) -> Self:
         """The shared growable pool for this format and device, made on first use.
 
-        It opens room for ``DEFAULT_INITIAL_TOKENS`` tokens first and doubles when full, up to
-        ``DEFAULT_MAX_POOL_PAGES`` pages. The default pools of one device share one ``MemoryBudget``: together they
-        open at most ``DEFAULT_MAX_MEMORY_FRACTION`` of the RAM (CPU; the container's limit where lower,
-        ``memory_limit_bytes``) or of the free memory (CUDA). On the CPU the pool reserves its cap once, without
-        committing it (``commits_lazily``): its storage never changes shape. On CUDA, where reserved memory is
-        committed, it holds what it has opened and a growth moves the pages to a storage twice the size, until
-        ``generate`` compiles a cache on it (``KVPool.fix_storage``: half the budget left, once, in a storage that
-        never moves).
+        It opens room for ``DEFAULT_INITIAL_TOKENS`` tokens first and doubles when full, up to its cap (at most
+        ``DEFAULT_MAX_POOL_PAGES`` pages), in a storage made once for the cap. The default pools of one device share
+        one ``MemoryBudget``: together they hold at most ``DEFAULT_MAX_MEMORY_FRACTION`` of the RAM (CPU; the
+        container's limit where lower, ``memory_limit_bytes``) or of the free memory (CUDA). Where memory is
+        committed only where touched (``commits_lazily``: the CPU), the cap is the whole budget and the pages draw
+        on it as they open. Elsewhere (CUDA) the storage commits the cap at once: the cap is half the room left in
+        the budget (the other half stays for the default pools of other formats), drawn from it at once, and logged
+        with the knob that sizes a pool otherwise (``max_tokens``).
 
         Args:
             process_group: the process group of a tensor-parallel model's ranks: the budget is then the smallest
@@ -161,14 +161,28 @@ class PoolFactories:
         with _REGISTRY_LOCK:
             pool = _DEFAULT_POOLS.get((page_format, device))
             if pool is None:
-                max_pages = max(2, min(DEFAULT_MAX_POOL_PAGES, budget.total_bytes // page_format.page_bytes))
-                # What the other formats' default pools left of the budget, at least the null page and one more.
-                room = max(2, budget.free_bytes // page_format.page_bytes)
-                num_pages = min(max_pages, room, page_format.pages_for_tokens(DEFAULT_INITIAL_TOKENS) + 1)
-                budget.reserve(num_pages * page_format.page_bytes)
-                pool = cls(page_format, num_pages, device, max_pages=max_pages, budget=budget)
-                _DEFAULT_POOLS[(page_format, device)] = pool
+                pool = _DEFAULT_POOLS[(page_format, device)] = cls._new_default(page_format, device, budget)
             return pool
+
+    @classmethod
+    def _new_default(cls, page_format: PageFormat, device: torch.device, budget: MemoryBudget) -> Self:
+        """A default pool under ``budget`` (``default``), at least the null page and one more."""
+        page_bytes, first = page_format.page_bytes, page_format.pages_for_tokens(DEFAULT_INITIAL_TOKENS) + 1
+        if device_memory.commits_lazily(device):  # the pages draw on the budget as they open
+            max_pages = max(2, min(DEFAULT_MAX_POOL_PAGES, budget.total_bytes // page_bytes))
+            num_pages = min(max_pages, max(2, budget.free_bytes // page_bytes), first)
+            budget.reserve(num_pages * page_bytes)
+            return cls(page_format, num_pages, device, max_pages=max_pages, budget=budget)
+        max_pages = max(2, min(DEFAULT_MAX_POOL_PAGES, budget.free_bytes // 2 // page_bytes))
+        pool = cls(page_format, min(max_pages, first), device, max_pages=max_pages)  # halved until granted
+        budget.reserve(pool.max_pages * page_bytes)
+        logger.warning(
+            "KV pool on %s took %d pages (%.1f MiB: half the room left in its device's default pools' budget) at "
+            "once, in a storage that never moves. Pass cache_config max_tokens, or KVPool.for_model(..., "
+            "max_tokens=...), for a pool of another size.",
+            *(device, pool.max_pages, pool.max_pages * page_bytes / 2**20),
+        )
+        return pool
 
     @classmethod
     def default_budget(cls, device: str | torch.device) -> MemoryBudget | None:

@@ -1,5 +1,5 @@
-"""A pool's storage tensors at one time (``PoolStorage``): their layout, how they are made, and the per-layer views
-of them that a step's layers index.
+"""A pool's storage tensors (``PoolStorage``): their layout, how they are made, and the per-layer views of them that
+a step's layers index.
 
 One storage tensor per kind, shaped once for a pool's life, holds every page in every layer
 of one *layer group* (``num_layers`` layers of one attention type; a model has ``num_layer_groups`` of them,
@@ -42,11 +42,7 @@ from hf_kvcache.memory.format import PageFormat
 
 @dataclass(frozen=True)
 class PoolStorage:
-    """The pool's storage tensors at one time (a growth that moves pages makes a new one).
-
-    Indices into the storage depend on its page count, so code that writes or reads takes one snapshot
-    (``KVPool.storage``; writers under ``KVPool.lock``) and uses indices built for it with it: pages written
-    before a growth are in the new storage too, and the old one stays valid for reading them.
+    """A pool's storage tensors, made once with the pool for every page id it may open (``KVPool.storage``).
 
     Attributes:
         keys / values / value_scales / key_scales / key_zeros: see the module docstring; ``value_scales`` is ``None``
