@@ -22,8 +22,9 @@ table_operations = st.lists(
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(1, 5), st.integers(1, 5), table_operations)
-def test_page_table_random_operations_keep_integrity(page_size, num_rows, ops):
+@given(st.integers(1, 5), st.integers(1, 5), table_operations, st.lists(st.integers(0, 12), min_size=5, max_size=5))
+def test_page_table_random_operations_keep_integrity(page_size, num_rows, ops, pads):
+    """Rows left-padded by ``pads`` hold no page of padding alone (``PageTable.skips``)."""
     allocator = PageAllocator(64)
     table = PageTable(allocator, page_size)
     for op, amount, picks in ops:
@@ -33,6 +34,7 @@ def test_page_table_random_operations_keep_integrity(page_size, num_rows, ops):
             if op == "grow":
                 identical_rows = None
                 if not table.num_tokens:
+                    table.pads = pads[:rows]
                     identical_rows = []
                     for row, pick in zip(range(rows), picks + [99] * rows):
                         identical_rows.append(identical_rows[min(pick, row)] if pick < row else row)
@@ -54,7 +56,9 @@ def test_page_table_random_operations_keep_integrity(page_size, num_rows, ops):
         allocator.check_integrity()
         table.check_integrity()
         expected_pages = math.ceil(table.num_tokens / page_size)
-        assert all(len(row) == expected_pages for row in table.rows)
+        assert all(len(row) == max(0, expected_pages - skip) for row, skip in zip(table.rows, table.row_skips))
+        if table.skips is not None:
+            assert table.skips == [pad // page_size for pad in table.pads]
         assert allocator.num_used == len({page for row in table.rows for page in row})
     table.release()
     assert allocator.num_used == 0

@@ -12,6 +12,7 @@ from hf_kvcache import KVPool, PagedCache, PoolExhaustedError
 from hf_kvcache.attention import flex
 from hf_kvcache.attention.interface import ATTENTION_NAME, model_attention
 from hf_kvcache.bench.catalogue import interleaved_extents, with_attention
+from hf_kvcache.layers.paged import PagedLayer
 from hf_kvcache.testing import tiny_llama
 
 MODELS = ["tiny_llama_model", "tiny_mistral_model", "tiny_gemma3_model"]
@@ -316,3 +317,55 @@ def test_a_row_off_consecutive_pages_is_gathered(tiny_llama_model):
         )
     assert paged.cache.read_counts() == {"gather": 20 * 2, "run": 0, "in place": 0}
     assert_same_generation(run(tiny_llama_model, ids, mask, max_new_tokens=20), paged)
+
+
+# Padded rows hold no page of padding alone (``PageTable.skips``): rows of 3, 70 and 37 tokens left-padded to 70 hold
+# 67 and 33 tokens of padding, 4 and 2 whole pages of 16 the rows do not take.
+PADDED_LENGTHS, NEW_TOKENS = [3, 70, 37], 20
+
+
+def expected_pages(lengths: list[int], num_new: int, page_size: int = 16) -> int:
+    """Pages the rows of a left-padded batch hold after ``num_new`` tokens each: from the page of a row's first token
+    to the page of its last written one (``generate`` never writes the last token it samples)."""
+    end = max(lengths) + num_new - 1
+    return sum(-(-end // page_size) - (max(lengths) - length) // page_size for length in lengths)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", ATTENTION_NAME])
+@pytest.mark.parametrize("model_name", MODELS)
+def test_a_padded_batch_holds_no_page_of_padding(model_name, attention, request):
+    """The tokens are DynamicCache's, eager and through every read (gathered, in place), while the pool holds only the
+    pages from each row's first token on: nearly every slot held is a token's."""
+    model = request.getfixturevalue(model_name)
+    ids, mask = padded_batch(PADDED_LENGTHS, seed=3)
+    reference = run(model, ids, mask, max_new_tokens=NEW_TOKENS)
+    pool = KVPool.for_model(model, max_tokens=4096)
+    with model_attention(model, attention):
+        paged = run(
+            model, ids, mask, max_new_tokens=NEW_TOKENS, cache_implementation="paged_pool", cache_config={"pool": pool}
+        )
+    assert_same_generation(reference, paged)
+    if all(type(layer) is PagedLayer for layer in paged.cache.layers):  # Mistral, Gemma 3: rings (their own pages)
+        stats = pool.stats()
+        assert stats["pages_used"] == expected_pages(PADDED_LENGTHS, NEW_TOKENS)
+        assert stats["tokens_held"] == sum(length + NEW_TOKENS - 1 for length in PADDED_LENGTHS)
+        assert stats["utilization"] > 0.75  # 224 of 288 slots: a row's last page and the padding in its first
+
+
+def test_a_padded_batch_holds_no_page_of_padding_in_place_and_compiled(tiny_llama_model, compile_config, monkeypatch):
+    """In place (every row's pages read through the block mask, rows holding no page of padding) and compiled (the
+    planned step reads the null page for them): DynamicCache's tokens."""
+    ids, mask = padded_batch([5, 150, 90, 40], seed=4)
+    reference = run(tiny_llama_model, ids, mask, max_new_tokens=12)
+    pool = KVPool.for_model(tiny_llama_model, max_tokens=4096)
+    settings = {"max_new_tokens": 12, "cache_implementation": "paged_pool", "cache_config": {"pool": pool}}
+    calls = flex.call_count()
+    monkeypatch.setattr(flex, "MIN_IN_PLACE_TOKENS", 0)
+    with model_attention(tiny_llama_model, ATTENTION_NAME):
+        in_place = run(tiny_llama_model, ids, mask, **settings)
+        assert flex.call_count() > calls
+        assert in_place.cache.read_counts()["in place"] > 0
+    assert_same_generation(reference, in_place)
+    assert pool.stats()["pages_used"] == expected_pages([5, 150, 90, 40], 12)
+    compiled = run(tiny_llama_model, ids, mask, compile_config=compile_config, **settings)
+    assert_same_generation(reference, compiled)

@@ -4,6 +4,8 @@ lists built from the page tables directly, refilled in place step after step, an
 
 import torch
 
+from hf_kvcache.memory.allocator import NULL_PAGE
+
 MIN_VIEW_EXTENTS = 32
 """The smallest view of a storage that in-place attention gets, in extents (4,096 tokens of 16-token pages): fewer
 view sizes, fewer compiles."""
@@ -105,8 +107,13 @@ class PagedBlockMask:
         size, device = self.extent_pages, page_ids.device
         first = torch.arange(n, device=device) * self.page_size  # [n] first position of each logical page
         pads = pads.to(device=device, dtype=torch.long).view(-1, 1)  # [batch, 1]
-        seen_any = first + self.page_size > pads  # [batch, n]: some slot visible (all pages hold tokens)
+        held = page_ids != NULL_PAGE  # [batch, n]: the null page stands for pages of padding a row does not hold
+        seen_any = (first + self.page_size > pads) & held  # [batch, n]: some slot visible
         seen_all = (first >= pads) & (first + self.page_size <= num_tokens)  # [batch, n]: every slot visible
+        # The null page's entries stand in for the row's first page held (its logical page), so that its extent is
+        # not visited: it holds other rows' pages.
+        first_held = held.int().argmax(1, keepdim=True)  # [batch, 1]
+        page_ids = torch.where(held, page_ids, page_ids.gather(1, first_held))
         extents, inverse = torch.unique(page_ids // size, return_inverse=True)  # [u], [batch, n]
         any_count = torch.zeros(batch, extents.numel(), dtype=torch.int32, device=device)  # [batch, u]
         any_count.scatter_add_(1, inverse, seen_any.int())
@@ -128,7 +135,7 @@ class PagedBlockMask:
         self.full_kv_indices[:, 0, 0, :u] = extents[full_order].to(torch.int32)
         self.page_position.fill_(-1)
         logical = torch.arange(n, dtype=torch.int32, device=device).expand(batch, n)
-        self.page_position.scatter_(1, page_ids, logical)
+        self.page_position.scatter_(1, page_ids, torch.where(held, logical, first_held.int()))
         self.pads.copy_(pads.view(-1))
         self.num_tokens.fill_(num_tokens)
         return extents.tolist()

@@ -120,7 +120,7 @@ class ReadPath:
         a storage whose pages follow each other (a view of them is one slice)."""
         if self._one_run is None:
             rows = self.table.rows
-            pages = rows[0] if len(rows) == 1 else []
+            pages = rows[0] if len(rows) == 1 and not any(self.table.row_skips) else []
             consecutive = all(second - first == 1 for first, second in zip(pages, pages[1:]))
             self._one_run = bool(pages) and consecutive and all(t.is_contiguous() for t in self.pool.storage.tensors)
         return self._one_run

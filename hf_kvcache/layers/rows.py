@@ -35,6 +35,7 @@ from hf_kvcache.layers.plan import StepPlan
 from hf_kvcache.layers.planned import PlannedRows
 from hf_kvcache.layers.read_path import GATHER, RUN, ReadPath
 from hf_kvcache.layers.store import SlotStore
+from hf_kvcache.memory.allocator import NULL_PAGE
 from hf_kvcache.memory.placement import agree
 from hf_kvcache.memory.pool import KVPool
 from hf_kvcache.memory.storage import PoolStorage
@@ -382,9 +383,10 @@ class PagedRows(PlannedRows):
             self._shared_prefill = (end, [row if row in differing else first for row, first in enumerate(firsts)])
 
     def _page_ids(self) -> torch.Tensor:
-        """The page table as a ``[batch, num_pages]`` tensor on the pool's device."""
+        """The page table as a ``[batch, num_pages]`` tensor on the pool's device, page ``i`` holding tokens ``[i *
+        page_size, (i + 1) * page_size)``: the null page where a row holds only padding (``PageTable.skips``)."""
         if self._ids is None:
-            rows = self.table.rows
+            rows = [[NULL_PAGE] * skip + row for row, skip in zip(self.table.rows, self.table.row_skips)]
             self._ids = torch.tensor(rows, dtype=torch.long, device=self.pool.device).view(len(rows), -1)
         return self._ids
 

@@ -1,12 +1,15 @@
 """Per-row lists of page ids for one cache on one pool: pure ints, no torch.
 
 All rows of a table hold the same number of tokens (``generate`` pads batches on the left), so
-row ``r`` keeps token ``t`` in slot ``t % page_size`` of page ``rows[r][t // page_size]``.
+row ``r`` keeps token ``t`` in slot ``t % page_size`` of page ``rows[r][t // page_size - skips[r]]``: a row holds no
+page of padding alone, its ``skips[r] = pads[r] // page_size`` pages of leading padding are not taken (reads and
+writes go to the null page there, which the attention mask hides).
 Rows may share pages (beam search, ``num_return_sequences``); a row copies a shared page only
 when it writes into it (copy-on-write). Every change allocates all it needs first, so a
 ``PoolExhaustedError`` leaves the table exactly as it was.
 """
 
+import itertools
 import math
 from collections import Counter
 from typing import Protocol
@@ -38,7 +41,8 @@ class PageTable:
         self.num_tokens = 0
         self.num_filled: int | None = None  # tokens written per row, where fewer than num_tokens (a ring's plan)
         self.pads: list[int] | None = None  # leading padding of each row (generate's left padding); None: none
-        self.pads_held = True  # the rows' pages hold their padding's slots; False: a row starts at its first token
+        self.pads_held = True  # the rows' pages hold their padding (but whole pages of it: skips); False: a ring's
+        self.skips: list[int] | None = None  # pages of leading padding each row does not hold; None: none
         self.version = 0  # bumped whenever a page id in ``rows`` changes
 
     @property
@@ -75,23 +79,31 @@ class PageTable:
             raise ValueError(
                 f"identical_rows must name, for each of {num_rows} rows, the first row identical to it: {firsts}."
             )
+        if not self.num_tokens and not any(self.rows):  # empty rows take their skips from the pads
+            pads = self.pads if self.pads_held and self.pads is not None and len(self.pads) == num_rows else None
+            self.skips = [pad // self.page_size for pad in pads] if pads is not None and any(pads) else None
+        skips = self.skips or [0] * num_rows
+        firsts = [first if skips[first] == skips[row] else row for row, first in enumerate(firsts)]
         rows = self.rows or [[] for _ in range(num_rows)]  # an empty table takes its rows only once pages are in
         end = self.num_tokens + num_new_tokens
         first_page = self.num_tokens // self.page_size
-        touched = [(row, index) for row in range(num_rows) for index in range(first_page, len(rows[row]))]
+        touched = [
+            (row, index) for row in range(num_rows) for index in range(max(0, first_page - skips[row]), len(rows[row]))
+        ]
         leaders = [row for row in range(num_rows) if firsts[row] == row]  # rows that get pages of their own
-        num_new_pages = math.ceil(end / self.page_size) - len(rows[0])
-        copies, fresh = self._copy_on_write(touched, num_new_pages * len(leaders))
+        num_new = [max(0, math.ceil(end / self.page_size) - skips[row]) - len(rows[row]) for row in range(num_rows)]
+        copies, fresh = self._copy_on_write(touched, sum(num_new[row] for row in leaders))
         self.rows = rows
-        if fresh or copies or num_new_pages:
+        if fresh or copies or any(num_new):
             self.version += 1
         if self.row_extents:
             new_pages = {
-                row: self.allocator.extend(rows[row][-1] if rows[row] else None, num_new_pages) if num_new_pages else []
+                row: self.allocator.extend(rows[row][-1] if rows[row] else None, num_new[row]) if num_new[row] else []
                 for row in leaders
             }
         else:
-            new_pages = {row: fresh[i * num_new_pages : (i + 1) * num_new_pages] for i, row in enumerate(leaders)}
+            ends = itertools.accumulate(num_new[row] for row in leaders)
+            new_pages = {row: fresh[end - num_new[row] : end] for row, end in zip(leaders, ends)}
         for row in range(num_rows):
             pages = new_pages[firsts[row]]
             if firsts[row] != row:
@@ -114,6 +126,7 @@ class PageTable:
             raise ValueError(f"Each row must bring {num_pages} pages for {num_tokens} tokens.")
         self.rows = [list(row) for row in rows]
         self.num_tokens = num_tokens
+        self.skips = None
         self.version += 1
 
     def make_private(self, rows: list[int], indices: list[int] | None = None) -> list[tuple[int, int]]:
@@ -164,6 +177,8 @@ class PageTable:
         new_rows = [list(self.rows[index]) for index in indices]
         if self.pads is not None and len(self.pads) == len(self.rows):
             self.pads = [self.pads[index] for index in indices]
+        if self.skips is not None:
+            self.skips = [self.skips[index] for index in indices]
         for row in new_rows:
             self.allocator.share(row)
         self.release_rows()
@@ -176,9 +191,9 @@ class PageTable:
             raise ValueError(f"Cannot crop to {num_tokens} tokens: the cache holds {self.num_tokens}.")
         keep = math.ceil(num_tokens / self.page_size)
         self.version += 1
-        for row in self.rows:
-            self.allocator.free(row[keep:])
-            del row[keep:]
+        for row, skip in zip(self.rows, self.row_skips):
+            self.allocator.free(row[max(0, keep - skip) :])
+            del row[max(0, keep - skip) :]
         self.num_tokens = num_tokens
 
     def release_rows(self) -> None:
@@ -195,6 +210,12 @@ class PageTable:
         self.release_rows()
         self.num_tokens = 0
         self.num_filled = None
+        self.skips = None
+
+    @property
+    def row_skips(self) -> list[int]:
+        """``skips``, a 0 for each row where there are none (or no rows: a grow that failed)."""
+        return self.skips if self.skips is not None and len(self.skips) == len(self.rows) else [0] * len(self.rows)
 
     def filled_slots(self) -> dict[int, int]:
         """Slots holding a token (not padding) of each distinct page this table holds (0 for a page taken ahead of
@@ -203,12 +224,12 @@ class PageTable:
         pads = self.pads if self.pads is not None and len(self.pads) == len(self.rows) else [0] * len(self.rows)
         page_size = self.page_size
         filled: dict[int, int] = {}
-        for row, pad in zip(self.rows, pads, strict=True):
+        for row, pad, skip in zip(self.rows, pads, self.row_skips, strict=True):
             # the slots of the row's tokens: from its first token at its padded position, or from slot 0
             first, end = (
                 (pad, min(written, self.num_tokens)) if self.pads_held else (0, min(written - pad, self.num_tokens))
             )
-            for index, page in enumerate(row):
+            for index, page in enumerate(row, start=skip):
                 tokens = min(end, (index + 1) * page_size) - max(first, index * page_size)
                 filled[page] = max(filled.get(page, 0), tokens, 0)
         return filled
@@ -217,7 +238,7 @@ class PageTable:
         """Raises ``AssertionError`` if a row has the wrong page count or holds a page the pool thinks free."""
         expected = math.ceil(self.num_tokens / self.page_size)
         references = Counter(page for row in self.rows for page in row)
-        for row in self.rows:
-            assert len(row) == expected, f"row holds {len(row)} pages for {self.num_tokens} tokens"
+        for row, skip in zip(self.rows, self.row_skips, strict=True):
+            assert len(row) == max(0, expected - skip), f"row holds {len(row)} pages for {self.num_tokens} tokens"
         for page, count in references.items():
             assert self.allocator.refcount(page) >= count, f"page {page} referenced {count}x, refcount lower"
