@@ -37,7 +37,8 @@ def pool_stats(
     storage is committed when the pool is made. ``pages_unfilled`` counts pages held that no
     token has been written to yet (a ring takes its planned pages at its first write); rows of growing layers
     place their pages in extents but never hold one ahead. ``tokens_held`` counts the slots holding a token, not a
-    row's padding (left-padded rows of growing layers hold their padding's slots); ``utilization`` is the bytes of the
+    row's padding (a left-padded row of growing layers holds the padding that shares a page with its first token, no
+    page of padding alone: ``PageTable.skips``); ``utilization`` is the bytes of the
     tokens held divided by the bytes of the pages caches hold (1.0 when every held page is full of tokens; shared
     pages count once). ``live_tables`` counts the page tables of caches not yet garbage collected (0 again once
     every cache is gone). The prefix index's counts are in rows (one prompt each): ``prefix_lookups`` rows looked up,
