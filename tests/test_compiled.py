@@ -391,8 +391,8 @@ def test_a_ring_that_wrapped_reads_nothing_back_to_the_host():
 )
 def test_an_eager_quantized_step_dispatches_at_most_its_bound(name, config):
     """Eager decode steps of a quantized cache against ``DynamicCache``'s, on SmolLM2's depth (30 layers), over one
-    page (16 steps, one of which fills a page and codes it): each step that fills no page, and the whole page, at most
-    1.5x ``DynamicCache``'s aten ops (the issue's target), and no read back to the host."""
+    page (16 steps, one of which fills a page and codes its keys): each step that fills no page, and the whole page,
+    at most 1.5x ``DynamicCache``'s aten ops (the issue's target), and no read back to the host."""
     model = tiny_llama(num_hidden_layers=30)
     ids = random_ids(2, 30)
     out = generate(model, ids, max_new_tokens=1, return_dict_in_generate=True)
@@ -409,7 +409,8 @@ def test_an_eager_quantized_step_dispatches_at_most_its_bound(name, config):
                 counts.append(ops.ops)
             steps.append(counts)
     fills = steps.pop(1)  # the second step's token (31) fills the second page
-    assert fills[0] > max(ours for ours, _ in steps), (fills, steps)
+    if name == "quantized_kv":  # its keys are coded when their page fills; values are coded every step
+        assert fills[0] > max(ours for ours, _ in steps), (fills, steps)
     assert all(ours <= 1.5 * dynamic for ours, dynamic in steps), steps
     steps.append(fills)
     totals = [sum(step[index] for step in steps) for index in (0, 1)]

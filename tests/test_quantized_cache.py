@@ -169,10 +169,10 @@ def test_models_that_reuse_another_layers_kv_are_refused(tiny_llama_model):
 
 @pytest.mark.parametrize("crop_to", [37, 48, 20])
 @torch.no_grad()
-def test_codes_by_page_equal_codes_by_token_through_a_crop(tiny_llama_model, crop_to, monkeypatch):
-    """With a residual window of a page or more, value codes are written a page at a time, when the page fills; the
-    logits equal writing each token's codes with it, through decode steps, a ``crop`` (inside a page, at a page's edge,
-    back past the window) and the pages that fill again afterwards."""
+def test_codes_of_a_step_written_at_its_end_equal_codes_written_by_each_layer(tiny_llama_model, crop_to, monkeypatch):
+    """With a residual window, a one-token step's value codes are written for every layer at once after its last
+    layer; the logits equal writing each layer's codes with it, through decode steps, a ``crop`` (inside a page, at a
+    page's edge, back past the window) and the steps after it."""
     settings = {"bits": 4, "group_size": 8, "residual_length": 16}
     ids, other = random_ids(1, 70, seed=21), random_ids(1, 60, seed=22)
 
@@ -182,6 +182,6 @@ def test_codes_by_page_equal_codes_by_token_through_a_crop(tiny_llama_model, cro
         cache.crop(crop_to - ids.shape[1])  # removes the tokens past crop_to
         return torch.cat([before, teacher_forced_logits(tiny_llama_model, other, cache, [1])], dim=1)
 
-    by_page = logits()
-    monkeypatch.setattr(PagedRows, "values_by_page", False)
-    torch.testing.assert_close(by_page, logits(), rtol=0, atol=0)
+    at_the_end = logits()
+    monkeypatch.setattr(PagedRows, "defers_codes", False)
+    torch.testing.assert_close(at_the_end, logits(), rtol=0, atol=0)

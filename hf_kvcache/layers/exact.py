@@ -60,11 +60,6 @@ class ResidualValues:
             self._kept = {**dict(list(self._kept.items())[-1:]), (first, end): kept}
         return kept
 
-    def take(self, layer_in_group: int, first: int, end: int) -> torch.Tensor:
-        """The held tokens ``[first, end)`` as ``[batch, heads, end - first, head_dim]`` (all within the window)."""
-        buffer = self.buffers[layer_in_group]
-        return buffer.index_select(2, torch.arange(first, end, device=buffer.device) % self.length)
-
     def take_all(self, first: int, end: int) -> tuple[list[int], torch.Tensor]:
         """Every layer's held tokens ``[first, end)`` at once (all within the window): ``(layers, [layers, batch,
         heads, end - first, head_dim])``, three ops for the layer group."""

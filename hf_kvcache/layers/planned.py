@@ -70,7 +70,7 @@ class PlannedRows:
         self._step_key = step_key
         pages, offsets, tokens, kv_offset = self._planned_reads(start, batch, capacity_pages)
         write_pages, write_offsets = self._planned_write(start, batch)
-        residual = self._plan_values(start, tokens) if self.store.quant is not None else (None, None, None)
+        residual = self.store.plan_residual(start, tokens) if self.store.quant is not None else (None, None, None)
         keys_read = (None,) * 4
         if self.store.keys is not None:
             with self.pool.held() as storage:
@@ -176,19 +176,6 @@ class PlannedRows:
             self._planned_values = torch.zeros(shape, dtype=self.pool.storage.keys.dtype, device=self.pool.device)
             torch._dynamo.mark_static_address(self._planned_values)
         return self._planned_values
-
-    def _plan_values(self, start: int, tokens: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        """Quantized values: codes every value the eager steps left uncoded (a page's tokens still filling: eager
-        codes them when the page fills, a planned step codes its own token), then plans the residual window
-        (``SlotStore.plan_residual``)."""
-        store = self.store
-        if store.by_page and store.coded < start:
-            with self.pool.held() as storage:
-                index = self._slot_index(store.coded, start - store.coded, storage)
-                for layer_in_group in range(self.pool.format.num_layers):
-                    store.code_window(layer_in_group, storage, index, store.coded, start)
-        store.coded = start + 1  # the step codes its token
-        return store.plan_residual(start, tokens)
 
     def _planned_reads(
         self, start: int, batch: int, capacity_pages: int

@@ -73,7 +73,7 @@ class RingRows(PagedRows):
             mask decides among them; ``False`` where the ring imposes the window on a full-attention layer.
     """
 
-    values_by_page = False  # a ring's slots wrap around: each token's value codes are written with it
+    defers_codes = False  # a ring's slots wrap around: each token's value codes are written with it
 
     def __init__(
         self,

@@ -59,8 +59,9 @@ class PagedRows(PlannedRows):
     Index tensors depend on the table: they are rebuilt when it changes (the pool's storage never does).
     """
 
-    values_by_page = True
-    """Quantized values: write their codes a page at a time, when the page fills (``SlotStore.write_value_pages``)."""
+    defers_codes = True
+    """Quantized values with a residual window: a one-token step codes every layer's token at once, after the layer
+    group's last layer (``SlotStore.code_step``)."""
 
     def __init__(
         self,
@@ -74,7 +75,7 @@ class PagedRows(PlannedRows):
     ) -> None:
         self.pool = pool
         self.process_group = process_group
-        self.store = SlotStore(pool, residual_length, self.values_by_page, exact_tokens)
+        self.store = SlotStore(pool, residual_length, self.defers_codes, exact_tokens)
         self.table = pool.new_table(row_extents, process_group)
         self.written = 0  # tokens every layer of the layer group has written (see write)
         self._last_layer = pool.format.num_layers - 1
@@ -109,22 +110,15 @@ class PagedRows(PlannedRows):
         """
         self.begin_step(start, key_states, value_states)
         num_new = key_states.shape[-2]
-        pages = self.store.value_pages_to_write(start, start + num_new)
-        deferred = pages is not None and self.store.defers_value_pages(start, num_new, pages[0])
+        deferred = self.store.defers_codes and num_new == 1
         with self.pool.held() as storage:
             index = self._write_index(start, num_new, storage)
-            self.store.write(layer_in_group, storage, index, key_states, value_states)
+            self.store.write(layer_in_group, storage, index, key_states, value_states, code_values=not deferred)
             self._write_keys(layer_in_group, storage, start, key_states)
-            if pages is not None and not deferred:
-                first, last = pages
-                index = self._slot_index(first, last - first, storage)
-                values = value_states[:, :, : last - start]
-                self.store.write_value_pages(layer_in_group, storage, index, first, start, values)
         self.store.remember(layer_in_group, start, value_states, key_states)
-        if deferred and layer_in_group == self._last_layer:  # every layer's page, coded at once
+        if deferred and layer_in_group == self._last_layer:  # every layer's token, coded at once
             with self.pool.held() as storage:
-                first, last = pages
-                self.store.code_value_pages(storage, self._slot_index(first, last - first, storage), first, last)
+                self.store.code_step(storage, self._write_index(start, num_new, storage), start)
         self.end_step(layer_in_group, start + num_new)
 
     def key_shifts(self, batch: int) -> list[int]:
@@ -164,7 +158,6 @@ class PagedRows(PlannedRows):
         layer holds them (``written``, what may be published to a prefix index)."""
         if layer_in_group == self._last_layer:
             self.written = end
-            self.store.stored(end)
 
     def attend(
         self,
@@ -414,12 +407,8 @@ class PagedRows(PlannedRows):
         """``[batch, heads, n]`` slot indices of tokens ``[start, start + n)`` in ``storage``
         (``kernels.slot_indices``), kept for the step's other layers."""
         if self._write is None or self._write[:2] != (start, num_new):
-            self._write = (start, num_new, self._slot_index(start, num_new, storage))
+            self._write = (start, num_new, self._slots(storage)[:, :, start : start + num_new])
         return self._write[2]
-
-    def _slot_index(self, start: int, num_new: int, storage: PoolStorage) -> torch.Tensor:
-        """``_write_index``, not kept (a page's value codes, written once in a while: ``SlotStore.by_page``)."""
-        return self._slots(storage)[:, :, start : start + num_new]
 
     def _slots(self, storage: PoolStorage) -> torch.Tensor:
         """``[batch, heads, pages * page_size]`` the slot indices of every slot of the rows' pages in ``storage``

@@ -7,10 +7,10 @@ never change afterwards); keys stay in the model's dtype. Attention gets the val
 into a buffer the rows reuse from step to step and layer to layer, never a new full-precision copy
 of the history: gathered in token order (``read``), or, where attention reads the keys in place, laid
 out as the storage's slots, the visited pages only (``values_in_place``). The newest ``residual_length``
-tokens are served in full precision from ``ResidualValues`` instead of their codes; where that window holds at least
-a page (and the rows keep every page), the codes are written a page at a time, when the page fills
-(``write_value_pages``: one quantization per page instead of one per token; attention reads the tokens of the page
-still filling from the window). With a format that sets ``key_bits``, keys are stored as codes a page at a time
+tokens are served in full precision from ``ResidualValues`` instead of their codes; with that window, a one-token
+step of rows that keep every page codes its token for every layer at once, after the layer group's last layer
+(``code_step``: one quantization per step instead of one per layer; attention reads the token from the window).
+With a format that sets ``key_bits``, keys are stored as codes a page at a time
 (``hf_kvcache.layers.keys``): the rows write and read them through ``SlotStore.keys``.
 """
 
@@ -57,20 +57,19 @@ class SlotStore:
     Args:
         pool: where the pages live.
         residual_length: newest tokens whose values attention gets in full precision (quantized pools only).
-        values_by_page: write value codes a page at a time where the residual window holds a page (rows that keep
-            every page; a ring's slots wrap around instead).
+        defers_codes: a one-token step's value codes are written after the layer group's last layer, for all its
+            layers at once (``code_step``), where there is a residual window (rows that keep every page).
         exact_tokens: first tokens of a row whose keys and values attention gets in full precision (``ExactSink``;
             encoded pools, rows that keep every page).
     """
 
     def __init__(
-        self, pool: KVPool, residual_length: int = 0, values_by_page: bool = False, exact_tokens: int = 0
+        self, pool: KVPool, residual_length: int = 0, defers_codes: bool = False, exact_tokens: int = 0
     ) -> None:
         self.pool = pool
         self.quant = pool.format.value_format
         self.residual = ResidualValues(residual_length) if self.quant is not None and residual_length else None
-        self.by_page = values_by_page and self.residual is not None and residual_length >= pool.format.page_size
-        self.coded = 0  # by page: tokens of every row whose value codes are in the pool, in every layer
+        self.defers_codes = defers_codes and self.residual is not None
         self._buffers: dict[str, torch.Tensor] = {}  # flat, reused for dequantized values (and float32 work)
         self._views: dict[str, tuple[tuple, torch.Tensor]] = {}  # name -> (shape, dtype, inference mode), its view
         self._spread_bytes: tuple[torch.Tensor, torch.Size, torch.Tensor] | None = None  # (spread, shape, as bytes)
@@ -85,73 +84,34 @@ class SlotStore:
         index: torch.Tensor,
         key_states: torch.Tensor,
         value_states: torch.Tensor,
+        code_values: bool = True,
     ) -> None:
         """Stores new states ``[batch, heads, n, head_dim]`` into the slots ``index`` (slot indices) of ``storage``.
 
         Call it inside ``KVPool.held()`` with the storage it yields, and ``index`` built for it
         (``kernels.slot_indices``). The pool holds inference state: what is stored is detached from any autograd
-        graph. Encoded keys are not written here (``KeyPages.write``, a page at a time), nor values written by page
-        (``write_value_pages``).
+        graph. Encoded keys are not written here (``KeyPages.write``, a page at a time), nor quantized values with
+        ``code_values=False`` (``code_step``).
         """
         key_states, value_states = _detached(key_states), _detached(value_states)
         if self.keys is None:
             write_slots(storage.slots(storage.keys, layer_in_group), index, key_states)
         if self.quant is None:
             write_slots(storage.slots(storage.values, layer_in_group), index, value_states)
-        elif not self.by_page:
+        elif code_values:
             self._write_codes(layer_in_group, storage, index, value_states)
 
-    def value_pages_to_write(self, start: int, end: int) -> tuple[int, int] | None:
-        """By page: the tokens ``[first, last)`` whose codes a step writing tokens ``[start, end)`` stores, the pages
-        it fills (``None``: none)."""
-        last = end - end % self.pool.format.page_size
-        first = self.coded if start else 0
-        return (first, last) if self.by_page and last > first else None
-
-    def write_value_pages(
-        self,
-        layer_in_group: int,
-        storage: PoolStorage,
-        index: torch.Tensor,
-        first: int,
-        start: int,
-        value_states: torch.Tensor,
-    ) -> None:
-        """By page: stores the codes of tokens ``[first, last)`` (``value_pages_to_write``) into their slots ``index``,
-        the ones before ``start`` taken from the residual window, the rest from the step's ``value_states``
-        ``[batch, heads, n, head_dim]`` (tokens ``[start, start + n)``). Inside ``KVPool.held()``, like ``write``."""
-        values = value_states.detach()
-        if first < start:
-            values = torch.cat([self.residual.take(layer_in_group, first, start), values], dim=2)
-        self._write_codes(layer_in_group, storage, index, values)
-
-    def defers_value_pages(self, start: int, num_new: int, first: int) -> bool:
-        """By page: whether a step writing tokens ``[start, start + num_new)`` leaves the codes of its pages, from
-        token ``first`` (``value_pages_to_write``), to ``code_value_pages`` after the layer group's last layer: a
-        decode step, whose pages the residual windows still hold whole after it (attention reads them from there)."""
-        return num_new == 1 and first >= start + 1 - self.residual.length
-
-    def code_value_pages(self, storage: PoolStorage, index: torch.Tensor, first: int, last: int) -> None:
-        """By page, after the last layer of a decode step that ``defers_value_pages``: the codes of tokens ``[first,
-        last)`` of every layer of the layer group, from the residual windows, stored into their slots ``index
-        [batch, heads, n]`` at once (one quantization for all layers keeps the step's op count low). Inside
+    def code_step(self, storage: PoolStorage, index: torch.Tensor, start: int) -> None:
+        """After the last layer of a one-token step that deferred its codes (``defers_codes``): the codes of token
+        ``start`` of every layer of the layer group, from the residual windows, stored into their slots ``index
+        [batch, heads, 1]`` at once (one quantization for all layers keeps the step's op count low). Inside
         ``KVPool.held()``, like ``write``."""
-        layers, values = self.residual.take_all(first, last)  # [layers, batch, heads, n, head_dim]
+        layers, values = self.residual.take_all(start, start + 1)  # [layers, batch, heads, 1, head_dim]
         codes, scale, zero = quantize(values, self.quant)
-        where = (torch.tensor(layers, device=index.device).view(-1, 1, 1, 1), index)  # -> [layers, batch, heads, n]
+        where = (torch.tensor(layers, device=index.device).view(-1, 1, 1, 1), index)  # -> [layers, batch, heads, 1]
         for tensor, part in ((storage.values, codes), (storage.value_scales, join_scales(scale, zero))):
             by_layer = tensor.view(tensor.shape[0], -1, tensor.shape[-1])  # [layers, slots, last_dim]
             by_layer.index_put_(where, part if part.dtype == tensor.dtype else part.to(tensor.dtype))
-
-    def stored(self, end: int) -> None:
-        """Every layer has written tokens up to ``end``: by page, the codes of its full pages are in the pool."""
-        if self.by_page:  # a step inside a page a crop left coded in part keeps that part
-            self.coded = max(self.coded, end - end % self.pool.format.page_size)
-
-    def code_window(self, layer_in_group: int, storage: PoolStorage, index: torch.Tensor, first: int, end: int) -> None:
-        """Stores the codes of tokens ``[first, end)``, all in the residual window, into their slots ``index`` (under
-        ``KVPool.held()``)."""
-        self._write_codes(layer_in_group, storage, index, self.residual.take(layer_in_group, first, end))
 
     # ----- planned decode steps (compiled): tensor operations only ------------------------------
 
@@ -171,9 +131,7 @@ class SlotStore:
 
     def replan_residual(self, plan: "Any", start: int) -> None:
         """A planned step at ``start`` that reads the keys of the step before's plan (``PagedRows.plan_decode``):
-        the step codes its token, and the residual window moves on by it (``plan_residual``'s tensors refilled in
-        place, five ops)."""
-        self.coded = start + 1
+        the residual window moves on by its token (``plan_residual``'s tensors refilled in place, five ops)."""
         residual = self.residual
         if residual is None:
             return
@@ -395,20 +353,17 @@ class SlotStore:
     def crop(self, num_tokens: int) -> None:
         if self.residual is not None:
             self.residual.crop(num_tokens)
-        self.coded = min(self.coded, num_tokens)
 
     def attach(self, num_tokens: int) -> None:
         """The rows start from a reused prefix of ``num_tokens`` tokens, whose values are codes only."""
         if self.residual is not None:
             self.residual.first = num_tokens
-        self.coded = num_tokens
         if self.keys is not None:  # whole pages, encoded
             self.keys.attach()
         if self.sink is not None:  # the reused first tokens are codes only
             self.sink.release()
 
     def release(self) -> None:
-        self.coded = 0
         if self.residual is not None:
             self.residual.release()
         if self.keys is not None:
