@@ -153,8 +153,9 @@ def test_random_states_decode_as_the_documented_scheme(tiny_llama_model, setting
     values = torch.randn(2, heads, total, head_dim, generator=generator) * spread.flip(0)
     cache = QuantizedKVCache(config, **settings, max_tokens=256)
     start = 0
-    for size in chunks:
-        cache.update(keys[:, :, start : start + size], values[:, :, start : start + size], 0)
+    for size in chunks:  # every layer writes each step, as a forward pass does (values are coded after the last)
+        for layer_idx in range(config.num_hidden_layers):
+            cache.update(keys[:, :, start : start + size], values[:, :, start : start + size], layer_idx)
         start += size
     check_layer(cache, 0, keys, values, settings)
 
