@@ -93,7 +93,7 @@ def math_squared_errors(keys, values, key_bits, value_bits, group_size):
 def read_back(cache: QuantizedKVCache, layer_idx: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of one layer as attention gets them, through the cache's own read path."""
     layer = cache.layers[layer_idx]
-    keys, values = layer.rows.read(layer.layer_in_group, num_tokens)
+    keys, values = layer.rows.gather(layer.layer_in_group, num_tokens)
     return keys.clone(), values.clone()
 
 

@@ -111,7 +111,7 @@ def test_rows_that_differ_in_a_later_layer_get_private_pages():
     different = torch.randn(2, 2, 6, 16)
     out_keys, _ = cache.update(different, different, 1)  # layer 1: rows differ
     torch.testing.assert_close(out_keys, different, rtol=0, atol=0)
-    keys0, _ = cache.layers[0].rows.read(0, 6)
+    keys0, _ = cache.layers[0].rows.gather(0, 6)
     torch.testing.assert_close(keys0, same, rtol=0, atol=0)
     cache.pool.check_integrity()
 

@@ -15,7 +15,7 @@ masks (``sdpa_mask``); a decode step of grouped KV heads, under a mask or (on CP
 head's query heads as its query rows (``flex.packed_decode_attention``: its keys and values read once, not once per
 query head, and never copied per query head as transformers' sdpa does inside a compiled graph).
 
-The growing layers (``PagedRows.attend``) hand a decode step's keys over as the pool's storage itself, with a
+The growing layers (``PagedRows.read``) hand a decode step's keys over as the pool's storage itself, with a
 ``PagedRead``: this attention then runs compiled FlexAttention over the pages where they lie
 (``attention.flex``), after checking that the model's mask hides exactly each row's leading padding; anything it
 cannot do in place (a mask with holes, training, a shape that does not compile) it does on the same keys gathered,

@@ -1,15 +1,16 @@
 """Moving keys/values between attention's tensors and pool pages (pure torch): the gather path.
 
 A pool's storage holds keys or values as ``[num_layers, num_kv_heads, num_pages, page_size, last_dim]``
-(``hf_kvcache.memory.pool``). Inside one layer a (head, slot) pair is one row of ``last_dim`` numbers
-(``PoolStorage.slots``, a view kept from step to step), so reading slots is one index op whose result
-``[batch, num_kv_heads, n, last_dim]`` is what attention takes, and writing them one ``index_put_``: a step's layer
-dispatches as many ops as ``DynamicCache``'s two ``cat``. Row indices depend on the storage's page count: build
+(``hf_kvcache.memory.pool``). A step writes its tokens with one ``index_put_`` per layer at the pages and slots its
+plan names (``write_planned``), and gathers what attention reads with one ``index_select`` per layer: whole pages of
+rows that keep every token (``page_rows``, ``read_pages``), single slots of a ring (``slot_indices``, ``read_slots``),
+over one layer's view of the storage kept from step to step (``PoolStorage.slots``), so that a step's layer
+dispatches about as many ops as ``DynamicCache``'s two ``cat``. Row indices depend on the storage's page count: build
 them for the storage they are used with (``hf_kvcache.memory.pool.PoolStorage``).
 
 Where a single row's pages are one run of consecutive ids in order, its tokens are consecutive slots of each head
 and ``run_view`` hands them over as a strided view, no copy at all. The in-place path for rows scattered over the
-pool is ``hf_kvcache.attention.flex``; ``read_slots`` is the slow twin of both.
+pool is ``hf_kvcache.attention.flex``; the gathers are the slow twin of both.
 """
 
 from typing import Any
@@ -27,12 +28,29 @@ def slot_indices(
     return (heads * num_pages + page_ids.unsqueeze(1)) * page_size + offsets.unsqueeze(1)
 
 
-def page_slot_indices(page_ids: torch.Tensor, num_kv_heads: int, num_pages: int, page_size: int) -> torch.Tensor:
-    """``[batch, num_kv_heads, pages * page_size]``: ``slot_indices`` of every slot of the pages ``page_ids [batch,
-    pages]``, in order."""
-    offsets = torch.arange(page_size, device=page_ids.device).repeat(page_ids.shape[1])
-    pages = page_ids.repeat_interleave(page_size, dim=1)
-    return slot_indices(pages, offsets.expand_as(pages), num_kv_heads, num_pages, page_size)
+def page_rows(page_ids: torch.Tensor, num_kv_heads: int, num_pages: int) -> torch.Tensor:
+    """``[batch * num_kv_heads * pages]``: the row of each (row, head, page) of ``page_ids [batch, pages]`` in a
+    layer's storage viewed as ``[num_kv_heads * num_pages, page_size * last_dim]`` (``read_pages``), flattened."""
+    heads = torch.arange(num_kv_heads, device=page_ids.device).view(1, -1, 1)  # [1, heads, 1]
+    return (heads * num_pages + page_ids.unsqueeze(1)).view(-1)
+
+
+def read_pages(pages: torch.Tensor, rows: torch.Tensor, shape: tuple[int, int, int, int]) -> torch.Tensor:
+    """Gathers whole pages of one layer: the first ``num_tokens`` tokens of each row.
+
+    Args:
+        pages: one layer's keys (or values) as ``[heads * num_pages, page_size * last_dim]``
+            (``PoolStorage.slots`` with ``slots_per_row=page_size``).
+        rows: ``page_rows`` of the rows' pages.
+        shape: ``(batch, heads, num_tokens, last_dim)``.
+
+    Returns:
+        ``shape``: one ``index_select`` of whole pages (as fast as one of slots, with a page_size times smaller
+        index), then one view of its first ``num_tokens`` tokens of each row and head.
+    """
+    batch, heads, _, last_dim = shape
+    row_numbers = rows.numel() // (batch * heads) * pages.shape[1]  # a row's pages, per head
+    return pages.index_select(0, rows).as_strided(shape, (heads * row_numbers, row_numbers, last_dim, 1))
 
 
 def run_view(storage: torch.Tensor, layer_idx: int, first_page: int, num_tokens: int) -> torch.Tensor:
@@ -66,14 +84,8 @@ def read_slots(slots: torch.Tensor, index: torch.Tensor, shape: tuple[int, ...])
     return slots.index_select(0, index).view(*shape, slots.shape[-1])
 
 
-def write_slots(slots: torch.Tensor, index: torch.Tensor, states: torch.Tensor) -> None:
-    """Scatters new keys (or values) ``[batch, heads, n, last_dim]`` into their slots ``index [batch, heads, n]``
-    (slot indices) of a layer's ``slots`` view (as for ``read_slots``)."""
-    slots.index_put_((index,), states if states.dtype == slots.dtype else states.to(slots.dtype))
-
-
 def write_planned(storage: torch.Tensor, plan: "Any", layer_idx: int, states: torch.Tensor) -> None:
-    """Writes a planned step's one new token per row, ``states [batch, heads, 1, last_dim]``, to its slot of one layer
+    """Writes a step's new tokens, ``states [batch, heads, n, last_dim]``, to their slots of one layer
     (``StepPlan.write_pages`` / ``write_offsets``): one ``index_put_`` on the whole storage (no view of it is
     mutated, so a compiled step writes the slots in place rather than copying the storage)."""
     index = (plan.layers[layer_idx], plan.heads, plan.write_pages, plan.write_offsets)  # -> [batch, heads, 1]
@@ -93,9 +105,9 @@ def read_planned_view(view: torch.Tensor, plan: "Any") -> torch.Tensor:
 
 def read_planned(storage: torch.Tensor, plan: "Any", layer_idx: int) -> torch.Tensor:
     """A planned step's keys (or values) of one layer, ``[batch, heads, plan.num_keys, last_dim]``: one gather of
-    whole pages (``StepPlan.pages``), or of single slots where the plan has ``offsets``, then a view."""
+    whole pages (``StepPlan.reads``, ``read_pages``), or of single slots where the plan has ``offsets``."""
     if plan.offsets is not None:
         return storage[plan.layers[layer_idx], plan.heads, plan.pages, plan.offsets]  # [batch, heads, keys, last]
-    gathered = storage[plan.layers[layer_idx], plan.heads, plan.pages]  # [batch, heads, capacity, page_size, last]
-    batch, heads, capacity, page_size, last_dim = gathered.shape
-    return gathered.view(batch, heads, capacity * page_size, last_dim)
+    _, heads, _, page_size, last_dim = storage.shape
+    pages = storage[layer_idx].view(-1, page_size * last_dim)
+    return read_pages(pages, plan.reads, (plan.pages.shape[0], heads, plan.num_keys, last_dim))

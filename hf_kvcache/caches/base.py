@@ -252,7 +252,7 @@ class PoolCache(PlannedDecoding):
         than a page at a time, so that each row's pages follow one another on a fresh pool and attention can read
         them in place (``attention.interface``); those pages are held, and counted as held, from the first write.
         The attention mask tells each row's leading padding, so that a ring's sinks are the row's first *real*
-        tokens, and so that growing layers reading in place hide it (``PagedRows.attend``).
+        tokens, and so that growing layers reading in place hide it (``PagedRows.read``).
 
         Args:
             num_tokens: tokens a row may hold at most (``generate``: prompt + ``max_new_tokens`` - 1).

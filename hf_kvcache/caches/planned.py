@@ -37,9 +37,9 @@ class PlannedDecoding(Cache):
         mask, whose size the plan sets): the bookkeeping of the step (pages, copy-on-write, where the new token goes
         and which pages attention reads) done here, on the host, into tensors the step reads
         (``PagedRows.plan_decode``); ``start_planned`` then counts the step. Only steps that run compiled
-        (``compiled_decoding``) are planned: eager, the planned gather (one ``aten.index`` per layer) measured
-        slower than the paths ``PagedRows.attend`` picks (0.88x against 0.97x DynamicCache at 4,096 x 1 under
-        sdpa), though it dispatches fewer ops (1.08x DynamicCache's against 1.37x at 1,024 x 1).
+        (``compiled_decoding``) are planned here, ahead of the forward pass (their graph does no host work); an eager
+        step is planned by the layer group's first layer (``PagedRows.plan_step``), and reads exactly its tokens
+        rather than a capacity bucket (the model's mask is built for them).
 
         Args:
             attention_mask: ``generate``'s ``[rows, tokens]`` mask (``None``: all ones): where it hides no more than

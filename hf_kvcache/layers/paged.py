@@ -48,17 +48,22 @@ class PagedLayer(CacheLayerMixin):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Stores ``[batch, heads, n, head_dim]`` new states; returns all ``[batch, heads, seq_len, head_dim]``, or the
         pool's storage for attention to read in place with a ``PagedRead`` put in the attention's kwargs, which
-        transformers hands over as ``kwargs=`` (``PagedRows.attend``)."""
+        transformers hands over as ``kwargs=`` (``PagedRows.read``). The step's plan says where each goes: planned
+        before the forward pass for a compiled step (``PoolCache.plan_decode``), else by the layer group's first
+        layer (``PagedRows.plan_step``)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        handoff = attention_kwargs(kwargs)
         if self.planned:  # planned (PoolCache.plan_decode), once: the step's count is already in
             self.planned = False
-            self.rows.write_planned(self.layer_in_group, key_states, value_states)
-            return self.rows.read_planned(self.layer_in_group, key_states.dtype)
-        self.rows.write(self.layer_in_group, self.num_tokens, key_states, value_states)
-        self.num_tokens += key_states.shape[-2]
-        handoff = attention_kwargs(kwargs)
-        return self.rows.attend(self.layer_in_group, self.num_tokens, key_states, value_states, handoff)
+            plan = self.rows.step_plan
+        else:
+            plan = self.rows.plan_step(
+                self.layer_in_group, self.num_tokens, key_states, value_states, handoff is not None
+            )
+            self.num_tokens += key_states.shape[-2]
+        self.rows.write(plan, self.layer_in_group, key_states, value_states)
+        return self.rows.read(plan, self.layer_in_group, key_states, value_states, handoff)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         plan = self.rows.step_plan if self.planned else None

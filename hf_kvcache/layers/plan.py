@@ -1,7 +1,9 @@
-"""A planned decode step (compiled decoding): what the step writes and reads, decided before the forward pass.
+"""A step's plan: what every layer of a layer group writes and reads, decided once per forward pass.
 
-``PoolCache.plan_decode`` plans each decode step ``generate`` compiles; ``PagedRows.plan_decode`` fills a
-``StepPlan``; inside the compiled forward ``kernels.write_planned`` and ``kernels.read_planned`` execute it.
+Eager steps of rows that keep every page are planned by the layer group's first layer (``PagedRows.plan_step``);
+each decode step ``generate`` compiles is planned before the forward pass (``PoolCache.plan_decode``,
+``PagedRows.plan_decode``, into tensors kept from step to step). The layers execute either with the same kernels
+(``kernels.write_planned``, ``kernels.read_planned`` / ``read_pages``).
 """
 
 from dataclasses import dataclass
@@ -12,9 +14,10 @@ import torch
 
 @dataclass
 class StepPlan:
-    """A decode step of one new token per row, planned before the forward pass (``PagedRows.plan_decode``), in
-    tensors kept from step to step and refilled in place, so that a compiled step (and a CUDA graph replay) reads
-    them without a recompile while the batch and the number of keys stay. Index tensors broadcast to ``[batch,
+    """A step's writes and reads. A compiled step (``ahead``: one new token per row, planned before the forward pass
+    by ``PagedRows.plan_decode``) keeps its tensors from step to step, refilled in place, so that a compiled step
+    (and a CUDA graph replay) reads them without a recompile while the batch and the number of keys stay; an eager
+    step's (``PagedRows.plan_step``) are made for it. Index tensors broadcast to ``[batch,
     heads, ...]`` over the storage's ``[layers, heads, pages, page_size, head_dim]`` (``kernels.read_planned`` and
     ``kernels.write_planned``).
 
@@ -23,7 +26,7 @@ class StepPlan:
             pages, then the null page up to a capacity bucket: ``capacity_bucket``), or with ``offsets`` one slot per
             read (a ring's visible tokens in time order, the null page's first slot where a key holds none).
         offsets: ``[batch, 1, reads]`` the slot of each read in its page; ``None``: whole pages are read.
-        write_pages / write_offsets: ``[batch, 1, 1]`` the page and the slot in it of each row's new token.
+        write_pages / write_offsets: ``[batch, 1, n]`` the page and the slot in it of each row's new tokens.
         heads: ``[1, heads, 1]`` the KV heads.
         layers: ``[1, 1, 1]`` each layer's index (kept, so that a step makes none).
         num_keys: keys attention gets per row: the model's mask is built for this many (a constant of the graph);
@@ -44,6 +47,18 @@ class StepPlan:
             one plan serves every row; a ring's rows count from their first real token (``KeyPages``).
         mask: a ``PagedBlockMask`` where attention reads the pages in place (FlexAttention over the storage, in
             the graph), refilled before each step; ``None``: the step gathers ``pages``.
+        reads: ``[batch * heads * pages]`` the rows' pages to gather, as rows of a layer's storage viewed as
+            ``[heads * pages, page_size * last_dim]`` (``kernels.page_rows``); ``None`` where the plan reads single
+            slots (``offsets``) or does not gather.
+        start / num_new: an eager step's first token and its number of new tokens.
+        version: the page table's version an eager plan was made for (a shared prefill's rows that turn out to
+            differ change it mid-step).
+        mode: how an eager step's attention reads: ``"gather"``, ``"run"`` or ``"in place"`` (``ReadPath``).
+        ahead: planned before the forward pass for a compiled step (``PagedRows.plan_decode``).
+        slots: a ring's eager step read in time order: ``[batch, num_keys]`` the logical slot of each key (``-1``:
+            none; ``RingRows``), which ``reads`` reads (and keys coded a page at a time decode).
+        layout: a ring's eager step: the ``KeyLayout`` attention gets (``None``: a single new token read in time
+            order sees every key).
         value_extents: quantized values read in place: ``[n]`` the extents the mask visits (padded with the last
             one to a fixed count), whose codes are dequantized into ``value_buffer``.
         window_pages / window_offsets: ``[batch, 1, residual length]`` the page and slot of the token each slot
@@ -55,7 +70,7 @@ class StepPlan:
             1, 1]`` whether it is one of the first tokens the sink holds (else the sink keeps what it held).
     """
 
-    pages: torch.Tensor
+    pages: torch.Tensor | None
     offsets: torch.Tensor | None
     write_pages: torch.Tensor
     write_offsets: torch.Tensor
@@ -78,6 +93,14 @@ class StepPlan:
     value_buffer: torch.Tensor | None = None
     sink_write: torch.Tensor | None = None
     sink_writes: torch.Tensor | None = None
+    reads: torch.Tensor | None = None
+    start: int = 0
+    num_new: int = 1
+    version: int = -1
+    mode: str = "gather"
+    ahead: bool = False
+    slots: torch.Tensor | None = None
+    layout: Any = None
 
     @property
     def residual(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:

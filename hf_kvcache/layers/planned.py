@@ -9,7 +9,7 @@ tensors of a ``StepPlan``; inside the graph a layer only writes at the planned s
 import torch
 
 from hf_kvcache.attention import block_mask, flex
-from hf_kvcache.attention.kernels import read_planned, write_planned
+from hf_kvcache.attention.kernels import page_rows, read_planned, write_planned
 from hf_kvcache.layers.plan import StepPlan
 from hf_kvcache.memory.allocator import NULL_PAGE
 
@@ -56,7 +56,8 @@ class PlannedRows:
         keeps = self.ring_pages is None and store.sink is None
         step_key = (self.table.version, start // page_size, batch, capacity_pages, padding_only) if keeps else None
         plan = self.step_plan
-        if step_key is not None and plan is not None and step_key == self._step_key and plan.value_buffer is None:
+        keep = step_key is not None and plan is not None and plan.ahead and step_key == self._step_key
+        if keep and plan.value_buffer is None:
             # The same pages, read and written, as the step before: the slot of the new token moves, and a quantized
             # cache's residual window and whether the step fills the keys' page still filling.
             plan.write_offsets.fill_(start % page_size)
@@ -69,7 +70,9 @@ class PlannedRows:
             return plan
         self._step_key = step_key
         pages, offsets, tokens, kv_offset = self._planned_reads(start, batch, capacity_pages)
-        write_pages, write_offsets = self._planned_write(start, batch)
+        write_pages, write_offsets = self._write_slots(start, 1)
+        fmt = self.pool.format
+        reads = None if offsets is not None else page_rows(pages[:, 0], fmt.num_kv_heads, self.pool.storage.num_pages)
         residual = self.store.plan_residual(start, tokens) if self.store.quant is not None else (None, None, None)
         keys_read = (None,) * 4
         if self.store.keys is not None:
@@ -84,19 +87,22 @@ class PlannedRows:
         if mask is not None and self.store.quant is not None:
             in_place_values = self._plan_values_in_place(start, batch, capacity_pages)
             mask = mask if in_place_values[0] is not None else None
-        fresh = plan is None or plan.pages.shape != pages.shape or (plan.offsets is None) != (offsets is None)
+        fresh = (
+            plan is None
+            or not plan.ahead
+            or plan.pages.shape != pages.shape
+            or (plan.offsets is None) != (offsets is None)
+        )
         fresh = fresh or _shapes(plan.in_place_values) != _shapes(in_place_values)
         fresh = fresh or _shapes(plan.keys_read) != _shapes(keys_read) or _shapes(plan.sink) != _shapes(sink)
         if fresh:
             device = pages.device
-            fmt = self.pool.format
             self.step_plan = plan = StepPlan(
                 _fresh_copy(pages),
                 _fresh_copy(offsets),
                 _fresh_copy(write_pages),
                 _fresh_copy(write_offsets),
-                torch.arange(fmt.num_kv_heads, device=device).view(1, -1, 1),
-                tuple(torch.full((1, 1, 1), layer, device=device) for layer in range(fmt.num_layers)),
+                *self._constants(),
                 tokens.shape[-1],
                 kv_offset,
                 torch.arange(batch, device=device).view(-1, 1, 1),
@@ -105,8 +111,9 @@ class PlannedRows:
             )
             plan.value_extents, plan.window_pages, plan.window_offsets = map(_fresh_copy, in_place_values)
             plan.sink_write, plan.sink_writes = map(_fresh_copy, sink)
-            kept = (plan.pages, plan.offsets, plan.write_pages, plan.write_offsets, *plan.residual, *plan.keys_read)
-            kept = (*kept, *plan.in_place_values, *plan.sink)
+            plan.reads, plan.ahead = _fresh_copy(reads), True
+            kept = (plan.reads, plan.pages, plan.offsets, plan.write_pages, plan.write_offsets, *plan.residual)
+            kept = (*kept, *plan.keys_read, *plan.in_place_values, *plan.sink)
             held = self.store.residual.buffers.values() if self.store.residual is not None else ()
             if self.store.sink is not None:
                 held = (*held, *self.store.sink.keys.values(), *self.store.sink.values.values())
@@ -114,9 +121,19 @@ class PlannedRows:
                 if tensor is not None:
                     torch._dynamo.mark_static_address(tensor)  # CUDA graphs read them where they lie
         else:
-            planned = (pages, offsets, write_pages, write_offsets, *residual, *keys_read, *in_place_values, *sink)
-            kept = (plan.pages, plan.offsets, plan.write_pages, plan.write_offsets, *plan.residual, *plan.keys_read)
-            kept = (*kept, *plan.in_place_values, *plan.sink)
+            planned = (
+                reads,
+                pages,
+                offsets,
+                write_pages,
+                write_offsets,
+                *residual,
+                *keys_read,
+                *in_place_values,
+                *sink,
+            )
+            kept = (plan.reads, plan.pages, plan.offsets, plan.write_pages, plan.write_offsets, *plan.residual)
+            kept = (*kept, *plan.keys_read, *plan.in_place_values, *plan.sink)
             for into, tensor in zip(kept, planned):
                 if into is not None:
                     into.copy_(tensor)
@@ -146,17 +163,19 @@ class PlannedRows:
         return self.path.mask if wanted and self.path.refresh_mask(batch, start + 1, self.mask_inputs) else None
 
     def _plan_values_in_place(
-        self, start: int, batch: int, capacity_pages: int
+        self, start: int, batch: int, capacity_pages: int | None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """Quantized values of a step read in place at ``start`` (``StepPlan.in_place_values``): the extents the
-        mask visits, padded with the last to ``batch x (capacity extents + 1)`` so that their count is a constant of
-        the graph (``None`` each where they are more: the step gathers), and the residual window's slots."""
+        """Quantized values of a one-token step read in place at ``start`` (``StepPlan.in_place_values``): the
+        extents the mask visits, for a compiled step (``capacity_pages`` given) padded with the last to ``batch x
+        (capacity extents + 1)`` so that their count is a constant of the graph (``None`` each where they are more:
+        the step gathers), and the residual window's slots."""
         fmt = self.pool.format
-        extents, num_pages = self.path.extents[0], self.path.mask.num_pages
-        count = min(num_pages // fmt.extent_pages, batch * (-(-capacity_pages // fmt.extent_pages) + 1))
-        if extents.numel() > count:
-            return None, None, None
-        extents = torch.cat([extents, extents[-1:].expand(count - extents.numel())])
+        extents, num_pages = self.path.extents, self.path.mask.num_pages
+        if capacity_pages is not None:
+            count = min(num_pages // fmt.extent_pages, batch * (-(-capacity_pages // fmt.extent_pages) + 1))
+            if extents.numel() > count:
+                return None, None, None
+            extents = torch.cat([extents, extents[-1:].expand(count - extents.numel())])
         window = self.store.residual
         if window is None:
             return extents, None, None
@@ -191,21 +210,17 @@ class PlannedRows:
         tokens = torch.arange(capacity_pages * self.pool.format.page_size, device=ids.device).unsqueeze(0)
         return padded, None, tokens, 0
 
-    def _planned_write(self, start: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[batch, 1, 1]`` the page and the slot in it where a planned step's new token at ``start`` goes."""
-        page_size = self.pool.format.page_size
-        pages = self._page_ids()[:, start // page_size].view(batch, 1, 1)
-        return pages, torch.full_like(pages, start % page_size)
-
     def end_planning(self) -> None:
         """The next step is not a planned one (a prefill, a crop): written catches up, the plan is dropped."""
-        if self.step_plan is not None:
+        if self.step_plan is not None and self.step_plan.ahead:
             self.written = self.num_tokens
             self.step_plan = None
 
-    def write_planned(self, layer_in_group: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def _write_ahead(
+        self, plan: StepPlan, layer_in_group: int, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> None:
         """Stores a planned step's ``[batch, heads, 1, head_dim]`` states at its slots: tensor operations only."""
-        storage, plan = self.pool.storage, self.step_plan
+        storage = self.pool.storage
         if self.store.keys is None:
             write_planned(storage.keys, plan, layer_in_group, key_states)
         else:
@@ -217,10 +232,10 @@ class PlannedRows:
         if self.store.sink is not None:
             self.store.sink.write_planned(layer_in_group, plan, key_states.detach(), value_states.detach())
 
-    def read_planned(self, layer_in_group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read_ahead(self, plan: StepPlan, layer_in_group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """A planned step's keys and values, ``[batch, heads, num_keys, head_dim]`` each (``StepPlan``): the rows'
         tokens in order, then the null page's slots (hidden by the model's mask, as ``StaticCache``'s empty slots)."""
-        storage, plan = self.pool.storage, self.step_plan
+        storage = self.pool.storage
         if plan.mask is not None:  # in place: the storage's first pages, which attention reads through the mask
             keys = self._storage_view(storage.keys, layer_in_group)
             if self.store.quant is None:

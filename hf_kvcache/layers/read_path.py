@@ -1,5 +1,5 @@
 """How attention reads a layer group's pages at a step (``ReadPath``): gathered, as a view of one run of pages, or in
-place through a block mask over the pool's storage, chosen once per step by the layer group's first layer.
+place through a block mask over the pool's storage, chosen once per step for its plan (``PagedRows.plan_step``).
 
 The block mask is kept from step to step and refilled in place: a step that only adds a token moves its end, a
 change of the table or of the rows' padding refills it. In place needs the extents the mask visits to hold nothing
@@ -11,7 +11,6 @@ from collections.abc import Callable
 import torch
 
 from hf_kvcache.attention import block_mask, flex
-from hf_kvcache.layers.store import extent_runs
 from hf_kvcache.memory.page_table import PageTable
 from hf_kvcache.memory.pool import KVPool
 
@@ -40,36 +39,27 @@ class ReadPath:
         self.reads_in_place = reads_in_place
         self.queries_per_kv_head = queries_per_kv_head
         self.mask: block_mask.PagedBlockMask | None = None  # reused from step to step, refilled in place
-        # The extents the mask visits, [visited] and as runs (quantized values: what is dequantized).
-        self.extents: tuple[torch.Tensor, list[tuple[int, int]]] | None = None
+        self.extents: torch.Tensor | None = None  # [visited] the extents the mask visits (quantized values)
         self.reads = dict.fromkeys((GATHER, RUN, IN_PLACE), 0)  # layer reads so far, by path
         self._fresh = False  # the mask matches the table and the pads (else: refill before use)
         self._usable = False  # the visited extents hold nothing but the rows' pages and zeros
-        self._mode: tuple[int, int, str] | None = None  # (num_tokens, num_new, mode) of the current step
         self._one_run: bool | None = None  # see is_one_run
 
     def stale(self, table_changed: bool = False) -> None:
-        """The table or the rows' padding changed: the next step chooses again and refills the mask."""
-        self._fresh, self._mode = False, None
+        """The table or the rows' padding changed: the next step refills the mask."""
+        self._fresh = False
         if table_changed:
             self._one_run = None
 
     def choose(self, num_tokens: int, num_new: int, encoded_keys: bool, hands_over: bool, inputs: MaskInputs) -> str:
-        """How this step's attention reads the pages (``GATHER``, ``RUN``, ``IN_PLACE``): decided at the layer
-        group's first layer, the same for the others. Counts the read.
+        """How a step's attention reads the pages (``GATHER``, ``RUN``, ``IN_PLACE``), for its plan
+        (``PagedRows.plan_step``).
 
         Args:
             encoded_keys: the keys are stored as codes (always gathered and decoded).
             hands_over: the model's attention hands the cache its kwargs, where an in-place read puts its
                 ``PagedRead`` (``hf_kvcache.attention.reads``).
         """
-        if self._mode is None or self._mode[:2] != (num_tokens, num_new):
-            self._mode = (num_tokens, num_new, self._choose(num_tokens, num_new, encoded_keys, hands_over, inputs))
-        mode = self._mode[2]
-        self.reads[mode] += 1
-        return mode
-
-    def _choose(self, num_tokens: int, num_new: int, encoded_keys: bool, hands_over: bool, inputs: MaskInputs) -> str:
         batch, pool = self.table.num_rows, self.pool
         if not batch or not self.reads_in_place():
             if batch and num_new == 1:
@@ -109,7 +99,7 @@ class ReadPath:
             page_ids, pads = inputs(batch)
             extents = self.mask.update(page_ids, num_tokens, pads)
             self._usable = not pool.foreign_pages(held, extents)
-            self.extents = (torch.tensor(extents, dtype=torch.long, device=pool.device), extent_runs(extents))
+            self.extents = torch.tensor(extents, dtype=torch.long, device=pool.device)
             self._fresh = True
         if not self._usable:
             flex.log_path("foreign", "a row's extents hold another request's pages (gathered for those steps)")

@@ -47,14 +47,14 @@ from typing import Any
 
 import torch
 
-from hf_kvcache.attention.kernels import page_slot_indices, read_slots, slot_indices
+from hf_kvcache.attention.kernels import read_slots, slot_indices
 from hf_kvcache.attention.reads import KEY_LAYOUT, KeyLayout
-from hf_kvcache.layers.read_path import GATHER, IN_PLACE
+from hf_kvcache.layers.plan import StepPlan
+from hf_kvcache.layers.read_path import IN_PLACE
 from hf_kvcache.layers.rows import PagedRows
-from hf_kvcache.layers.window import RingStep, band, ring_num_slots, visible_span
+from hf_kvcache.layers.window import band, ring_num_slots, visible_span
 from hf_kvcache.memory.allocator import NULL_PAGE
 from hf_kvcache.memory.pool import KVPool
-from hf_kvcache.memory.storage import PoolStorage
 
 
 class RingRows(PagedRows):
@@ -100,8 +100,6 @@ class RingRows(PagedRows):
         self.num_slots = ring_num_slots(window, sink_tokens, page_size)  # logical slots per row
         self.ring_slots = self.num_slots - sink_tokens
         self.ring_pages = self.num_slots // page_size
-        self._step: RingStep | None = None  # the current step's, see _step_index
-        self._slot_index: torch.Tensor | None = None  # see _logical_slot_indices
         self._base: int | None = None  # see _first_page
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # see _slot_views
 
@@ -143,39 +141,86 @@ class RingRows(PagedRows):
             keys, values ``[batch, heads, num_keys, head_dim]``: the visible tokens in time order (see
             ``visible_span``), or every slot of the rows in slot order (with a ``KeyLayout`` in ``handoff``).
         """
-        self.begin_step(start, key_states, value_states)
-        num_new, batch, hands_over = key_states.shape[-2], key_states.shape[0], handoff is not None
-        step = self._step_index(start, num_new, batch, self.pool.storage, hands_over)
-        self.path.reads[IN_PLACE if step.in_place else GATHER] += 1
-        if step.in_place:  # in slot order: the pages themselves (a storage that never moves)
+        plan = self.plan_step(layer_in_group, start, key_states, value_states, handoff is not None)
+        num_new, end = plan.num_new, start + plan.num_new
+        self.path.reads[plan.mode] += 1
+        if plan.mode == IN_PLACE:  # in slot order: the pages themselves (a storage that never moves)
+            self.write(plan, layer_in_group, key_states, value_states)
             keys, values = self._slot_views(layer_in_group)
-            for pages, states in zip(self._flat_views(layer_in_group), (key_states, value_states)):
-                pages.index_copy_(0, step.write_slots, states.detach().reshape(-1, pages.shape[-1]).to(pages.dtype))
-        else:
-            _, first = visible_span(start, num_new, self.window, self.sink_tokens)
-            end = start + num_new
-
-            Own = tuple[torch.Tensor, torch.Tensor] | None  # the step's own states, read as given (SlotStore.read)
-
-            def read(end: int, limit: int, newest: int | None = None, own: Own = None) -> tuple[torch.Tensor, ...]:
-                storage = self.pool.storage  # a snapshot taken after this row's writes: it holds them
-                index = self._step_index(start, num_new, batch, storage, hands_over)
-                shape = (batch, self.pool.format.num_kv_heads, index.read_slots.shape[1])
-                gather = lambda tensor: read_slots(storage.slots(tensor, layer_in_group), index.read, shape)  # noqa: E731
-                keys = self._read_keys(layer_in_group, storage, index.read_slots) if self.store.keys else None
-                return self.store.read(layer_in_group, storage, gather, end, limit, newest, keys, own)
-
-            if num_new <= self.max_step:  # write first: attention reads the new tokens from their slots
-                self._store(layer_in_group, start, num_new, key_states, value_states)
-                keys, values = read(end, end - first, own=(key_states, value_states) if num_new > 1 else None)
-            else:
-                keys, values = read(start, start - first, newest=end)
-                self._store(layer_in_group, start, num_new, key_states, value_states)  # only its tail stays
-                keys, values = torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
-        if step.layout is not None and handoff is not None and self._reads_slots():  # only our attention reads it
-            handoff[KEY_LAYOUT] = step.layout
-        self.end_step(layer_in_group, start + num_new)
+        elif num_new <= self.max_step:  # write first: attention reads the new tokens from their slots
+            self.write(plan, layer_in_group, key_states, value_states)
+            own = (key_states, value_states) if num_new > 1 else None  # read as given (SlotStore.read)
+            keys, values = self._gather(plan, layer_in_group, end, own=own)
+        else:  # a step longer than the ring: the past it sees, read before the step overwrites it, then its own
+            keys, values = self._gather(plan, layer_in_group, start, newest=end)
+            self.write(plan, layer_in_group, key_states, value_states)  # only its tail stays
+            keys, values = torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
+        if plan.layout is not None and handoff is not None and self._reads_slots():  # only our attention reads it
+            handoff[KEY_LAYOUT] = plan.layout
         return keys, values
+
+    def _gather(
+        self,
+        plan: StepPlan,
+        layer_in_group: int,
+        end: int,
+        newest: int | None = None,
+        own: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's visible tokens up to ``end``, gathered in time order as ``plan`` reads them (``end``,
+        ``newest`` and ``own``: as for ``SlotStore.read``)."""
+        storage = self.pool.storage
+        shape = (plan.slots.shape[0], self.pool.format.num_kv_heads, plan.slots.shape[1])
+        gather = lambda tensor: read_slots(storage.slots(tensor, layer_in_group), plan.reads, shape)  # noqa: E731
+        keys = self._read_keys(layer_in_group, storage, plan.slots) if self.store.keys is not None else None
+        _, first = visible_span(plan.start, plan.num_new, self.window, self.sink_tokens)
+        return self.store.read(layer_in_group, storage, gather, end, end - first, newest, keys, own)
+
+    def _plan_eager(self, start: int, num_new: int, hands_over: bool) -> StepPlan:
+        """What every layer of an eager step writes and reads: each new token's slot (those a row keeps nowhere,
+        its padding and in a step longer than the ring the tokens it overwrites itself, go to the null page), and
+        either every slot of the rows in slot order (in place: a ``KeyLayout`` handed over, the rows' pages
+        consecutive) or the visible tokens in time order (``visible_span``; ``StepPlan.slots`` and ``reads``)."""
+        device, batch, end = self.pool.device, self.table.num_rows, start + num_new
+        sinks, first = visible_span(start, num_new, self.window, self.sink_tokens)
+        new_tokens = torch.arange(start, end, device=device).expand(batch, -1)  # [batch, num_new]
+        plan = StepPlan(None, None, *self._write_slots(start, num_new), *self._constants(), 0)
+        plan.start, plan.num_new, plan.version = start, num_new, self.table.version
+        pads = self._pad_tensor(batch)
+        if num_new <= self.max_step and hands_over and self._reads_slots() and self._first_page() is not None:
+            plan.mode, plan.layout = IN_PLACE, self._slot_layout(start, num_new, sinks, first)
+            return plan
+        last = end if num_new <= self.max_step else start
+        window = torch.arange(first, last, device=device).expand(batch, -1)  # [batch, last - first]
+        if sinks:  # each row's own sinks, or where its window still reaches them, the tokens just before it
+            sink_start = pads.clamp(max=first - sinks).unsqueeze(1)  # [batch, 1]
+            visible = torch.cat([sink_start + torch.arange(sinks, device=device), window], dim=1)
+        else:
+            visible = window
+        if num_new > 1:  # a single new token sees every visible one
+            keys = torch.cat([visible, new_tokens], dim=1) if last == start else visible
+            plan.layout = KeyLayout(band(keys, start, num_new, self.window, self.sink_tokens, pads, self.is_sliding))
+        plan.slots = self._slots(visible)
+        pages, offsets = self._slot_pages(plan.slots)  # [batch, 1, num_keys] each
+        fmt, num_pages = self.pool.format, self.pool.storage.num_pages
+        plan.reads = slot_indices(pages[:, 0], offsets[:, 0], fmt.num_kv_heads, num_pages, fmt.page_size).view(-1)
+        plan.num_keys = visible.shape[1]
+        return plan
+
+    def _write_slots(self, start: int, num_new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[batch, 1, n]`` the page and the slot in it of the ring slot each row's tokens ``[start, start + n)``
+        take; those a row keeps nowhere (its padding; in a step longer than the ring, the tokens it overwrites itself:
+        a row keeps its sinks and its last ``ring_slots`` tokens) go to the null page's first slot."""
+        end = start + num_new
+        tokens = torch.arange(start, end, device=self.pool.device).expand(self.table.num_rows, -1)
+        return self._slot_pages(self._slots(tokens, lost_before=end - self.ring_slots))
+
+    def _slot_pages(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The page and the slot in it ``[batch, 1, n]`` of each row's logical slots ``slots [batch, n]`` (``-1``:
+        the null page's first slot)."""
+        held, page_size = slots >= 0, self.pool.format.page_size
+        pages = self._page_ids().gather(1, torch.where(held, slots // page_size, 0)).masked_fill(~held, NULL_PAGE)
+        return pages.unsqueeze(1), torch.where(held, slots % page_size, 0).unsqueeze(1)
 
     def _planned_reads(
         self, start: int, batch: int, capacity_pages: int
@@ -184,7 +229,7 @@ class RingRows(PagedRows):
         read slot by slot: ``sink_tokens + window`` keys whatever the step, so that one graph serves the ring as it
         fills and wraps. Before the window has left the sinks behind, keys past the step's token read the null page
         (the causal mask hides them) and the mask starts at token 0; after, every key holds a token."""
-        device, page_size = self.pool.device, self.pool.format.page_size
+        device = self.pool.device
         num_keys = self.sink_tokens + self.window
         sinks, first = visible_span(start, 1, self.window, self.sink_tokens)
         if first:  # the window has left the sinks behind
@@ -196,22 +241,8 @@ class RingRows(PagedRows):
             tokens = torch.arange(num_keys, device=device).expand(batch, -1)  # [batch, num_keys]
             tokens = tokens.masked_fill(tokens > start, -1)
         slots = self._slots(tokens).masked_fill(tokens < 0, -1)  # [batch, num_keys]; -1: no token
-        held = slots >= 0
-        pages = self._page_ids().gather(1, torch.where(held, slots // page_size, 0))
-        pages = pages.masked_fill(~held, NULL_PAGE).unsqueeze(1)  # [batch, 1, num_keys]
-        offsets = torch.where(held, slots % page_size, 0).unsqueeze(1)  # [batch, 1, num_keys]
+        pages, offsets = self._slot_pages(slots)  # [batch, 1, num_keys] each
         return pages, offsets, tokens, first - sinks
-
-    def _planned_write(self, start: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[batch, 1, 1]`` the page and the slot in it of the ring slot a planned step's token at ``start`` takes
-        (``_slots``' slot, from the host's page table: two small copies to the device, no op on its tensors)."""
-        page_size, sinks, pads = self.pool.format.page_size, self.sink_tokens, self._pad_list(batch)
-        slots = [
-            start - pad if start - pad < sinks else sinks + (start - pad - sinks) % self.ring_slots for pad in pads
-        ]
-        pages = [row[slot // page_size] for row, slot in zip(self.table.rows, slots)]
-        device = self.pool.device
-        return tuple(torch.tensor(v, device=device).view(batch, 1, 1) for v in (pages, [s % page_size for s in slots]))
 
     def check_crop(self, num_tokens: int) -> None:
         """Raises ``ValueError`` if cropping to ``num_tokens`` needs tokens the ring has overwritten."""
@@ -319,40 +350,6 @@ class RingRows(PagedRows):
             dropped |= (local >= sinks) & (tokens < lost_before)
         return slots.masked_fill(dropped, -1)
 
-    def _step_index(self, start: int, num_new: int, batch: int, storage: PoolStorage, hands_over: bool) -> RingStep:
-        """The step's slot indices into ``storage``: built by the layer group's first layer of the step, reused by
-        the rest. In place (slot order) needs a ``KeyLayout`` handed over."""
-        if self._step is None or (self._step.start, self._step.num_new) != (start, num_new):
-            device = self.pool.device
-            end = start + num_new
-            sinks, first = visible_span(start, num_new, self.window, self.sink_tokens)
-            new_tokens = torch.arange(start, end, device=device).expand(batch, -1)  # [batch, num_new]
-            # A chunk longer than the ring overwrites itself: a row keeps its sinks and its last ring_slots tokens.
-            written = self._slots(new_tokens, lost_before=end - self.ring_slots)
-            pads = self._pad_tensor(batch)
-            in_place = hands_over and self._reads_slots() and self._first_page() is not None
-            if num_new <= self.max_step and in_place:
-                index = self._slot_indices(written, storage).reshape(-1)  # (batch, head, token) order
-                layout = self._slot_layout(start, num_new, sinks, first)
-                self._step = RingStep(start, num_new, layout, write_slots=index)
-                return self._step
-            last = end if num_new <= self.max_step else start
-            window = torch.arange(first, last, device=device).expand(batch, -1)  # [batch, last - first]
-            if sinks:  # each row's own sinks, or where its window still reaches them, the tokens just before it
-                sink_start = pads.clamp(max=first - sinks).unsqueeze(1)  # [batch, 1]
-                visible = torch.cat([sink_start + torch.arange(sinks, device=device), window], dim=1)
-            else:
-                visible = window
-            layout = None  # a single new token sees every visible one
-            if num_new > 1:
-                keys = torch.cat([visible, new_tokens], dim=1) if last == start else visible
-                layout = KeyLayout(band(keys, start, num_new, self.window, self.sink_tokens, pads, self.is_sliding))
-            visible_slots = self._slots(visible)
-            read = self._slot_indices(visible_slots, storage).view(-1)
-            write = self._slot_indices(written, storage)
-            self._step = RingStep(start, num_new, layout, write_index=write, read=read, read_slots=visible_slots)
-        return self._step
-
     def _slot_layout(self, start: int, num_new: int, sinks: int, first: int) -> KeyLayout:
         """The layout of every slot the rows hold, read in place: which token each holds, and its mask column."""
         device = self.pool.device
@@ -402,38 +399,6 @@ class RingRows(PagedRows):
             views = self._views[layer_in_group] = (view(pool.keys), view(pool.values))
         return views
 
-    def _slot_indices(self, slots: torch.Tensor, storage: PoolStorage) -> torch.Tensor:
-        """``[batch, heads, n]``: the slot index of each row's logical slot ``[batch, n]`` (``-1``: the null page's
-        first slot) in ``storage``'s flattened layer view ``[heads * pages * page_size, last_dim]``
-        (``PoolStorage.slots``)."""
-        indices = self._logical_slot_indices(storage.num_pages)  # [batch, heads, slots + 1]
-        index = slots.masked_fill(slots < 0, indices.shape[-1] - 1)
-        return indices.gather(2, index.unsqueeze(1).expand(-1, indices.shape[1], -1))
-
-    def _logical_slot_indices(self, num_pages: int) -> torch.Tensor:
-        """``[batch, heads, slots + 1]``: the slot index of each logical slot in the flattened layer view of a storage
-        of ``num_pages`` pages, then the null page's first slot's."""
-        if self._slot_index is None:
-            fmt, ids = self.pool.format, self._page_ids()
-            indices = page_slot_indices(ids, fmt.num_kv_heads, num_pages, fmt.page_size)  # [batch, heads, slots]
-            first = torch.zeros_like(ids[:, :1])  # [batch, 1]
-            null = slot_indices(
-                first + NULL_PAGE, first, fmt.num_kv_heads, num_pages, fmt.page_size
-            )  # [batch, heads, 1]
-            self._slot_index = torch.cat([indices, null], dim=2)
-        return self._slot_index
-
-    def _store(
-        self, layer_in_group: int, start: int, num_new: int, key_states: torch.Tensor, value_states: torch.Tensor
-    ) -> None:
-        """Writes the step's states ``[batch, heads, num_new, head_dim]`` into their slots (gathered steps), under
-        ``KVPool.held``."""
-        self.store.remember(layer_in_group, start, value_states)
-        with self.pool.held() as storage:
-            step = self._step_index(start, num_new, key_states.shape[0], storage, hands_over=False)  # gathered steps
-            self.store.write(layer_in_group, storage, step.write_index, key_states, value_states)
-            self._write_keys(layer_in_group, storage, start, key_states)
-
     def key_shifts(self, batch: int) -> list[int]:
         """A ring row counts its pages from its first real token (its leading padding is kept nowhere)."""
         pads = self.pad_lengths
@@ -442,5 +407,5 @@ class RingRows(PagedRows):
     def _apply(self, change) -> None:
         super()._apply(change)
         if self._ids is None:  # page ids changed: the step's indices point at old pages
-            self._step = self._slot_index = self._base = None
+            self._base = None
             self._views = {}

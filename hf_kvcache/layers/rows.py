@@ -1,11 +1,12 @@
-"""The rows of one layer group of a cache on one pool: its page table plus the index tensors attention needs.
+"""The rows of one layer group of a cache on one pool: its page table, and each step's plan.
 
-All layers of a layer group that live on the same device share one ``PagedRows``. The first layer to
-receive a step's new tokens grows the page table (allocating and copying-on-write for every
-layer at once, since a page id addresses the same slots in every layer); the layers after it
-find the table already grown and reuse the same index tensors.
+All layers of a layer group that live on the same device share one ``PagedRows``. Every step has one plan
+(``StepPlan``), made once: an eager step's by the layer group's first layer (``plan_step``: it grows the page table,
+allocating and copying-on-write for every layer at once, since a page id addresses the same slots in every layer), a
+compiled step's before the forward pass (``plan_decode``). Every layer then writes and reads as the plan says
+(``write``, ``read``).
 
-Attention gets a layer's keys and values in one of three ways (``attend``):
+Attention gets a layer's keys and values in one of three ways (the plan's ``mode``, ``ReadPath.choose``):
 
 - gathered (the slow twin, and the path of prefill, short contexts, ``sdpa``/``eager``): the rows' pages copied
   out in token order, ``[batch, heads, num_tokens, head_dim]``;
@@ -18,7 +19,7 @@ Attention gets a layer's keys and values in one of three ways (``attend``):
   ``[1, heads, pages * page_size, head_dim]`` views, and in the attention's kwargs a ``PagedRead`` with the step's
   ``PagedBlockMask`` (built once per step by the layer group's first layer, shared by the rest) that
   ``attention.interface`` hands to compiled FlexAttention. Quantized values cannot be read as they lie: the pages
-  the mask visits are dequantized into a buffer of the storage's layout (``SlotStore.values_in_place``), while the
+  the mask visits are dequantized into a buffer of the storage's layout (``SlotStore.read_planned_in_place``), while the
   keys are read in place.
 """
 
@@ -28,12 +29,12 @@ from typing import Any
 
 import torch
 
-from hf_kvcache.attention.kernels import page_slot_indices, read_slots, run_view, slot_indices
+from hf_kvcache.attention.kernels import page_rows, read_pages, run_view, write_planned
 from hf_kvcache.attention.reads import PAGED_READ, PagedRead
 from hf_kvcache.layers.identical import find_identical_rows
 from hf_kvcache.layers.plan import StepPlan
 from hf_kvcache.layers.planned import PlannedRows
-from hf_kvcache.layers.read_path import GATHER, RUN, ReadPath
+from hf_kvcache.layers.read_path import GATHER, IN_PLACE, RUN, ReadPath
 from hf_kvcache.layers.store import SlotStore
 from hf_kvcache.memory.allocator import NULL_PAGE
 from hf_kvcache.memory.placement import agree
@@ -84,16 +85,13 @@ class PagedRows(PlannedRows):
         self._pads: torch.Tensor | None = None  # ``pad_lengths`` as a [batch] tensor, see _pad_tensor
         # How attention reads a step's pages, and the block mask in place uses
         self.path = ReadPath(pool, self.table, reads_in_place, queries_per_kv_head)
-        # (start, num_tokens, view pages) -> (positions, slot indices) of a step's residual window (_residual_slots)
-        self._residual: tuple[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
         self._version = -1  # table version the cached indices below were built for
         self._ids: torch.Tensor | None = None
-        self._all_slots: torch.Tensor | None = None  # slot indices: see _slots
-        self._read: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (slot indices, num_tokens, flat): read
-        self._write: tuple[int, int, torch.Tensor] | None = None  # (start, num_new, slot indices): see _write_index
+        self._heads: torch.Tensor | None = None  # StepPlan.heads, see _constants
+        self._layers: tuple[torch.Tensor, ...] = ()  # StepPlan.layers
         self._shared_prefill: tuple[int, list[int]] | None = None  # (num_tokens, identical_rows) of a prefill
         self.ring_pages: int | None = None  # pages of a row's ring (RingRows); None: the rows keep every page
-        self.step_plan: StepPlan | None = None  # the decode step planned before the forward pass (plan_decode)
+        self.step_plan: StepPlan | None = None  # the step's plan (plan_step; a compiled step's: plan_decode)
         self._step_key: tuple[int, ...] | None = None  # what the step plan was made for, where it can be kept
         self._planned_values: torch.Tensor | None = None  # StepPlan.value_buffer
 
@@ -101,24 +99,78 @@ class PagedRows(PlannedRows):
     def num_tokens(self) -> int:
         return self.table.num_tokens
 
-    def write(self, layer_in_group: int, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Stores tokens ``[start, start + n)`` of every row for one layer, growing the table if this layer is first.
+    def plan_step(
+        self, layer_in_group: int, start: int, key_states: torch.Tensor, value_states: torch.Tensor, hands_over: bool
+    ) -> StepPlan:
+        """The plan of an eager step writing tokens ``[start, start + n)``: the layer group's first layer grows the
+        table and plans what every layer writes and reads (``_plan_eager``); the layers after it execute that plan.
+        (In a shared prefill, rows found to differ at a later layer get pages of their own, and a new plan.)
 
         Args:
-            layer_in_group: the layer's index within its layer group (which slots of each page are its own).
             key_states / value_states: ``[batch, heads, n, head_dim]``.
+            hands_over: the model's attention hands the cache its kwargs (where an in-place read puts its
+                ``PagedRead``).
         """
         self.begin_step(start, key_states, value_states)
-        num_new = key_states.shape[-2]
+        num_new, plan = key_states.shape[-2], self.step_plan
+        made_for = (start, num_new, self.table.version)
+        if plan is None or plan.ahead or (plan.start, plan.num_new, plan.version) != made_for:
+            plan = self.step_plan = self._plan_eager(start, num_new, hands_over)
+        return plan
+
+    def _plan_eager(self, start: int, num_new: int, hands_over: bool) -> StepPlan:
+        """What every layer of an eager step writes and reads (``StepPlan``): the slots of tokens ``[start, end)``,
+        and how attention reads the rows' ``end`` tokens (``ReadPath.choose``): gathered (``StepPlan.reads``, exactly
+        ``end`` keys), as a view of one run of pages, or in place through the path's block mask."""
+        end, fmt = start + num_new, self.pool.format
+        mode = self.path.choose(end, num_new, self.store.keys is not None, hands_over, self.mask_inputs)
+        plan = StepPlan(None, None, *self._write_slots(start, num_new), *self._constants(), end)
+        plan.start, plan.num_new, plan.version, plan.mode = start, num_new, self.table.version, mode
+        if mode == GATHER:
+            read_pages = self._page_ids()[:, : -(-end // fmt.page_size)]  # [batch, pages]
+            plan.reads = page_rows(read_pages, fmt.num_kv_heads, self.pool.storage.num_pages)
+        elif mode == IN_PLACE:
+            plan.mask = self.path.mask
+            if self.store.quant is not None:  # the codes of the pages the mask visits, dequantized for the step
+                in_place_values = self._plan_values_in_place(start, self.table.num_rows, None)
+                plan.value_extents, plan.window_pages, plan.window_offsets = in_place_values
+                plan.value_buffer = self._value_buffer()
+        return plan
+
+    def _write_slots(self, start: int, num_new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[batch, 1, n]`` the page and the slot in it of each row's tokens ``[start, start + n)``
+        (``StepPlan.write_pages``, ``write_offsets``)."""
+        page_size = self.pool.format.page_size
+        tokens = torch.arange(start, start + num_new, device=self.pool.device)
+        pages = self._page_ids()[:, tokens // page_size].unsqueeze(1)
+        return pages, (tokens % page_size).expand_as(pages)
+
+    def _constants(self) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """``StepPlan.heads`` and ``StepPlan.layers`` (the same for every step)."""
+        if self._heads is None:
+            fmt, device = self.pool.format, self.pool.device
+            self._heads = torch.arange(fmt.num_kv_heads, device=device).view(1, -1, 1)
+            self._layers = tuple(torch.full((1, 1, 1), layer, device=device) for layer in range(fmt.num_layers))
+        return self._heads, self._layers
+
+    def write(self, plan: StepPlan, layer_in_group: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Stores one layer's ``[batch, heads, n, head_dim]`` new states where ``plan`` puts them."""
+        if plan.ahead:
+            self._write_ahead(plan, layer_in_group, key_states, value_states)
+            return
+        start, num_new = plan.start, plan.num_new
         deferred = self.store.defers_codes and num_new == 1
+
+        def put(tensor: torch.Tensor, states: torch.Tensor) -> None:
+            write_planned(tensor, plan, layer_in_group, states)
+
         with self.pool.held() as storage:
-            index = self._write_index(start, num_new, storage)
-            self.store.write(layer_in_group, storage, index, key_states, value_states, code_values=not deferred)
+            self.store.write(layer_in_group, storage, put, key_states, value_states, code_values=not deferred)
             self._write_keys(layer_in_group, storage, start, key_states)
         self.store.remember(layer_in_group, start, value_states, key_states)
         if deferred and layer_in_group == self._last_layer:  # every layer's token, coded at once
             with self.pool.held() as storage:
-                self.store.code_step(storage, self._write_index(start, num_new, storage), start)
+                self.store.code_step(storage, plan, start)
         self.end_step(layer_in_group, start + num_new)
 
     def key_shifts(self, batch: int) -> list[int]:
@@ -159,47 +211,44 @@ class PagedRows(PlannedRows):
         if layer_in_group == self._last_layer:
             self.written = end
 
-    def attend(
+    def read(
         self,
+        plan: StepPlan,
         layer_in_group: int,
-        num_tokens: int,
         key_states: torch.Tensor,
         value_states: torch.Tensor,
         handoff: dict[str, Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of one layer for attention, after the step's ``[batch, heads, n, head_dim]`` states were
-        written: as a run or in place where the step allows it, else gathered. A step of several tokens reads its
-        own as given (``SlotStore.read``'s ``step``).
+        """One layer's keys and values for attention, after the step's ``[batch, heads, n, head_dim]`` states were
+        written, read as ``plan`` says. A step of several tokens reads its own as given (``SlotStore.read``'s
+        ``step``).
 
         Args:
-            handoff: the attention's kwargs (``attention_kwargs``), where an in-place read puts its ``PagedRead``;
-                ``None``: the model's attention gets none, so nothing is read in place.
+            handoff: the attention's kwargs (``attention_kwargs``), where an in-place read puts its ``PagedRead``.
 
         Returns:
-            ``[batch, heads, num_tokens, head_dim]`` (gathered; a view of the storage as a run), or
-            ``[1, heads, storage pages * page_size, head_dim]`` views of the storage (in place).
+            ``[batch, heads, num_keys, head_dim]`` (gathered; a view of the storage as a run), or ``[1, heads, view
+            pages * page_size, head_dim]`` views of the storage (in place).
         """
-        num_new = key_states.shape[-2]
-        step = (key_states, value_states) if num_new > 1 else None
-        encoded, hands_over = self.store.keys is not None, handoff is not None
-        mode = self.path.choose(num_tokens, num_new, encoded, hands_over, self.mask_inputs)
-        if mode == GATHER:
-            return self.read(layer_in_group, num_tokens, step)
+        if plan.ahead:
+            return self._read_ahead(plan, layer_in_group, key_states.dtype)
+        num_tokens = plan.num_keys
+        step = (key_states, value_states) if plan.num_new > 1 else None
+        self.path.reads[plan.mode] += 1
+        if plan.mode == GATHER:
+            return self.gather(layer_in_group, num_tokens, plan.reads, step)
         storage = self.pool.storage
-        if mode == RUN:
+        if plan.mode == RUN:
             first_page = self.table.rows[0][0]
             view = functools.partial(run_view, layer_idx=layer_in_group, first_page=first_page, num_tokens=num_tokens)
             return self.store.read(layer_in_group, storage, view, num_tokens, num_tokens, step=step)
-        mask = self.path.mask
         keys = self._storage_view(storage.keys, layer_in_group)
         if self.store.quant is None:
             values = self._storage_view(storage.values, layer_in_group)
         else:
-            residual_slots = self._residual_slots(num_tokens, mask.num_pages)
-            extents, runs = self.path.extents
-            values = self.store.values_in_place(layer_in_group, storage, mask.num_pages, extents, runs, residual_slots)
-        gather = functools.partial(self.read, layer_in_group, num_tokens)
-        handoff[PAGED_READ] = PagedRead(mask, self._pad_tensor(self.table.num_rows), num_tokens, gather)
+            values = self.store.read_planned_in_place(layer_in_group, storage, plan)
+        gather = functools.partial(self.gather, layer_in_group, num_tokens)
+        handoff[PAGED_READ] = PagedRead(plan.mask, self._pad_tensor(self.table.num_rows), num_tokens, gather)
         return keys, values
 
     def _storage_view(self, storage: torch.Tensor, layer_in_group: int) -> torch.Tensor:
@@ -209,23 +258,34 @@ class PagedRows(PlannedRows):
         shape = (1, fmt.num_kv_heads, num_pages * fmt.page_size, fmt.head_dim)
         return storage[layer_in_group][:, :num_pages].view(shape)
 
-    def read(
-        self, layer_in_group: int, num_tokens: int, step: tuple[torch.Tensor, torch.Tensor] | None = None
+    def gather(
+        self,
+        layer_in_group: int,
+        num_tokens: int,
+        reads: torch.Tensor | None = None,
+        step: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[batch, heads, num_tokens, head_dim]`` of one layer, gathered for attention (``step``:
-        as for ``SlotStore.read``)."""
+        """Keys and values ``[batch, heads, num_tokens, head_dim]`` of one layer, gathered for attention.
+
+        Args:
+            reads: the rows' pages holding the tokens (``kernels.page_rows``; ``StepPlan.reads``); default: built.
+            step: as for ``SlotStore.read``.
+        """
         storage = self.pool.storage
-        slots = self._slots(storage)
-        if self._read is None or self._read[:2] != (slots, num_tokens):  # cut once for the step's layers
-            self._read = (slots, num_tokens, slots[:, :, :num_tokens].reshape(-1))
-        index, shape = self._read[2], (*slots.shape[:2], num_tokens)
+        if reads is None:
+            pages = self._page_ids()[:, : -(-num_tokens // self.pool.format.page_size)]
+            reads = page_rows(pages, self.pool.format.num_kv_heads, storage.num_pages)
+        shape = (self.table.num_rows, self.pool.format.num_kv_heads, num_tokens)
+        page_size = self.pool.format.page_size
         keys = None
         if self.store.keys is not None:
             keys = self._read_keys(layer_in_group, storage, num_tokens=num_tokens)
         return self.store.read(
             layer_in_group,
             storage,
-            lambda tensor: read_slots(storage.slots(tensor, layer_in_group), index, shape),
+            lambda tensor: read_pages(
+                storage.slots(tensor, layer_in_group, page_size), reads, (*shape, tensor.shape[-1])
+            ),
             num_tokens,
             num_tokens,
             keys=keys,
@@ -344,7 +404,7 @@ class PagedRows(PlannedRows):
         if self.table.version != self._version:
             self._version = self.table.version
             self.path.stale(table_changed=True)
-            self._ids = self._all_slots = self._read = self._write = self._residual = None
+            self._ids = None
 
     def _agreed_identical_rows(self, identical_rows: list[int] | None, batch: int) -> list[int] | None:
         """The identical rows every rank found (each sees only its share of the heads); ``None`` where they differ."""
@@ -382,38 +442,3 @@ class PagedRows(PlannedRows):
             rows = [[NULL_PAGE] * skip + row for row, skip in zip(self.table.rows, self.table.row_skips)]
             self._ids = torch.tensor(rows, dtype=torch.long, device=self.pool.device).view(len(rows), -1)
         return self._ids
-
-    def _residual_slots(self, num_tokens: int, num_pages: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The residual window's tokens of a step read in place (quantized values): their positions ``[n]`` and
-        their ``[batch, heads, n]`` slot indices in a view of the storage's first ``num_pages`` pages
-        (``kernels.slot_indices``); ``None``: no window."""
-        residual = self.store.residual
-        if residual is None:
-            return None
-        start = max(residual.first, num_tokens - residual.length)
-        if start >= num_tokens:
-            return None
-        key = (start, num_tokens, num_pages)
-        if self._residual is None or self._residual[0] != key:
-            page_size = self.pool.format.page_size
-            positions = torch.arange(start, num_tokens, device=self.pool.device)  # [n]
-            page_ids = self._page_ids()[:, positions // page_size]  # [batch, n]
-            offsets = (positions % page_size).expand_as(page_ids)  # [batch, n]
-            index = slot_indices(page_ids, offsets, self.pool.format.num_kv_heads, num_pages, page_size)
-            self._residual = (key, (positions, index))
-        return self._residual[1]
-
-    def _write_index(self, start: int, num_new: int, storage: PoolStorage) -> torch.Tensor:
-        """``[batch, heads, n]`` slot indices of tokens ``[start, start + n)`` in ``storage``
-        (``kernels.slot_indices``), kept for the step's other layers."""
-        if self._write is None or self._write[:2] != (start, num_new):
-            self._write = (start, num_new, self._slots(storage)[:, :, start : start + num_new])
-        return self._write[2]
-
-    def _slots(self, storage: PoolStorage) -> torch.Tensor:
-        """``[batch, heads, pages * page_size]`` the slot indices of every slot of the rows' pages in ``storage``
-        (``kernels.page_slot_indices``), kept while the table stays: a step's writes and reads are slices of them."""
-        if self._all_slots is None:
-            fmt = self.pool.format
-            self._all_slots = page_slot_indices(self._page_ids(), fmt.num_kv_heads, storage.num_pages, fmt.page_size)
-        return self._all_slots

@@ -6,7 +6,7 @@ stored (``hf_kvcache.memory.quant``: per-token scales, so the codes do not depen
 never change afterwards); keys stay in the model's dtype. Attention gets the values dequantized
 into a buffer the rows reuse from step to step and layer to layer, never a new full-precision copy
 of the history: gathered in token order (``read``), or, where attention reads the keys in place, laid
-out as the storage's slots, the visited pages only (``values_in_place``). The newest ``residual_length``
+out as the storage's slots, the visited pages only (``read_planned_in_place``). The newest ``residual_length``
 tokens are served in full precision from ``ResidualValues`` instead of their codes; with that window, a one-token
 step of rows that keep every page codes its token for every layer at once, after the layer group's last layer
 (``code_step``: one quantization per step instead of one per layer; attention reads the token from the window).
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hf_kvcache.attention.kernels import read_planned, write_planned, write_slots
+from hf_kvcache.attention.kernels import read_planned, write_planned
 from hf_kvcache.layers.exact import ExactSink, ResidualValues
 from hf_kvcache.layers.keys import KeyPages
 from hf_kvcache.memory.dequant import dequantize_joined_into, spread_bytes
@@ -28,27 +28,15 @@ from hf_kvcache.memory.pool import KVPool
 from hf_kvcache.memory.quant import dequantize, join_scales, quantize
 from hf_kvcache.memory.storage import PoolStorage
 
-MAX_RUNS = 4
-"""Runs of consecutive extents that ``SlotStore.values_in_place`` dequantizes slice by slice (more: gathered)."""
-
 Gather = Callable[[torch.Tensor], torch.Tensor]
 """Reads one layer's slots out of one storage tensor of the pool as ``[batch, heads, n, last_dim]``."""
+Put = Callable[[torch.Tensor, torch.Tensor], None]
+"""Writes ``[batch, heads, n, last_dim]`` states into one layer's slots of one storage tensor of the pool."""
 
 
 def _detached(states: torch.Tensor) -> torch.Tensor:
     """The pool holds inference state: what it stores is cut from any autograd graph."""
     return states.detach() if states.requires_grad else states
-
-
-def extent_runs(extents: list[int]) -> list[tuple[int, int]]:
-    """Ascending ``extents`` as ``(first, end)`` runs of consecutive ids."""
-    runs: list[tuple[int, int]] = []
-    for extent in extents:
-        if runs and runs[-1][1] == extent:
-            runs[-1] = (runs[-1][0], extent + 1)
-        else:
-            runs.append((extent, extent + 1))
-    return runs
 
 
 class SlotStore:
@@ -81,37 +69,38 @@ class SlotStore:
         self,
         layer_in_group: int,
         storage: PoolStorage,
-        index: torch.Tensor,
+        put: Put,
         key_states: torch.Tensor,
         value_states: torch.Tensor,
         code_values: bool = True,
     ) -> None:
-        """Stores new states ``[batch, heads, n, head_dim]`` into the slots ``index`` (slot indices) of ``storage``.
+        """Stores new states ``[batch, heads, n, head_dim]`` into their slots of ``storage`` with ``put``.
 
-        Call it inside ``KVPool.held()`` with the storage it yields, and ``index`` built for it
-        (``kernels.slot_indices``). The pool holds inference state: what is stored is detached from any autograd
-        graph. Encoded keys are not written here (``KeyPages.write``, a page at a time), nor quantized values with
-        ``code_values=False`` (``code_step``).
+        Call it inside ``KVPool.held()`` with the storage it yields. The pool holds inference state: what is stored
+        is detached from any autograd graph. Encoded keys are not written here (``KeyPages.write``, a page at a
+        time), nor quantized values with ``code_values=False`` (``code_step``).
         """
         key_states, value_states = _detached(key_states), _detached(value_states)
         if self.keys is None:
-            write_slots(storage.slots(storage.keys, layer_in_group), index, key_states)
+            put(storage.keys, key_states)
         if self.quant is None:
-            write_slots(storage.slots(storage.values, layer_in_group), index, value_states)
+            put(storage.values, value_states)
         elif code_values:
-            self._write_codes(layer_in_group, storage, index, value_states)
+            codes, scale, zero = quantize(value_states, self.quant)
+            put(storage.values, codes)
+            put(storage.value_scales, join_scales(scale, zero))
 
-    def code_step(self, storage: PoolStorage, index: torch.Tensor, start: int) -> None:
+    def code_step(self, storage: PoolStorage, plan: "Any", start: int) -> None:
         """After the last layer of a one-token step that deferred its codes (``defers_codes``): the codes of token
-        ``start`` of every layer of the layer group, from the residual windows, stored into their slots ``index
-        [batch, heads, 1]`` at once (one quantization for all layers keeps the step's op count low). Inside
-        ``KVPool.held()``, like ``write``."""
+        ``start`` of every layer of the layer group, from the residual windows, stored into the slots ``plan`` writes
+        (``StepPlan.write_pages`` / ``write_offsets``) at once (one quantization for all layers keeps the step's op
+        count low). Inside ``KVPool.held()``, like ``write``."""
         layers, values = self.residual.take_all(start, start + 1)  # [layers, batch, heads, 1, head_dim]
         codes, scale, zero = quantize(values, self.quant)
-        where = (torch.tensor(layers, device=index.device).view(-1, 1, 1, 1), index)  # -> [layers, batch, heads, 1]
+        layer_index = torch.tensor(layers, device=values.device).view(-1, 1, 1, 1)
+        where = (layer_index, plan.heads, plan.write_pages, plan.write_offsets)  # -> [layers, batch, heads, 1]
         for tensor, part in ((storage.values, codes), (storage.value_scales, join_scales(scale, zero))):
-            by_layer = tensor.view(tensor.shape[0], -1, tensor.shape[-1])  # [layers, slots, last_dim]
-            by_layer.index_put_(where, part if part.dtype == tensor.dtype else part.to(tensor.dtype))
+            tensor.index_put_(where, part if part.dtype == tensor.dtype else part.to(tensor.dtype))
 
     # ----- planned decode steps (compiled): tensor operations only ------------------------------
 
@@ -174,7 +163,7 @@ class SlotStore:
         return torch.where(plan.residual_held, window, values)
 
     def read_planned_in_place(self, layer_in_group: int, storage: PoolStorage, plan: "Any") -> torch.Tensor:
-        """A planned step's values read in place (``StepPlan.mask``), as ``values_in_place`` lays them out: the codes
+        """A step's values read in place (``StepPlan.mask``), laid out as the storage's first pages: the codes
         of the extents the step visits dequantized into ``plan.value_buffer``, the residual window's tokens over
         their slots in full precision; ``[1, heads, view pages * page_size, head_dim]``."""
         fmt, quant, buffer = self.pool.format, self.quant, plan.value_buffer
@@ -193,13 +182,6 @@ class SlotStore:
             by_page = buffer.view(heads, -1, fmt.page_size, quant.head_dim)
             by_page.index_put_((plan.heads, plan.window_pages, plan.window_offsets), window)
         return buffer.unsqueeze(0)
-
-    def _write_codes(
-        self, layer_in_group: int, storage: PoolStorage, index: torch.Tensor, value_states: torch.Tensor
-    ) -> None:
-        codes, scale, zero = quantize(value_states, self.quant)
-        write_slots(storage.slots(storage.values, layer_in_group), index, codes)
-        write_slots(storage.slots(storage.value_scales, layer_in_group), index, join_scales(scale, zero))
 
     @property
     def residual_bytes(self) -> int:
@@ -235,7 +217,7 @@ class SlotStore:
 
         Args:
             storage: the pool's storage ``gather``'s indices were built for (a snapshot: see ``PoolStorage``).
-            gather: ``kernels.read_slots`` with everything but the storage tensor bound.
+            gather: reads one storage tensor (``kernels.read_pages``, ``kernels.read_slots``, a ``run_view``).
             end: the last token read is ``end - 1`` (it comes last).
             limit: how many of the last positions read are consecutive tokens (for the residual window).
             newest: tokens written so far (default ``end``): the residual window ends there.
@@ -265,55 +247,6 @@ class SlotStore:
                 if out is not None:
                     out[:, :, -states.shape[2] :] = _detached(states)
         return keys, values
-
-    def values_in_place(
-        self,
-        layer_in_group: int,
-        storage: PoolStorage,
-        num_pages: int,
-        extents: torch.Tensor,
-        runs: list[tuple[int, int]],
-        residual_slots: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> torch.Tensor:
-        """One layer's quantized values laid out as the storage's slots, for attention that reads the keys in place.
-
-        Only the pages of ``extents`` (what the step's mask visits) are dequantized, into a buffer shaped as the
-        storage's first ``num_pages`` pages that the layers of the layer group reuse (pages outside them are never
-        read); the residual window's tokens are then written over their slots in full precision. Extents in at most
-        ``MAX_RUNS`` runs of consecutive ids (a fresh pool's rows) are dequantized straight from their codes' slices
-        into their slots'; others are gathered, dequantized and scattered (two more passes over the values).
-
-        Args:
-            extents: ``[visited]`` extent ids, ascending.
-            runs: the same extents as ``(first, end)`` runs of consecutive ids (``extent_runs``).
-            residual_slots: the residual window's positions ``[n]`` and slot indices ``[batch, heads, n]``
-                (``kernels.slot_indices``), or ``None``.
-
-        Returns:
-            ``[1, heads, num_pages * page_size, head_dim]``.
-        """
-        fmt, quant = self.pool.format, self.quant
-        heads, slots_per_extent = fmt.num_kv_heads, fmt.extent_pages * fmt.page_size
-        slots = self._buffer("in_place", (heads, num_pages * fmt.page_size, quant.head_dim), storage.keys.dtype)
-        by_extent = slots.view(heads, -1, slots_per_extent, quant.head_dim)  # [heads, extents, slots, head_dim]
-
-        def by_extents(tensor: torch.Tensor) -> torch.Tensor:  # [heads, extents, slots, last_dim]
-            return tensor[layer_in_group].view(heads, -1, slots_per_extent, tensor.shape[-1])
-
-        codes, scales = by_extents(storage.values), by_extents(storage.value_scales)
-        if len(runs) <= MAX_RUNS:
-            for first, end in runs:
-                self._dequantize(by_extent[:, first:end], codes[:, first:end], scales[:, first:end])
-        else:
-            shape = (heads, extents.numel(), slots_per_extent, quant.head_dim)
-            values = self._buffer("values", shape, slots.dtype)  # [heads, visited, slots, head_dim]
-            self._dequantize(values, codes.index_select(1, extents), scales.index_select(1, extents))
-            by_extent.index_copy_(1, extents, values)
-        if residual_slots is not None and layer_in_group in self.residual.buffers:
-            positions, index = residual_slots
-            newest = self.residual.buffers[layer_in_group].index_select(2, positions % self.residual.length)
-            write_slots(slots.view(-1, quant.head_dim), index, newest)  # [batch, heads, n, head_dim] over their slots
-        return slots.unsqueeze(0)
 
     def _dequantize(self, out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
         """``dequantize_into`` with the joined scales of ``join_scales`` and reused work buffers."""

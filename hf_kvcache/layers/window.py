@@ -1,13 +1,9 @@
 """The ring's arithmetic (``hf_kvcache.layers.ring`` tells the whole layout): which keys a step's tokens may see
-(``band``, ``visible_span``), how many slots a ring holds (``ring_num_slots``), and a step's slot indices
-(``RingStep``)."""
+(``band``, ``visible_span``) and how many slots a ring holds (``ring_num_slots``)."""
 
 import math
-from dataclasses import dataclass
 
 import torch
-
-from hf_kvcache.attention.reads import KeyLayout
 
 
 def band(
@@ -50,39 +46,3 @@ def visible_span(start: int, num_new: int, window: int, sink_tokens: int) -> tup
 def ring_num_slots(window: int, sink_tokens: int, page_size: int) -> int:
     """Logical slots of one row of a ring: the sinks plus the window, rounded up to whole pages, plus a spare page."""
     return page_size * (math.ceil((sink_tokens + window - 1) / page_size) + 1)
-
-
-@dataclass(frozen=True)
-class RingStep:
-    """Where one step's tokens ``[start, start + num_new)`` are written and read, in every layer of a layer group.
-
-    Built by the layer group's first layer of the step and reused by the others. A step either reads the rows'
-    pages in place (``write_slots`` set; attention gets every slot in slot order, as ``layout`` says) or gathers
-    the visible tokens in time order (``write_index`` and ``read`` set). Every new token is written; those a row
-    keeps nowhere (its padding, and in a step longer than the ring the tokens it overwrites itself, between the
-    row's sinks and its last ``ring_slots`` tokens) go to the null page.
-
-    Attributes:
-        start / num_new: the step's first token and its number of new tokens.
-        layout: what attention must know beyond the model's mask; ``None`` for a single new token read in time
-            order (it sees every key).
-        write_slots: in place only: ``[batch * heads * num_new]`` the slot indices (``kernels.slot_indices``) the
-            new states go to, in ``(batch, head, token)`` order.
-        write_index: gathered only: ``[batch, heads, num_new]`` the new tokens' slot indices (``kernels.slot_indices``).
-        read: gathered only: ``[batch * heads * n]`` the visible tokens' slot indices, in time order (flattened
-            ``[batch, heads, n]``: ``kernels.read_slots``).
-        read_slots: gathered only: ``[batch, n]`` their logical slots (``-1``: none), for keys decoded a page at a time.
-    """
-
-    start: int
-    num_new: int
-    layout: KeyLayout | None
-    write_slots: torch.Tensor | None = None
-    write_index: torch.Tensor | None = None
-    read: torch.Tensor | None = None
-    read_slots: torch.Tensor | None = None
-
-    @property
-    def in_place(self) -> bool:
-        """Attention reads the rows' pages themselves, in slot order."""
-        return self.write_slots is not None

@@ -95,14 +95,15 @@ class PoolStorage:
         tensors = (self.keys, self.values, self.value_scales, self.key_scales, self.key_zeros)
         return tuple(tensor for tensor in tensors if tensor is not None)
 
-    def slots(self, tensor: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        """One layer of ``tensor`` (one of ``tensors``) as ``[heads * pages * page_size, last_dim]`` slots, the view
-        ``kernels.read_slots`` and ``kernels.write_slots`` index with ``kernels.slot_indices``; kept, so that a step's
-        layers dispatch no op to make it."""
-        key = (id(tensor), layer_idx, torch.is_inference_mode_enabled())
+    def slots(self, tensor: torch.Tensor, layer_idx: int, slots_per_row: int = 1) -> torch.Tensor:
+        """One layer of ``tensor`` (one of ``tensors``) as ``[heads * pages * page_size / slots_per_row, slots_per_row
+        * last_dim]``: slots (the view ``kernels.read_slots`` indexes with
+        ``kernels.slot_indices``), or with ``slots_per_row=page_size`` whole pages (``kernels.read_pages``); kept, so
+        that a step's layers dispatch no op to make it."""
+        key = (id(tensor), layer_idx, torch.is_inference_mode_enabled(), slots_per_row)
         view = self._slot_views.get(key)
         if view is None:
-            view = self._slot_views[key] = tensor[layer_idx].view(-1, tensor.shape[-1])
+            view = self._slot_views[key] = tensor[layer_idx].view(-1, slots_per_row * tensor.shape[-1])
         return view
 
     def page_view(self, tensor: torch.Tensor, layer_idx: int, page_shape: tuple[int, ...]) -> torch.Tensor:
