@@ -20,6 +20,7 @@ from hf_kvcache.attention import block_mask, flex
 from hf_kvcache.attention.interface import ATTENTION_NAME, mask_hides_padding_only, model_attention
 from hf_kvcache.attention.reads import PAGED_READ
 from hf_kvcache.bench.catalogue import with_attention
+from hf_kvcache.layers import store as store_module
 
 pytestmark = pytest.mark.skipif(flex.unavailable(torch.device("cpu")) is not None, reason="no compiled FlexAttention")
 
@@ -171,10 +172,12 @@ def test_attention_reads_a_view_that_grows_with_the_rows_pages(
     [{"bits": 4, "group_size": 8, "residual_length": 5}, {"bits": 8, "residual_length": 0}, {"bits": 4}],
     ids=["int4-residual-5", "int8-no-residual", "int4-default-residual"],
 )
-def test_quantized_values_read_keys_in_place(tiny_llama_model, in_place, cache_config):
-    """quantized_values: keys read in place, the visited extents' values dequantized into the storage's layout (as a
-    compiled step does: ``SlotStore.read_planned_in_place``), the residual window's tokens written over them in full
+@pytest.mark.parametrize("max_runs", [store_module.MAX_RUNS, 0], ids=["by-run", "gathered-extents"])
+def test_quantized_values_read_keys_in_place(tiny_llama_model, in_place, cache_config, max_runs, monkeypatch):
+    """quantized_values: keys read in place, the visited pages' values dequantized into the storage's layout (run by
+    run of consecutive extents, or gathered and scattered), the residual window's tokens written over them in full
     precision; the same numbers as gathering them."""
+    monkeypatch.setattr(store_module, "MAX_RUNS", max_runs)
     ids, mask = padded_batch([23, 16, 17], seed=1)
     settings = {"max_new_tokens": 20, "cache_implementation": "quantized_values", "cache_config": cache_config}
     with model_attention(tiny_llama_model, ATTENTION_NAME):

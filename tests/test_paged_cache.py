@@ -12,6 +12,7 @@ from hf_kvcache import KVPool, PagedCache, PoolExhaustedError
 from hf_kvcache.attention import flex
 from hf_kvcache.attention.interface import ATTENTION_NAME, model_attention
 from hf_kvcache.bench.catalogue import interleaved_extents, with_attention
+from hf_kvcache.layers import PagedRows, RingRows
 from hf_kvcache.layers.paged import PagedLayer
 from hf_kvcache.testing import tiny_llama
 
@@ -114,6 +115,38 @@ def test_rows_that_differ_in_a_later_layer_get_private_pages():
     keys0, _ = cache.layers[0].rows.gather(0, 6)
     torch.testing.assert_close(keys0, same, rtol=0, atol=0)
     cache.pool.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "model_name, name, cache_config, groups",
+    [
+        ("tiny_llama_model", "paged_pool", {}, 1),
+        ("tiny_llama_model", "sliding_ring", {"window": 8}, 1),
+        ("tiny_llama_model", "quantized_kv", {"key_bits": 4, "value_bits": 4}, 1),
+        ("tiny_gemma3_model", "paged_pool", {}, 4),  # 3 sliding layers and 1 full: 4 layer groups of 1 (layer_groups)
+    ],
+    ids=["paged_pool", "sliding_ring", "quantized_kv", "gemma3"],
+)
+def test_each_eager_step_is_planned_once_per_layer_group(model_name, name, cache_config, groups, request, monkeypatch):
+    """One plan per forward pass: the first layer of each layer group plans the step (``PagedRows.plan_step``), the
+    others execute that plan."""
+    model = request.getfixturevalue(model_name)
+    plans = []
+    for rows_class in (PagedRows, RingRows):
+        make = rows_class._plan_eager
+
+        def counted(self, start, num_new, hands_over, make=make):
+            plans.append((start, num_new))
+            return make(self, start, num_new, hands_over)
+
+        monkeypatch.setattr(rows_class, "_plan_eager", counted)
+    ids, mask = padded_batch([19, 6], seed=3)
+    settings = {"max_new_tokens": 4, "cache_config": cache_config}
+    out = run(model, ids, mask, cache_implementation=name, **settings)
+    assert len(plans) == 4 * groups, plans  # the prefill and three decode steps
+    assert sorted(set(plans)) == [(0, 19), (19, 1), (20, 1), (21, 1)]
+    if name == "paged_pool":  # lossless (the ring imposes its window on Llama; the codes are lossy)
+        assert_same_generation(run(model, ids, mask, max_new_tokens=4), out)
 
 
 def test_row_operations_match_dynamic_cache(tiny_llama_model):

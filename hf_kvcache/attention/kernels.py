@@ -84,6 +84,12 @@ def read_slots(slots: torch.Tensor, index: torch.Tensor, shape: tuple[int, ...])
     return slots.index_select(0, index).view(*shape, slots.shape[-1])
 
 
+def write_slots(slots: torch.Tensor, index: torch.Tensor, states: torch.Tensor) -> None:
+    """Scatters new keys (or values) ``[batch, heads, n, last_dim]`` into their slots ``index [batch, heads, n]``
+    (slot indices) of a layer's ``slots`` view (as for ``read_slots``)."""
+    slots.index_put_((index,), states if states.dtype == slots.dtype else states.to(slots.dtype))
+
+
 def write_planned(storage: torch.Tensor, plan: "Any", layer_idx: int, states: torch.Tensor) -> None:
     """Writes a step's new tokens, ``states [batch, heads, n, last_dim]``, to their slots of one layer
     (``StepPlan.write_pages`` / ``write_offsets``): one ``index_put_`` on the whole storage (no view of it is
@@ -105,9 +111,9 @@ def read_planned_view(view: torch.Tensor, plan: "Any") -> torch.Tensor:
 
 def read_planned(storage: torch.Tensor, plan: "Any", layer_idx: int) -> torch.Tensor:
     """A planned step's keys (or values) of one layer, ``[batch, heads, plan.num_keys, last_dim]``: one gather of
-    whole pages (``StepPlan.reads``, ``read_pages``), or of single slots where the plan has ``offsets``."""
+    whole pages (``StepPlan.pages``), or of single slots where the plan has ``offsets``, then a view."""
     if plan.offsets is not None:
         return storage[plan.layers[layer_idx], plan.heads, plan.pages, plan.offsets]  # [batch, heads, keys, last]
-    _, heads, _, page_size, last_dim = storage.shape
-    pages = storage[layer_idx].view(-1, page_size * last_dim)
-    return read_pages(pages, plan.reads, (plan.pages.shape[0], heads, plan.num_keys, last_dim))
+    gathered = storage[plan.layers[layer_idx], plan.heads, plan.pages]  # [batch, heads, capacity, page_size, last]
+    batch, heads, capacity, page_size, last_dim = gathered.shape
+    return gathered.view(batch, heads, capacity * page_size, last_dim)

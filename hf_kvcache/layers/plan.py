@@ -47,9 +47,9 @@ class StepPlan:
             one plan serves every row; a ring's rows count from their first real token (``KeyPages``).
         mask: a ``PagedBlockMask`` where attention reads the pages in place (FlexAttention over the storage, in
             the graph), refilled before each step; ``None``: the step gathers ``pages``.
-        reads: ``[batch * heads * pages]`` the rows' pages to gather, as rows of a layer's storage viewed as
-            ``[heads * pages, page_size * last_dim]`` (``kernels.page_rows``); ``None`` where the plan reads single
-            slots (``offsets``) or does not gather.
+        reads: an eager step's gather: ``[batch * heads * pages]`` the rows' pages, as rows of a layer's storage
+            viewed as ``[heads * pages, page_size * last_dim]`` (``kernels.page_rows``), or a ring's ``[batch * heads
+            * num_keys]`` slot indices (``kernels.slot_indices``); ``None`` where the step does not gather.
         start / num_new: an eager step's first token and its number of new tokens.
         version: the page table's version an eager plan was made for (a shared prefill's rows that turn out to
             differ change it mid-step).
@@ -59,6 +59,8 @@ class StepPlan:
             none; ``RingRows``), which ``reads`` reads (and keys coded a page at a time decode).
         layout: a ring's eager step: the ``KeyLayout`` attention gets (``None``: a single new token read in time
             order sees every key).
+        residual_slots: an eager step reading quantized values in place: the residual window's positions ``[n]`` and
+            their slot indices ``[batch, heads, n]`` in the mask's view (``SlotStore.values_in_place``).
         value_extents: quantized values read in place: ``[n]`` the extents the mask visits (padded with the last
             one to a fixed count), whose codes are dequantized into ``value_buffer``.
         window_pages / window_offsets: ``[batch, 1, residual length]`` the page and slot of the token each slot
@@ -101,6 +103,7 @@ class StepPlan:
     ahead: bool = False
     slots: torch.Tensor | None = None
     layout: Any = None
+    residual_slots: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def residual(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:

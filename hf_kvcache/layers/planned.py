@@ -9,7 +9,7 @@ tensors of a ``StepPlan``; inside the graph a layer only writes at the planned s
 import torch
 
 from hf_kvcache.attention import block_mask, flex
-from hf_kvcache.attention.kernels import page_rows, read_planned, write_planned
+from hf_kvcache.attention.kernels import read_planned, write_planned
 from hf_kvcache.layers.plan import StepPlan
 from hf_kvcache.memory.allocator import NULL_PAGE
 
@@ -71,8 +71,6 @@ class PlannedRows:
         self._step_key = step_key
         pages, offsets, tokens, kv_offset = self._planned_reads(start, batch, capacity_pages)
         write_pages, write_offsets = self._write_slots(start, 1)
-        fmt = self.pool.format
-        reads = None if offsets is not None else page_rows(pages[:, 0], fmt.num_kv_heads, self.pool.storage.num_pages)
         residual = self.store.plan_residual(start, tokens) if self.store.quant is not None else (None, None, None)
         keys_read = (None,) * 4
         if self.store.keys is not None:
@@ -111,8 +109,8 @@ class PlannedRows:
             )
             plan.value_extents, plan.window_pages, plan.window_offsets = map(_fresh_copy, in_place_values)
             plan.sink_write, plan.sink_writes = map(_fresh_copy, sink)
-            plan.reads, plan.ahead = _fresh_copy(reads), True
-            kept = (plan.reads, plan.pages, plan.offsets, plan.write_pages, plan.write_offsets, *plan.residual)
+            plan.ahead = True
+            kept = (plan.pages, plan.offsets, plan.write_pages, plan.write_offsets, *plan.residual)
             kept = (*kept, *plan.keys_read, *plan.in_place_values, *plan.sink)
             held = self.store.residual.buffers.values() if self.store.residual is not None else ()
             if self.store.sink is not None:
@@ -122,7 +120,6 @@ class PlannedRows:
                     torch._dynamo.mark_static_address(tensor)  # CUDA graphs read them where they lie
         else:
             planned = (
-                reads,
                 pages,
                 offsets,
                 write_pages,
@@ -132,7 +129,7 @@ class PlannedRows:
                 *in_place_values,
                 *sink,
             )
-            kept = (plan.reads, plan.pages, plan.offsets, plan.write_pages, plan.write_offsets, *plan.residual)
+            kept = (plan.pages, plan.offsets, plan.write_pages, plan.write_offsets, *plan.residual)
             kept = (*kept, *plan.keys_read, *plan.in_place_values, *plan.sink)
             for into, tensor in zip(kept, planned):
                 if into is not None:
@@ -163,19 +160,17 @@ class PlannedRows:
         return self.path.mask if wanted and self.path.refresh_mask(batch, start + 1, self.mask_inputs) else None
 
     def _plan_values_in_place(
-        self, start: int, batch: int, capacity_pages: int | None
+        self, start: int, batch: int, capacity_pages: int
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """Quantized values of a one-token step read in place at ``start`` (``StepPlan.in_place_values``): the
-        extents the mask visits, for a compiled step (``capacity_pages`` given) padded with the last to ``batch x
-        (capacity extents + 1)`` so that their count is a constant of the graph (``None`` each where they are more:
-        the step gathers), and the residual window's slots."""
+        """Quantized values of a step read in place at ``start`` (``StepPlan.in_place_values``): the extents the
+        mask visits, padded with the last to ``batch x (capacity extents + 1)`` so that their count is a constant of
+        the graph (``None`` each where they are more: the step gathers), and the residual window's slots."""
         fmt = self.pool.format
-        extents, num_pages = self.path.extents, self.path.mask.num_pages
-        if capacity_pages is not None:
-            count = min(num_pages // fmt.extent_pages, batch * (-(-capacity_pages // fmt.extent_pages) + 1))
-            if extents.numel() > count:
-                return None, None, None
-            extents = torch.cat([extents, extents[-1:].expand(count - extents.numel())])
+        extents, num_pages = self.path.extents[0], self.path.mask.num_pages
+        count = min(num_pages // fmt.extent_pages, batch * (-(-capacity_pages // fmt.extent_pages) + 1))
+        if extents.numel() > count:
+            return None, None, None
+        extents = torch.cat([extents, extents[-1:].expand(count - extents.numel())])
         window = self.store.residual
         if window is None:
             return extents, None, None

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from hf_kvcache.attention import block_mask, flex
+from hf_kvcache.layers.store import extent_runs
 from hf_kvcache.memory.page_table import PageTable
 from hf_kvcache.memory.pool import KVPool
 
@@ -39,7 +40,8 @@ class ReadPath:
         self.reads_in_place = reads_in_place
         self.queries_per_kv_head = queries_per_kv_head
         self.mask: block_mask.PagedBlockMask | None = None  # reused from step to step, refilled in place
-        self.extents: torch.Tensor | None = None  # [visited] the extents the mask visits (quantized values)
+        # The extents the mask visits, [visited] and as runs (quantized values: what is dequantized).
+        self.extents: tuple[torch.Tensor, list[tuple[int, int]]] | None = None
         self.reads = dict.fromkeys((GATHER, RUN, IN_PLACE), 0)  # layer reads so far, by path
         self._fresh = False  # the mask matches the table and the pads (else: refill before use)
         self._usable = False  # the visited extents hold nothing but the rows' pages and zeros
@@ -99,7 +101,7 @@ class ReadPath:
             page_ids, pads = inputs(batch)
             extents = self.mask.update(page_ids, num_tokens, pads)
             self._usable = not pool.foreign_pages(held, extents)
-            self.extents = torch.tensor(extents, dtype=torch.long, device=pool.device)
+            self.extents = (torch.tensor(extents, dtype=torch.long, device=pool.device), extent_runs(extents))
             self._fresh = True
         if not self._usable:
             flex.log_path("foreign", "a row's extents hold another request's pages (gathered for those steps)")

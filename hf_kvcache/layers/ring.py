@@ -191,12 +191,7 @@ class RingRows(PagedRows):
             plan.mode, plan.layout = IN_PLACE, self._slot_layout(start, num_new, sinks, first)
             return plan
         last = end if num_new <= self.max_step else start
-        window = torch.arange(first, last, device=device).expand(batch, -1)  # [batch, last - first]
-        if sinks:  # each row's own sinks, or where its window still reaches them, the tokens just before it
-            sink_start = pads.clamp(max=first - sinks).unsqueeze(1)  # [batch, 1]
-            visible = torch.cat([sink_start + torch.arange(sinks, device=device), window], dim=1)
-        else:
-            visible = window
+        visible = self._visible(start, num_new, last)
         if num_new > 1:  # a single new token sees every visible one
             keys = torch.cat([visible, new_tokens], dim=1) if last == start else visible
             plan.layout = KeyLayout(band(keys, start, num_new, self.window, self.sink_tokens, pads, self.is_sliding))
@@ -207,12 +202,31 @@ class RingRows(PagedRows):
         plan.num_keys = visible.shape[1]
         return plan
 
+    def _visible(self, start: int, num_new: int, last: int) -> torch.Tensor:
+        """``[batch, n]`` each row's tokens a step at ``start`` sees before token ``last``, in time order
+        (``visible_span``): its own sinks, or where its window still reaches them the tokens just before it, then the
+        window."""
+        device, batch = self.pool.device, self.table.num_rows
+        sinks, first = visible_span(start, num_new, self.window, self.sink_tokens)
+        window = torch.arange(first, last, device=device).expand(batch, -1)  # [batch, last - first]
+        if not sinks:
+            return window
+        sink_start = self._pad_tensor(batch).clamp(max=first - sinks).unsqueeze(1)  # [batch, 1]
+        return torch.cat([sink_start + torch.arange(sinks, device=device), window], dim=1)
+
     def _write_slots(self, start: int, num_new: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[batch, 1, n]`` the page and the slot in it of the ring slot each row's tokens ``[start, start + n)``
         take; those a row keeps nowhere (its padding; in a step longer than the ring, the tokens it overwrites itself:
         a row keeps its sinks and its last ``ring_slots`` tokens) go to the null page's first slot."""
-        end = start + num_new
-        tokens = torch.arange(start, end, device=self.pool.device).expand(self.table.num_rows, -1)
+        batch, device, end = self.table.num_rows, self.pool.device, start + num_new
+        if num_new == 1:  # a decode step: from the host's page table (two small copies, no op on the device)
+            page_size, sinks = self.pool.format.page_size, self.sink_tokens
+            locals_ = [start - pad for pad in self._pad_list(batch)]  # counted from each row's first real token
+            slots = [local if local < sinks else sinks + (local - sinks) % self.ring_slots for local in locals_]
+            pages = [row[slot // page_size] if slot >= 0 else NULL_PAGE for row, slot in zip(self.table.rows, slots)]
+            offsets = [slot % page_size if slot >= 0 else 0 for slot in slots]
+            return tuple(torch.tensor(v, device=device).view(batch, 1, 1) for v in (pages, offsets))
+        tokens = torch.arange(start, end, device=device).expand(batch, -1)
         return self._slot_pages(self._slots(tokens, lost_before=end - self.ring_slots))
 
     def _slot_pages(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,10 +247,7 @@ class RingRows(PagedRows):
         num_keys = self.sink_tokens + self.window
         sinks, first = visible_span(start, 1, self.window, self.sink_tokens)
         if first:  # the window has left the sinks behind
-            tokens = torch.arange(first, start + 1, device=device).expand(batch, -1)  # [batch, window]
-            if sinks:  # as update: each row's own sinks, or where its window still reaches them, the tokens before it
-                sink_start = self._pad_tensor(batch).clamp(max=first - sinks).unsqueeze(1)  # [batch, 1]
-                tokens = torch.cat([sink_start + torch.arange(sinks, device=device), tokens], dim=1)
+            tokens = self._visible(start, 1, start + 1)  # [batch, num_keys]
         else:
             tokens = torch.arange(num_keys, device=device).expand(batch, -1)  # [batch, num_keys]
             tokens = tokens.masked_fill(tokens > start, -1)
@@ -377,12 +388,6 @@ class RingRows(PagedRows):
             else:
                 self._base = -1
         return None if self._base < 0 else self._base
-
-    def _flat_views(self, layer_in_group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pool's keys and values of one layer as ``[heads * pages * page_size, head_dim]`` slots."""
-        head_dim = self.pool.format.head_dim
-        keys, values = self.pool.keys[layer_in_group], self.pool.values[layer_in_group]
-        return keys.view(-1, head_dim), values.view(-1, head_dim)
 
     def _slot_views(self, layer_in_group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[batch, heads, num_keys, head_dim]`` of every slot of the rows: views of the pool."""

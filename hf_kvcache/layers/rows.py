@@ -19,7 +19,7 @@ Attention gets a layer's keys and values in one of three ways (the plan's ``mode
   ``[1, heads, pages * page_size, head_dim]`` views, and in the attention's kwargs a ``PagedRead`` with the step's
   ``PagedBlockMask`` (built once per step by the layer group's first layer, shared by the rest) that
   ``attention.interface`` hands to compiled FlexAttention. Quantized values cannot be read as they lie: the pages
-  the mask visits are dequantized into a buffer of the storage's layout (``SlotStore.read_planned_in_place``), while the
+  the mask visits are dequantized into a buffer of the storage's layout (``SlotStore.values_in_place``), while the
   keys are read in place.
 """
 
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from hf_kvcache.attention.kernels import page_rows, read_pages, run_view, write_planned
+from hf_kvcache.attention.kernels import page_rows, read_pages, run_view, slot_indices, write_planned
 from hf_kvcache.attention.reads import PAGED_READ, PagedRead
 from hf_kvcache.layers.identical import find_identical_rows
 from hf_kvcache.layers.plan import StepPlan
@@ -131,10 +131,8 @@ class PagedRows(PlannedRows):
             plan.reads = page_rows(read_pages, fmt.num_kv_heads, self.pool.storage.num_pages)
         elif mode == IN_PLACE:
             plan.mask = self.path.mask
-            if self.store.quant is not None:  # the codes of the pages the mask visits, dequantized for the step
-                in_place_values = self._plan_values_in_place(start, self.table.num_rows, None)
-                plan.value_extents, plan.window_pages, plan.window_offsets = in_place_values
-                plan.value_buffer = self._value_buffer()
+            if self.store.quant is not None:  # the residual window's tokens, over their dequantized slots
+                plan.residual_slots = self._residual_slots(end, plan.mask.num_pages)
         return plan
 
     def _write_slots(self, start: int, num_new: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,7 +244,9 @@ class PagedRows(PlannedRows):
         if self.store.quant is None:
             values = self._storage_view(storage.values, layer_in_group)
         else:
-            values = self.store.read_planned_in_place(layer_in_group, storage, plan)
+            extents, runs = self.path.extents
+            num_pages = plan.mask.num_pages
+            values = self.store.values_in_place(layer_in_group, storage, num_pages, extents, runs, plan.residual_slots)
         gather = functools.partial(self.gather, layer_in_group, num_tokens)
         handoff[PAGED_READ] = PagedRead(plan.mask, self._pad_tensor(self.table.num_rows), num_tokens, gather)
         return keys, values
@@ -442,3 +442,20 @@ class PagedRows(PlannedRows):
             rows = [[NULL_PAGE] * skip + row for row, skip in zip(self.table.rows, self.table.row_skips)]
             self._ids = torch.tensor(rows, dtype=torch.long, device=self.pool.device).view(len(rows), -1)
         return self._ids
+
+    def _residual_slots(self, num_tokens: int, num_pages: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The residual window's tokens of a step read in place (quantized values): their positions ``[n]`` and
+        their ``[batch, heads, n]`` slot indices in a view of the storage's first ``num_pages`` pages
+        (``kernels.slot_indices``); ``None``: no window."""
+        residual = self.store.residual
+        if residual is None:
+            return None
+        start = max(residual.first, num_tokens - residual.length)
+        if start >= num_tokens:
+            return None
+        page_size = self.pool.format.page_size
+        positions = torch.arange(start, num_tokens, device=self.pool.device)  # [n]
+        page_ids = self._page_ids()[:, positions // page_size]  # [batch, n]
+        offsets = (positions % page_size).expand_as(page_ids)  # [batch, n]
+        index = slot_indices(page_ids, offsets, self.pool.format.num_kv_heads, num_pages, page_size)
+        return positions, index

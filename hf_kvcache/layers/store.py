@@ -6,7 +6,7 @@ stored (``hf_kvcache.memory.quant``: per-token scales, so the codes do not depen
 never change afterwards); keys stay in the model's dtype. Attention gets the values dequantized
 into a buffer the rows reuse from step to step and layer to layer, never a new full-precision copy
 of the history: gathered in token order (``read``), or, where attention reads the keys in place, laid
-out as the storage's slots, the visited pages only (``read_planned_in_place``). The newest ``residual_length``
+out as the storage's slots, the visited pages only (``values_in_place``). The newest ``residual_length``
 tokens are served in full precision from ``ResidualValues`` instead of their codes; with that window, a one-token
 step of rows that keep every page codes its token for every layer at once, after the layer group's last layer
 (``code_step``: one quantization per step instead of one per layer; attention reads the token from the window).
@@ -20,13 +20,16 @@ from typing import Any
 
 import torch
 
-from hf_kvcache.attention.kernels import read_planned, write_planned
+from hf_kvcache.attention.kernels import read_planned, write_planned, write_slots
 from hf_kvcache.layers.exact import ExactSink, ResidualValues
 from hf_kvcache.layers.keys import KeyPages
 from hf_kvcache.memory.dequant import dequantize_joined_into, spread_bytes
 from hf_kvcache.memory.pool import KVPool
 from hf_kvcache.memory.quant import dequantize, join_scales, quantize
 from hf_kvcache.memory.storage import PoolStorage
+
+MAX_RUNS = 4
+"""Runs of consecutive extents that ``SlotStore.values_in_place`` dequantizes slice by slice (more: gathered)."""
 
 Gather = Callable[[torch.Tensor], torch.Tensor]
 """Reads one layer's slots out of one storage tensor of the pool as ``[batch, heads, n, last_dim]``."""
@@ -37,6 +40,17 @@ Put = Callable[[torch.Tensor, torch.Tensor], None]
 def _detached(states: torch.Tensor) -> torch.Tensor:
     """The pool holds inference state: what it stores is cut from any autograd graph."""
     return states.detach() if states.requires_grad else states
+
+
+def extent_runs(extents: list[int]) -> list[tuple[int, int]]:
+    """Ascending ``extents`` as ``(first, end)`` runs of consecutive ids."""
+    runs: list[tuple[int, int]] = []
+    for extent in extents:
+        if runs and runs[-1][1] == extent:
+            runs[-1] = (runs[-1][0], extent + 1)
+        else:
+            runs.append((extent, extent + 1))
+    return runs
 
 
 class SlotStore:
@@ -247,6 +261,55 @@ class SlotStore:
                 if out is not None:
                     out[:, :, -states.shape[2] :] = _detached(states)
         return keys, values
+
+    def values_in_place(
+        self,
+        layer_in_group: int,
+        storage: PoolStorage,
+        num_pages: int,
+        extents: torch.Tensor,
+        runs: list[tuple[int, int]],
+        residual_slots: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """One layer's quantized values laid out as the storage's slots, for attention that reads the keys in place.
+
+        Only the pages of ``extents`` (what the step's mask visits) are dequantized, into a buffer shaped as the
+        storage's first ``num_pages`` pages that the layers of the layer group reuse (pages outside them are never
+        read); the residual window's tokens are then written over their slots in full precision. Extents in at most
+        ``MAX_RUNS`` runs of consecutive ids (a fresh pool's rows) are dequantized straight from their codes' slices
+        into their slots'; others are gathered, dequantized and scattered (two more passes over the values).
+
+        Args:
+            extents: ``[visited]`` extent ids, ascending.
+            runs: the same extents as ``(first, end)`` runs of consecutive ids (``extent_runs``).
+            residual_slots: the residual window's positions ``[n]`` and slot indices ``[batch, heads, n]``
+                (``kernels.slot_indices``), or ``None``.
+
+        Returns:
+            ``[1, heads, num_pages * page_size, head_dim]``.
+        """
+        fmt, quant = self.pool.format, self.quant
+        heads, slots_per_extent = fmt.num_kv_heads, fmt.extent_pages * fmt.page_size
+        slots = self._buffer("in_place", (heads, num_pages * fmt.page_size, quant.head_dim), storage.keys.dtype)
+        by_extent = slots.view(heads, -1, slots_per_extent, quant.head_dim)  # [heads, extents, slots, head_dim]
+
+        def by_extents(tensor: torch.Tensor) -> torch.Tensor:  # [heads, extents, slots, last_dim]
+            return tensor[layer_in_group].view(heads, -1, slots_per_extent, tensor.shape[-1])
+
+        codes, scales = by_extents(storage.values), by_extents(storage.value_scales)
+        if len(runs) <= MAX_RUNS:
+            for first, end in runs:
+                self._dequantize(by_extent[:, first:end], codes[:, first:end], scales[:, first:end])
+        else:
+            shape = (heads, extents.numel(), slots_per_extent, quant.head_dim)
+            values = self._buffer("values", shape, slots.dtype)  # [heads, visited, slots, head_dim]
+            self._dequantize(values, codes.index_select(1, extents), scales.index_select(1, extents))
+            by_extent.index_copy_(1, extents, values)
+        if residual_slots is not None and layer_in_group in self.residual.buffers:
+            positions, index = residual_slots
+            newest = self.residual.buffers[layer_in_group].index_select(2, positions % self.residual.length)
+            write_slots(slots.view(-1, quant.head_dim), index, newest)  # [batch, heads, n, head_dim] over their slots
+        return slots.unsqueeze(0)
 
     def _dequantize(self, out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
         """``dequantize_into`` with the joined scales of ``join_scales`` and reused work buffers."""

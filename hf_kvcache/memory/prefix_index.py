@@ -80,9 +80,6 @@ class PrefixIndex:
     def is_published(self, page: int) -> bool:
         return page in self._key_of
 
-    def is_cached(self, page: int) -> bool:
-        return page in self._cached
-
     def add(self, key: PageKey, page: int) -> None:
         """Publishes ``page`` under ``key`` (both new to the index); the caller adds the index's reference."""
         if key in self._page_of or page in self._key_of:
