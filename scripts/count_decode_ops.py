@@ -75,7 +75,7 @@ def count_step(
         with torch.no_grad(), Count() as count:
             model(input_ids=token, cache=cache)
         return count, Count(), count_page(model, cache, token)
-    cache.compiled_decoding, cache.runs_eager = True, False  # as generate sets them when it compiles
+    cache.compiled_decoding = True  # as generate sets it when it compiles
     for _ in range(2):
         with Count() as planning:
             if not cache.plan_decode(ids.shape[0], 1):

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch._dynamo
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import CompileConfig
+from transformers import CompileConfig, StaticCache
 
 from hf_kvcache import KVPool, PageFormat
 from hf_kvcache.caches.paged import PagedCache
@@ -282,7 +282,7 @@ class OpCount(TorchDispatchMode):
     ],
     ids=["paged", "ring", "quantized_values"],
 )
-def test_a_planned_step_reads_nothing_back_to_the_host_and_dispatches_what_dynamic_cache_does(name, config, ops_bound):
+def test_a_planned_step_reads_nothing_back_to_the_host_and_dispatches_what_static_cache_does(name, config, ops_bound):
     model = tiny_llama()
     ids = random_ids(2, 21)
     out = generate(model, ids, name, max_new_tokens=2, cache_config=config, return_dict_in_generate=True)
@@ -296,10 +296,13 @@ def test_a_planned_step_reads_nothing_back_to_the_host_and_dispatches_what_dynam
     assert reads.reads == 0
     cache.end_planning()
     assert cache.get_seq_length() == 23
-    dynamic = generate(model, ids, max_new_tokens=2, return_dict_in_generate=True)
-    with torch.no_grad(), OpCount() as dynamic_ops:
-        model(input_ids=dynamic.sequences[:, -1:], cache=dynamic.cache)
-    assert ops_bound is None or ops.ops <= ops_bound * dynamic_ops.ops, (ops.ops, dynamic_ops.ops)
+    # StaticCache's step, the one generate compiles: like ours, it gets the mask transformers materializes for a
+    # compileable cache (DynamicCache's eager step skips it)
+    static_cache = StaticCache(config=model.config, max_cache_len=64)
+    static = generate(model, ids, max_new_tokens=2, return_dict_in_generate=True, cache=static_cache)
+    with torch.no_grad(), OpCount() as static_ops:
+        model(input_ids=static.sequences[:, -1:], cache=static.cache)
+    assert ops_bound is None or ops.ops <= ops_bound * static_ops.ops, (ops.ops, static_ops.ops)
 
 
 @pytest.mark.parametrize(
@@ -324,7 +327,7 @@ def test_planning_a_step_that_opens_no_page_moves_only_the_new_tokens_slot(name,
     out = generate(model, ids, name, **kwargs)
     cache, token = out.cache, out.sequences[:, -1:]
     eager = generate(model, ids, name, **kwargs).cache
-    cache.compiled_decoding, cache.runs_eager = True, False  # as generate sets them when it compiles
+    cache.compiled_decoding = True  # as generate sets them when it compiles
     counts = []
     with torch.no_grad():
         for _ in range(13):  # positions 20 to 32: the step at 32 opens the third page
@@ -377,7 +380,7 @@ def test_a_ring_that_wrapped_reads_nothing_back_to_the_host():
         step_mask = torch.cat([mask, torch.ones(2, 2, dtype=torch.long)], dim=1)
         with torch.no_grad(), HostReads() as reads:
             if planned:
-                cache.compiled_decoding, cache.runs_eager = True, False  # as generate sets them when it compiles
+                cache.compiled_decoding = True  # as generate sets them when it compiles
                 assert cache.plan_decode(2, 1, step_mask)
             else:  # no mask: transformers reads one back to check for padding
                 model(input_ids=token, cache=cache)
@@ -443,7 +446,7 @@ def planned_and_eager_twins(case: str) -> tuple:
         ids, mask = random_ids(2, 21), torch.ones(2, 21, dtype=torch.long)
     kwargs = {"max_new_tokens": 2, "attention_mask": mask, "cache_config": config}
     planned, eager = (generate(model, ids, name, return_dict_in_generate=True, **kwargs).cache for _ in range(2))
-    planned.compiled_decoding, planned.runs_eager = True, False
+    planned.compiled_decoding = True
     token = generate(model, ids, name, **kwargs)[:, -1:]
     return model, planned, eager, token, torch.cat([mask, torch.ones(2, 2, dtype=torch.long)], dim=1)
 
@@ -623,7 +626,7 @@ def test_compiled_in_place_steps_compute_what_eager_steps_do(in_place_model, nam
     planned, eager = (
         generate(model, ids, name, max_new_tokens=2, return_dict_in_generate=True, **config).cache for _ in range(2)
     )
-    planned.compiled_decoding, planned.runs_eager = True, False  # as generate sets them when it compiles
+    planned.compiled_decoding = True  # as generate sets them when it compiles
     token = generate(model, ids, name, max_new_tokens=2, **config)[:, -1:]
     with torch.no_grad():
         for _ in range(12):  # tokens 22 to 33: a page fills

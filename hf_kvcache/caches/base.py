@@ -98,8 +98,9 @@ class PoolCache(PlannedDecoding):
                 layers[layer_idx] = self._make_layer(layer_idx, layer_in_group, bind, policies[layer_group_idx])
         self._state_layers.place(layers)
         super().__init__(layers=layers)
-        self.compiled_decoding = False  # generate compiles the decode steps: plan them (hf_kvcache.integration.seams)
-        self.runs_eager = False  # generate will not compile this request (then is_compileable says False)
+        # Whether generate compiles this request's decode steps (hf_kvcache.integration.seams): True, plan them; False,
+        # it runs eager (is_compileable then says False); None, not told (a cache used outside generate).
+        self.compiled_decoding: bool | None = None
         self._planned_capacity: int | None = None
         self._planning = False  # a step was planned since the last end_planning
         self._query_offset: torch.Tensor | None = None  # [] a planned step's start, on the pool's device

@@ -12,7 +12,7 @@ import torch._dynamo.utils
 from transformers import PreTrainedConfig
 
 from hf_kvcache.caches.options import CacheOptions
-from hf_kvcache.caches.policy import RowPolicy, reads_key_layouts
+from hf_kvcache.caches.policy import RowPolicy, uses_our_attention
 from hf_kvcache.caches.prefix import PrefixTracker, log_once
 from hf_kvcache.errors import IncompatibleModelError
 from hf_kvcache.layers import PagedRows
@@ -103,13 +103,13 @@ class PoolBinder:
         rows = self.rows.get((device, layer_group_idx))
         if rows is None:
             pool = self.bind(device, dtype)
-            reads_slots = functools.partial(reads_key_layouts, self.config)  # not a method: rows must not hold self
+            our_attention = functools.partial(uses_our_attention, self.config)  # not a method: rows must not hold self
             policy = self.policies[layer_group_idx]
             config = self.config
             heads = getattr(config, "num_attention_heads", 1)
             kv_heads = getattr(config, "num_key_value_heads", None) or heads
             queries_per_kv_head = max(1, heads // kv_heads)  # rank-invariant
-            rows = policy.make_rows(pool, reads_slots, queries_per_kv_head, self.placement.process_group)
+            rows = policy.make_rows(pool, our_attention, queries_per_kv_head, self.placement.process_group)
             self.rows[(device, layer_group_idx)] = rows
             rows.set_plan(self.planned_tokens, self.pad_lengths)
         return rows

@@ -17,7 +17,7 @@ from hf_kvcache.layers.plan import capacity_bucket
 
 class PlannedDecoding(Cache):
     """The base of ``PoolCache`` that decodes compiled: it plans each step over the layers and the binder
-    ``PoolCache`` sets up (``_binder``, ``layers``, ``options``, ``runs_eager``, ``compiled_decoding``)."""
+    ``PoolCache`` sets up (``_binder``, ``layers``, ``options``, ``compiled_decoding``)."""
 
     @property
     def is_compileable(self) -> bool:
@@ -28,7 +28,7 @@ class PlannedDecoding(Cache):
         binder = self._binder
         # generate's rule said no for this request, or its steps feed several tokens (seams.check_request): masks
         # may then be skipped as Dynamic's
-        if self.runs_eager:
+        if self.compiled_decoding is False:
             return False
         return binder.placement.process_group is None and len({at for at in binder.layer_group_devices if at}) <= 1
 

@@ -41,12 +41,12 @@ class RowPolicy:
         return math.ceil(num_tokens / page_size)
 
     def make_rows(
-        self, pool: KVPool, reads_slots: Callable[[], bool], queries_per_kv_head: int = 1, process_group: Any = None
+        self, pool: KVPool, our_attention: Callable[[], bool], queries_per_kv_head: int = 1, process_group: Any = None
     ) -> PagedRows:
         """The rows of a layer group on ``pool``.
 
         Args:
-            reads_slots: does the model's attention read a ``KeyLayout`` (and a ``PagedRead``).
+            our_attention: does the model's attention read a ``KeyLayout`` (and a ``PagedRead``).
             queries_per_kv_head: query heads per KV head.
             process_group: the process group of a tensor-parallel model's ranks (``Placement.process_group``).
         """
@@ -54,17 +54,17 @@ class RowPolicy:
             return PagedRows(
                 pool,
                 self.residual_length,
-                reads_in_place=reads_slots,
+                our_attention=our_attention,
                 queries_per_kv_head=queries_per_kv_head,
                 process_group=process_group,
                 exact_tokens=self.exact_tokens,
             )
         return RingRows(
-            pool, self.window, self.sink_tokens, self.residual_length, reads_slots, process_group, self.is_sliding
+            pool, self.window, self.sink_tokens, self.residual_length, our_attention, process_group, self.is_sliding
         )
 
 
-def reads_key_layouts(config: PreTrainedConfig) -> bool:
+def uses_our_attention(config: PreTrainedConfig) -> bool:
     """Whether the model attends with ``attn_implementation="hf_kvcache"``, which reads a ring's ``KeyLayout`` (and a
     ``PagedRead``), and its attention modules hand the keys and values they get to that attention alone."""
     return attn_implementation(config) == ATTENTION_NAME and hands_states_to_attention_only(config)

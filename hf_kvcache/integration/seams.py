@@ -165,7 +165,7 @@ def check_request(
             )
     cache.bind_pools(model.device, model.dtype)  # whether the cache is compileable depends on its pools' devices
     compiles = getattr(model, "_valid_auto_compile_criteria", None)  # generate's own rule (StaticCache's)
-    cache.runs_eager = False
+    cache.compiled_decoding = None
     compiled = compiles is not None and compiles(model_kwargs | {"cache": cache}, generation_config)
     why_eager = several_tokens_a_step(generation_config, generation_mode) if compiled else None
     if why_eager is not None:  # a step of several tokens is not planned: the request runs eager
@@ -173,7 +173,7 @@ def check_request(
         compiled = False
     # A cache that says it is compileable gets a materialized mask at every step, even eager (transformers skips
     # it only for caches that are not): once generate's rule said no, it says no.
-    cache.compiled_decoding, cache.runs_eager = bool(compiled), not compiled
+    cache.compiled_decoding = bool(compiled)
     mask = model_kwargs.get("attention_mask")  # [rows, prompt_length]; generate drops it when all ones
     cache.plan(max_cache_length, mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None)
     if cache.options.admission_check is not False:

@@ -154,7 +154,7 @@ class PlannedRows:
             and self.store.keys is None
             and self.store.sink is None
             and reads >= flex.MIN_IN_PLACE_TOKENS
-            and self.path.reads_in_place()
+            and self.path.our_attention()
             and flex.unavailable(self.pool.device) is None
         )
         return self.path.mask if wanted and self.path.refresh_mask(batch, start + 1, self.mask_inputs) else None

@@ -28,16 +28,16 @@ class ReadPath:
 
     Args:
         pool / table: the layer group's pool and page table.
-        reads_in_place: whether the model's attention reads a ``PagedRead`` (``attn_implementation="hf_kvcache"``),
+        our_attention: whether the model's attention reads a ``PagedRead`` (``attn_implementation="hf_kvcache"``),
             asked once per step.
         queries_per_kv_head: query heads per KV head (the packed query rows of a decode step).
     """
 
     def __init__(
-        self, pool: KVPool, table: PageTable, reads_in_place: Callable[[], bool], queries_per_kv_head: int
+        self, pool: KVPool, table: PageTable, our_attention: Callable[[], bool], queries_per_kv_head: int
     ) -> None:
         self.pool, self.table = pool, table
-        self.reads_in_place = reads_in_place
+        self.our_attention = our_attention
         self.queries_per_kv_head = queries_per_kv_head
         self.mask: block_mask.PagedBlockMask | None = None  # reused from step to step, refilled in place
         # The extents the mask visits, [visited] and as runs (quantized values: what is dequantized).
@@ -63,7 +63,7 @@ class ReadPath:
                 ``PagedRead`` (``hf_kvcache.attention.reads``).
         """
         batch, pool = self.table.num_rows, self.pool
-        if not batch or not self.reads_in_place():
+        if not batch or not self.our_attention():
             if batch and num_new == 1:
                 flex.log_path("attention", "the model's attn_implementation is not 'hf_kvcache'")
             return GATHER

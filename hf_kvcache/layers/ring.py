@@ -65,7 +65,7 @@ class RingRows(PagedRows):
         window: tokens each query attends to, itself included (transformers' ``sliding_window``).
         sink_tokens: first real tokens of a row kept for good (attention sinks).
         residual_length: as for ``PagedRows``.
-        reads_slots: whether the model's attention reads a ``KeyLayout`` (``attn_implementation="hf_kvcache"``),
+        our_attention: whether the model's attention reads a ``KeyLayout`` (``attn_implementation="hf_kvcache"``),
             asked once per step: then keys may come in slot order, as views of the pages.
         process_group: as for ``PagedRows``.
         is_sliding: the model's own mask applies the window (a sliding layer of the model): a step of several tokens
@@ -81,14 +81,13 @@ class RingRows(PagedRows):
         window: int,
         sink_tokens: int = 0,
         residual_length: int = 0,
-        reads_slots: Callable[[], bool] = lambda: False,
+        our_attention: Callable[[], bool] = lambda: False,
         process_group: Any = None,
         is_sliding: bool = False,
     ) -> None:
-        super().__init__(pool, residual_length, row_extents=False, process_group=process_group)
+        super().__init__(pool, residual_length, False, our_attention, process_group=process_group)
         self.table.pads_held = False  # a row's slots start at its first real token
         self.is_sliding = is_sliding
-        self._reads_slots = reads_slots
         page_size = pool.format.page_size
         if self.store.keys is not None and sink_tokens:
             raise ValueError(
@@ -155,7 +154,7 @@ class RingRows(PagedRows):
             keys, values = self._gather(plan, layer_in_group, start, newest=end)
             self.write(plan, layer_in_group, key_states, value_states)  # only its tail stays
             keys, values = torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
-        if plan.layout is not None and handoff is not None and self._reads_slots():  # only our attention reads it
+        if plan.layout is not None and handoff is not None and self.path.our_attention():  # only our attention reads it
             handoff[KEY_LAYOUT] = plan.layout
         return keys, values
 
@@ -187,7 +186,7 @@ class RingRows(PagedRows):
         plan = StepPlan(None, None, *self._write_slots(start, num_new), *self._constants(), 0)
         plan.start, plan.num_new, plan.version = start, num_new, self.table.version
         pads = self._pad_tensor(batch)
-        if num_new <= self.max_step and hands_over and self._reads_slots() and self._first_page() is not None:
+        if num_new <= self.max_step and hands_over and self.path.our_attention() and self._first_page() is not None:
             plan.mode, plan.layout = IN_PLACE, self._slot_layout(start, num_new, sinks, first)
             return plan
         last = end if num_new <= self.max_step else start

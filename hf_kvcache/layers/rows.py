@@ -50,7 +50,7 @@ class PagedRows(PlannedRows):
         residual_length: newest tokens whose values attention gets in full precision (quantized pools only).
         row_extents: place each row's pages in aligned extents (``PageTable``), so attention can read them in
             place in blocks of an extent (``hf_kvcache.attention.flex``).
-        reads_in_place: whether the model's attention reads a ``PagedRead`` (``attn_implementation="hf_kvcache"``),
+        our_attention: whether the model's attention reads a ``PagedRead`` (``attn_implementation="hf_kvcache"``),
             asked once per step.
         queries_per_kv_head: query heads per KV head (the packed query rows of a decode step).
         process_group: the process group of a tensor-parallel model's ranks, whose tables must stay alike: their page
@@ -69,7 +69,7 @@ class PagedRows(PlannedRows):
         pool: KVPool,
         residual_length: int = 0,
         row_extents: bool = True,
-        reads_in_place: Callable[[], bool] = lambda: False,
+        our_attention: Callable[[], bool] = lambda: False,
         queries_per_kv_head: int = 1,
         process_group: Any = None,
         exact_tokens: int = 0,
@@ -84,7 +84,7 @@ class PagedRows(PlannedRows):
         self.pad_lengths: list[int] | None = None  # leading padding of each row (``PoolCache.plan``); None: none
         self._pads: torch.Tensor | None = None  # ``pad_lengths`` as a [batch] tensor, see _pad_tensor
         # How attention reads a step's pages, and the block mask in place uses
-        self.path = ReadPath(pool, self.table, reads_in_place, queries_per_kv_head)
+        self.path = ReadPath(pool, self.table, our_attention, queries_per_kv_head)
         self._version = -1  # table version the cached indices below were built for
         self._ids: torch.Tensor | None = None
         self._heads: torch.Tensor | None = None  # StepPlan.heads, see _constants
