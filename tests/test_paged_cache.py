@@ -128,10 +128,13 @@ def test_rows_that_differ_in_a_later_layer_get_private_pages():
     ids=["paged_pool", "sliding_ring", "quantized_kv", "gemma3"],
 )
 def test_each_eager_step_is_planned_once_per_layer_group(model_name, name, cache_config, groups, request, monkeypatch):
-    """One plan per forward pass: the first layer of each layer group plans the step (``PagedRows.plan_step``), the
-    others execute that plan."""
+    """One plan per forward pass and layer group, which the layers execute: generate's decode steps are planned
+    before the forward pass (``PagedRows.plan_eager_step``), the prefill by the group's first layer
+    (``PagedRows.plan_step``)."""
     model = request.getfixturevalue(model_name)
-    plans = []
+    plans, ahead = [], []
+    make_ahead = PagedRows.plan_eager_step
+    monkeypatch.setattr(PagedRows, "plan_eager_step", lambda self, *args: ahead.append(args) or make_ahead(self, *args))
     for rows_class in (PagedRows, RingRows):
         make = rows_class._plan_eager
 
@@ -145,6 +148,7 @@ def test_each_eager_step_is_planned_once_per_layer_group(model_name, name, cache
     out = run(model, ids, mask, cache_implementation=name, **settings)
     assert len(plans) == 4 * groups, plans  # the prefill and three decode steps
     assert sorted(set(plans)) == [(0, 19), (19, 1), (20, 1), (21, 1)]
+    assert sorted(set(ahead)) == [(19, 2), (20, 2), (21, 2)] and len(ahead) == 3 * groups  # (start, rows)
     if name == "paged_pool":  # lossless (the ring imposes its window on Llama; the codes are lossy)
         assert_same_generation(run(model, ids, mask, max_new_tokens=4), out)
 

@@ -10,8 +10,8 @@ may see is a ``BlockMask`` built from the page tables directly (no ``create_bloc
   the order of the pages inside does not matter, attention does not depend on the keys' order);
 - ``kv_indices``: the row's other extents (the first, after left padding; the last, partly filled; extents
   that also hold other rows' pages), then fillers, so that every row has the same counts (inductor's CPU decode
-  kernel has a fast path only then: 2.6x faster at 4,096 x 8): fillers are extents the other rows of the step
-  visit, which ``mask_mod`` hides entirely for this row.
+  kernel has a fast path only then): fillers are extents the other rows of the step visit, which ``mask_mod`` hides
+  entirely for this row.
 
 ``mask_mod`` is the whole truth, the block lists only an optimization (uncompiled flex ignores them): it maps a
 physical slot to its row's logical position through ``page_position[row, page]`` (-1: not this row's page) and
@@ -20,14 +20,12 @@ everything in the blocks a row visits must be finite: the row's pages, other liv
 they are its own rows', ``KVPool.foreign_pages``) and free pages (all zeros, ``hf_kvcache.memory.pool``).
 
 GQA is packed: the queries per KV head (the query heads sharing it) become query rows of that KV head, so every
-page is read once per KV head and the kernel's products get that many rows (1.7x faster than flex's own
-``enable_gqa``).
+page is read once per KV head and the kernel's products get that many rows (faster than flex's own ``enable_gqa``).
 
 The keys and values go in as a view of the storage's first pages only, as many as the step's pages need
 rounded up to a power of two extents (``block_mask.view_pages``): inductor's CPU kernel allocates two scratch
-buffers the size of its whole key sequence at every call (unused in fp32), which over a default pool's reserved cap
-(17,144 pages for SmolLM2 here) cost 0.05-0.16 ms per call more than over the 640 pages the rows of a 1,024 x 8
-step use.
+buffers the size of its whole key sequence at every call (unused in fp32), which over a default pool's whole
+storage would cost more than the step's reads.
 
 Compiling: ``torch.compile(dynamic=False, fullgraph=True)`` (``dynamic=True`` does not compile this mask on CPU).
 The mask's tensors are allocated once per view size and refilled in place, so rows that grow recompile only when
@@ -62,9 +60,8 @@ MAX_SHAPE_KEYS = 32
 Q_BLOCK = 128
 """Query rows per block: one block for a decode step's packed query rows (the queries per KV head)."""
 MIN_IN_PLACE_TOKENS = 2048
-"""Decode steps with fewer tokens than this over all rows (``batch x tokens``) gather instead: a compiled call
-costs a fixed 0.1-0.25 ms more than sdpa on this CPU, which the copy it saves repays only past about 1-2k tokens
-(SmolLM2, whole model, 1 thread: in place 0.97x ``DynamicCache`` at 1,024 x 1, 1.22x at 1,024 x 8)."""
+"""Decode steps with fewer tokens than this over all rows (``batch x tokens``) gather instead: a compiled call has
+a fixed cost over sdpa, which the copy it saves repays only past about 1-2k tokens (docs/attention.md)."""
 
 
 class FlexUnavailable(RuntimeError):

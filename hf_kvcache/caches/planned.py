@@ -37,9 +37,10 @@ class PlannedDecoding(Cache):
         mask, whose size the plan sets): the bookkeeping of the step (pages, copy-on-write, where the new token goes
         and which pages attention reads) done here, on the host, into tensors the step reads
         (``PagedRows.plan_decode``); ``start_planned`` then counts the step. Only steps that run compiled
-        (``compiled_decoding``) are planned here, ahead of the forward pass (their graph does no host work); an eager
-        step is planned by the layer group's first layer (``PagedRows.plan_step``), and reads exactly its tokens
-        rather than a capacity bucket (the model's mask is built for them).
+        (``compiled_decoding``) are planned into these tensors (their graph does no host work); an eager decode step is
+        planned here as its layers' first would (``PagedRows.plan_eager_step``), reading exactly its tokens rather
+        than a capacity bucket (the model's mask is built for them). Other steps (a prefill, several tokens, a direct
+        ``model(...)`` call) are planned by each layer group's first layer (``PagedRows.plan_step``).
 
         Args:
             attention_mask: ``generate``'s ``[rows, tokens]`` mask (``None``: all ones): where it hides no more than
@@ -50,6 +51,10 @@ class PlannedDecoding(Cache):
         rows_of = list(binder.rows.values())
         if not (self.compiled_decoding and num_new == 1 and rows_of):
             self.end_planning()
+            if num_new == 1:  # an eager decode step: planned here too, so that its layers only execute the plan
+                start = self.get_seq_length()
+                for rows in rows_of:
+                    rows.plan_eager_step(start, num_rows)
             return False
         start = self.get_seq_length()
         page_size = rows_of[0].pool.format.page_size

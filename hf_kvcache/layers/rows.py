@@ -114,9 +114,20 @@ class PagedRows(PlannedRows):
         self.begin_step(start, key_states, value_states)
         num_new, plan = key_states.shape[-2], self.step_plan
         made_for = (start, num_new, self.table.version)
-        if plan is None or plan.ahead or (plan.start, plan.num_new, plan.version) != made_for:
+        stale = plan is None or plan.ahead or (plan.start, plan.num_new, plan.version) != made_for
+        if stale or (plan.mode == IN_PLACE and not hands_over):  # in place needs the kwargs to hand its read over
             plan = self.step_plan = self._plan_eager(start, num_new, hands_over)
         return plan
+
+    def plan_eager_step(self, start: int, batch: int) -> None:
+        """Before the forward pass of an eager decode step of one token per row at ``start`` (``generate``'s seam,
+        ``PoolCache.plan_decode``): what the layer group's first layer would do in ``plan_step``, so that every
+        layer only executes the plan. A step that is not the table's next is left to the layers (which raise)."""
+        if start != self.num_tokens or not self.table.num_rows or batch != self.table.num_rows:
+            return
+        self._grow(batch, start, 1, None)
+        self._shared_prefill = None
+        self.step_plan = self._plan_eager(start, 1, hands_over=True)
 
     def _plan_eager(self, start: int, num_new: int, hands_over: bool) -> StepPlan:
         """What every layer of an eager step writes and reads (``StepPlan``): the slots of tokens ``[start, end)``,
