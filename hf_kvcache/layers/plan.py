@@ -1,9 +1,11 @@
 """A step's plan: what every layer of a layer group writes and reads, decided once per forward pass.
 
-Eager steps of rows that keep every page are planned by the layer group's first layer (``PagedRows.plan_step``);
-each decode step ``generate`` compiles is planned before the forward pass (``PoolCache.plan_decode``,
-``PagedRows.plan_decode``, into tensors kept from step to step). The layers execute either with the same kernels
-(``kernels.write_planned``, ``kernels.read_planned`` / ``read_pages``).
+``generate``'s decode steps are planned before the forward pass, in the seam that sees every step
+(``PoolCache.plan_decode``): a compiled one into tensors kept from step to step (``PagedRows.plan_decode``), an eager
+one as its layers' first would (``PagedRows.plan_eager_step``). Other steps (a prefill, several tokens, a direct
+``model(...)`` call) are planned by each layer group's first layer (``PagedRows.plan_step``). The layers write with
+one kernel (``kernels.write_planned``) and gather with ``kernels.read_pages`` (eager) or ``kernels.read_planned``
+(compiled).
 """
 
 from dataclasses import dataclass
@@ -17,7 +19,7 @@ class StepPlan:
     """A step's writes and reads. A compiled step (``ahead``: one new token per row, planned before the forward pass
     by ``PagedRows.plan_decode``) keeps its tensors from step to step, refilled in place, so that a compiled step
     (and a CUDA graph replay) reads them without a recompile while the batch and the number of keys stay; an eager
-    step's (``PagedRows.plan_step``) are made for it. Index tensors broadcast to ``[batch,
+    step's (``PagedRows.plan_step``, ``plan_eager_step``) are made for it. Index tensors broadcast to ``[batch,
     heads, ...]`` over the storage's ``[layers, heads, pages, page_size, head_dim]`` (``kernels.read_planned`` and
     ``kernels.write_planned``).
 
