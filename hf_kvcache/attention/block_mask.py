@@ -142,5 +142,5 @@ class PagedBlockMask:
 
     def advance(self, num_tokens: int) -> None:
         """One more token per row in the rows' last pages, nothing else changed: only the end moves (the last page
-        is in a partial block, where ``mask_mod`` bounds what is seen)."""
+        is in a partial extent, where ``mask_mod`` bounds what is seen)."""
         self.num_tokens.fill_(num_tokens)

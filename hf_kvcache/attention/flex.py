@@ -1,41 +1,33 @@
 """FlexAttention over a pool's pages, in place: a decode step reads each row's keys and values where they lie.
 
-A layer's storage goes to ``flex_attention`` in place, its first pages viewed as ``[1, num_kv_heads, num_pages *
-page_size, head_dim]`` (one batch row, broadcast over the query's rows; ``block_mask.view_pages``). What each query row
-may see is a ``BlockMask`` built from the page tables directly (no ``create_block_mask``):
+A layer's storage goes to ``flex_attention`` as a view of its first pages, ``[1, num_kv_heads, num_pages *
+page_size, head_dim]`` (one batch row, broadcast over the query's rows). The view covers only as many pages as the
+step needs, rounded up to a power of two extents (``block_mask.view_pages``), because inductor's CPU kernel allocates
+scratch the size of its whole key sequence at every call. What each query row may see is a ``BlockMask`` built from
+the page tables directly (no ``create_block_mask``):
 
-- a KV block is one *extent* of ``extent_pages`` pages (``KV_BLOCK_TOKENS`` = 128 tokens; the allocator places
-  each row's pages in aligned extents), so a block's index is its extent id;
+- a KV block is one *extent* of ``extent_pages`` pages (``KV_BLOCK_TOKENS`` tokens; the allocator places each row's
+  pages in aligned extents), so a block's index is its extent id;
 - ``full_kv_indices``: extents all of whose pages are the row's and wholly visible (``mask_mod`` not evaluated:
-  the order of the pages inside does not matter, attention does not depend on the keys' order);
-- ``kv_indices``: the row's other extents (the first, after left padding; the last, partly filled; extents
-  that also hold other rows' pages), then fillers, so that every row has the same counts (inductor's CPU decode
-  kernel has a fast path only then): fillers are extents the other rows of the step visit, which ``mask_mod`` hides
-  entirely for this row.
+  attention does not depend on the order of the pages inside);
+- ``kv_indices``: the row's other extents (the first, after left padding; the last, partly filled; extents that
+  also hold other rows' pages), then fillers: extents other rows of the step visit, hidden for this row, so that
+  every row has the same counts (inductor's CPU decode kernel has a fast path only then).
 
-``mask_mod`` is the whole truth, the block lists only an optimization (uncompiled flex ignores them): it maps a
-physical slot to its row's logical position through ``page_position[row, page]`` (-1: not this row's page) and
-keeps ``pad[row] <= position < num_tokens``. A masked slot still enters the kernel's sums as ``0 x value``, so
-everything in the blocks a row visits must be finite: the row's pages, other live rows' pages (the caller checks
-they are its own rows', ``KVPool.foreign_pages``) and free pages (all zeros, ``hf_kvcache.memory.pool``).
+``mask_mod`` is the whole truth, the block lists only an optimization: it maps a slot to its row's logical position
+through ``page_position[row, page]`` (-1: not this row's page) and keeps ``pad[row] <= position < num_tokens``. A
+masked slot still enters the kernel's sums as ``0 x value``, so everything in the extents a row visits must be
+finite: the row's pages, other live rows' pages (``KVPool.foreign_pages``) and free pages (all zeros).
 
-GQA is packed: the queries per KV head (the query heads sharing it) become query rows of that KV head, so every
-page is read once per KV head and the kernel's products get that many rows (faster than flex's own ``enable_gqa``).
+GQA is packed: the query heads sharing a KV head become query rows of it, so every page is read once per KV head.
 
-The keys and values go in as a view of the storage's first pages only, as many as the step's pages need
-rounded up to a power of two extents (``block_mask.view_pages``): inductor's CPU kernel allocates two scratch
-buffers the size of its whole key sequence at every call (unused in fp32), which over a default pool's whole
-storage would cost more than the step's reads.
-
-Compiling: ``torch.compile(dynamic=False, fullgraph=True)`` (``dynamic=True`` does not compile this mask on CPU).
-The mask's tensors are allocated once per view size and refilled in place, so rows that grow recompile only when
-their pages pass a power of two: one compile per *shape key* (batch, view pages, heads, dtype, page geometry,
-softmax scale, threads, grad mode), paid once per process (about 15 s cold on a 2-core CPU, 1 s with inductor's
-on-disk cache warm). Each key gets its own compiled function with its own code object: dynamo counts
-``recompile_limit`` (8) per code object and past it silently runs flex uncompiled, 100x slower over the whole pool.
-Past ``MAX_SHAPE_KEYS`` keys, or where compiling is impossible (``unavailable``), callers take the gather path
-(``hf_kvcache.attention.kernels``), the slow twin this is tested against. While a shape compiles, other threads wait
-at their next module call (``ForwardGate``); ``hf_kvcache.integration.warmup`` compiles the shapes before traffic.
+Compiling: ``torch.compile(dynamic=False, fullgraph=True)`` (``dynamic=True`` does not compile this mask on CPU), one
+compiled function per *shape key* (batch, view pages, heads, dtype, page geometry, softmax scale, threads, grad
+mode), each with its own code object: dynamo counts ``recompile_limit`` per code object and past it runs flex
+uncompiled. The mask's tensors are refilled in place, so growing rows recompile only when their pages pass a power
+of two extents. Past ``MAX_SHAPE_KEYS`` keys, or where compiling is impossible (``unavailable``), callers take the
+gather path (``hf_kvcache.attention.kernels``), the slow twin. While a shape compiles, other threads wait at their
+next module call (``ForwardGate``); ``hf_kvcache.integration.warmup`` compiles the shapes before traffic.
 """
 
 import contextlib
@@ -54,7 +46,7 @@ from hf_kvcache.attention.block_mask import PagedBlockMask
 logger = logging.getLogger("hf_kvcache")
 
 MIN_TORCH = Version("2.13")
-"""The oldest torch this was measured and tested with; older ones take the gather path."""
+"""The oldest torch the in-place path is tested with; older ones take the gather path."""
 MAX_SHAPE_KEYS = 32
 """Compiled shape keys per process; a new shape past them takes the gather path (each costs a compile)."""
 Q_BLOCK = 128
@@ -75,16 +67,14 @@ class FlexUnavailable(RuntimeError):
 class ForwardGate:
     """Holds every other thread's ``nn.Module`` calls while this process compiles.
 
-    While torch compiles (in any thread), ``torch.compiler.is_compiling()`` is true in every thread, and code that
-    asks it switches its state to one process-wide value: the context variables of transformers' kernelized
-    attention (the ``kernels`` package's, which Llama, Mistral and Gemma 3 use) and of its output capturing. Another
-    thread that starts a forward then meets a ``Token`` in place of its own value and fails, whatever its cache. So a
-    compile that runs inside a request (``CompiledKernels.run``) runs with the gate closed: a global forward
-    pre-hook, installed for the compile only, makes every other thread wait at its next module call, where it holds
-    no such state half set (a forward sets it on entering a module, and ones already inside finish with their
-    own). Closing waits ``PAUSE_SECONDS`` before the compile starts, so that a thread inside a module's first lines
-    (past the hook, before its state is set) sets it while the flag is still false. Reentrant in its thread; a second
-    thread that closes it waits for the first to open it. Inside a graph dynamo traces the hook does nothing.
+    While torch compiles, ``torch.compiler.is_compiling()`` is true in every thread, which switches state of
+    transformers meant per thread (the context variables of its kernelized attention and output capturing) to one
+    value for all, and another thread's forward fails (docs/attention.md). So a compile inside a request
+    (``CompiledKernels.run``) closes the gate: a global forward pre-hook, installed for the compile only, makes every
+    other thread wait at its next module call, where it holds no such state half set. Closing waits
+    ``PAUSE_SECONDS`` first, so that a thread past the hook but before its state is set finishes setting it.
+    Reentrant in its thread; a second thread that closes it waits for the first to open it. Inside a graph dynamo
+    traces the hook does nothing.
     """
 
     PAUSE_SECONDS = 0.02
@@ -382,9 +372,7 @@ def planned_attention(
 
     Inside a graph being compiled (``generate``'s) this is one opaque op (``hf_kvcache::paged_decode``) that calls
     the compiled ``decode_attention`` when the graph runs: torch 2.13's CPU FlexAttention template, lowered inside a
-    bigger graph, reads a view of a graph input at the input's start (a layer's pages of the pool's storage came out
-    as the first layer's) and a query that is a view of another shape with that buffer's strides (pytorch#157612,
-    fixed after 2.13 by copying such inputs, which here would copy the pool every step)."""
+    bigger graph, reads a view of a graph input at the input's start (docs/compiled.md)."""
     arguments = (*mask.tensors, pages, mask.page_size, mask.block_tokens, scale)
     return torch.ops.hf_kvcache.paged_decode(query, keys, values, *arguments)
 
@@ -458,10 +446,9 @@ def packed_decode_attention(
     """A decode step's attention with the query heads of each KV head packed as query rows of it.
 
     Unmasked, transformers' sdpa takes torch's grouped path (``enable_gqa``), which on CPU reads a KV head's keys and
-    values once per query head; packed, the kernel reads them once per KV head (at 4,096 tokens, 3 KV heads of 3
-    query heads: 15% less time per call). Masked, transformers' sdpa inside a compiled graph copies every key and
-    value once per query head first (``repeat_kv``); packed, the token's mask serves every row. The same sums in
-    another order: equal to float rounding.
+    values once per query head; packed, the kernel reads them once per KV head. Masked, transformers' sdpa inside a
+    compiled graph copies every key and value once per query head first (``repeat_kv``); packed, the token's mask
+    serves every row. The same sums in another order: equal to float rounding.
 
     Args:
         query: ``[batch, heads, 1, head_dim]``. key, value: ``[batch, kv_heads, n, head_dim]``.

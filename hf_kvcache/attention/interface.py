@@ -1,26 +1,18 @@
-"""``attn_implementation="hf_kvcache"``: transformers' sdpa attention that also reads a ring's ``KeyLayout``.
+"""``attn_implementation="hf_kvcache"``: transformers' sdpa attention that also reads what our layers hand over.
 
-A full-attention model (Llama, SmolLM2) builds a plainly causal mask, for keys in time order. The
-ring layers of our caches (``hf_kvcache.layers.ring``) hand their keys back with a ``KeyLayout``
-where that is not enough:
+It is ``"sdpa"`` with the same masks (``sdpa_mask``), except:
 
-- where ``SlidingRingCache`` imposes a window, a step of several new tokens (a prompt, a prefill
-  chunk) must still let each see only its last ``window`` tokens and the sinks: the layout's band;
-- with this attention the ring hands over its pages in place, in slot order, without gathering
-  them: the layout's ``mask_columns`` put the model's mask (padding, its own sliding window) in
-  that order, and its band says which slots hold a token the step may see.
-
-This attention ANDs the layout into the model's mask and is ``"sdpa"`` otherwise, with the same
-masks (``sdpa_mask``); a decode step of grouped KV heads, under a mask or (on CPU) without one, packs each KV
-head's query heads as its query rows (``flex.packed_decode_attention``: its keys and values read once, not once per
-query head, and never copied per query head as transformers' sdpa does inside a compiled graph).
-
-The growing layers (``PagedRows.read``) hand a decode step's keys over as the pool's storage itself, with a
-``PagedRead``: this attention then runs compiled FlexAttention over the pages where they lie
-(``attention.flex``), after checking that the model's mask hides exactly each row's leading padding; anything it
-cannot do in place (a mask with holes, training, a shape that does not compile) it does on the same keys gathered,
-the slow twin. A single row on consecutive pages comes as a plain view of them (``kernels.run_view``, no
-``PagedRead``) and takes the sdpa path like any keys.
+- a ring's keys come with a ``KeyLayout`` (``hf_kvcache.layers.ring``): its band (which keys each new token may see:
+  causality, window, sinks) is ANDed into the model's mask, so that a step of several tokens keeps each to its
+  window; where the ring hands over its slots in place, in slot order, its ``mask_columns`` reorder the model's
+  mask to match;
+- a growing layer's decode step (``PagedRead``, or a planned step's ``PLANNED_READS``) hands over the pool's storage
+  itself: compiled FlexAttention reads the pages where they lie (``attention.flex``) once the model's mask is
+  checked to hide exactly each row's leading padding; what it cannot do in place (a mask with holes, training, a
+  shape that does not compile) it does on the same keys gathered, the slow twin. A single row on consecutive pages
+  comes as a plain view (``kernels.run_view``) and takes the sdpa path;
+- a decode step of grouped KV heads, under a mask or (on CPU) without one, packs each KV head's query heads as its
+  query rows (``flex.packed_decode_attention``), so its keys and values are read once per KV head.
 
 What sdpa does not apply (softcapping, attention sinks, a position bias: ``NOT_APPLIED_BY_SDPA``), and every layer of
 a model that refuses sdpa, runs the model's own ``eager_attention_forward`` over the keys gathered in time order
@@ -58,17 +50,16 @@ from hf_kvcache.transformers_internals import attn_implementation, sdpa_attentio
 
 ATTENTION_NAME = "hf_kvcache"
 PLANNED_READS = "hf_kvcache_planned_reads"
-"""The forward argument a planned decode step (``PoolCache.start_planned``) hands the step's ``StepPlan`` of each layer
-that returns the pool's storage for attention to read in place (``None`` for the others) on, through the model's
-``**kwargs`` (as continuous batching hands its paged cache to its attention)."""
+"""The forward kwarg through which a planned decode step (``PoolCache.start_planned``) hands attention, per layer, the
+``StepPlan`` of a layer that returns the pool's storage to read in place (``None`` for the others), as continuous
+batching hands its paged cache to its attention."""
 
 
 @contextlib.contextmanager
 def model_attention(model: torch.nn.Module, name: str | None) -> Iterator[torch.nn.Module]:
     """Runs ``model`` under ``attn_implementation=name`` for the block (``None``: its own), then under its own again.
 
-    ``model.set_attn_implementation`` walks the model (about 3 ms for a 30-layer model): switch once for a
-    run of forward passes, not per pass.
+    ``model.set_attn_implementation`` walks the whole model: switch once for a run of forward passes, not per pass.
     """
     own = attn_implementation(model.config)
     if name is None or name == own:

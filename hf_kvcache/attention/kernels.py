@@ -1,16 +1,15 @@
-"""Moving keys/values between attention's tensors and pool pages (pure torch): the gather path.
+"""Moving keys and values between attention's tensors and pool slots (pure torch): the gather path.
 
 A pool's storage holds keys or values as ``[num_layers, num_kv_heads, num_pages, page_size, last_dim]``
-(``hf_kvcache.memory.pool``). A step writes its tokens with one ``index_put_`` per layer at the pages and slots its
+(``hf_kvcache.memory.storage``). A step writes its tokens with one ``index_put_`` per layer at the pages and slots its
 plan names (``write_planned``), and gathers what attention reads with one ``index_select`` per layer: whole pages of
 rows that keep every token (``page_rows``, ``read_pages``), single slots of a ring (``slot_indices``, ``read_slots``),
-over one layer's view of the storage kept from step to step (``PoolStorage.slots``), so that a step's layer
-dispatches about as many ops as ``DynamicCache``'s two ``cat``. Row indices depend on the storage's page count: build
-them for the storage they are used with (``hf_kvcache.memory.pool.PoolStorage``).
+over one layer's view of the storage kept from step to step (``PoolStorage.slots``). Row and slot indices depend on
+the storage's page count: build them for the storage they are used with.
 
-Where a single row's pages are one run of consecutive ids in order, its tokens are consecutive slots of each head
-and ``run_view`` hands them over as a strided view, no copy at all. The in-place path for rows scattered over the
-pool is ``hf_kvcache.attention.flex``; the gathers are the slow twin of both.
+A single row whose pages are one run of consecutive ids hands its tokens over as a strided view (``run_view``), no
+copy. The in-place path for rows scattered over the pool is ``hf_kvcache.attention.flex``; the gathers are the slow
+twin of both.
 """
 
 from typing import Any
