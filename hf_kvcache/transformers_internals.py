@@ -2,35 +2,14 @@
 
 The rest of hf_kvcache imports only names of the top-level ``transformers`` package (``tests/test_layering.py``
 checks it); what transformers offers only through a submodule, a private attribute or an attribute it does
-not document is reached here, by one small function each. ``tests/test_transformers_internals.py`` pins
-each of them against the installed release, so that an upgrade that moves one fails there first.
+not document is reached here, by one small function each (each says what it reaches), or re-exported by name:
+``DummyLayer`` (the layer a cache keeps for a layer that caches nothing), ``sdpa_attention_forward`` and
+``sdpa_mask`` (sdpa's attention function and mask builder), ``check_python_requirements`` (the check transformers
+runs on a ``custom_generate/requirements.txt``). ``tests/test_transformers_internals.py`` pins each of them against
+the installed release, so that an upgrade that moves one fails there first.
 
-Reads:
-
-- ``attn_implementation``: ``config._attn_implementation``, the attention a model runs;
-- ``layer_types_and_kwargs``: ``transformers.cache_utils.get_layer_types_and_kwargs``, each layer's attention
-  type and its cache layer's keywords, as transformers' own caches see them;
-- ``DummyLayer`` (``transformers.cache_utils``): the layer a cache keeps for a layer that caches nothing;
-- ``sdpa_attention_forward`` (``transformers.integrations.sdpa_attention``) and ``sdpa_mask``
-  (``transformers.masking_utils``): sdpa's attention function and mask builder;
-- ``commit_hash``: ``config._commit_hash``, the hub revision a model was loaded from (gone in transformers 5);
-- ``cache_layer_state``: every attribute of a transformers cache layer (its tensors, private ones included);
-- ``check_python_requirements`` (``transformers.dynamic_module_utils``): the check transformers runs on a
-  ``custom_generate/requirements.txt``;
-- ``tensor_parallel_group``: the ``"tp"`` axis of ``model._device_mesh``, the process group of a tensor-parallel
-  model's ranks.
-
-Writes (only ``hf_kvcache.integration.seams`` and ``hf_kvcache.bundled.model`` call these):
-
-- ``cache_implementations`` / ``set_cache_implementations``: ``transformers.generation.configuration_utils.
-  ALL_CACHE_IMPLEMENTATIONS``, the tuple ``GenerationConfig.validate`` reads;
-- ``prepare_cache_method`` / ``set_prepare_cache_method``: ``GenerationMixin._prepare_cache_for_generation``;
-- ``prepare_inputs_method`` / ``set_prepare_inputs_method``: ``GenerationMixin.prepare_inputs_for_generation``, which
-  ``generate`` calls before every forward pass with the sequences so far (the one place a cache sees token ids);
-- ``remove_attention``: drops a name from ``AttentionInterface`` and ``AttentionMaskInterface`` (their
-  ``_global_mapping``; ``register`` has no public undo);
-- ``drop_quantizer``: ``model.hf_quantizer`` and ``config.quantization_config``, so that a dequantized model
-  saves as a plain checkpoint.
+Only ``hf_kvcache.integration.seams`` and ``hf_kvcache.bundled.model`` call the writers (``set_*``,
+``remove_attention``, ``drop_quantizer``).
 """
 
 from collections.abc import Callable
@@ -122,8 +101,8 @@ def set_prepare_cache_method(method: Callable[..., Any]) -> None:
 
 def prepare_inputs_method() -> Callable[..., Any]:
     """``GenerationMixin.prepare_inputs_for_generation``: what each forward pass of ``generate`` is fed, from the
-    sequences so far (``_prefill`` passes the whole prompt with ``is_first_iteration=True`` and, where it slices it
-    itself, ``next_sequence_length``)."""
+    sequences so far, the one place a cache sees token ids (``_prefill`` passes the whole prompt with
+    ``is_first_iteration=True`` and, where it slices it itself, ``next_sequence_length``)."""
     return GenerationMixin.prepare_inputs_for_generation
 
 
@@ -134,7 +113,8 @@ def set_prepare_inputs_method(method: Callable[..., Any]) -> None:
 
 
 def remove_attention(name: str) -> None:
-    """Drops ``name`` from ``AttentionInterface`` and ``AttentionMaskInterface`` (a no-op where it is absent)."""
+    """Drops ``name`` from ``AttentionInterface`` and ``AttentionMaskInterface`` (their ``_global_mapping``:
+    ``register`` has no public undo; a no-op where it is absent)."""
     for interface in (AttentionInterface, AttentionMaskInterface):
         interface._global_mapping.pop(name, None)
 

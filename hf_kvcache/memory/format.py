@@ -81,15 +81,13 @@ def no_paged_layers(config: Any, types: list[str]) -> str:
 
 @dataclass(frozen=True)
 class PageFormat:
-    """Geometry of one page: ``page_size`` token slots in every layer of one layer group.
+    """Geometry of one page: ``page_size`` slots in each of the ``num_layers`` layers of one layer group.
 
-    A slot is one token's key and value in one layer; one page id addresses the same
-    ``page_size`` slots in the ``num_layers`` layers of whichever layer group's page table holds it.
-    A model whose layers are all of one type is one layer group (``num_layer_groups == 1``); a hybrid
-    model (sliding and full layers) has ``num_layer_groups`` groups of ``num_layers`` layers (``layer_groups``).
-    Keys are stored in ``dtype``; values too, or, with ``value_bits`` set, as int8/int4 codes plus a
-    scale and zero per scale group of ``value_group_size`` channels (``memory.quant``). With ``key_bits`` set,
-    keys are stored as codes too, a page at a time (encoded once, when the page's last slot is written):
+    A model whose layers are all of one type is one layer group (``num_layer_groups == 1``); a hybrid model
+    (sliding and full layers) has ``num_layer_groups`` groups of ``num_layers`` layers (``layer_groups``). Keys are
+    stored in ``dtype``; values too, or, with ``value_bits`` set, as int8/int4 codes plus a scale and zero per
+    scale group of ``value_group_size`` channels (``memory.quant``). With ``key_bits`` set, keys are stored as
+    codes too, a page at a time (encoded once, when the page's last slot is written):
 
     - ``key_bits=8``: per token, a scale and zero per scale group of ``key_group_size`` channels;
     - ``key_bits=4``: per channel over the page's ``page_size`` tokens (keys have outlier channels, which int4 per

@@ -4,10 +4,8 @@ transformers runs a model over several devices in two ways, and a cache follows 
 
 - **Tensor parallel** (``from_pretrained(..., tp_plan="auto")`` under ``torchrun``): every rank runs every layer
   on its share of the heads, so a rank's cache holds ``num_kv_heads`` heads per layer (the config's divided by
-  the TP size) and its pool is cut for that many. The ranks of one request wait for each other in the model's
-  collectives, so they must take the same cache decisions: every page allocation and every sharing of identical
-  rows is agreed over the ranks' process group (``agree``). A request that does not fit then raises
-  ``PoolExhaustedError`` on every rank at the same step, rather than on one rank while the others wait for it.
+  the TP size) and its pool is cut for that many. The ranks agree on every page allocation (``AgreedPages``) and
+  every sharing of identical rows (``agree``), so that they take the same cache decisions.
 - **Split models** (``device_map`` over several devices, accelerate): each layer runs on one device
   (``layer_devices``), and each device gets one pool, cut for the layers placed on it only.
 

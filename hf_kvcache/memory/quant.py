@@ -23,12 +23,10 @@ a third of their codes) keep the math's grid in 3 bytes: the scale is ``range / 
 mantissa bits (a float16's exponent and top 7 mantissa bits, relative error <= 2**-8 + 2**-11), the zero the
 group's minimum rounded to nearest 1/16 of that scale (``|z| <= 2047``; a minimum beyond 2047 / 16 steps widens the
 scale to ``|minimum| * 16 / 2047``). The minimum then gets code 0 and the maximum code ``max_code``, each within
-1/10 of a step, as the float32 math ``min + round((x - min) / scale) * scale`` has them (a zero "in whole scale
-steps", or one rounded down with a scale rounded up, would move the grid off the group's ends, where its
-minimum and maximum lie). Stored:
-an int16 ``scale`` word (bits 15..4: the scale's float16 bits 14..3; bits 3..0: the low 4 bits of ``z``) and an int8
-``zero`` (``z >> 4``). For finite inputs with ``|x| <= 32752``, ``|x - stored| <= scale / 2 + 2**-14`` (the
-absolute term: scales below float16's normal range); a constant group of 0 stores scale 0 and is exact.
+1/10 of a step, as the float32 math ``min + round((x - min) / scale) * scale`` has them. Stored: an int16 ``scale``
+word (bits 15..4: the scale's float16 bits 14..3; bits 3..0: the low 4 bits of ``z``) and an int8 ``zero``
+(``z >> 4``). For finite inputs with ``|x| <= 32752``, ``|x - stored| <= scale / 2 + 2**-14`` (the absolute term:
+scales below float16's normal range); a constant group of 0 stores scale 0 and is exact.
 """
 
 from dataclasses import dataclass
