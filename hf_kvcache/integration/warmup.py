@@ -1,21 +1,15 @@
-"""Compiles ahead of traffic: ``warmup`` runs, once, the decode shapes a serving loop will meet, so that no user
-request pays a compile (14-75 s on a CPU) or a CUDA graph recording, and no compile runs while other threads serve
-(``flex.ForwardGate``).
+"""Compiles ahead of traffic: ``warmup`` runs, once, the decode shapes a serving loop will meet, so that no request
+pays a compile or a CUDA graph recording, and no compile runs while other threads serve (``flex.ForwardGate``).
 
 A compiled decode step's shape is its batch and the keys it reads per row: a capacity bucket of pages for layers
-that keep every token (``hf_kvcache.layers.plan.capacity_bucket``: a request's bucket follows from its prompt +
-``max_new_tokens``), a ring's ``sink_tokens + window`` whatever the length. ``warmup`` runs a short ``generate`` per
-batch size and bucket up to ``max_tokens``, stopped two tokens in, with the ``compile_config`` the requests will
-pass (``generate`` keeps one compiled forward per model and compiles again when the config changes). Dynamo makes
-a dimension it has seen change dynamic, so most buckets cost no graph of their own; a CUDA graph
-(``mode="reduce-overhead"``) is recorded per shape, here rather than in a request.
+that keep every token (``hf_kvcache.layers.plan.capacity_bucket``, from the request's prompt + ``max_new_tokens``),
+a ring's ``sink_tokens + window`` whatever the length. The same ``compile_config`` as the requests matters:
+``generate`` keeps one compiled forward per model and compiles again when the config changes.
 
 A step that reads pages in place (``attn_implementation="hf_kvcache"``, eager or compiled) also has the view of the
 pool's storage attention gets (``block_mask.view_pages``): it covers the rows' highest page id, so on a pool that
-other requests share their pages push it to a larger power of two extents, a new kernel and a new graph. For each
-batch size, ``warmup`` runs the first shape that reads in place once more in each larger view, with the pages
-below it held as other requests' would be. Without a ``compile_config`` it warms the eager in-place steps alone
-(one kernel per batch and view), on a CPU too.
+other requests share their pages push it to a larger view, a new kernel and a new graph; ``warmup`` runs those
+views too, with the pages below held as other requests' would be.
 """
 
 import functools
@@ -136,8 +130,8 @@ def warmup(
     compile_config: CompileConfig | None = None,
     prompt_tokens: int = 8,
 ) -> list[WarmedShape]:
-    """Compiles the decode steps of ``cache_implementation`` for every batch size and capacity bucket up to
-    ``max_tokens``, and the in-place attention kernels of every view of a shared pool, before any request: a short
+    """Compiles, before any request, the decode steps of ``cache_implementation`` for every batch size and capacity
+    bucket up to ``max_tokens``, and the in-place attention kernels of every view of a shared pool: a short
     ``generate`` per shape (two new tokens), logged and returned.
 
     With a ``compile_config``, the steps ``generate`` compiles (one graph per batch, bucket and view); without one,
@@ -156,11 +150,9 @@ def warmup(
         One ``WarmedShape`` per generation, in the order run.
 
     Raises:
-        TypeError / ValueError: an argument of the wrong type or value (checked before any work: the message
-            names the argument, its value and what is allowed).
-        ValueError: there is nothing to compile: ``generate`` would not compile this cache here (with a
-            ``compile_config``), or no step reads pages in place (without one); the message says why and what to
-            change.
+        TypeError / ValueError: an argument of the wrong type or value, named, before any work.
+        ValueError: nothing to compile: ``generate`` would not compile this cache here (with a ``compile_config``),
+            or no step reads pages in place (without one); the message says what to change.
     """
     _check_arguments(model, cache_implementation, batch_sizes, max_tokens, cache_config, compile_config, prompt_tokens)
     page_size = REGISTRY[cache_implementation].page_format(model.config, model.dtype, cache_config or {}).page_size
