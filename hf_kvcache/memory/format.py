@@ -14,9 +14,9 @@ from hf_kvcache.memory.quant import QuantFormat
 DEFAULT_PAGE_SIZE = 16
 MAX_PAGE_SIZE = 4096
 KV_BLOCK_TOKENS = 128
-"""Tokens attention reads in place as one block (``attention.flex``): rows take their pages in aligned extents of
-``KV_BLOCK_TOKENS // page_size`` pages. Compiled FlexAttention pays a fixed cost per block, so blocks are large;
-128 still keeps a row's last block small (docs/attention.md)."""
+"""Tokens of one extent, which attention reads in place as one KV block (``attention.flex``): rows take their pages
+in aligned extents of ``KV_BLOCK_TOKENS // page_size`` pages. Compiled FlexAttention pays a fixed cost per block,
+so extents are large; 128 still keeps a row's last one small (docs/attention.md)."""
 
 
 def check_page_size(page_size: int) -> int:
@@ -173,7 +173,7 @@ class PageFormat:
 
     @property
     def extent_pages(self) -> int:
-        """Pages per aligned extent: a block of ``KV_BLOCK_TOKENS`` tokens (one page where pages are that large)."""
+        """Pages per aligned extent of ``KV_BLOCK_TOKENS`` tokens (one page where pages are that large)."""
         return max(1, KV_BLOCK_TOKENS // self.page_size)
 
     @property
