@@ -3,7 +3,16 @@
 ``import hf_kvcache`` registers our cache names with ``generate`` (see ``integration``).
 """
 
-from hf_kvcache.caches import PagedCache, QuantizedKVCache, QuantizedValueCache, SlidingRingCache
+from hf_kvcache.caches import (
+    PagedCache,
+    PagedConfig,
+    QuantizedKVCache,
+    QuantizedKVConfig,
+    QuantizedValueCache,
+    QuantizedValueConfig,
+    SlidingRingCache,
+    SlidingRingConfig,
+)
 from hf_kvcache.errors import IncompatibleModelError, MissingExtraError, PoolExhaustedError
 from hf_kvcache.integration.seams import is_registered, register, unregister
 from hf_kvcache.integration.warmup import WarmedShape, warmup
@@ -16,10 +25,14 @@ __all__ = [
     "MissingExtraError",
     "PageFormat",
     "PagedCache",
+    "PagedConfig",
     "PoolExhaustedError",
     "QuantizedKVCache",
+    "QuantizedKVConfig",
     "QuantizedValueCache",
+    "QuantizedValueConfig",
     "SlidingRingCache",
+    "SlidingRingConfig",
     "is_registered",
     "register",
     "unregister",

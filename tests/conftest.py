@@ -86,10 +86,13 @@ def cache_name(request: pytest.FixtureRequest) -> str:
 def pool_for(model: PreTrainedModel, cache_name: str, /, **budget) -> KVPool:
     """A fixed pool for ``model`` that cache ``cache_name`` can draw from with its example config.
 
-    ``budget``: ``KVPool.for_model`` keywords (``max_tokens``, ``page_size``, ``dtype``, ``device``, ``name``, ...);
-    the value format comes from the registry entry (``CacheEntry.pool_kwargs``).
+    ``budget``: ``KVPool.for_model`` keywords (``max_tokens``, ``dtype``, ``device``, ``name``, ...) and ``page_size``;
+    the value format comes from the registry entry's config (``CacheEntry.config``).
     """
-    return KVPool.for_model(model, **budget, **REGISTRY[cache_name].pool_kwargs(model.config, model.dtype))
+    entry = REGISTRY[cache_name]
+    page_size = budget.pop("page_size", None)
+    settings = {**entry.example_config, **({} if page_size is None else {"page_size": page_size})}
+    return KVPool.for_model(model, entry.config(settings), **budget)
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from hf_kvcache import IncompatibleModelError, KVPool, PagedCache, QuantizedKVCache, QuantizedValueCache
+from hf_kvcache import IncompatibleModelError, KVPool, PagedCache, PagedConfig, QuantizedKVCache, QuantizedValueCache
 from hf_kvcache.caches import prefix as prefix_module
 from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.layers import PagedLayer
@@ -44,7 +44,7 @@ def qwen():
 
 
 def test_layers_that_are_not_attention_are_the_layers_dynamic_cache_makes(hybrid, cache_name):
-    cache = REGISTRY[cache_name].cache_class.from_cache_config(hybrid.config, exact_config(cache_name, LENGTH))
+    cache = REGISTRY[cache_name].cache_class(hybrid.config, exact_config(cache_name, LENGTH))
     theirs = DynamicCache(config=hybrid.config).layers
     for layer_type, ours, reference in zip(hybrid.config.layer_types, cache.layers, theirs, strict=True):
         if layer_type == "full_attention":
@@ -74,7 +74,7 @@ def test_quantized_caches_stay_close(hybrid, cache_class, settings):
     """Reading int4 codes from the second page on (teacher-forced: a prefill, then a token at a time), the logits
     stay within 5% of the largest of DynamicCache's (2.6% measured; tiny Llama: 2.3%)."""
     ids = random_ids(2, 28, seed=3)
-    cache = cache_class(hybrid.config, group_size=16, residual_length=4, page_size=4, **settings)
+    cache = cache_class(hybrid.config, {"group_size": 16, "residual_length": 4, "page_size": 4, **settings})
     with torch.no_grad():
         expected = teacher_forced_logits(hybrid, ids, DynamicCache(config=hybrid.config), [12, 1])
         actual = teacher_forced_logits(hybrid, ids, cache, [12, 1])
@@ -137,9 +137,9 @@ def test_row_changes_move_the_states_with_the_pages(hybrid, change, rows):
 
 
 def test_the_cache_counts_tokens_pages_and_the_states_outside_the_pool(qwen):
-    pool = KVPool.for_model(qwen, max_tokens=256, page_size=4)
+    pool = KVPool.for_model(qwen, PagedConfig(page_size=4), max_tokens=256)
     assert (pool.format.num_layers, pool.format.num_layer_groups) == (2, 1)  # the two full-attention layers
-    cache = PagedCache(qwen.config, pool=pool)
+    cache = PagedCache(qwen.config, {"pool": pool})
     assert cache.worst_case_pages(2, 40, 4) == 2 * 10  # pool pages only
     with torch.no_grad():
         qwen(random_ids(2, 7), cache=cache)
@@ -204,7 +204,7 @@ def test_prompt_lookup_crops_recorded_states_as_dynamic_cache_does(hybrid):
 def test_prefix_caching_is_refused_once_with_its_reason(hybrid, caplog, monkeypatch):
     """A recurrent state exists only at the end of what it has seen: no cached prefix can restore it."""
     monkeypatch.setattr(prefix_module, "_logged", set())
-    pool = KVPool.for_model(hybrid, max_tokens=512, page_size=4, prefix_caching=True)
+    pool = KVPool.for_model(hybrid, PagedConfig(page_size=4), max_tokens=512, prefix_caching=True)
     ids = random_ids(1, 18, seed=9)
     expected = run(hybrid, ids, None, max_new_tokens=4)
     with caplog.at_level(logging.WARNING, logger="hf_kvcache"):
@@ -221,7 +221,7 @@ def test_prefix_caching_is_refused_once_with_its_reason(hybrid, caplog, monkeypa
 
 
 def test_is_compileable_follows_transformers_layers(qwen):
-    cache = PagedCache(qwen.config, max_tokens=256)  # a pool of its own: compileable before it is bound
+    cache = PagedCache(qwen.config, {"max_tokens": 256})  # a pool of its own: compileable before it is bound
     assert cache.is_compileable  # linear-attention states keep static addresses, updated in place
     cache.activate_past_recording()  # a recording layer reassigns its states: not compileable (transformers' rule)
     assert not cache.is_compileable

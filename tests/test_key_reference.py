@@ -151,7 +151,7 @@ def test_random_states_decode_as_the_documented_scheme(tiny_llama_model, setting
     offset[0] = 50.0  # an outlier channel beyond the zero's reach (2047 / 16 steps): a wider scale
     keys = torch.randn(2, heads, total, head_dim, generator=generator) * spread + offset
     values = torch.randn(2, heads, total, head_dim, generator=generator) * spread.flip(0)
-    cache = QuantizedKVCache(config, **settings, max_tokens=256)
+    cache = QuantizedKVCache(config, {**settings, "max_tokens": 256})
     start = 0
     for size in chunks:  # every layer writes each step, as a forward pass does (values are coded after the last)
         for layer_idx in range(config.num_hidden_layers):
@@ -167,7 +167,7 @@ def test_smollm2_states_decode_as_the_documented_scheme(bundled, settings):
     the twin and costs no more than 1% over the float32 math."""
     model, tokenizer = bundled
     ids = token_windows(tokenizer, load_texts("essays"), 2, 70, 0).input_ids  # [2, 70] the evaluation's essays
-    cache = QuantizedKVCache(model.config, **{**settings, "group_size": 64})
+    cache = QuantizedKVCache(model.config, {**settings, "group_size": 64})
     seen = recording(cache)
     with torch.inference_mode():  # the pool's buffers are read under it as they were written
         model(ids[:, :50], cache=cache)

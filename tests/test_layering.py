@@ -35,7 +35,7 @@ INSIDE = {
         "ring_layer",
     ],
     "caches": [
-        "options",
+        "config",
         "policy",
         "prefix",
         "binder",

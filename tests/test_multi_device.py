@@ -147,7 +147,7 @@ def test_tensor_parallel_exhaustion_fails_on_every_rank_at_the_same_step(tensor_
 
 def test_a_shard_written_into_a_pool_cut_for_the_whole_model_is_named(tiny_llama_model):
     """A cache built by hand for a tensor-parallel rank without its placement fails clearly, not with an IndexError."""
-    cache = PagedCache(tiny_llama_model.config, dtype=torch.float32, device="cpu", max_tokens=16)
+    cache = PagedCache(tiny_llama_model.config, {"max_tokens": 16}, dtype=torch.float32, device="cpu")
     with pytest.raises(IncompatibleModelError, match="writes 1 KV heads of size 16, but the pool on cpu holds 2"):
         cache.update(torch.zeros(1, 1, 3, 16), torch.zeros(1, 1, 3, 16), 0)
     sharded = PagedCache(tiny_llama_model.config, dtype=torch.float32, device="cpu", placement=Placement(1))
@@ -219,9 +219,7 @@ SPLIT = (torch.device("cpu"),) * 2 + (torch.device("meta"),) * 2
 
 def split_cache(model, cache_name: str, **cache_config) -> PoolCache:
     settings = {**example_config(cache_name), "page_size": 4, "max_tokens": 32, **cache_config}
-    return REGISTRY[cache_name].cache_class.from_cache_config(
-        model.config, settings, placement=Placement(layer_devices=SPLIT)
-    )
+    return REGISTRY[cache_name].cache_class(model.config, settings, placement=Placement(layer_devices=SPLIT))
 
 
 def test_a_split_model_gets_one_pool_per_device_holding_its_layers(tiny_gemma3_model, cache_name):
@@ -298,10 +296,9 @@ def test_prefix_caching_is_refused_under_tensor_parallelism_and_on_split_models(
     with pytest.raises(ValueError, match="not supported under tensor parallelism"):
         PagedCache(
             tiny_llama_model.config,
+            {"max_tokens": 16, "prefix_caching": True},
             dtype=torch.float32,
             device="cpu",
-            max_tokens=16,
-            prefix_caching=True,
             placement=Placement(1, process_group="a group"),
         )
     cache = split_cache(tiny_gemma3_model, "paged_pool", prefix_caching=True)

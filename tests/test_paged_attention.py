@@ -338,7 +338,7 @@ def test_an_in_place_read_is_handed_to_attention_in_its_kwargs_and_only_there(ti
     heads, head_dim = config.num_key_value_heads, config.head_dim
     states = torch.randn(2, 2, heads, 41, head_dim)  # keys, values: [batch, heads, 41, head_dim]
     for handed in (True, False):
-        cache = PagedCache(config, pool=KVPool.for_model(tiny_llama_model, max_tokens=1024))
+        cache = PagedCache(config, {"pool": KVPool.for_model(tiny_llama_model, max_tokens=1024)})
         cache.update(states[0, :, :, :40], states[1, :, :, :40], 0)  # a prefill of two rows
         kwargs = {"scaling": 0.125}
         handoff = {"kwargs": kwargs} if handed else {}  # what transformers' attention passes (Llama: kwargs=kwargs)

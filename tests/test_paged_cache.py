@@ -8,7 +8,7 @@ from helpers import assert_beams_and_sampling_match, assert_same_generation, pad
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 import hf_kvcache  # noqa: F401  (registers "paged_pool")
-from hf_kvcache import KVPool, PagedCache, PoolExhaustedError
+from hf_kvcache import KVPool, PagedCache, PagedConfig, PoolExhaustedError
 from hf_kvcache.attention import flex
 from hf_kvcache.attention.interface import ATTENTION_NAME, model_attention
 from hf_kvcache.bench.catalogue import interleaved_extents, with_attention
@@ -89,7 +89,7 @@ def test_beam_search_shares_pages(tiny_llama_model):
 def test_shared_pages_are_copied_before_write():
     """Direct use: a row writing into a shared page must not change the other row's view."""
     model = tiny_llama()
-    cache = PagedCache(model.config, max_tokens=256, page_size=4)
+    cache = PagedCache(model.config, {"max_tokens": 256, "page_size": 4})
     keys = torch.randn(1, 2, 6, 16).expand(3, -1, -1, -1).contiguous()  # 3 identical rows
     for layer_idx in range(2):
         cache.update(keys, keys + 1, layer_idx)
@@ -105,7 +105,7 @@ def test_shared_pages_are_copied_before_write():
 
 def test_rows_that_differ_in_a_later_layer_get_private_pages():
     model = tiny_llama()
-    cache = PagedCache(model.config, max_tokens=256, page_size=4)
+    cache = PagedCache(model.config, {"max_tokens": 256, "page_size": 4})
     same = torch.randn(2, 2, 6, 16)
     same[1] = same[0]
     cache.update(same, same, 0)  # layer 0: identical rows, stored once
@@ -155,7 +155,7 @@ def test_each_eager_step_is_planned_once_per_layer_group(model_name, name, cache
 
 def test_row_operations_match_dynamic_cache(tiny_llama_model):
     config = tiny_llama_model.config
-    paged, dynamic = PagedCache(config, max_tokens=512, page_size=4), DynamicCache(config=config)
+    paged, dynamic = PagedCache(config, {"max_tokens": 512, "page_size": 4}), DynamicCache(config=config)
     generator = torch.Generator().manual_seed(3)
 
     def step(num_tokens: int, batch: int) -> None:
@@ -205,12 +205,12 @@ def test_assisted_decoding_crops_like_dynamic(tiny_llama_model):
 
 
 def test_request_larger_than_pool_fails_alone(tiny_llama_model):
-    pool = KVPool.for_model(tiny_llama_model, max_tokens=160, page_size=16)  # 10 pages
+    pool = KVPool.for_model(tiny_llama_model, PagedConfig(page_size=16), max_tokens=160)  # 10 pages
     ids, mask = padded_batch([20, 30], seed=5)
     alone = run(tiny_llama_model, ids, mask, max_new_tokens=10)
 
     # Sequence A holds 2 rows x 3 pages, then request B (4 rows x 4 pages) does not fit.
-    cache_a = PagedCache(tiny_llama_model.config, pool=pool)
+    cache_a = PagedCache(tiny_llama_model.config, {"pool": pool})
     first = run(tiny_llama_model, ids, mask, max_new_tokens=5, cache=cache_a)
     held = pool.stats()["pages_used"]
     big, big_mask = padded_batch([60, 50, 40, 55], seed=6)
@@ -326,7 +326,7 @@ def test_the_view_is_the_pools_storage(tiny_llama_model):
     """What attention gets for a run is the pool's memory itself (written there, not copied out), token by token."""
     config = with_attention(tiny_llama_model.config, ATTENTION_NAME)
     pool = KVPool.for_model(tiny_llama_model, max_tokens=256)
-    cache = PagedCache(config, pool=pool)
+    cache = PagedCache(config, {"pool": pool})
     states = torch.randn(2, 1, config.num_key_value_heads, 37, config.head_dim)  # keys, values: [1, heads, 37, dim]
     keys, values = cache.update(states[0], states[1], 0)
     assert torch.equal(keys, states[0]) and torch.equal(values, states[1])

@@ -11,7 +11,7 @@ import torch
 from helpers import random_ids
 
 import hf_kvcache  # noqa: F401
-from hf_kvcache import KVPool, PagedCache, PageFormat, PoolExhaustedError
+from hf_kvcache import KVPool, PagedCache, PagedConfig, PageFormat, PoolExhaustedError
 from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.layers.window import ring_num_slots
 from hf_kvcache.memory import device_memory
@@ -34,12 +34,12 @@ def test_page_format_sizes_and_checks():
 
 
 def test_for_model_sizes_by_tokens_or_bytes(tiny_llama_model):
-    by_tokens = KVPool.for_model(tiny_llama_model, max_tokens=100, page_size=8)
+    by_tokens = KVPool.for_model(tiny_llama_model, PagedConfig(page_size=8), max_tokens=100)
     assert by_tokens.stats()["pages_total"] == 13  # ceil(100 / 8) usable pages
     # [layers, heads, pages incl. null rounded up to whole extents of 128 tokens, slots, head_dim]
     assert by_tokens.keys.shape == (2, 2, 16, 8, 16)
     page_bytes = by_tokens.format.page_bytes
-    by_bytes = KVPool.for_model(tiny_llama_model, max_bytes=10 * page_bytes + 5, page_size=8)
+    by_bytes = KVPool.for_model(tiny_llama_model, PagedConfig(page_size=8), max_bytes=10 * page_bytes + 5)
     assert by_bytes.stats()["bytes_total"] == 10 * page_bytes
     with pytest.raises(ValueError, match="exactly one of"):
         KVPool.for_model(tiny_llama_model, max_tokens=10, max_bytes=10)
@@ -50,8 +50,8 @@ def test_for_model_sizes_by_tokens_or_bytes(tiny_llama_model):
 
 
 def test_stats_track_use_and_utilization(tiny_llama_model):
-    pool = KVPool.for_model(tiny_llama_model, max_tokens=64, page_size=16)
-    cache = PagedCache(tiny_llama_model.config, pool=pool)
+    pool = KVPool.for_model(tiny_llama_model, PagedConfig(page_size=16), max_tokens=64)
+    cache = PagedCache(tiny_llama_model.config, {"pool": pool})
     states = torch.randn(2, 2, 20, 16)
     for layer_idx in range(2):
         cache.update(states, states, layer_idx)
@@ -73,13 +73,11 @@ def test_utilization_counts_real_tokens_not_left_padding(tiny_llama_model, cache
     # or start at its first real token (a ring). Only tokens count as held.
     model = tiny_llama_model
     config = {"window": 16, "sink_tokens": 0} if cache_name == "sliding_ring" else {}
-    pool = KVPool.for_model(
-        model, max_tokens=512, page_size=4, **REGISTRY[cache_name].pool_kwargs(model.config, model.dtype, config)
-    )
+    pool = KVPool.for_model(model, REGISTRY[cache_name].config({**config, "page_size": 4}), max_tokens=512)
     ids = random_ids(2, 16, seed=7)
     mask = torch.ones_like(ids)
     mask[1, :13] = 0
-    cache = REGISTRY[cache_name].cache_class.from_cache_config(model.config, config | {"pool": pool})
+    cache = REGISTRY[cache_name].cache_class(model.config, config | {"pool": pool})
     model.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=False, cache=cache)
     stats = pool.stats()
     real = (16 + 8) + (3 + 8)  # each row: its real prompt tokens and the 8 new tokens written back
@@ -240,7 +238,7 @@ def test_pool_of_another_model_is_rejected(tiny_llama_model, tiny_gemma3_model):
         )
     wrong_dtype = KVPool.for_model(tiny_llama_model, max_tokens=64, dtype=torch.float16)
     with pytest.raises(hf_kvcache.IncompatibleModelError, match="dtype torch.float16 vs torch.float32"):
-        PagedCache(tiny_llama_model.config, pool=wrong_dtype).update(
+        PagedCache(tiny_llama_model.config, {"pool": wrong_dtype}).update(
             torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16), 0
         )
 

@@ -28,8 +28,8 @@ CONFIGS = {
 
 
 def prefix_pool(model, name: str, max_tokens: int = 2048, cache_config: dict | None = None) -> KVPool:
-    kwargs = REGISTRY[name].pool_kwargs(model.config, model.dtype, cache_config)
-    return KVPool.for_model(model, max_tokens=max_tokens, page_size=PAGE_SIZE, prefix_caching=True, **kwargs)
+    settings = {**(REGISTRY[name].example_config if cache_config is None else cache_config), "page_size": PAGE_SIZE}
+    return KVPool.for_model(model, REGISTRY[name].config(settings), max_tokens=max_tokens, prefix_caching=True)
 
 
 def greedy(model, ids, name: str, cache_config: dict, max_new_tokens: int = 6, **kwargs):

@@ -246,9 +246,7 @@ def test_a_second_turn_on_smollm2_equals_a_fresh_run(bundled, name, config):
     torch.manual_seed(0)
     first = torch.randint(100, 40000, (1, 60))
     second = torch.cat([first, torch.randint(100, 40000, (1, 20))], dim=1)  # [1, 80]
-    pool = KVPool.for_model(
-        model, max_tokens=512, prefix_caching=True, **REGISTRY[name].pool_kwargs(model.config, model.dtype, config)
-    )
+    pool = KVPool.for_model(model, REGISTRY[name].config(config), max_tokens=512, prefix_caching=True)
     greedy(model, first, name, {**config, "pool": pool}, max_new_tokens=2)
     reference = greedy(model, second, name, config, max_new_tokens=2)
     candidate, reused = reused_by(pool, model, second, name, config, max_new_tokens=2)

@@ -8,7 +8,7 @@ from helpers import padded_batch, random_ids, run, teacher_forced_logits
 from transformers import DynamicCache
 
 import hf_kvcache  # noqa: F401  (registers "quantized_values")
-from hf_kvcache import IncompatibleModelError, KVPool, PagedCache, QuantizedValueCache
+from hf_kvcache import IncompatibleModelError, KVPool, PagedCache, QuantizedValueCache, QuantizedValueConfig
 from hf_kvcache.layers import RingLayer
 from hf_kvcache.layers.rows import PagedRows
 from hf_kvcache.memory.quant import QuantFormat, dequantize, quantize
@@ -50,7 +50,7 @@ def test_cache_equals_its_quantize_dequantize_spec(model_name, bits, residual_le
     ids = random_ids(2, 80, seed=bits + residual_length)
     settings = {"bits": bits, "group_size": 8, "residual_length": residual_length}
     expected = teacher_forced_logits(model, ids, QuantDequantValues(model.config, **settings), chunks)
-    actual = teacher_forced_logits(model, ids, QuantizedValueCache(model.config, **settings), chunks)
+    actual = teacher_forced_logits(model, ids, QuantizedValueCache(model.config, settings), chunks)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -59,7 +59,7 @@ def test_generate_with_padding_and_beams_equals_the_spec(tiny_gemma3_model, bits
     """transformers' QuantizedCache refuses hybrid models; ours keeps ring semantics on Gemma 3's sliding layers."""
     ids, mask = padded_batch([14, 5, 9])
     settings = {"bits": bits, "group_size": 16, "residual_length": 4}
-    cache = QuantizedValueCache(tiny_gemma3_model.config, **settings)
+    cache = QuantizedValueCache(tiny_gemma3_model.config, settings)
     reference = run(
         tiny_gemma3_model, ids, mask, max_new_tokens=20, cache=QuantDequantValues(tiny_gemma3_model.config, **settings)
     )
@@ -95,16 +95,16 @@ def test_pool_bytes_per_token_against_the_paged_cache(dtype, bits, target):
             used.append(pool.stats()["bytes_used"])
         return (used[1] - used[0]) / (1024 - 256)
 
-    paged = bytes_per_token(PagedCache(model.config, max_tokens=2048, dtype=dtype, device="cpu"))
+    paged = bytes_per_token(PagedCache(model.config, {"max_tokens": 2048}, dtype=dtype, device="cpu"))
     quantized = QuantizedValueCache(
-        model.config, bits=bits, residual_length=64, max_tokens=2048, dtype=dtype, device="cpu"
+        model.config, {"bits": bits, "residual_length": 64, "max_tokens": 2048}, dtype=dtype, device="cpu"
     )
     ratio = bytes_per_token(quantized) / paged
     assert ratio <= target, f"int{bits} in {dtype}: {ratio:.3f} of the paged cache's bytes per token"
 
 
 def test_values_are_quantized_once_and_keys_kept_exact(tiny_llama_model):
-    cache = QuantizedValueCache(tiny_llama_model.config, bits=4, group_size=16, residual_length=0)
+    cache = QuantizedValueCache(tiny_llama_model.config, {"bits": 4, "group_size": 16, "residual_length": 0})
     keys = torch.randn(1, 2, 40, 16)
     values = torch.randn(1, 2, 40, 16)
     out_keys, out_values = cache.update(keys, values, 0)
@@ -144,10 +144,10 @@ def test_greedy_int8_matches_dynamic_on_smollm2(bundled):
 def test_pool_must_match_the_value_format(tiny_llama_model):
     full = KVPool.for_model(tiny_llama_model, max_tokens=256)
     with pytest.raises(IncompatibleModelError, match="value_bits None vs 4.*KVPool.for_model"):
-        QuantizedValueCache(tiny_llama_model.config, bits=4, group_size=16, pool=full).update(
+        QuantizedValueCache(tiny_llama_model.config, {"bits": 4, "group_size": 16, "pool": full}).update(
             torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16), 0
         )
-    int4 = KVPool.for_model(tiny_llama_model, max_tokens=256, value_bits=4, value_group_size=16)
+    int4 = KVPool.for_model(tiny_llama_model, QuantizedValueConfig(bits=4, group_size=16), max_tokens=256)
     out = tiny_llama_model.generate(
         torch.tensor([[1, 2, 3]]),
         max_new_tokens=3,
@@ -163,7 +163,7 @@ def test_models_that_reuse_another_layers_kv_are_refused(tiny_llama_model):
     config = copy.deepcopy(tiny_llama_model.config)
     config.kv_sharing_modes = ["store", "reuse"]
     with pytest.raises(IncompatibleModelError, match="kv_sharing_modes has 'reuse'.*paged_pool or sliding_ring"):
-        QuantizedValueCache(config, group_size=16)
+        QuantizedValueCache(config, {"group_size": 16})
     assert isinstance(PagedCache(config).layers[1], DummyLayer)  # the paged cache serves it
 
 
@@ -177,7 +177,7 @@ def test_codes_of_a_step_written_at_its_end_equal_codes_written_by_each_layer(ti
     ids, other = random_ids(1, 70, seed=21), random_ids(1, 60, seed=22)
 
     def logits() -> torch.Tensor:
-        cache = QuantizedValueCache(tiny_llama_model.config, **settings)
+        cache = QuantizedValueCache(tiny_llama_model.config, settings)
         before = teacher_forced_logits(tiny_llama_model, ids, cache, [40, 1])
         cache.crop(crop_to - ids.shape[1])  # removes the tokens past crop_to
         return torch.cat([before, teacher_forced_logits(tiny_llama_model, other, cache, [1])], dim=1)

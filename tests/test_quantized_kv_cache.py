@@ -6,7 +6,7 @@ from helpers import padded_batch, random_ids, run, teacher_forced_logits
 from transformers import DynamicCache
 
 import hf_kvcache  # noqa: F401  (registers "quantized_kv")
-from hf_kvcache import KVPool, PageFormat, PoolExhaustedError, QuantizedKVCache, QuantizedValueCache
+from hf_kvcache import KVPool, PageFormat, PoolExhaustedError, QuantizedKVCache, QuantizedKVConfig, QuantizedValueCache
 from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.layers import RingLayer
 from hf_kvcache.memory.quant import QuantFormat, dequantize, quantize
@@ -84,7 +84,7 @@ def test_a_prefill_attends_to_its_own_keys_and_values_exact(model_name, cache_cl
     model = request.getfixturevalue(model_name)
     ids, mask = padded_batch([40, 29], seed=3)
     expected = model(ids, attention_mask=mask, cache=DynamicCache(config=model.config)).logits
-    actual = model(ids, attention_mask=mask, cache=cache_class(model.config, **settings)).logits
+    actual = model(ids, attention_mask=mask, cache=cache_class(model.config, settings)).logits
     keep = mask.bool()
     torch.testing.assert_close(actual[keep], expected[keep], rtol=1e-5, atol=1e-5)
 
@@ -99,7 +99,7 @@ def test_cache_equals_its_encode_once_spec(model_name, key_bits, value_bits, res
     ids = random_ids(2, 80, seed=key_bits + residual_length)
     settings = {"key_bits": key_bits, "value_bits": value_bits, "group_size": 8, "residual_length": residual_length}
     expected = teacher_forced_logits(model, ids, EncodedKVSpec(model.config, **settings), chunks)
-    actual = teacher_forced_logits(model, ids, QuantizedKVCache(model.config, **settings), chunks)
+    actual = teacher_forced_logits(model, ids, QuantizedKVCache(model.config, settings), chunks)
     # The cache is compileable, so the model hands sdpa a materialized mask where the reference (not compileable)
     # gets is_causal: another kernel path, logits up to 1.2e-5 apart.
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=2e-5)
@@ -116,7 +116,7 @@ def test_sink_tokens_are_exact(model_name, key_bits, sink_tokens, request):
     for chunks in ([3, 1], [30, 1]):
         spec = EncodedKVSpec(model.config, **settings, sink_tokens=sink_tokens)
         expected = teacher_forced_logits(model, ids, spec, chunks)
-        cache = QuantizedKVCache(model.config, **settings, sink_tokens=sink_tokens)
+        cache = QuantizedKVCache(model.config, {**settings, "sink_tokens": sink_tokens})
         actual = teacher_forced_logits(model, ids, cache, chunks)
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
         assert cache.memory_stats()["residual_bytes"] > 0
@@ -125,7 +125,7 @@ def test_sink_tokens_are_exact(model_name, key_bits, sink_tokens, request):
 @pytest.mark.parametrize("key_bits", [8, 4])
 def test_full_pages_are_encoded_once_and_never_change(tiny_llama_model, key_bits):
     """A page's codes are written when its last slot is, and stay as they are while tokens are added."""
-    cache = QuantizedKVCache(tiny_llama_model.config, key_bits=key_bits, group_size=16, residual_length=0)
+    cache = QuantizedKVCache(tiny_llama_model.config, {"key_bits": key_bits, "group_size": 16, "residual_length": 0})
     keys, values = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
     out_keys, _ = cache.update(keys, values, 0)
     pool = cache.pool
@@ -148,7 +148,7 @@ def test_beams_on_a_hybrid_model_equal_the_spec(tiny_gemma3_model, key_bits):
     """Gemma 3's sliding layers stay rings of encoded pages; beams share pages copy-on-write."""
     ids = random_ids(2, 21, seed=5)
     settings = {"key_bits": key_bits, "value_bits": 4, "group_size": 16, "residual_length": 4, "page_size": 4}
-    cache = QuantizedKVCache(tiny_gemma3_model.config, **settings)
+    cache = QuantizedKVCache(tiny_gemma3_model.config, settings)
     greedy = run(tiny_gemma3_model, ids, None, max_new_tokens=20, cache=cache)
     assert [type(layer) for layer in cache.layers][:3] == [RingLayer] * 3
     reference = run(
@@ -186,7 +186,7 @@ def test_a_padded_ring_row_equals_the_row_alone(tiny_mistral_model, key_bits):
 
 
 def test_crop_into_an_encoded_page_continues_from_its_decoded_keys(tiny_llama_model):
-    cache = QuantizedKVCache(tiny_llama_model.config, key_bits=4, group_size=16, residual_length=0)
+    cache = QuantizedKVCache(tiny_llama_model.config, {"key_bits": 4, "group_size": 16, "residual_length": 0})
     keys = torch.randn(1, 2, 41, 16)
     cache.update(keys[:, :, :40], torch.randn(1, 2, 40, 16), 0)  # a prefill reads its own keys exact
     full, _ = cache.update(keys[:, :, 40:], keys[:, :, 40:], 0)  # the next step reads pages 0 and 1 decoded
@@ -201,7 +201,9 @@ def test_crop_into_an_encoded_page_continues_from_its_decoded_keys(tiny_llama_mo
 def test_a_ring_crop_into_an_encoded_page_continues_from_its_decoded_keys(tiny_mistral_model):
     """A ring of window 8 in pages of 4 (3 pages): cropping 3 tokens moves the page still filling back into the ring
     page encoded last; the window's tokens read as before."""
-    cache = QuantizedKVCache(tiny_mistral_model.config, key_bits=4, group_size=16, residual_length=0, page_size=4)
+    cache = QuantizedKVCache(
+        tiny_mistral_model.config, {"key_bits": 4, "group_size": 16, "residual_length": 0, "page_size": 4}
+    )
     keys = torch.randn(1, 2, 40, 16)
     cache.update(keys[:, :, :39], keys[:, :, :39], 0)
     before, _ = cache.update(keys[:, :, 39:40], keys[:, :, 39:40], 0)  # tokens 32..39 visible, all encoded
@@ -239,7 +241,7 @@ def test_pool_bytes_per_token_on_smollm2_geometry(key_bits, most):
     per token than transformers' quanto int4 QuantizedCache (7,492 bytes; issue 17), int8 keys + int4 values 9,360."""
     smollm2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64}
     config = type("Config", (), {**smollm2, "hidden_size": 576})()
-    options = QuantizedKVCache.options_class(key_bits=key_bits, value_bits=4)
+    options = QuantizedKVConfig(key_bits=key_bits, value_bits=4)
     page_format = options.page_format(config, torch.float32)
     pool = KVPool(page_format, num_pages=4)
     stats = pool.stats()
@@ -251,11 +253,11 @@ def test_pool_bytes_per_token_on_smollm2_geometry(key_bits, most):
 
 def test_bad_settings_name_the_key(tiny_llama_model):
     with pytest.raises(ValueError, match="key_bits=2 is not supported: choose key_bits=8 or key_bits=4"):
-        QuantizedKVCache(tiny_llama_model.config, key_bits=2)
+        QuantizedKVCache(tiny_llama_model.config, {"key_bits": 2})
     with pytest.raises(ValueError, match="page_size=5 is odd: key_bits=4"):
-        QuantizedKVCache(tiny_llama_model.config, page_size=5, group_size=16)
+        QuantizedKVCache(tiny_llama_model.config, {"page_size": 5, "group_size": 16})
     with pytest.raises(ValueError, match=r"Unknown cache_config keys \['bits'\]"):
-        QuantizedKVCache.options_class.from_dict({"bits": 4})
+        QuantizedKVConfig.parse({"bits": 4})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -264,7 +266,10 @@ def test_decoded_keys_equal_the_reference_bitwise(tiny_llama_model, key_bits, dt
     """The fast path (``dequantize_into`` over the gathered pages, channel-major pages into a transposed view)
     against the reference ``dequantize`` of the same stored codes."""
     cache = QuantizedKVCache(
-        tiny_llama_model.config, key_bits=key_bits, group_size=8, page_size=4, max_tokens=64, dtype=dtype, device="cpu"
+        tiny_llama_model.config,
+        {"key_bits": key_bits, "group_size": 8, "page_size": 4, "max_tokens": 64},
+        dtype=dtype,
+        device="cpu",
     )
     states = (torch.randn(2, 2, 13, 16) * torch.linspace(0.1, 20, 16)).to(dtype)  # channels of many magnitudes
     cache.update(states, states, 0)

@@ -12,7 +12,7 @@ import torch
 from helpers import assert_same_generation, example_config, padded_batch, run
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from hf_kvcache import KVPool, PageFormat, PoolExhaustedError
+from hf_kvcache import KVPool, PagedConfig, PageFormat, PoolExhaustedError
 from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.layers.window import ring_num_slots
 
@@ -24,10 +24,10 @@ def pools_for(model, max_tokens: int, page_size: int = 8) -> dict[str, KVPool]:
     made: dict[tuple, KVPool] = {}
     pools = {}
     for name, entry in REGISTRY.items():
-        formats = entry.pool_kwargs(model.config, model.dtype)
-        key = tuple(sorted(formats.items()))
+        config = entry.config({**entry.example_config, "page_size": page_size})
+        key = config.page_format(model.config, model.dtype)
         if key not in made:
-            made[key] = KVPool.for_model(model, max_tokens=max_tokens, page_size=page_size, **formats)
+            made[key] = KVPool.for_model(model, config, max_tokens=max_tokens)
         pools[name] = made[key]
     return pools
 
@@ -49,7 +49,7 @@ def generate_on(model, name: str, pool: KVPool, ids, mask, **kwargs) -> Generati
 def new_cache(model, name: str, pool: KVPool, **cache_config):
     """The cache ``generate`` would build for ``name`` on ``pool``, to pass as ``cache=``."""
     settings = example_config(name) | {"pool": pool} | cache_config
-    return REGISTRY[name].cache_class.from_cache_config(model.config, settings)
+    return REGISTRY[name].cache_class(model.config, settings)
 
 
 def assert_pools_empty(*pools: KVPool) -> None:
@@ -134,7 +134,7 @@ def test_request_overflowing_mid_generation_fails_alone(tiny_llama_model):
     while the big one runs until the pool is exhausted.
     """
     model = tiny_llama_model
-    pool = KVPool.for_model(model, max_tokens=160, page_size=4)  # 40 pages
+    pool = KVPool.for_model(model, PagedConfig(page_size=4), max_tokens=160)  # 40 pages
     small = [("paged_pool", padded_batch([10, 7], seed=1), 12), ("sliding_ring", padded_batch([6], seed=2), 20)]
     big_ids, big_mask = padded_batch([20, 18], seed=3)  # 10 pages after its prefill, 40 at 80 tokens per row
     solo = [generate_on(model, name, pool, *batch, max_new_tokens=new) for name, batch, new in small]
@@ -306,7 +306,9 @@ def test_worst_case_pages_is_what_a_request_of_distinct_rows_takes(model_name, c
 
 
 def test_alerts_fire_once_per_upward_crossing_across_generate_cycles(tiny_llama_model):
-    pool = KVPool.for_model(tiny_llama_model, max_tokens=80, page_size=8, alert_thresholds=(0.5, 0.9))  # 10 pages
+    pool = KVPool.for_model(
+        tiny_llama_model, PagedConfig(page_size=8), max_tokens=80, alert_thresholds=(0.5, 0.9)
+    )  # 10 pages
     fired = []
     # A callback runs under the pool's lock; reading the pool from it is safe (the lock is reentrant).
     pool.add_alert_callback(lambda threshold, stats: fired.append((threshold, pool.stats()["pages_used"])))

@@ -49,8 +49,8 @@ SHARED_KEY_ERRORS = [
     ({"page_size": 0}, ValueError, r"page_size=0 is out of range: choose 1 <= page_size <= 4096"),
     ({"page_size": 4097}, ValueError, r"page_size=4097 is out of range"),
     ({"max_tokens": "64"}, TypeError, r"max_tokens must be an int, got '64' \(str\)"),
-    ({"max_tokens": 0}, ValueError, r"max_tokens must be a positive int, got 0"),
-    ({"pool": 3}, TypeError, r"cache_config pool must be a KVPool or a pool's name, got int"),
+    ({"max_tokens": 0}, ValueError, r"max_tokens=0 is out of range: choose max_tokens >= 1"),
+    ({"pool": 3}, TypeError, r"pool must be a KVPool or a pool's name, got 3 \(int\)"),
     ({"pool": "no-such-pool"}, ValueError, r"No pool named 'no-such-pool'"),
     ({"admission_check": "yes"}, TypeError, r"admission_check must be True, False or None, got 'yes' \(str\)"),
 ]
@@ -81,7 +81,7 @@ def test_bad_cache_config_names_the_key_and_the_value(tiny_llama_model, name, ca
 
 
 def test_cache_config_that_is_not_a_dict_is_rejected(tiny_llama_model, cache_name):
-    with pytest.raises(TypeError, match=r"cache_config must be a dict of \w+Options keys \[.*\], got 'paged' \(str\)"):
+    with pytest.raises(TypeError, match=r"cache_config='paged' \(str\): give a \w+Config or a dict of its keys \[.*\]"):
         generate(tiny_llama_model, cache_name, "paged")
 
 
@@ -95,7 +95,7 @@ AS_GIVEN_ERRORS = {
         ),
         ({"page_size": 0}, ValueError, "page_size=0 is out of range"),
         ({"page_size": "16"}, TypeError, "page_size must be an int"),
-        ({"max_tokens": -3}, ValueError, "max_tokens must be a positive int"),
+        ({"max_tokens": -3}, ValueError, "max_tokens=-3 is out of range"),
         ({"pool": "no-such-pool"}, ValueError, "No pool named 'no-such-pool'"),
         ({"pool": 3}, TypeError, "must be a KVPool or a pool's name"),
         ({"dtype": torch.float16}, ValueError, "Unknown cache_config keys"),
@@ -204,7 +204,7 @@ def test_batch_of_another_size_is_rejected_without_a_change(model_name, cache_na
     model = request.getfixturevalue(model_name)
     pool = make_pool(model, cache_name, max_tokens=512, page_size=4)
     cache_class = REGISTRY[cache_name].cache_class
-    cache = cache_class.from_cache_config(model.config, example_config(cache_name) | {"pool": pool})
+    cache = cache_class(model.config, example_config(cache_name) | {"pool": pool})
     ids = torch.randint(3, 128, (2, prompt_length), generator=torch.Generator().manual_seed(0))
     model.generate(ids, max_new_tokens=2, do_sample=False, cache=cache)
     held, tokens = pool.stats()["pages_used"], cache.get_seq_length()

@@ -73,7 +73,7 @@ def banded_attention(model):
 def test_imposed_window_equals_banded_attention(tiny_llama_model, window, sink_tokens, prompt):
     """A full-attention model through the ring sees exactly the last ``window`` tokens (plus the sinks)."""
     ids = random_ids(2, 70, seed=window + sink_tokens)
-    cache = SlidingRingCache(tiny_llama_model.config, window=window, sink_tokens=sink_tokens)
+    cache = SlidingRingCache(tiny_llama_model.config, {"window": window, "sink_tokens": sink_tokens})
     actual = teacher_forced_logits(tiny_llama_model, ids, cache, [prompt, 1])
     torch.testing.assert_close(actual, banded_logits(tiny_llama_model, ids, window, sink_tokens), rtol=1e-5, atol=1e-5)
 
@@ -83,7 +83,7 @@ def test_imposed_window_equals_banded_attention(tiny_llama_model, window, sink_t
 def test_imposed_window_prefill_past_the_window_equals_banded_attention(tiny_llama_model, window, sink_tokens, chunks):
     """Prompts and prefill chunks reaching far past the window (and past the ring) keep to the band too."""
     ids = random_ids(2, 70, seed=window + sink_tokens)
-    cache = SlidingRingCache(tiny_llama_model.config, window=window, sink_tokens=sink_tokens)
+    cache = SlidingRingCache(tiny_llama_model.config, {"window": window, "sink_tokens": sink_tokens})
     with banded_attention(tiny_llama_model):
         actual = teacher_forced_logits(tiny_llama_model, ids, cache, chunks)
     torch.testing.assert_close(actual, banded_logits(tiny_llama_model, ids, window, sink_tokens), rtol=1e-5, atol=1e-5)
@@ -91,14 +91,14 @@ def test_imposed_window_prefill_past_the_window_equals_banded_attention(tiny_lla
 
 def test_prefill_past_an_imposed_window_without_banded_attention_warns(tiny_llama_model):
     ids = random_ids(1, 20)
-    cache = SlidingRingCache(tiny_llama_model.config, window=8)
+    cache = SlidingRingCache(tiny_llama_model.config, {"window": 8})
     with pytest.warns(UserWarning, match='A step of 20 tokens reaches past the ring.s window=8.*"hf_kvcache"'):
         tiny_llama_model(ids, cache=cache)
     with warnings.catch_warnings():  # once per cache; and never where the band is applied
         warnings.simplefilter("error")
         tiny_llama_model(ids[:, :4], cache=cache)
         with banded_attention(tiny_llama_model):
-            tiny_llama_model(ids, cache=SlidingRingCache(tiny_llama_model.config, window=8))
+            tiny_llama_model(ids, cache=SlidingRingCache(tiny_llama_model.config, {"window": 8}))
 
 
 def test_banded_attention_without_a_band_is_sdpa(tiny_llama_model):
@@ -119,12 +119,12 @@ def test_pages_read_in_place_equal_pages_gathered(tiny_llama_model, window, sink
     ids = random_ids(2, 60, seed=window + sink_tokens)
     pool = KVPool.for_model(tiny_llama_model, max_tokens=1024)  # fresh: a row's pages are consecutive
     with banded_attention(tiny_llama_model):
-        cache = SlidingRingCache(tiny_llama_model.config, window=window, sink_tokens=sink_tokens, pool=pool)
+        cache = SlidingRingCache(tiny_llama_model.config, {"window": window, "sink_tokens": sink_tokens, "pool": pool})
         in_place = teacher_forced_logits(tiny_llama_model, ids, cache, chunks)
         assert cache.read_counts()["in place"] > 0
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(RingRows, "_first_page", lambda self: None)  # never consecutive: always gather
-            cache = SlidingRingCache(tiny_llama_model.config, window=window, sink_tokens=sink_tokens)
+            cache = SlidingRingCache(tiny_llama_model.config, {"window": window, "sink_tokens": sink_tokens})
             gathered = teacher_forced_logits(tiny_llama_model, ids, cache, chunks)
         assert cache.read_counts()["in place"] == 0
     torch.testing.assert_close(in_place, gathered, rtol=1e-5, atol=1e-5)
@@ -166,7 +166,7 @@ def test_generate_takes_planned_ring_pages_at_once_and_reads_them_in_place(tiny_
 @pytest.mark.parametrize("planned,pages_per_row", [(0, 1), (30, 2), (500, 3)])
 def test_planned_tokens_take_pages_up_to_the_ring(tiny_llama_model, planned, pages_per_row):
     cache = SlidingRingCache(
-        tiny_llama_model.config, window=20, pool=KVPool.for_model(tiny_llama_model, max_tokens=512)
+        tiny_llama_model.config, {"window": 20, "pool": KVPool.for_model(tiny_llama_model, max_tokens=512)}
     )
     cache.plan(planned)
     tiny_llama_model(random_ids(3, 9), cache=cache)  # a ring of 20 tokens: 48 slots, 3 pages of 16
@@ -212,7 +212,7 @@ def test_banded_attention_reads_additive_float_masks_like_boolean_ones(in_slot_o
 def test_pages_read_in_place_are_views_of_the_pool(tiny_llama_model):
     """Consecutive pages are read without a copy; rows that share pages (beams) are gathered."""
     pool = KVPool.for_model(tiny_llama_model, max_tokens=1024)
-    cache = SlidingRingCache(tiny_llama_model.config, window=8, pool=pool)
+    cache = SlidingRingCache(tiny_llama_model.config, {"window": 8, "pool": pool})
     with banded_attention(tiny_llama_model):
         tiny_llama_model(random_ids(2, 20), cache=cache)
         handed = {}  # the attention's kwargs, as transformers hands them to update
@@ -233,7 +233,7 @@ def test_imposed_window_on_smollm2_equals_banded_attention(bundled, prompt):
     model, tokenizer = bundled
     text = "The quick brown fox jumps over the lazy dog while the cat watches from the garden wall. " * 6
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :96]
-    cache = SlidingRingCache(model.config, window=32, sink_tokens=4)
+    cache = SlidingRingCache(model.config, {"window": 32, "sink_tokens": 4})
     with torch.inference_mode(), banded_attention(model) if prompt > 32 else contextlib.nullcontext():
         actual = teacher_forced_logits(model, ids, cache, [prompt, 1])
         expected = banded_logits(model, ids, 32, 4)
@@ -301,7 +301,7 @@ def test_padded_rows_with_sinks_equal_the_banded_reference_row_by_row(tiny_llama
     equals the banded-mask reference of the row alone (its window and its own first real tokens)."""
     window, sink_tokens = 8, 3
     ids, mask = padded_batch([40, 12, 27])
-    cache = SlidingRingCache(tiny_llama_model.config, window=window, sink_tokens=sink_tokens)
+    cache = SlidingRingCache(tiny_llama_model.config, {"window": window, "sink_tokens": sink_tokens})
     cache.plan(ids.shape[1], attention_mask=mask)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate numbers a padded row's tokens
     logits, start = [], 0
@@ -324,7 +324,7 @@ def test_padded_rows_with_sinks_equal_the_banded_reference_row_by_row(tiny_llama
 @pytest.mark.parametrize("sink_tokens", [0, 4])
 def test_pages_held_stop_growing_once_the_window_is_full(tiny_llama_model, sink_tokens):
     pool = KVPool.for_model(tiny_llama_model, max_tokens=4096)
-    cache = SlidingRingCache(tiny_llama_model.config, window=40, sink_tokens=sink_tokens, pool=pool)
+    cache = SlidingRingCache(tiny_llama_model.config, {"window": 40, "sink_tokens": sink_tokens, "pool": pool})
     ids = random_ids(3, 400)
     held = []
     for token in range(ids.shape[1]):
@@ -344,7 +344,7 @@ def test_hybrid_model_layers_draw_from_one_pool_in_groups(tiny_gemma3_model):
     assert layer_groups(layer_types(config)) == [[0], [1], [2], [3]]
     pool = KVPool.for_model(tiny_gemma3_model, max_tokens=2048)
     assert (pool.format.num_layers, pool.format.num_layer_groups) == (1, 4)
-    cache = PagedCache(config, pool=pool)
+    cache = PagedCache(config, {"pool": pool})
     assert [type(layer) for layer in cache.layers] == [RingLayer, RingLayer, RingLayer, PagedLayer]
     ids = random_ids(1, 300)
     tiny_gemma3_model(ids[:, :100], cache=cache)
@@ -397,7 +397,7 @@ def test_row_operations_and_reset_match_dynamic(tiny_mistral_model, fresh_defaul
 
 def test_crop_is_exact_where_tokens_remain_and_refused_where_evicted(tiny_llama_model):
     ids = random_ids(1, 80)
-    cache = SlidingRingCache(tiny_llama_model.config, window=8)
+    cache = SlidingRingCache(tiny_llama_model.config, {"window": 8})
     with banded_attention(tiny_llama_model):
         tiny_llama_model(ids[:, :70], cache=cache)
         cache.crop(-5)  # tokens 57..64 are still in the ring
@@ -422,7 +422,7 @@ def test_assisted_decoding_matches_dynamic(tiny_mistral_model):
 
 def test_sinks_without_a_window_to_keep_them_are_rejected(tiny_mistral_model):
     with pytest.raises(ValueError, match="sink_tokens=4 needs a window"):
-        SlidingRingCache(tiny_mistral_model.config, sink_tokens=4)
+        SlidingRingCache(tiny_mistral_model.config, {"sink_tokens": 4})
 
 
 def test_ring_on_a_grown_pool_matches_dynamic(tiny_mistral_model):
@@ -431,7 +431,7 @@ def test_ring_on_a_grown_pool_matches_dynamic(tiny_mistral_model):
     ids = random_ids(3, 50)
     expected = teacher_forced_logits(tiny_mistral_model, ids, DynamicCache(config=tiny_mistral_model.config), [9, 1])
     actual = teacher_forced_logits(
-        tiny_mistral_model, ids, SlidingRingCache(tiny_mistral_model.config, pool=pool), [9, 1]
+        tiny_mistral_model, ids, SlidingRingCache(tiny_mistral_model.config, {"pool": pool}), [9, 1]
     )
     assert pool.stats()["pages_total"] > 8  # grew at least twice
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
@@ -479,10 +479,10 @@ def test_a_step_past_an_imposed_window_warns_where_the_model_hands_no_kwargs(tin
     config = with_attention(tiny_llama_model.config, ATTENTION_NAME)
     states = torch.randn(2, 1, config.num_key_value_heads, 20, config.head_dim)  # keys, values
     with pytest.warns(UserWarning, match="reaches past the ring.s window=8, but the model's attention hands the cache"):
-        SlidingRingCache(config, window=8).update(states[0], states[1], 0)
+        SlidingRingCache(config, {"window": 8}).update(states[0], states[1], 0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        SlidingRingCache(config, window=8).update(states[0], states[1], 0, kwargs={})
+        SlidingRingCache(config, {"window": 8}).update(states[0], states[1], 0, kwargs={})
 
 
 @pytest.mark.parametrize("window, sink_tokens", [(40, 0), (40, 4), (16, 2), (100, 16)])

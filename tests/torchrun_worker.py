@@ -18,7 +18,7 @@ from helpers import exact_config, example_config
 from transformers import AutoModelForCausalLM, PreTrainedModel, StoppingCriteria
 
 import hf_kvcache
-from hf_kvcache import KVPool, PoolExhaustedError
+from hf_kvcache import KVPool, PagedConfig, PoolExhaustedError
 from hf_kvcache.attention.interface import model_attention
 from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.memory import device_memory
@@ -142,7 +142,7 @@ def main() -> None:
             results[f"{model_name}/exhausted/{name}"] = exhaust(model, name, {**example_config(name), **small})
         results[f"{model_name}/refused"] = exhaust(model, "paged_pool", {**small, "admission_check": True})
         # Pools of different sizes on the two ranks: rank 1's runs out, and rank 0 stops with it.
-        pool = KVPool.for_model(model, max_tokens=SMALL_POOL_TOKENS if rank else 64, page_size=PAGE_SIZE)
+        pool = KVPool.for_model(model, PagedConfig(page_size=PAGE_SIZE), max_tokens=SMALL_POOL_TOKENS if rank else 64)
         results[f"{model_name}/uneven"] = exhaust(model, "paged_pool", {"pool": pool, "admission_check": False})
         gc.collect()  # the failed request's cache: its pages go back
         results[f"{model_name}/uneven"]["pages_used_after"] = pool.stats()["pages_used"]

@@ -42,7 +42,7 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedConfig, PreTrainedModel, StaticCache
 
 from hf_kvcache.attention.interface import ATTENTION_NAME
-from hf_kvcache.caches import SlidingRingCache
+from hf_kvcache.caches import PagedConfig, SlidingRingCache, SlidingRingConfig
 from hf_kvcache.eval import CacheSpec, installed_quantized_backends, sliding_window_config
 from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.memory.format import KV_BLOCK_TOKENS, PageFormat
@@ -181,7 +181,7 @@ def build_sliding_cache(
     if name == "static_sliding":
         return StaticCache(config=sliding_window_config(config, window), max_cache_len=max_cache_len)
     if name in RING_ATTENTION:
-        return SlidingRingCache(config, window=window, pool=pool)
+        return SlidingRingCache(config, SlidingRingConfig(window=window, pool=pool))
     raise ValueError(f"Unknown sliding cache {name!r}; choose from {list(SLIDING_CACHES)}.")
 
 
@@ -198,14 +198,18 @@ def bench_pools(
     # too tight for that hands out single pages, which attention cannot read in place.
     block = max(page_size, KV_BLOCK_TOKENS)
     max_tokens = (batch * math.ceil(capacity / block) + 1) * block
-    value_formats = {name: {} for name in names if pool_kind(name) == "fixed" and name in PAGED_VARIANTS}
+    configs = {
+        name: PagedConfig(page_size=page_size)
+        for name in names
+        if pool_kind(name) == "fixed" and name in PAGED_VARIANTS
+    }
     for name in names:
         spec = QUANTIZED_CACHES.get(name)
         if spec is not None and pool_kind(name) == "fixed":
-            value_formats[name] = REGISTRY[spec.kind].pool_kwargs(model.config, model.dtype, spec.settings)
+            configs[name] = REGISTRY[spec.kind].config({**spec.settings, "page_size": page_size})
     pools = {
-        name: KVPool.for_model(model, max_tokens=max_tokens, page_size=page_size, alert_thresholds=(), **value_format)
-        for name, value_format in value_formats.items()
+        name: KVPool.for_model(model, config, max_tokens=max_tokens, alert_thresholds=())
+        for name, config in configs.items()
     }
     rings = [name for name in names if name in RING_ATTENTION]
     if rings:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from transformers import Cache, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
+from hf_kvcache.caches import PagedConfig
 from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.memory.pool import KVPool
 from hf_kvcache.testing import random_padded_batch, tiny_llama
@@ -284,7 +285,7 @@ def measure_cache(
         elif cache not in CONTIGUOUS_CACHES:
             # every row at full width, plus room for the pages admission counts ahead (only pages taken are counted)
             max_tokens = len(batch.lengths) * (batch.input_ids.shape[1] + num_new + 4 * config.page_size)
-            pool = KVPool.for_model(model, max_tokens=max_tokens, page_size=config.page_size)
+            pool = KVPool.for_model(model, PagedConfig(page_size=config.page_size), max_tokens=max_tokens)
             kwargs["cache_config"] = {"pool": pool}
         probe = _Probe(batch, batch_idx, slot_bytes, pool)
         hook = model.register_forward_pre_hook(probe.capture, with_kwargs=True)

@@ -167,14 +167,9 @@ def run_prefix_benchmark(
 
 
 def _pool(model: PreTrainedModel, config: PrefixBenchConfig, mode: str) -> KVPool:
-    kwargs = REGISTRY[config.cache].pool_kwargs(model.config, model.dtype)
-    return KVPool.for_model(
-        model,
-        max_tokens=config.max_pool_tokens,
-        page_size=config.page_size,
-        prefix_caching=mode == "with_index",
-        **kwargs,
-    )
+    entry = REGISTRY[config.cache]
+    cache_config = entry.config({**entry.example_config, "page_size": config.page_size})
+    return KVPool.for_model(model, cache_config, max_tokens=config.max_pool_tokens, prefix_caching=mode == "with_index")
 
 
 def _generate(model: PreTrainedModel, ids: torch.Tensor, pool: KVPool, config: PrefixBenchConfig, **kwargs: Any):

@@ -138,7 +138,7 @@ def soak_pools(model: torch.nn.Module, max_tokens: int, page_size: int) -> dict[
     made: dict[PageFormat, KVPool] = {}
     pools = {}
     for name, entry in REGISTRY.items():
-        page_format = entry.page_format(model.config, model.dtype, {**entry.soak_config, "page_size": page_size})
+        page_format = entry.config({**entry.soak_config, "page_size": page_size}).page_format(model.config, model.dtype)
         if page_format not in made:
             made[page_format] = KVPool(
                 page_format, page_format.pages_for_tokens(max_tokens) + 1, model.device, prefix_caching=True

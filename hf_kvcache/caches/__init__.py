@@ -1,6 +1,6 @@
 """Our ``transformers.Cache`` subclasses, one file per cache over ``base.PoolCache``.
 
-- ``options``: the ``cache_config`` keys every cache takes (``CacheOptions``);
+- ``config``: the settings every cache takes (``PagedConfig``; each cache's config extends it);
 - ``policy``: which tokens a layer group keeps (``RowPolicy``); ``prefix``: a cache's side of prompt reuse;
 - ``binder``: the pool a cache's layers write to, found once per device, and its pages returned (``PoolBinder``);
 - ``planned``: compiled decoding, each decode step planned before the forward pass (``PlannedDecoding``);
@@ -10,9 +10,19 @@
 - ``paged``, ``quantized``, ``quantized_kv``, ``ring``: the four caches, each with its ``ENTRY``.
 """
 
+from hf_kvcache.caches.config import PagedConfig
 from hf_kvcache.caches.paged import PagedCache
-from hf_kvcache.caches.quantized import QuantizedValueCache
-from hf_kvcache.caches.quantized_kv import QuantizedKVCache
-from hf_kvcache.caches.ring import SlidingRingCache
+from hf_kvcache.caches.quantized import QuantizedValueCache, QuantizedValueConfig
+from hf_kvcache.caches.quantized_kv import QuantizedKVCache, QuantizedKVConfig
+from hf_kvcache.caches.ring import SlidingRingCache, SlidingRingConfig
 
-__all__ = ["PagedCache", "QuantizedKVCache", "QuantizedValueCache", "SlidingRingCache"]
+__all__ = [
+    "PagedCache",
+    "PagedConfig",
+    "QuantizedKVCache",
+    "QuantizedKVConfig",
+    "QuantizedValueCache",
+    "QuantizedValueConfig",
+    "SlidingRingCache",
+    "SlidingRingConfig",
+]

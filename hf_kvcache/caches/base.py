@@ -5,17 +5,16 @@ layers (linear attention, convolution state, ...) are transformers' own (``State
 which layer kind each attention layer gets (``_make_layer``).
 """
 
-import dataclasses
 import functools
 import logging
 import weakref
-from typing import Any, Self
+from typing import Any
 
 import torch
 from transformers import CacheLayerMixin, PreTrainedConfig
 
 from hf_kvcache.caches.binder import PoolBinder, release_deferred, release_when_safe
-from hf_kvcache.caches.options import CacheOptions
+from hf_kvcache.caches.config import PagedConfig
 from hf_kvcache.caches.planned import PlannedDecoding
 from hf_kvcache.caches.policy import RowPolicy
 from hf_kvcache.caches.prefix import PrefixTracker
@@ -53,7 +52,7 @@ class PoolCache(PlannedDecoding):
 
     Args:
         config: the model's config (its decoder config is used).
-        options: the cache's ``cache_config``, checked.
+        cache_config: the cache's config (``config_class``), or a dict of its settings; ``None``: the defaults.
         dtype / device: bind the pool now rather than at the first write (both or neither); a split model binds
             the pool of each of its devices.
         placement: where the model's KV lives (``hf_kvcache.integration.seams.placement_of(model)``, which
@@ -64,14 +63,20 @@ class PoolCache(PlannedDecoding):
     def __init__(
         self,
         config: PreTrainedConfig,
-        options: CacheOptions,
+        cache_config: PagedConfig | dict[str, Any] | None = None,
+        *,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
         placement: Placement | None = None,
     ) -> None:
         config = config.get_text_config(decoder=True)
+        if not self.supports_kv_reuse and "reuse" in (getattr(config, "kv_sharing_modes", None) or ()):
+            raise IncompatibleModelError(
+                f"{type(config).__name__} shares KV between layers (kv_sharing_modes has 'reuse'); "
+                f"{type(self).__name__} does not support it yet. Use paged_pool or sliding_ring for this model."
+            )
         layer_types, layer_kwargs = layer_types_and_kwargs(config)
-        self.options = options
+        self.cache_config = cache_config = self.config_class.parse(cache_config)
         groups = layer_groups(layer_types)
         if not groups:
             raise IncompatibleModelError(no_paged_layers(config, layer_types))
@@ -90,7 +95,7 @@ class PoolCache(PlannedDecoding):
             if len(found) > 1:
                 raise IncompatibleModelError(f"Layers {members} share pages but keep different tokens: {found}.")
             policies.append(found.pop())
-        self._binder = PoolBinder(config, options, policies, placement, groups, group_devices)
+        self._binder = PoolBinder(config, cache_config, policies, placement, groups, group_devices)
         layers: list[CacheLayerMixin] = [DummyLayer() for _ in layer_types]
         for layer_group_idx, members in enumerate(groups):
             bind = functools.partial(self._binder.rows_for, layer_group_idx)
@@ -111,7 +116,10 @@ class PoolCache(PlannedDecoding):
             for placed in placement.devices_for(device):
                 self._binder.bind(placed, dtype)
 
-    options_class = CacheOptions
+    config_class = PagedConfig
+    supports_kv_reuse = True
+    """Whether a layer may read an earlier layer's keys and values (``kv_sharing_modes`` "reuse"): a quantized cache
+    returns them in buffers the next layer overwrites."""
 
     @staticmethod
     def _place_layer_groups(
@@ -131,20 +139,6 @@ class PoolCache(PlannedDecoding):
             placed_groups += on_device
             group_devices += [device] * len(on_device)
         return placed_groups, group_devices
-
-    @classmethod
-    def from_cache_config(
-        cls,
-        config: PreTrainedConfig,
-        cache_config: dict[str, Any] | None,
-        dtype: torch.dtype | None = None,
-        device: str | torch.device | None = None,
-        placement: Placement | None = None,
-    ) -> Self:
-        """Builds the cache from a ``generate`` ``cache_config`` dict, rejecting unknown keys."""
-        options = cls.options_class.from_dict(cache_config)
-        settings = {field.name: getattr(options, field.name) for field in dataclasses.fields(options)}
-        return cls(config, **settings, dtype=dtype, device=device, placement=placement)
 
     @property
     def placement(self) -> Placement:
@@ -210,7 +204,7 @@ class PoolCache(PlannedDecoding):
         """
         binder = self._binder
         placed_devices = binder.placement.devices_for(device)
-        if not placed_devices and self.options.admission_check is None:  # the default: checked where it can be
+        if not placed_devices and self.cache_config.admission_check is None:  # the default: checked where it can be
             _log_unchecked_admission()
             return
         if not placed_devices:
@@ -335,7 +329,7 @@ class PoolCache(PlannedDecoding):
     @property
     def prefix(self) -> PrefixTracker | None:
         """The cache's side of its pool's prefix index; ``None`` unless the cache reuses prompts (its pool keeps a
-        prefix index, and ``CacheOptions.prefix_caching`` says to use it; known once the pool is bound)."""
+        prefix index, and ``PagedConfig.prefix_caching`` says to use it; known once the pool is bound)."""
         return self._binder.prefix
 
     def begin_generation(

@@ -11,7 +11,7 @@ import torch
 import torch._dynamo.utils
 from transformers import PreTrainedConfig
 
-from hf_kvcache.caches.options import CacheOptions
+from hf_kvcache.caches.config import PagedConfig
 from hf_kvcache.caches.policy import RowPolicy, uses_our_attention
 from hf_kvcache.caches.prefix import PrefixTracker, log_once
 from hf_kvcache.errors import IncompatibleModelError
@@ -30,7 +30,7 @@ class PoolBinder:
 
     Args:
         config: the model's decoder config.
-        options: the cache's options.
+        cache_config: the cache's config.
         policies: the row policy of each layer group.
         placement: where the model's KV lives (a tensor-parallel rank's share of the heads, a split model's layers).
         layer_groups: the layers of each layer group (``config.layer_groups``, per device for a split model).
@@ -41,14 +41,14 @@ class PoolBinder:
     def __init__(
         self,
         config: PreTrainedConfig,
-        options: CacheOptions,
+        cache_config: PagedConfig,
         policies: list[RowPolicy],
         placement: Placement,
         layer_groups: list[list[int]],
         layer_group_devices: list[torch.device | None],
     ) -> None:
         self.config = config
-        self.options = options
+        self.cache_config = cache_config
         self.policies = policies
         self.placement = placement
         self.layer_groups = layer_groups
@@ -58,9 +58,8 @@ class PoolBinder:
         self.planned_tokens = 0  # see PoolCache.plan
         self.pad_lengths: list[int] | None = None  # see PoolCache.plan
         self.prefix: PrefixTracker | None = None  # made when the pool is bound, if the cache reuses prompts
-        self.pool = KVPool.named(options.pool) if isinstance(options.pool, str) else options.pool
-        if self.pool is not None and not isinstance(self.pool, KVPool):
-            raise TypeError(f"cache_config pool must be a KVPool or a pool's name, got {type(self.pool).__name__}.")
+        pool = cache_config.pool
+        self.pool = KVPool.named(pool) if isinstance(pool, str) else pool
 
     def layer_groups_on(self, device: torch.device) -> list[int]:
         """The layer groups whose pages live on ``device``: those placed there, or all when none is placed."""
@@ -126,7 +125,7 @@ class PoolBinder:
             raise IncompatibleModelError(
                 f"No layer of this cache is placed on {device}; its layers are on {self.placement.devices}."
             )
-        page_format = self.options.page_format(self.config, dtype)
+        page_format = self.cache_config.page_format(self.config, dtype)
         return dataclasses.replace(
             page_format,
             num_kv_heads=self.placement.num_kv_heads or page_format.num_kv_heads,
@@ -149,14 +148,15 @@ class PoolBinder:
             self.prefix.active = False
         elif pool.prefix_caching and self._uses_prefix_index():
             self._check_prefix_placement()
-            self.prefix = PrefixTracker(pool, self.policies, self.options.prefix_namespace)
+            self.prefix = PrefixTracker(pool, self.policies, self.cache_config.prefix_namespace)
         self.pools[device] = pool
         return pool
 
     def _uses_prefix_index(self) -> bool:
         """``prefix_caching`` True, or None on a pool given to the cache (another cache may have started the default
         pool's index: that is not this cache's asking)."""
-        return bool(self.options.prefix_caching) or (self.options.prefix_caching is None and self.pool is not None)
+        prefix_caching = self.cache_config.prefix_caching
+        return bool(prefix_caching) or (prefix_caching is None and self.pool is not None)
 
     def _check_prefix_placement(self) -> None:
         """Refuses prompt reuse where the ranks or devices would have to agree on it.
@@ -187,15 +187,15 @@ class PoolBinder:
         return {idx: rows for (rows_device, idx), rows in self.rows.items() if rows_device == device}
 
     def _pool_for(self, page_format: PageFormat, device: torch.device) -> KVPool:
-        options = self.options
-        prefix_caching = bool(options.prefix_caching)
+        max_tokens = self.cache_config.max_tokens
+        prefix_caching = bool(self.cache_config.prefix_caching)
         if prefix_caching:
             self._check_prefix_placement()
-        if options.max_tokens is not None:
+        if max_tokens is not None:
             if prefix_caching:  # kept for the process, so that its index outlives the call
-                return KVPool.for_budget(page_format, device, options.max_tokens)
-            num_pages = page_format.pages_for_tokens(options.max_tokens) + 1
-            check_fits(f"max_tokens={options.max_tokens}", num_pages * page_format.page_bytes, device)
+                return KVPool.for_budget(page_format, device, max_tokens)
+            num_pages = page_format.pages_for_tokens(max_tokens) + 1
+            check_fits(f"max_tokens={max_tokens}", num_pages * page_format.page_bytes, device)
             return KVPool(page_format, num_pages, device)
         pool = self.pool
         if pool is None:
@@ -230,8 +230,8 @@ class PoolBinder:
         if mismatches:
             raise IncompatibleModelError(
                 f"The pool was built for another model or placement ({', '.join(mismatches)}, pool vs model). "
-                "Build it with KVPool.for_model(model, ...) for this model, dtype and device; a model split over "
-                "several devices takes one pool per device (cache_config max_tokens, or the default pools)."
+                "Build it with KVPool.for_model(model, cache_config, ...) for this model, dtype and device; a model "
+                "split over several devices takes one pool per device (cache_config max_tokens, or the default pools)."
             )
         return pool
 

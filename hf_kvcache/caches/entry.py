@@ -9,15 +9,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from hf_kvcache.memory.format import PageFormat
-
-POOL_FORMAT_KEYS = ("value_bits", "value_group_size", "key_bits", "key_group_size", "scale_dtype")
-"""The ``PageFormat`` fields a cache's settings choose, beyond the model's geometry (``KVPool.for_model`` keywords)."""
-
 if TYPE_CHECKING:  # the cache classes import this module
     from hf_kvcache.caches.base import PoolCache
+    from hf_kvcache.caches.config import PagedConfig
 
 
 @dataclass(frozen=True)
@@ -26,7 +20,7 @@ class CacheEntry:
 
     Attributes:
         name: the ``generate(cache_implementation=...)`` name.
-        cache_class: the cache it builds (``cache_class.from_cache_config``).
+        cache_class: the cache it builds (``cache_class(model.config, cache_config)``).
         example_config: a ``cache_config`` that works on a tiny full-attention model (head_dim 16); the tests run
             every registered name with it.
         eval_presets: label -> ``cache_config`` of each run of the cache in the default evaluation
@@ -52,18 +46,7 @@ class CacheEntry:
         if self.soak_config is None:
             object.__setattr__(self, "soak_config", self.example_config)
 
-    def page_format(
-        self, model_config: Any, dtype: torch.dtype, cache_config: Mapping[str, Any] | None = None
-    ) -> PageFormat:
-        """The format of the pool this cache draws from with ``cache_config`` (default: ``example_config``)."""
-        settings = self.example_config if cache_config is None else cache_config
-        return self.cache_class.options_class.from_dict(settings).page_format(model_config, dtype)
-
-    def pool_kwargs(
-        self, model_config: Any, dtype: torch.dtype, cache_config: Mapping[str, Any] | None = None
-    ) -> dict[str, Any]:
-        """The ``KVPool.for_model`` keywords of a pool this cache can draw from with ``cache_config`` (default:
-        ``example_config``): its encodings, e.g. ``{"value_bits": 4, "value_group_size": 16, "key_bits": None,
-        ...}``."""
-        page_format = self.page_format(model_config, dtype, cache_config)
-        return {name: getattr(page_format, name) for name in POOL_FORMAT_KEYS}
+    def config(self, settings: Mapping[str, Any] | None = None) -> "PagedConfig":
+        """The cache's config (``cache_class.config_class``) from ``settings`` (default: ``example_config``), e.g. to
+        build a pool it can draw from: ``KVPool.for_model(model, entry.config(), max_tokens=...)``."""
+        return self.cache_class.config_class.parse(self.example_config if settings is None else settings)

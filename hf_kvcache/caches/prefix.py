@@ -117,7 +117,7 @@ class PrefixTracker:
     Args:
         pool: the cache's pool, with a prefix index.
         policies: the row policy of each layer group (``PoolCache``).
-        namespace: ``CacheOptions.prefix_namespace``: pages are published and found under it only.
+        namespace: ``PagedConfig.prefix_namespace``: pages are published and found under it only.
     """
 
     def __init__(self, pool: KVPool, policies: list[RowPolicy], namespace: str = "") -> None:

@@ -5,16 +5,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import PreTrainedConfig
 
 from hf_kvcache.caches.base import PoolCache
+from hf_kvcache.caches.config import PagedConfig, check_count
 from hf_kvcache.caches.entry import CacheEntry
-from hf_kvcache.caches.options import CacheOptions
 from hf_kvcache.caches.policy import RowPolicy
-from hf_kvcache.errors import IncompatibleModelError
-from hf_kvcache.memory.format import DEFAULT_PAGE_SIZE, PageFormat
-from hf_kvcache.memory.placement import Placement
-from hf_kvcache.memory.pool import KVPool
+from hf_kvcache.memory.format import PageFormat
 
 DEFAULT_GROUP_SIZE = 64
 DEFAULT_RESIDUAL_LENGTH = 128
@@ -23,8 +19,8 @@ window buys in accuracy is in docs/caches.md."""
 
 
 @dataclass(frozen=True)
-class QuantizedValueOptions(CacheOptions):
-    """The ``cache_config`` keys of ``QuantizedValueCache``.
+class QuantizedValueConfig(PagedConfig):
+    """The settings of ``QuantizedValueCache``: ``PagedConfig``'s and these.
 
     Attributes:
         bits: bits per stored value, 8 or 4.
@@ -47,26 +43,19 @@ class QuantizedValueOptions(CacheOptions):
         return dataclasses.replace(base, value_bits=self.bits, value_group_size=group_size)
 
 
-def check_quant_options(options: CacheOptions, bit_names: tuple[str, ...]) -> None:
-    """Checks a quantized cache's ``cache_config``: its bits (8 or 4), ``group_size`` and ``residual_length``.
+def check_quant_options(options: PagedConfig, bit_names: tuple[str, ...]) -> None:
+    """Checks a quantized cache's config: its bits (8 or 4), ``group_size`` and ``residual_length``.
 
     Raises:
-        TypeError / ValueError: naming the key and the value.
+        TypeError / ValueError: naming the setting and the value.
     """
-    for name in (*bit_names, "group_size", "residual_length"):
-        value = getattr(options, name)
-        if name == "group_size" and value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}).")
     for name in bit_names:
         bits = getattr(options, name)
+        check_count(name, bits, 1)
         if bits not in (8, 4):
             raise ValueError(f"{name}={bits} is not supported: choose {name}=8 or {name}=4.")
-    if options.group_size is not None and options.group_size < 1:
-        raise ValueError(f"group_size={options.group_size} is out of range: choose a divisor of the head_dim.")
-    if options.residual_length < 0:
-        raise ValueError(f"residual_length={options.residual_length} is out of range: choose residual_length >= 0.")
+    check_count("group_size", options.group_size, 1, optional=True)
+    check_count("residual_length", options.residual_length, 0)
 
 
 def group_size_for(group_size: int | None, head_dim: int) -> int:
@@ -82,18 +71,6 @@ def group_size_for(group_size: int | None, head_dim: int) -> int:
             f"group_size={group_size} does not divide the model's head_dim={head_dim}; choose one of {divisors}."
         )
     return group_size
-
-
-def refuse_kv_reuse(config: PreTrainedConfig, cache_name: str) -> None:
-    """Raises ``IncompatibleModelError`` for a model whose layers reuse an earlier layer's keys and values: a reusing
-    layer reads what that layer's update returned, which a quantized cache keeps in buffers the next layer
-    overwrites."""
-    text_config = config.get_text_config(decoder=True)
-    if "reuse" in (getattr(text_config, "kv_sharing_modes", None) or ()):
-        raise IncompatibleModelError(
-            f"{type(text_config).__name__} shares KV between layers (kv_sharing_modes has 'reuse'); "
-            f"{cache_name} does not support it yet. Use paged_pool or sliding_ring for this model."
-        )
 
 
 def residual_row_policy(
@@ -115,49 +92,17 @@ class QuantizedValueCache(PoolCache):
 
     Args:
         config: the model's config.
-        bits: 8 or 4 bits per stored value.
-        group_size: value channels sharing one scale and zero (asymmetric, per token); default 64.
-        residual_length: newest tokens whose values attention gets in full precision.
-        pool / page_size / max_tokens / admission_check / prefix_caching / prefix_namespace / dtype / device /
-            placement: as for
-            ``PagedCache`` (a given pool must be built with ``KVPool.for_model(..., value_bits=bits,
-            value_group_size=group_size)``).
+        cache_config: a ``QuantizedValueConfig`` (or a dict of its settings): bits per stored value, channels per
+            scale group, the newest tokens served in full precision, and ``PagedConfig``'s settings (a pool given
+            must be built with ``KVPool.for_model(model, cache_config, ...)``).
+        dtype / device / placement: as for ``PagedCache``.
     """
 
-    options_class = QuantizedValueOptions
-
-    def __init__(
-        self,
-        config: PreTrainedConfig,
-        bits: int = 4,
-        group_size: int | None = None,
-        residual_length: int = DEFAULT_RESIDUAL_LENGTH,
-        pool: KVPool | str | None = None,
-        page_size: int = DEFAULT_PAGE_SIZE,
-        max_tokens: int | None = None,
-        admission_check: bool | None = None,
-        prefix_caching: bool | None = None,
-        prefix_namespace: str = "",
-        dtype: torch.dtype | None = None,
-        device: str | torch.device | None = None,
-        placement: Placement | None = None,
-    ) -> None:
-        options = QuantizedValueOptions(
-            page_size=page_size,
-            pool=pool,
-            max_tokens=max_tokens,
-            admission_check=admission_check,
-            prefix_caching=prefix_caching,
-            prefix_namespace=prefix_namespace,
-            bits=bits,
-            group_size=group_size,
-            residual_length=residual_length,
-        )
-        refuse_kv_reuse(config, "quantized_values")
-        super().__init__(config, options, dtype, device, placement)
+    config_class = QuantizedValueConfig
+    supports_kv_reuse = False
 
     def _row_policy(self, layer_type: str, layer_kwargs: dict[str, Any]) -> RowPolicy:
-        return residual_row_policy(layer_type, layer_kwargs, self.options.residual_length)
+        return residual_row_policy(layer_type, layer_kwargs, self.cache_config.residual_length)
 
 
 ENTRY = CacheEntry(

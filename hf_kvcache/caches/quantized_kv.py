@@ -10,22 +10,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import PreTrainedConfig
 
 from hf_kvcache.caches.base import PoolCache
+from hf_kvcache.caches.config import PagedConfig, check_count
 from hf_kvcache.caches.entry import CacheEntry
-from hf_kvcache.caches.options import CacheOptions
 from hf_kvcache.caches.policy import RowPolicy
 from hf_kvcache.caches.quantized import (
     DEFAULT_RESIDUAL_LENGTH,
     check_quant_options,
     group_size_for,
-    refuse_kv_reuse,
     residual_row_policy,
 )
-from hf_kvcache.memory.format import DEFAULT_PAGE_SIZE, PageFormat
-from hf_kvcache.memory.placement import Placement
-from hf_kvcache.memory.pool import KVPool
+from hf_kvcache.memory.format import PageFormat
 
 DEFAULT_SINK_TOKENS = 0
 """First tokens of a row kept in full precision by default."""
@@ -38,8 +34,8 @@ def scale_dtype_for(dtype: torch.dtype) -> torch.dtype:
 
 
 @dataclass(frozen=True)
-class QuantizedKVOptions(CacheOptions):
-    """The ``cache_config`` keys of ``QuantizedKVCache``.
+class QuantizedKVConfig(PagedConfig):
+    """The settings of ``QuantizedKVCache``: ``PagedConfig``'s and these.
 
     Attributes:
         key_bits: 8 (per token, per scale group of ``group_size`` channels) or 4 (per channel over each page's tokens).
@@ -62,12 +58,7 @@ class QuantizedKVOptions(CacheOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_quant_options(self, ("key_bits", "value_bits"))
-        if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int):
-            raise TypeError(
-                f"sink_tokens must be an int, got {self.sink_tokens!r} ({type(self.sink_tokens).__name__})."
-            )
-        if self.sink_tokens < 0:
-            raise ValueError(f"sink_tokens={self.sink_tokens} is out of range: choose sink_tokens >= 0.")
+        check_count("sink_tokens", self.sink_tokens, 0)
         if self.key_bits == 4 and self.page_size % 2:
             raise ValueError(
                 f"page_size={self.page_size} is odd: key_bits=4 packs two tokens per byte; choose an even page_size."
@@ -96,54 +87,19 @@ class QuantizedKVCache(PoolCache):
 
     Args:
         config: the model's config.
-        key_bits: 8 (per token) or 4 (per channel over each page).
-        value_bits: 8 or 4 bits per stored value.
-        group_size: channels sharing one scale and zero (values, and int8 keys); default 64 or the head_dim.
-        residual_length: newest tokens whose values attention gets in full precision.
-        sink_tokens: first tokens of a row whose keys and values attention gets in full precision.
-        pool / page_size / max_tokens / admission_check / prefix_caching / prefix_namespace / dtype / device /
-            placement: as for ``PagedCache`` (a given pool must be built with
-            ``KVPool.for_model(..., **REGISTRY["quantized_kv"].pool_kwargs(model.config, model.dtype, cache_config))``).
+        cache_config: a ``QuantizedKVConfig`` (or a dict of its settings): bits of keys and values, channels per
+            scale group, the newest and first tokens served in full precision, and ``PagedConfig``'s settings (a
+            pool given must be built with ``KVPool.for_model(model, cache_config, ...)``).
+        dtype / device / placement: as for ``PagedCache``.
     """
 
-    options_class = QuantizedKVOptions
-
-    def __init__(
-        self,
-        config: PreTrainedConfig,
-        key_bits: int = 4,
-        value_bits: int = 4,
-        group_size: int | None = None,
-        residual_length: int = DEFAULT_RESIDUAL_LENGTH,
-        sink_tokens: int = DEFAULT_SINK_TOKENS,
-        pool: KVPool | str | None = None,
-        page_size: int = DEFAULT_PAGE_SIZE,
-        max_tokens: int | None = None,
-        admission_check: bool | None = None,
-        prefix_caching: bool | None = None,
-        prefix_namespace: str = "",
-        dtype: torch.dtype | None = None,
-        device: str | torch.device | None = None,
-        placement: Placement | None = None,
-    ) -> None:
-        options = QuantizedKVOptions(
-            page_size=page_size,
-            pool=pool,
-            max_tokens=max_tokens,
-            admission_check=admission_check,
-            prefix_caching=prefix_caching,
-            prefix_namespace=prefix_namespace,
-            group_size=group_size,
-            residual_length=residual_length,
-            sink_tokens=sink_tokens,
-            key_bits=key_bits,
-            value_bits=value_bits,
-        )
-        refuse_kv_reuse(config, "quantized_kv")
-        super().__init__(config, options, dtype, device, placement)
+    config_class = QuantizedKVConfig
+    supports_kv_reuse = False
 
     def _row_policy(self, layer_type: str, layer_kwargs: dict[str, Any]) -> RowPolicy:
-        return residual_row_policy(layer_type, layer_kwargs, self.options.residual_length, self.options.sink_tokens)
+        return residual_row_policy(
+            layer_type, layer_kwargs, self.cache_config.residual_length, self.cache_config.sink_tokens
+        )
 
 
 ENTRY = CacheEntry(

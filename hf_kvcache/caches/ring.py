@@ -10,26 +10,17 @@ from transformers import PreTrainedConfig
 from hf_kvcache.attention.interface import ATTENTION_NAME
 from hf_kvcache.attention.reads import attention_kwargs
 from hf_kvcache.caches.base import PoolCache
+from hf_kvcache.caches.config import PagedConfig, check_count
 from hf_kvcache.caches.entry import CacheEntry
-from hf_kvcache.caches.options import CacheOptions
 from hf_kvcache.caches.policy import RowPolicy
 from hf_kvcache.layers import RingLayer
-from hf_kvcache.memory.format import DEFAULT_PAGE_SIZE
 from hf_kvcache.memory.placement import Placement
-from hf_kvcache.memory.pool import KVPool
 from hf_kvcache.transformers_internals import attn_implementation, layer_types_and_kwargs
 
 
-def _check_count(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}).")
-    if value < low:
-        raise ValueError(f"{name}={value} is out of range: choose {name} >= {low}.")
-
-
 @dataclass(frozen=True)
-class RingOptions(CacheOptions):
-    """The ``cache_config`` keys of ``SlidingRingCache``.
+class SlidingRingConfig(PagedConfig):
+    """The settings of ``SlidingRingCache``: ``PagedConfig``'s and these.
 
     Attributes:
         window: tokens each query of a full-attention layer attends to, itself included; the model's
@@ -42,9 +33,13 @@ class RingOptions(CacheOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.window is not None:
-            _check_count("window", self.window, 1)
-        _check_count("sink_tokens", self.sink_tokens, 0)
+        check_count("window", self.window, 1, optional=True)
+        check_count("sink_tokens", self.sink_tokens, 0)
+        if self.sink_tokens and self.window is None:
+            raise ValueError(
+                f"sink_tokens={self.sink_tokens} needs a window: sinks are kept in the rings that cache_config window "
+                "imposes on full-attention layers (the model's sliding layers keep the model's own window)."
+            )
 
 
 class SlidingRingCache(PoolCache):
@@ -59,49 +54,27 @@ class SlidingRingCache(PoolCache):
 
     Args:
         config: the model's config.
-        window: ring size of full-attention layers (``None``: keep them whole, on a model with sliding layers).
-        sink_tokens: first tokens pinned in those rings.
-        pool / page_size / max_tokens / admission_check / prefix_caching / prefix_namespace / dtype / device /
-            placement: as for
-            ``PagedCache``.
+        cache_config: a ``SlidingRingConfig`` (or a dict of its settings): the window of full-attention layers
+            (``None``: keep them whole, on a model with sliding layers), the sinks pinned in those rings, and
+            ``PagedConfig``'s settings.
+        dtype / device / placement: as for ``PagedCache``.
     """
 
-    options_class = RingOptions
+    config_class = SlidingRingConfig
 
     def __init__(
         self,
         config: PreTrainedConfig,
-        window: int | None = None,
-        sink_tokens: int = 0,
-        pool: KVPool | str | None = None,
-        page_size: int = DEFAULT_PAGE_SIZE,
-        max_tokens: int | None = None,
-        admission_check: bool | None = None,
-        prefix_caching: bool | None = None,
-        prefix_namespace: str = "",
+        cache_config: SlidingRingConfig | dict[str, Any] | None = None,
+        *,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
         placement: Placement | None = None,
     ) -> None:
         text_config = config.get_text_config(decoder=True)
         self._has_sliding_layers = "sliding_attention" in layer_types_and_kwargs(text_config)[0]
-        options = RingOptions(
-            page_size=page_size,
-            pool=pool,
-            max_tokens=max_tokens,
-            admission_check=admission_check,
-            prefix_caching=prefix_caching,
-            prefix_namespace=prefix_namespace,
-            window=window,
-            sink_tokens=sink_tokens,
-        )
-        super().__init__(config, options, dtype, device, placement)
+        super().__init__(config, cache_config, dtype=dtype, device=device, placement=placement)
         self._warned_unbanded = False
-        if sink_tokens and window is None:
-            raise ValueError(
-                f"sink_tokens={sink_tokens} needs a window: sinks are kept in the rings that cache_config window "
-                "imposes on full-attention layers (the model's sliding layers keep the model's own window)."
-            )
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
@@ -144,7 +117,7 @@ class SlidingRingCache(PoolCache):
     def _row_policy(self, layer_type: str, layer_kwargs: dict[str, Any]) -> RowPolicy:
         if layer_type == "sliding_attention":
             return RowPolicy(window=layer_kwargs["sliding_window"], is_sliding=True)
-        options = self.options
+        options = self.cache_config
         if options.window is None:
             if not self._has_sliding_layers:
                 raise ValueError(

@@ -63,7 +63,7 @@ class CacheSpec:
             if not isinstance(window, int) or window < 1 or settings:
                 raise ValueError(f"A sliding cache takes exactly one setting, window=<int >= 1>; got {self.settings}.")
             return DynamicCache(config=sliding_window_config(config, window))
-        return REGISTRY[self.kind].cache_class.from_cache_config(model.config, settings, model.dtype, model.device)
+        return REGISTRY[self.kind].cache_class(model.config, settings, dtype=model.dtype, device=model.device)
 
 
 def sliding_window_config(config: PreTrainedConfig, window: int) -> PreTrainedConfig:

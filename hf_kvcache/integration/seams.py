@@ -69,15 +69,16 @@ def check_transformers_version(version: str = transformers_version) -> None:
         )
 
 
-def build_cache(name: str, model: Any, cache_config: dict[str, Any] | None) -> Cache:
-    """Builds the cache registered as ``name`` for ``model`` from a ``cache_config`` dict.
+def build_cache(name: str, model: Any, cache_config: Any) -> Cache:
+    """Builds the cache registered as ``name`` for ``model`` from a ``cache_config`` (its config class, or a dict).
 
     The pool is bound to the model's dtype and device right away (each device's, for a split model), cut for the
     KV heads this process holds (a tensor-parallel rank's share) and the layers on its device (``placement_of``);
     unknown keys are rejected.
     """
     cache_class = REGISTRY[name].cache_class
-    return cache_class.from_cache_config(model.config, cache_config, model.dtype, model.device, placement_of(model))
+    placement = placement_of(model)
+    return cache_class(model.config, cache_config, dtype=model.dtype, device=model.device, placement=placement)
 
 
 def placement_of(model: Any) -> Placement:
@@ -176,7 +177,7 @@ def check_request(
     cache.compiled_decoding = bool(compiled)
     mask = model_kwargs.get("attention_mask")  # [rows, prompt_length]; generate drops it when all ones
     cache.plan(max_cache_length, mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None)
-    if cache.options.admission_check is not False:
+    if cache.cache_config.admission_check is not False:
         num_rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
         cache.check_admission(num_rows, max_cache_length, model.device, model.dtype)
 

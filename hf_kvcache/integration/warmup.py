@@ -25,6 +25,7 @@ from transformers import CompileConfig, StoppingCriteria, StoppingCriteriaList
 
 from hf_kvcache.attention import block_mask, flex
 from hf_kvcache.caches.binder import release_deferred
+from hf_kvcache.caches.config import PagedConfig
 from hf_kvcache.errors import PoolExhaustedError
 from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.layers.plan import capacity_bucket
@@ -115,8 +116,6 @@ def _check_arguments(
             f"max_tokens={max_tokens!r} leaves no room for two new tokens after prompt_tokens={prompt_tokens}: give "
             f"at least {prompt_tokens + 2}."
         )
-    if cache_config is not None and not isinstance(cache_config, dict):
-        raise TypeError(f"cache_config={cache_config!r}: give a dict of the cache's options, or None.")
     if compile_config is not None and not isinstance(compile_config, CompileConfig):
         raise TypeError(f"compile_config={compile_config!r}: give a transformers.CompileConfig, or None.")
 
@@ -126,7 +125,7 @@ def warmup(
     cache_implementation: str,
     batch_sizes: tuple[int, ...] = (1,),
     max_tokens: int = 2048,
-    cache_config: dict[str, Any] | None = None,
+    cache_config: PagedConfig | dict[str, Any] | None = None,
     compile_config: CompileConfig | None = None,
     prompt_tokens: int = 8,
 ) -> list[WarmedShape]:
@@ -155,7 +154,8 @@ def warmup(
             or no step reads pages in place (without one); the message says what to change.
     """
     _check_arguments(model, cache_implementation, batch_sizes, max_tokens, cache_config, compile_config, prompt_tokens)
-    page_size = REGISTRY[cache_implementation].page_format(model.config, model.dtype, cache_config or {}).page_size
+    cache_config = REGISTRY[cache_implementation].config(cache_config or {})  # checked before any work
+    page_size = cache_config.page_size
     run = functools.partial(_generate, model, cache_implementation, cache_config, compile_config)
     shapes: list[WarmedShape] = []
     for batch_size in batch_sizes:
@@ -193,11 +193,10 @@ def warmup(
     return shapes
 
 
-def _shares_pool(cache_config: dict[str, Any] | None) -> bool:
+def _shares_pool(cache_config: PagedConfig) -> bool:
     """Whether requests write to one pool (the default, or one given), where other requests' pages may lie below
     theirs; with ``max_tokens`` (and no prefix caching) each cache makes a fresh pool of its own."""
-    config = cache_config or {}
-    return config.get("max_tokens") is None or bool(config.get("prefix_caching"))
+    return cache_config.max_tokens is None or bool(cache_config.prefix_caching)
 
 
 def _warm_views(run: Callable, pool: KVPool, batch_size: int, prompt: int, length: int) -> list[WarmedShape]:
@@ -237,7 +236,7 @@ def _hold_extents_below(pool: KVPool, first_page: int) -> list[int]:
 def _generate(
     model: Any,
     cache_implementation: str,
-    cache_config: dict[str, Any] | None,
+    cache_config: PagedConfig,
     compile_config: CompileConfig | None,
     batch_size: int,
     prompt_tokens: int,

@@ -7,13 +7,13 @@ import dataclasses
 import logging
 import threading
 import weakref
-from typing import Any, Self
+from typing import Any, Protocol, Self
 
 import torch
 
 from hf_kvcache.memory import device_memory
 from hf_kvcache.memory.device_memory import MemoryBudget
-from hf_kvcache.memory.format import DEFAULT_PAGE_SIZE, PageFormat
+from hf_kvcache.memory.format import PageFormat
 from hf_kvcache.memory.placement import agree, kv_heads_per_rank, normalize_device
 
 logger = logging.getLogger("hf_kvcache")
@@ -33,6 +33,12 @@ _DEFAULT_BUDGETS: dict[torch.device, MemoryBudget] = {}
 _REGISTRY_LOCK = threading.Lock()
 
 
+class CacheConfigLike(Protocol):
+    """What ``KVPool.for_model`` needs of a cache's config (``hf_kvcache.PagedConfig`` and its subclasses)."""
+
+    def page_format(self, config: Any, dtype: torch.dtype) -> PageFormat: ...
+
+
 def register_name(name: str, pool: "Any") -> None:
     """Registers ``pool`` under ``name`` (``KVPool(name=...)``), refusing a name a live pool holds."""
     with _REGISTRY_LOCK:
@@ -48,20 +54,15 @@ class PoolFactories:
     def for_model(
         cls,
         model: torch.nn.Module,
+        cache_config: "CacheConfigLike | None" = None,
         *,
         max_tokens: int | None = None,
         max_bytes: int | None = None,
         memory_fraction: float | None = None,
-        page_size: int = DEFAULT_PAGE_SIZE,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
         name: str | None = None,
         alert_thresholds: tuple[float, ...] = (0.9,),
-        value_bits: int | None = None,
-        value_group_size: int = 64,
-        key_bits: int | None = None,
-        key_group_size: int = 64,
-        scale_dtype: torch.dtype | None = None,
         prefix_caching: bool = False,
     ) -> Self:
         """A fixed-budget pool for ``model``, sized by exactly one of the three budgets.
@@ -71,14 +72,13 @@ class PoolFactories:
 
         Args:
             model: a transformers causal LM (its config gives the geometry).
+            cache_config: the config of the caches that will draw from the pool (``hf_kvcache.PagedConfig``,
+                ``QuantizedKVConfig``, ...): its page size and how pages store keys and values; ``None``: a
+                ``PagedConfig``'s (pages of ``DEFAULT_PAGE_SIZE`` tokens, full precision).
             max_tokens: token slots to hold (summed over all sequences; rounded up to whole pages).
             max_bytes: bytes of page storage.
             memory_fraction: fraction of the device's free memory (CUDA only).
-            page_size: token slots per page.
             dtype / device: default to the model's.
-            value_bits / value_group_size: store values as int8/int4 codes (for ``QuantizedValueCache``).
-            key_bits / key_group_size / scale_dtype: store keys as codes too, and scales in ``scale_dtype`` (for
-                ``QuantizedKVCache``; ``PageFormat``).
             prefix_caching: keep a prefix index: caches on the pool reuse each other's prompt pages.
         """
         budgets = {"max_tokens": max_tokens, "max_bytes": max_bytes, "memory_fraction": memory_fraction}
@@ -87,18 +87,18 @@ class PoolFactories:
             raise ValueError(f"Give exactly one of {list(budgets)} to size the pool; got {given or 'none'}.")
         dtype = dtype or model.dtype
         device = normalize_device(device if device is not None else model.device)
-        page_format = PageFormat.from_model_config(model.config, dtype, page_size)
+        if cache_config is None:
+            page_format = PageFormat.from_model_config(model.config, dtype)
+        elif callable(getattr(cache_config, "page_format", None)):
+            page_format = cache_config.page_format(model.config, dtype)
+        else:
+            raise TypeError(
+                f"cache_config={cache_config!r}: give the config of the caches that will use the pool, such as "
+                "hf_kvcache.PagedConfig(page_size=16) or hf_kvcache.QuantizedValueConfig(bits=4), or None."
+            )
         tp_size = getattr(model, "tp_size", None) or 1  # transformers' public properties, set on every model
         num_kv_heads = kv_heads_per_rank(page_format.num_kv_heads, getattr(model, "tp_plan", None), tp_size)
-        page_format = dataclasses.replace(
-            page_format,
-            num_kv_heads=num_kv_heads,
-            value_bits=value_bits,
-            value_group_size=value_group_size,
-            key_bits=key_bits,
-            key_group_size=key_group_size,
-            scale_dtype=scale_dtype,
-        )
+        page_format = dataclasses.replace(page_format, num_kv_heads=num_kv_heads)
         if max_tokens is not None:
             if max_tokens < 1:
                 raise ValueError(f"max_tokens must be >= 1, got {max_tokens}.")

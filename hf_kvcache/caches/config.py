@@ -1,0 +1,104 @@
+"""``PagedConfig``: the settings every cache takes (``generate``'s ``cache_config``), a frozen dataclass that checks
+itself on construction and names the setting to change; each cache's config extends it with its own settings
+(``SlidingRingConfig``, ``QuantizedValueConfig``, ``QuantizedKVConfig``, next to their caches).
+"""
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Self
+
+import torch
+
+from hf_kvcache.memory.format import DEFAULT_PAGE_SIZE, PageFormat, check_page_size
+from hf_kvcache.memory.pool import KVPool
+
+
+def check_count(name: str, value: Any, low: int, optional: bool = False) -> None:
+    """Raises ``TypeError`` unless ``value`` is an int (or ``None`` where ``optional``), ``ValueError`` if it is below
+    ``low``; both name the setting and the value."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}).")
+    if value < low:
+        raise ValueError(f"{name}={value} is out of range: choose {name} >= {low}.")
+
+
+def check_flag(name: str, value: Any) -> None:
+    """Raises ``TypeError`` unless ``value`` is ``True``, ``False`` or ``None``, naming the setting and the value."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{name} must be True, False or None, got {value!r} ({type(value).__name__}).")
+
+
+@dataclass(frozen=True)
+class PagedConfig:
+    """The settings of ``PagedCache``, which every cache's config extends; build it by keyword.
+
+    Attributes:
+        page_size: token slots per page (of a pool the cache makes, and of ``KVPool.for_model(model, config)``).
+        pool: a ``KVPool``, or the name of one, to draw pages from; ``None`` for the default pool.
+        max_tokens: give this cache a fixed-budget pool of its own holding this many tokens.
+        admission_check: before any compute, ``generate`` refuses a request whose worst-case page need
+            (rows x pages for prompt + ``max_new_tokens``) exceeds what the pool has free or can still grow
+            into, with a ``PoolExhaustedError`` (``exceeds_pool``: more than the whole pool), so that a request
+            that cannot fit fails alone instead of taking the pages other requests need. A check, not a
+            reservation: requests running at the same time may still take the pages, and a request that passes
+            can then fail mid-generation. ``None`` (the default): on wherever the pool is known before the first
+            write (not for a model offloaded without a device map); ``True``: on, and such a model is refused;
+            ``False``: off.
+        prefix_caching: reuse prompt pages across ``generate`` calls through the pool's prefix index
+            (``hf_kvcache.caches.prefix``). ``True``: the default pool or ``max_tokens`` pool the cache draws from
+            keeps one (a given ``pool`` must have been built with ``prefix_caching=True``); ``None``: only where a
+            given ``pool`` keeps one; ``False``: never.
+        prefix_namespace: a name the cache's pages are published and found under, besides the model and the
+            cache's attention: caches of other namespaces (tenants, experiments) never share pages on one pool.
+    """
+
+    page_size: int = DEFAULT_PAGE_SIZE
+    pool: KVPool | str | None = None
+    max_tokens: int | None = None
+    admission_check: bool | None = None
+    prefix_caching: bool | None = None
+    prefix_namespace: str = ""
+
+    def __post_init__(self) -> None:
+        check_page_size(self.page_size)
+        if self.pool is not None and not isinstance(self.pool, (KVPool, str)):
+            raise TypeError(f"pool must be a KVPool or a pool's name, got {self.pool!r} ({type(self.pool).__name__}).")
+        check_count("max_tokens", self.max_tokens, 1, optional=True)
+        if self.max_tokens is not None and self.pool is not None:
+            raise ValueError("Set either pool or max_tokens in cache_config, not both.")
+        check_flag("admission_check", self.admission_check)
+        check_flag("prefix_caching", self.prefix_caching)
+        if not isinstance(self.prefix_namespace, str):
+            raise TypeError(
+                f"prefix_namespace must be a str, got {self.prefix_namespace!r} "
+                f"({type(self.prefix_namespace).__name__})."
+            )
+
+    def page_format(self, config: Any, dtype: torch.dtype) -> PageFormat:
+        """The format of the pool a cache with this config draws from, for a model config and dtype."""
+        return PageFormat.from_model_config(config, dtype, self.page_size)
+
+    @classmethod
+    def parse(cls, value: "PagedConfig | Mapping[str, Any] | None") -> Self:
+        """This class's config from a ``cache_config``: an instance as is; a dict (or ``None``: every default) by its
+        keys, rejecting unknown ones with the list of valid ones.
+
+        Raises:
+            TypeError: ``value`` is another cache's config, or neither a config nor a dict.
+            ValueError: an unknown key, or a setting out of range.
+        """
+        if type(value) is cls:
+            return value
+        valid = [field.name for field in dataclasses.fields(cls)]
+        if value is not None and not isinstance(value, Mapping):
+            raise TypeError(
+                f"cache_config={value!r} ({type(value).__name__}): give a {cls.__name__} or a dict of its keys {valid}."
+            )
+        values = dict(value or {})
+        unknown = sorted(set(values) - set(valid))
+        if unknown:
+            raise ValueError(f"Unknown cache_config keys {unknown} for {cls.__name__}; valid keys are {valid}.")
+        return cls(**values)
