@@ -9,63 +9,70 @@ import torch
 class ResidualValues:
     """Full-precision values of the newest ``length`` tokens of every row, for each layer of a layer group.
 
-    Token ``t`` of a row sits at index ``t % length`` of its layer's ``[batch, heads, length, head_dim]``
-    buffer. Tokens from ``first`` on are held (older ones only as codes, e.g. after a ``crop``).
+    Token ``t`` of a row sits in slot ``t % length`` of its layer's ``[batch, heads, length, head_dim]`` buffer.
+    Tokens from ``first`` on are held (older ones only as codes, e.g. after a ``crop``). A step's plan says once, for
+    all its layers, which slots it writes (``slots``) and where attention reads the held tokens (``reads``,
+    ``tokens``).
     """
 
     def __init__(self, length: int) -> None:
         self.length = length
         self.first = 0
         self.buffers: dict[int, torch.Tensor] = {}
-        self._kept: dict[tuple[int, int], torch.Tensor] = {}  # _positions of a step's write and read
-        self._last: tuple[tuple[int, int], torch.Tensor] | None = None  # the last positions of a step's read
 
-    def write(self, layer_in_group: int, start: int, value_states: torch.Tensor) -> None:
-        """Keeps the newest of tokens ``[start, start + n)``, given as ``[batch, heads, n, head_dim]`` states."""
+    def slots(self, start: int, end: int, device: torch.device) -> torch.Tensor:
+        """The slots the newest of tokens ``[start, end)`` go to, ``[min(end - start, length)]``."""
+        return torch.tensor([token % self.length for token in range(max(start, end - self.length), end)], device=device)
+
+    def tokens(self, newest: int, low: int = 0, high: int | None = None) -> list[int]:
+        """The token each slot holds once ``newest`` tokens are written, ``-1`` where it holds none in ``[low,
+        high)`` (default: up to ``newest``)."""
+        high = newest if high is None else high
+        held_from = max(self.first, newest - self.length, low)
+        tokens = [newest - 1 - (newest - 1 - slot) % self.length for slot in range(self.length)]
+        return [token if held_from <= token < high else -1 for token in tokens]
+
+    def reads(
+        self, newest: int, low: int, high: int, offset: int, device: torch.device, fallback: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where attention gets the held tokens ``[low, high)`` once ``newest`` are written: ``(sources, positions)``,
+        ``[length]`` each: slot ``sources[i]``'s values go over position ``positions[i]`` of what attention reads
+        (position ``p`` holding token ``p + offset``). A fixed count, so one compiled graph serves every step: a slot
+        holding none of those tokens repeats ``fallback``'s (default: the newest of them). ``None``: there is none."""
+        tokens = self.tokens(newest, low, high)
+        if fallback is None:
+            fallback = max(tokens)
+            if fallback < 0:
+                return None
+        sources = [slot if token >= 0 else fallback % self.length for slot, token in enumerate(tokens)]
+        positions = [(token if token >= 0 else fallback) - offset for token in tokens]
+        return torch.tensor(sources, device=device), torch.tensor(positions, device=device)
+
+    def write(self, layer_in_group: int, start: int, value_states: torch.Tensor, slots: torch.Tensor) -> None:
+        """Keeps the newest of tokens ``[start, start + n)``, given as ``[batch, heads, n, head_dim]`` states, in
+        ``slots`` (``ResidualValues.slots``)."""
         batch, heads, num_new, head_dim = value_states.shape
         buffer = self.buffers.get(layer_in_group)
         if buffer is None or buffer.shape[0] != batch:
             buffer = self.buffers[layer_in_group] = value_states.new_zeros(batch, heads, self.length, head_dim)
-        if start == 0:
-            self.first = 0
-        keep = min(num_new, self.length)
-        end = start + num_new
+        keep = slots.shape[0]
         newest = value_states if keep == num_new else value_states[:, :, num_new - keep :]  # no op for a decode step
-        buffer.index_copy_(2, self._positions(end - keep, end, buffer.device), newest)
-        self.first = max(self.first, end - self.length)
+        buffer.index_copy_(2, slots, newest)
+        self.first = max(self.first, start + num_new - self.length)
 
-    def overlay(self, layer_in_group: int, values: torch.Tensor, end: int, limit: int, newest: int) -> None:
-        """Puts the held full-precision values over the last positions of ``values``.
+    def overlay(self, layer_in_group: int, values: torch.Tensor, reads: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Puts the held tokens over their positions in ``values`` ``[batch, heads, n, head_dim]`` as ``reads``
+        says (``ResidualValues.reads``)."""
+        buffer = self.buffers.get(layer_in_group)
+        if buffer is not None:
+            values.index_copy_(2, reads[1], buffer.index_select(2, reads[0]).to(values.dtype))  # autocast may widen
 
-        Args:
-            values: ``[batch, heads, m, head_dim]`` whose last position is token ``end - 1``.
-            limit: at most this many positions are replaced (the tokens ``values`` holds in order).
-            newest: tokens written so far; the residual window is ``[newest - length, newest)``.
-        """
-        count = min(end - max(self.first, newest - self.length), limit)
-        if count <= 0 or layer_in_group not in self.buffers:
-            return
-        newest_values = self.buffers[layer_in_group].index_select(2, self._positions(end - count, end, values.device))
-        length = values.shape[2]
-        if self._last is None or self._last[0] != (length, count):  # once for a step's layers
-            self._last = ((length, count), torch.arange(length - count, length, device=values.device))
-        values.index_copy_(2, self._last[1], newest_values.to(values.dtype))  # autocast may widen the read
-
-    def _positions(self, first: int, end: int, device: torch.device) -> torch.Tensor:
-        """Where tokens ``[first, end)`` lie in the buffers, ``[end - first]``. The two last asked are kept: a step's
-        layers ask for its write's and its read's."""
-        kept = self._kept.get((first, end))
-        if kept is None:
-            kept = torch.arange(first, end, device=device) % self.length
-            self._kept = {**dict(list(self._kept.items())[-1:]), (first, end): kept}
-        return kept
-
-    def take_all(self, first: int, end: int) -> tuple[list[int], torch.Tensor]:
-        """Every layer's held tokens ``[first, end)`` at once (all within the window): ``(layers, [layers, batch,
-        heads, end - first, head_dim])``, three ops for the layer group."""
+    def take_all(self, slots: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """Every layer's tokens held in ``slots`` at once: ``(layers, [layers, batch, heads, n, head_dim])``, three
+        ops for the layer group."""
         layers = sorted(self.buffers)
         windows = torch.stack([self.buffers[layer] for layer in layers])  # [layers, batch, heads, length, head_dim]
-        return layers, windows.index_select(3, self._positions(first, end, windows.device))
+        return layers, windows.index_select(3, slots)
 
     def select_rows(self, indices: list[int]) -> None:
         for layer_in_group, buffer in self.buffers.items():
@@ -105,14 +112,15 @@ class ExactSink:
         self.keys[layer_in_group][:, :, start : start + count] = key_states[:, :, :count]
         self.values[layer_in_group][:, :, start : start + count] = value_states[:, :, :count]
 
-    def overlay(self, layer_in_group: int, keys: torch.Tensor | None, values: torch.Tensor | None, end: int) -> None:
+    def overlay(self, layer_in_group: int, keys: torch.Tensor | None, values: torch.Tensor | None) -> None:
         """Puts the held tokens over the first positions of ``keys`` / ``values`` ``[batch, heads, n, head_dim]``
-        (tokens in order from 0, ``end`` of them written)."""
-        count = min(self.length, end)
-        if not count or layer_in_group not in self.keys:
+        (tokens in order from 0; ``None``: full precision already). Past the tokens written, the model's mask hides
+        what it puts."""
+        if layer_in_group not in self.keys:
             return
         for out, held in ((keys, self.keys), (values, self.values)):
             if out is not None:
+                count = min(self.length, out.shape[2])
                 out[:, :, :count] = held[layer_in_group][:, :, :count]
 
     def plan(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,14 +138,6 @@ class ExactSink:
             buffer = held[layer_in_group]
             kept = buffer.index_select(2, plan.sink_write)
             buffer.index_copy_(2, plan.sink_write, torch.where(plan.sink_writes, states.to(buffer.dtype), kept))
-
-    def overlay_planned(self, layer_in_group: int, keys: torch.Tensor | None, values: torch.Tensor | None) -> None:
-        """A planned step's read: the sink over the first positions of ``keys`` and ``values`` ``[batch, heads, n,
-        head_dim]`` (``None``: full precision already; past the tokens written, the mask hides what it puts)."""
-        for out, held in ((keys, self.keys), (values, self.values)):
-            if out is not None:
-                count = min(self.length, out.shape[2])
-                out[:, :, :count] = held[layer_in_group][:, :, :count]
 
     @property
     def bytes(self) -> int:

@@ -34,12 +34,12 @@ class StepPlan:
         num_keys: keys attention gets per row: the model's mask is built for this many (a constant of the graph);
             it hides the keys past the rows' tokens.
         kv_offset: the token of the first key (the model's mask: ``get_mask_sizes``; it is built outside the graph).
-        rows: ``[batch, 1, 1]`` the rows (quantized values: to read each row's residual window).
-        residual_write: ``[1]`` quantized values with a residual window: where the new token's full-precision
-            values go in it (the token modulo the window).
-        residual_index / residual_held: ``[batch or 1, 1, num_keys]`` the window's index of each key's token, and
-            ``[batch or 1, 1, num_keys, 1]`` whether attention takes its values from the window (its newest tokens)
-            rather than from their codes.
+        rows: ``[batch, 1, 1]`` the rows (keys coded a page at a time: each row's page still filling).
+        window_write: quantized values with a residual window (``ResidualValues``): ``[n]`` the window's slots the
+            step's newest tokens' full-precision values go to.
+        window_sources / window_positions: ``[window length]`` where attention gets the window's tokens: slot
+            ``window_sources[i]``'s values go over position ``window_positions[i]`` of the values it reads (gathered
+            reads; a fixed count); ``None``: none to read.
         key_pages / key_slots: keys coded a page at a time in a ring: ``[batch, 1, ring pages]`` the pages decoded
             (the null page where the ring has none yet), and ``[batch, 1, num_keys, 1]`` each key's slot among them
             (``None`` both for rows that keep every page: they decode ``pages``).
@@ -61,8 +61,6 @@ class StepPlan:
             none; ``RingRows``), which ``reads`` reads (and keys coded a page at a time decode).
         layout: a ring's eager step: the ``KeyLayout`` attention gets (``None``: a single new token read in time
             order sees every key).
-        residual_slots: an eager step reading quantized values in place: the residual window's positions ``[n]`` and
-            their slot indices ``[batch, heads, n]`` in the mask's view (``SlotStore.values_in_place``).
         value_extents: quantized values read in place: ``[n]`` the extents the mask visits (padded with the last
             one to a fixed count), whose codes are dequantized into ``value_buffer``.
         window_pages / window_offsets: ``[batch, 1, residual length]`` the page and slot of the token each slot
@@ -83,9 +81,9 @@ class StepPlan:
     num_keys: int
     kv_offset: int = 0
     rows: torch.Tensor | None = None
-    residual_write: torch.Tensor | None = None
-    residual_index: torch.Tensor | None = None
-    residual_held: torch.Tensor | None = None
+    window_write: torch.Tensor | None = None
+    window_sources: torch.Tensor | None = None
+    window_positions: torch.Tensor | None = None
     key_pages: torch.Tensor | None = None
     key_slots: torch.Tensor | None = None
     filling_page: torch.Tensor | None = None
@@ -105,12 +103,16 @@ class StepPlan:
     ahead: bool = False
     slots: torch.Tensor | None = None
     layout: Any = None
-    residual_slots: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
-    def residual(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """``(residual_write, residual_index, residual_held)``."""
-        return self.residual_write, self.residual_index, self.residual_held
+    def window(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """``(window_write, window_sources, window_positions)``."""
+        return self.window_write, self.window_sources, self.window_positions
+
+    @property
+    def window_reads(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(window_sources, window_positions)``, ``None`` where there are none."""
+        return None if self.window_sources is None else (self.window_sources, self.window_positions)
 
     @property
     def in_place_values(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:

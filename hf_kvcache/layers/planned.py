@@ -61,8 +61,7 @@ class PlannedRows:
             # The same pages, read and written, as the step before: the slot of the new token moves, and a quantized
             # cache's residual window and whether the step fills the keys' page still filling.
             plan.write_offsets.fill_(start % page_size)
-            if store.quant is not None:
-                store.replan_residual(plan, start)
+            store.plan_window_ahead(start, 0, 0, plan)
             if store.keys is not None:
                 store.keys.replan_decode(plan, start, self.key_shifts(batch))
             # Quantized values read in place plan anew (value_buffer): these gathered, as the step before
@@ -71,7 +70,7 @@ class PlannedRows:
         self._step_key = step_key
         pages, offsets, tokens, kv_offset = self._planned_reads(start, batch, capacity_pages)
         write_pages, write_offsets = self._write_slots(start, 1)
-        residual = self.store.plan_residual(start, tokens) if self.store.quant is not None else (None, None, None)
+        window = self.store.plan_window_ahead(start, self._window_low(start), kv_offset)
         keys_read = (None,) * 4
         if self.store.keys is not None:
             with self.pool.held() as storage:
@@ -104,13 +103,13 @@ class PlannedRows:
                 tokens.shape[-1],
                 kv_offset,
                 torch.arange(batch, device=device).view(-1, 1, 1),
-                *(_fresh_copy(tensor) for tensor in residual),
+                *(_fresh_copy(tensor) for tensor in window),
                 *(_fresh_copy(tensor) for tensor in keys_read),
             )
             plan.value_extents, plan.window_pages, plan.window_offsets = map(_fresh_copy, in_place_values)
             plan.sink_write, plan.sink_writes = map(_fresh_copy, sink)
             plan.ahead = True
-            kept = (plan.pages, plan.offsets, plan.write_pages, plan.write_offsets, *plan.residual)
+            kept = (plan.pages, plan.offsets, plan.write_pages, plan.write_offsets, *plan.window)
             kept = (*kept, *plan.keys_read, *plan.in_place_values, *plan.sink)
             held = self.store.residual.buffers.values() if self.store.residual is not None else ()
             if self.store.sink is not None:
@@ -124,12 +123,12 @@ class PlannedRows:
                 offsets,
                 write_pages,
                 write_offsets,
-                *residual,
+                *window,
                 *keys_read,
                 *in_place_values,
                 *sink,
             )
-            kept = (plan.pages, plan.offsets, plan.write_pages, plan.write_offsets, *plan.residual)
+            kept = (plan.pages, plan.offsets, plan.write_pages, plan.write_offsets, *plan.window)
             kept = (*kept, *plan.keys_read, *plan.in_place_values, *plan.sink)
             for into, tensor in zip(kept, planned):
                 if into is not None:
@@ -171,15 +170,9 @@ class PlannedRows:
         if extents.numel() > count:
             return None, None, None
         extents = torch.cat([extents, extents[-1:].expand(count - extents.numel())])
-        window = self.store.residual
-        if window is None:
+        if self.store.residual is None:
             return extents, None, None
-        slots = torch.arange(window.length, device=extents.device)
-        tokens = start - (start - slots) % window.length  # the newest token up to start each slot holds
-        held = tokens >= max(window.first, 0)
-        pages = torch.where(held, self._page_ids()[:, tokens.clamp(min=0) // fmt.page_size], NULL_PAGE)
-        offsets = torch.where(held, tokens % fmt.page_size, 0).expand_as(pages)
-        return extents, pages.unsqueeze(1), offsets.unsqueeze(1)
+        return extents, *self._window_slots(start + 1)
 
     def _value_buffer(self) -> torch.Tensor:
         """``StepPlan.value_buffer`` for the current mask's view, kept while the view stays; zeros where no step
@@ -190,6 +183,11 @@ class PlannedRows:
             self._planned_values = torch.zeros(shape, dtype=self.pool.storage.keys.dtype, device=self.pool.device)
             torch._dynamo.mark_static_address(self._planned_values)
         return self._planned_values
+
+    def _window_low(self, start: int) -> int:
+        """The first token of the consecutive tokens a step at ``start`` reads, the last ones read (growing rows: all
+        from 0); the residual window's values go over those only."""
+        return 0
 
     def _planned_reads(
         self, start: int, batch: int, capacity_pages: int
@@ -236,15 +234,6 @@ class PlannedRows:
             if self.store.quant is None:
                 return keys, self._storage_view(storage.values, layer_in_group)
             return keys, self.store.read_planned_in_place(layer_in_group, storage, plan)
-        if self.store.keys is None:
-            keys = read_planned(storage.keys, plan, layer_in_group)
-        else:
-            keys = self.store.keys.read_planned(layer_in_group, storage, plan, dtype)
-        if self.store.quant is None:
-            values = read_planned(storage.values, plan, layer_in_group)
-        else:
-            values = self.store.read_planned_values(layer_in_group, storage, plan, keys.dtype)
-        if self.store.sink is not None:  # exact over the codes: keys where they are coded, values where they are
-            coded = (self.store.keys is not None, self.store.quant is not None)
-            self.store.sink.overlay_planned(layer_in_group, *(t if c else None for t, c in zip((keys, values), coded)))
-        return keys, values
+        keys = None if self.store.keys is None else self.store.keys.read_planned(layer_in_group, storage, plan, dtype)
+        gather = lambda tensor: read_planned(tensor, plan, layer_in_group)  # noqa: E731
+        return self.store.read(layer_in_group, storage, gather, plan.window_reads, keys)

@@ -141,7 +141,7 @@ class RingRows(PagedRows):
             ``visible_span``), or every slot of the rows in slot order (with a ``KeyLayout`` in ``handoff``).
         """
         plan = self.plan_step(layer_in_group, start, key_states, value_states, handoff is not None)
-        num_new, end = plan.num_new, start + plan.num_new
+        num_new = plan.num_new
         self.path.reads[plan.mode] += 1
         if plan.mode == IN_PLACE:  # in slot order: the pages themselves (a storage that never moves)
             self.write(plan, layer_in_group, key_states, value_states)
@@ -149,9 +149,9 @@ class RingRows(PagedRows):
         elif num_new <= self.max_step:  # write first: attention reads the new tokens from their slots
             self.write(plan, layer_in_group, key_states, value_states)
             own = (key_states, value_states) if num_new > 1 else None  # read as given (SlotStore.read)
-            keys, values = self._gather(plan, layer_in_group, end, own=own)
+            keys, values = self._gather(plan, layer_in_group, own)
         else:  # a step longer than the ring: the past it sees, read before the step overwrites it, then its own
-            keys, values = self._gather(plan, layer_in_group, start, newest=end)
+            keys, values = self._gather(plan, layer_in_group)
             self.write(plan, layer_in_group, key_states, value_states)  # only its tail stays
             keys, values = torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
         if plan.layout is not None and handoff is not None and self.path.our_attention():  # only our attention reads it
@@ -159,21 +159,15 @@ class RingRows(PagedRows):
         return keys, values
 
     def _gather(
-        self,
-        plan: StepPlan,
-        layer_in_group: int,
-        end: int,
-        newest: int | None = None,
-        own: tuple[torch.Tensor, torch.Tensor] | None = None,
+        self, plan: StepPlan, layer_in_group: int, own: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's visible tokens up to ``end``, gathered in time order as ``plan`` reads them (``end``,
-        ``newest`` and ``own``: as for ``SlotStore.read``)."""
+        """One layer's visible tokens, gathered in time order as ``plan`` reads them (``own``: the step's states,
+        as ``SlotStore.read``'s ``step``)."""
         storage = self.pool.storage
         shape = (plan.slots.shape[0], self.pool.format.num_kv_heads, plan.slots.shape[1])
         gather = lambda tensor: read_slots(storage.slots(tensor, layer_in_group), plan.reads, shape)  # noqa: E731
         keys = self._read_keys(layer_in_group, storage, plan.slots) if self.store.keys is not None else None
-        _, first = visible_span(plan.start, plan.num_new, self.window, self.sink_tokens)
-        return self.store.read(layer_in_group, storage, gather, end, end - first, newest, keys, own)
+        return self.store.read(layer_in_group, storage, gather, plan.window_reads, keys, own)
 
     def _plan_eager(self, start: int, num_new: int, hands_over: bool) -> StepPlan:
         """What every layer of an eager step writes and reads: each new token's slot (those a row keeps nowhere,
@@ -190,6 +184,7 @@ class RingRows(PagedRows):
             plan.mode, plan.layout = IN_PLACE, self._slot_layout(start, num_new, sinks, first)
             return plan
         last = end if num_new <= self.max_step else start
+        self.store.plan_window(plan, start, num_new, first, last, first - sinks)
         visible = self._visible(start, num_new, last)
         if num_new > 1:  # a single new token sees every visible one
             keys = torch.cat([visible, new_tokens], dim=1) if last == start else visible
@@ -234,6 +229,9 @@ class RingRows(PagedRows):
         held, page_size = slots >= 0, self.pool.format.page_size
         pages = self._page_ids().gather(1, torch.where(held, slots // page_size, 0)).masked_fill(~held, NULL_PAGE)
         return pages.unsqueeze(1), torch.where(held, slots % page_size, 0).unsqueeze(1)
+
+    def _window_low(self, start: int) -> int:
+        return visible_span(start, 1, self.window, self.sink_tokens)[1]
 
     def _planned_reads(
         self, start: int, batch: int, capacity_pages: int

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from hf_kvcache.attention.kernels import page_rows, read_pages, run_view, slot_indices, write_planned
+from hf_kvcache.attention.kernels import page_rows, read_pages, run_view, write_planned
 from hf_kvcache.attention.reads import PAGED_READ, PagedRead
 from hf_kvcache.layers.identical import find_identical_rows
 from hf_kvcache.layers.plan import StepPlan
@@ -137,13 +137,14 @@ class PagedRows(PlannedRows):
         mode = self.path.choose(end, num_new, self.store.keys is not None, hands_over, self.mask_inputs)
         plan = StepPlan(None, None, *self._write_slots(start, num_new), *self._constants(), end)
         plan.start, plan.num_new, plan.version, plan.mode = start, num_new, self.table.version, mode
+        self.store.plan_window(plan, start, num_new)
         if mode == GATHER:
             read_pages = self._page_ids()[:, : -(-end // fmt.page_size)]  # [batch, pages]
             plan.reads = page_rows(read_pages, fmt.num_kv_heads, self.pool.storage.num_pages)
         elif mode == IN_PLACE:
             plan.mask = self.path.mask
-            if self.store.quant is not None:  # the residual window's tokens, over their dequantized slots
-                plan.residual_slots = self._residual_slots(end, plan.mask.num_pages)
+            if self.store.residual is not None:  # the window's tokens, over their dequantized slots
+                plan.window_pages, plan.window_offsets = self._window_slots(end)
         return plan
 
     def _write_slots(self, start: int, num_new: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,10 +177,10 @@ class PagedRows(PlannedRows):
         with self.pool.held() as storage:
             self.store.write(layer_in_group, storage, put, key_states, value_states, code_values=not deferred)
             self._write_keys(layer_in_group, storage, start, key_states)
-        self.store.remember(layer_in_group, start, value_states, key_states)
+        self.store.remember(layer_in_group, plan, value_states, key_states)
         if deferred and layer_in_group == self._last_layer:  # every layer's token, coded at once
             with self.pool.held() as storage:
-                self.store.code_step(storage, plan, start)
+                self.store.code_step(storage, plan)
         self.end_step(layer_in_group, start + num_new)
 
     def key_shifts(self, batch: int) -> list[int]:
@@ -245,20 +246,19 @@ class PagedRows(PlannedRows):
         step = (key_states, value_states) if plan.num_new > 1 else None
         self.path.reads[plan.mode] += 1
         if plan.mode == GATHER:
-            return self.gather(layer_in_group, num_tokens, plan.reads, step)
+            return self.gather(layer_in_group, num_tokens, plan.reads, step, plan.window_reads)
         storage = self.pool.storage
         if plan.mode == RUN:
             first_page = self.table.rows[0][0]
             view = functools.partial(run_view, layer_idx=layer_in_group, first_page=first_page, num_tokens=num_tokens)
-            return self.store.read(layer_in_group, storage, view, num_tokens, num_tokens, step=step)
+            return self.store.read(layer_in_group, storage, view, plan.window_reads, step=step)
         keys = self._storage_view(storage.keys, layer_in_group)
         if self.store.quant is None:
             values = self._storage_view(storage.values, layer_in_group)
         else:
             extents, runs = self.path.extents
-            num_pages = plan.mask.num_pages
-            values = self.store.values_in_place(layer_in_group, storage, num_pages, extents, runs, plan.residual_slots)
-        gather = functools.partial(self.gather, layer_in_group, num_tokens)
+            values = self.store.values_in_place(layer_in_group, storage, plan, extents, runs)
+        gather = functools.partial(self.gather, layer_in_group, num_tokens, window=plan.window_reads)
         handoff[PAGED_READ] = PagedRead(plan.mask, self._pad_tensor(self.table.num_rows), num_tokens, gather)
         return keys, values
 
@@ -275,17 +275,21 @@ class PagedRows(PlannedRows):
         num_tokens: int,
         reads: torch.Tensor | None = None,
         step: tuple[torch.Tensor, torch.Tensor] | None = None,
+        window: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[batch, heads, num_tokens, head_dim]`` of one layer, gathered for attention.
 
         Args:
             reads: the rows' pages holding the tokens (``kernels.page_rows``; ``StepPlan.reads``); default: built.
             step: as for ``SlotStore.read``.
+            window: where the residual window's values go (``StepPlan.window_reads``); default: built.
         """
         storage = self.pool.storage
         if reads is None:
             pages = self._page_ids()[:, : -(-num_tokens // self.pool.format.page_size)]
             reads = page_rows(pages, self.pool.format.num_kv_heads, storage.num_pages)
+        if window is None and self.store.residual is not None:
+            window = self.store.residual.reads(num_tokens, 0, num_tokens, 0, self.pool.device)
         shape = (self.table.num_rows, self.pool.format.num_kv_heads, num_tokens)
         page_size = self.pool.format.page_size
         keys = None
@@ -297,8 +301,7 @@ class PagedRows(PlannedRows):
             lambda tensor: read_pages(
                 storage.slots(tensor, layer_in_group, page_size), reads, (*shape, tensor.shape[-1])
             ),
-            num_tokens,
-            num_tokens,
+            window,
             keys=keys,
             step=step,
         )
@@ -454,19 +457,13 @@ class PagedRows(PlannedRows):
             self._ids = torch.tensor(rows, dtype=torch.long, device=self.pool.device).view(len(rows), -1)
         return self._ids
 
-    def _residual_slots(self, num_tokens: int, num_pages: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The residual window's tokens of a step read in place (quantized values): their positions ``[n]`` and
-        their ``[batch, heads, n]`` slot indices in a view of the storage's first ``num_pages`` pages
-        (``kernels.slot_indices``); ``None``: no window."""
-        residual = self.store.residual
-        if residual is None:
-            return None
-        start = max(residual.first, num_tokens - residual.length)
-        if start >= num_tokens:
-            return None
+    def _window_slots(self, newest: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the token each slot of the residual window holds once ``newest`` tokens are written lies in the
+        pool: ``(window_pages, window_offsets)`` ``[batch, 1, window length]`` each (``StepPlan``; the null page's
+        first slot where a slot holds none)."""
         page_size = self.pool.format.page_size
-        positions = torch.arange(start, num_tokens, device=self.pool.device)  # [n]
-        page_ids = self._page_ids()[:, positions // page_size]  # [batch, n]
-        offsets = (positions % page_size).expand_as(page_ids)  # [batch, n]
-        index = slot_indices(page_ids, offsets, self.pool.format.num_kv_heads, num_pages, page_size)
-        return positions, index
+        tokens = torch.tensor(self.store.residual.tokens(newest), device=self.pool.device)
+        held = tokens >= 0
+        pages = torch.where(held, self._page_ids()[:, tokens.clamp(min=0) // page_size], NULL_PAGE)
+        offsets = torch.where(held, tokens % page_size, 0).expand_as(pages)
+        return pages.unsqueeze(1), offsets.unsqueeze(1)

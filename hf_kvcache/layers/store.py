@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hf_kvcache.attention.kernels import read_planned, write_planned, write_slots
+from hf_kvcache.attention.kernels import write_planned
 from hf_kvcache.layers.exact import ExactSink, ResidualValues
 from hf_kvcache.layers.keys import KeyPages
 from hf_kvcache.memory.dequant import dequantize_joined_into, spread_bytes
@@ -75,7 +75,6 @@ class SlotStore:
         self._buffers: dict[str, torch.Tensor] = {}  # flat, reused for dequantized values (and float32 work)
         self._views: dict[str, tuple[tuple, torch.Tensor]] = {}  # name -> (shape, dtype, inference mode), its view
         self._spread_bytes: tuple[torch.Tensor, torch.Size, torch.Tensor] | None = None  # (spread, shape, as bytes)
-        self._residual_tokens: torch.Tensor | None = None  # the token of each key of the last planned step
         self.keys = KeyPages(pool.format, self._buffer) if pool.format.key_format is not None else None
         self.sink = ExactSink(exact_tokens) if exact_tokens and pool.format.encodes else None
 
@@ -104,12 +103,12 @@ class SlotStore:
             put(storage.values, codes)
             put(storage.value_scales, join_scales(scale, zero))
 
-    def code_step(self, storage: PoolStorage, plan: "Any", start: int) -> None:
-        """After the last layer of a one-token step that deferred its codes (``defers_codes``): the codes of token
-        ``start`` of every layer of the layer group, from the residual windows, stored into the slots ``plan`` writes
-        (``StepPlan.write_pages`` / ``write_offsets``) at once (one quantization for all layers keeps the step's op
-        count low). Inside ``KVPool.held()``, like ``write``."""
-        layers, values = self.residual.take_all(start, start + 1)  # [layers, batch, heads, 1, head_dim]
+    def code_step(self, storage: PoolStorage, plan: "Any") -> None:
+        """After the last layer of a one-token step that deferred its codes (``defers_codes``): the codes of the
+        step's token of every layer of the layer group, from the residual windows, stored into the slots ``plan``
+        writes (``StepPlan.write_pages`` / ``write_offsets``) at once (one quantization for all layers keeps the
+        step's op count low). Inside ``KVPool.held()``, like ``write``."""
+        layers, values = self.residual.take_all(plan.window_write)  # [layers, batch, heads, 1, head_dim]
         codes, scale, zero = quantize(values, self.quant)
         layer_index = torch.tensor(layers, device=values.device).view(-1, 1, 1, 1)
         where = (layer_index, plan.heads, plan.write_pages, plan.write_offsets)  # -> [layers, batch, heads, 1]
@@ -118,36 +117,41 @@ class SlotStore:
 
     # ----- planned decode steps (compiled): tensor operations only ------------------------------
 
-    def plan_residual(self, start: int, tokens: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        """The residual window of a planned step at ``start`` whose keys hold ``tokens [batch or 1, num_keys]``
-        (``-1``: none): ``(write [1], index [batch or 1, 1, num_keys], held [batch or 1, 1, num_keys, 1])``, see
-        ``StepPlan``; ``None`` each without a window."""
-        residual = self.residual
-        if residual is None:
-            return None, None, None
-        self._residual_tokens = tokens
-        end, oldest = start + 1, self._window_after(start)
-        held = (tokens >= oldest) & (tokens < end)  # tokens >= 0 there
-        index = tokens.clamp(min=0) % residual.length
-        write = torch.full((1,), start % residual.length, device=tokens.device)
-        return write, index.unsqueeze(1), held.unsqueeze(1).unsqueeze(-1)
-
-    def replan_residual(self, plan: "Any", start: int) -> None:
-        """A planned step at ``start`` that reads the keys of the step before's plan (``PagedRows.plan_decode``):
-        the residual window moves on by its token (``plan_residual``'s tensors refilled in place, five ops)."""
+    def plan_window(
+        self, plan: "Any", start: int, num_new: int, low: int = 0, high: int | None = None, offset: int = 0
+    ) -> None:
+        """An eager step's residual window (quantized values): the slots its tokens ``[start, start + n)`` go to
+        (``StepPlan.window_write``), and where attention gets the window's tokens from ``low`` to before ``high``
+        (default: the step's end), position ``p`` of what it reads holding token ``p + offset``
+        (``StepPlan.window_reads``)."""
         residual = self.residual
         if residual is None:
             return
-        oldest = self._window_after(start)
-        plan.residual_write.fill_(start % residual.length)
-        tokens = self._residual_tokens  # [batch or 1, num_keys], as planned
-        torch.logical_and(tokens >= oldest, tokens < start + 1, out=plan.residual_held.view(tokens.shape))
+        end, device = start + num_new, self.pool.device
+        if start == 0:
+            residual.first = 0
+        plan.window_write = residual.slots(start, end, device)
+        reads = residual.reads(end, low, end if high is None else high, offset, device)
+        plan.window_sources, plan.window_positions = (None, None) if reads is None else reads
 
-    def _window_after(self, start: int) -> int:
-        """The oldest token the residual window holds after a step writes token ``start`` (it overwrites older ones)."""
+    def plan_window_ahead(
+        self, start: int, low: int, offset: int, plan: "Any" = None
+    ) -> tuple[torch.Tensor | None, ...]:
+        """A planned step's ``StepPlan.window`` (``plan_window``) for its token ``start``: a fixed count of reads (a
+        slot holding no token the step reads repeats the step's own), so one graph serves every step. With ``plan``,
+        a plan of the step before refilled in place."""
         residual = self.residual
-        residual.first = max(residual.first, start + 1 - residual.length)
-        return residual.first
+        if residual is None:
+            return None, None, None
+        residual.first = max(residual.first, start + 1 - residual.length)  # the step overwrites the oldest token
+        device, slot = self.pool.device, start % residual.length
+        sources, positions = residual.reads(start + 1, low, start + 1, offset, device, fallback=start)
+        if plan is None:
+            return torch.tensor([slot], device=device), sources, positions
+        plan.window_write.fill_(slot)
+        plan.window_sources.copy_(sources)
+        plan.window_positions.copy_(positions)
+        return plan.window
 
     def write_planned_values(
         self, layer_in_group: int, storage: PoolStorage, plan: "Any", value_states: torch.Tensor
@@ -159,22 +163,8 @@ class SlotStore:
         codes, scale, zero = quantize(value_states, self.quant)
         write_planned(storage.values, plan, layer_in_group, codes)
         write_planned(storage.value_scales, plan, layer_in_group, join_scales(scale, zero))
-        if plan.residual_write is not None:
-            self.residual.buffers[layer_in_group].index_copy_(2, plan.residual_write, value_states)
-
-    def read_planned_values(
-        self, layer_in_group: int, storage: PoolStorage, plan: "Any", dtype: torch.dtype
-    ) -> torch.Tensor:
-        """A planned step's values ``[batch, heads, num_keys, head_dim]``: its reads dequantized, the residual
-        window's tokens in full precision over them."""
-        codes = read_planned(storage.values, plan, layer_in_group)  # [batch, heads, num_keys, code_dim]
-        scales = read_planned(storage.value_scales, plan, layer_in_group)  # [batch, heads, num_keys, 2 * groups]
-        groups = self.quant.num_scale_groups
-        values = dequantize(codes, scales[..., :groups], scales[..., groups:], self.quant, dtype)
-        if plan.residual_index is None:
-            return values
-        window = self.residual.buffers[layer_in_group][plan.rows, plan.heads, plan.residual_index]
-        return torch.where(plan.residual_held, window, values)
+        if plan.window_write is not None:
+            self.residual.buffers[layer_in_group].index_copy_(2, plan.window_write, value_states)
 
     def read_planned_in_place(self, layer_in_group: int, storage: PoolStorage, plan: "Any") -> torch.Tensor:
         """A step's values read in place (``StepPlan.mask``), laid out as the storage's first pages: the codes
@@ -191,11 +181,16 @@ class SlotStore:
         groups = quant.num_scale_groups
         values = dequantize(codes, scales[..., :groups], scales[..., groups:], quant, buffer.dtype)
         buffer.view(heads, -1, slots_per_extent, quant.head_dim).index_copy_(1, plan.value_extents, values)
-        if plan.window_pages is not None:
-            window = self.residual.buffers[layer_in_group]  # [batch, heads, length, head_dim]
-            by_page = buffer.view(heads, -1, fmt.page_size, quant.head_dim)
-            by_page.index_put_((plan.heads, plan.window_pages, plan.window_offsets), window)
+        self._window_over_slots(layer_in_group, buffer, plan)
         return buffer.unsqueeze(0)
+
+    def _window_over_slots(self, layer_in_group: int, slots: torch.Tensor, plan: "Any") -> None:
+        """The residual window's values over their slots of ``slots`` ``[heads, pages * page_size, head_dim]``, a
+        layer's values laid out as the storage's first pages (``StepPlan.window_pages`` / ``window_offsets``)."""
+        window = self.residual.buffers.get(layer_in_group) if plan.window_pages is not None else None
+        if window is not None:  # [batch, heads, length, head_dim]
+            by_page = slots.view(slots.shape[0], -1, self.pool.format.page_size, slots.shape[-1])
+            by_page.index_put_((plan.heads, plan.window_pages, plan.window_offsets), window)
 
     @property
     def residual_bytes(self) -> int:
@@ -207,23 +202,21 @@ class SlotStore:
         return total + sum(buffer.numel() * buffer.element_size() for buffer in self.residual.buffers.values())
 
     def remember(
-        self, layer_in_group: int, start: int, value_states: torch.Tensor, key_states: torch.Tensor | None = None
+        self, layer_in_group: int, plan: "Any", value_states: torch.Tensor, key_states: torch.Tensor | None = None
     ) -> None:
-        """Keeps the full-precision values of tokens ``[start, start + n)`` for the residual window, and with
-        ``key_states`` (rows that keep every page) the first tokens' keys and values for the exact sink."""
+        """Keeps the full-precision values of a step's tokens for the residual window (``StepPlan.window_write``),
+        and with ``key_states`` (rows that keep every page) the first tokens' keys and values for the exact sink."""
         if self.residual is not None:
-            self.residual.write(layer_in_group, start, _detached(value_states))
+            self.residual.write(layer_in_group, plan.start, _detached(value_states), plan.window_write)
         if self.sink is not None and key_states is not None:
-            self.sink.write(layer_in_group, start, _detached(key_states), _detached(value_states))
+            self.sink.write(layer_in_group, plan.start, _detached(key_states), _detached(value_states))
 
     def read(
         self,
         layer_in_group: int,
         storage: PoolStorage,
         gather: Gather,
-        end: int,
-        limit: int,
-        newest: int | None = None,
+        window: tuple[torch.Tensor, torch.Tensor] | None = None,
         keys: torch.Tensor | None = None,
         step: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,16 +225,15 @@ class SlotStore:
         Args:
             storage: the pool's storage ``gather``'s indices were built for (a snapshot: see ``PoolStorage``).
             gather: reads one storage tensor (``kernels.read_pages``, ``kernels.read_slots``, a ``run_view``).
-            end: the last token read is ``end - 1`` (it comes last).
-            limit: how many of the last positions read are consecutive tokens (for the residual window).
-            newest: tokens written so far (default ``end``): the residual window ends there.
+            window: where the residual window's values go over what is read (``StepPlan.window_reads``).
             keys: the keys, read already (encoded keys: ``KeyPages.read``); default: gathered.
             step: a step of several tokens, the last ones read: their key and value states ``[batch, heads, n,
                 head_dim]``, which attention gets as given rather than through their codes (the prompt's own, in a
                 prefill: what it stores is coded from exact states, and no coding error compounds through its layers).
 
         Returns:
-            keys, values ``[batch, heads, n, head_dim]``; quantized values come dequantized in a reused buffer.
+            keys, values ``[batch, heads, n, head_dim]``; quantized values come dequantized in a reused buffer (in a
+            compiled step: computed by the graph).
         """
         keys = gather(storage.keys) if keys is None else keys
         if self.quant is None:
@@ -249,13 +241,17 @@ class SlotStore:
         else:
             codes = gather(storage.values)  # [batch, heads, n, code_dim]
             scales = gather(storage.value_scales)  # [batch, heads, n, 2 * num_scale_groups]
-            values = self._buffer("values", (*codes.shape[:3], self.quant.head_dim), keys.dtype)  # [b, h, n, hd]
-            self._dequantize(values, codes, scales)
-            if self.residual is not None:
-                self.residual.overlay(layer_in_group, values, end, limit, end if newest is None else newest)
+            if torch.compiler.is_compiling():  # a graph allocates what it computes: no buffer kept across steps
+                groups = self.quant.num_scale_groups
+                values = dequantize(codes, scales[..., :groups], scales[..., groups:], self.quant, keys.dtype)
+            else:
+                values = self._buffer("values", (*codes.shape[:3], self.quant.head_dim), keys.dtype)  # [b, h, n, hd]
+                self._dequantize(values, codes, scales)
+            if window is not None:
+                self.residual.overlay(layer_in_group, values, window)
         coded = (keys if self.keys is not None else None, values if self.quant is not None else None)
-        if self.sink is not None and limit == end:  # tokens in order from 0: growing rows
-            self.sink.overlay(layer_in_group, *coded, end)
+        if self.sink is not None:  # rows that keep every page: tokens in order from 0
+            self.sink.overlay(layer_in_group, *coded)
         if step is not None:  # coded keys and values come in buffers of their own: the step's go over them
             for out, states in zip(coded, step):
                 if out is not None:
@@ -266,10 +262,9 @@ class SlotStore:
         self,
         layer_in_group: int,
         storage: PoolStorage,
-        num_pages: int,
+        plan: "Any",
         extents: torch.Tensor,
         runs: list[tuple[int, int]],
-        residual_slots: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         """One layer's quantized values laid out as the storage's slots, for attention that reads the keys in place.
 
@@ -282,13 +277,13 @@ class SlotStore:
         Args:
             extents: ``[visited]`` extent ids, ascending.
             runs: the same extents as ``(first, end)`` runs of consecutive ids (``extent_runs``).
-            residual_slots: the residual window's positions ``[n]`` and slot indices ``[batch, heads, n]``
-                (``kernels.slot_indices``), or ``None``.
+            plan: the step's (``StepPlan.mask`` says how many pages the view holds; ``window_pages`` /
+                ``window_offsets`` where the residual window's tokens lie).
 
         Returns:
             ``[1, heads, num_pages * page_size, head_dim]``.
         """
-        fmt, quant = self.pool.format, self.quant
+        fmt, quant, num_pages = self.pool.format, self.quant, plan.mask.num_pages
         heads, slots_per_extent = fmt.num_kv_heads, fmt.extent_pages * fmt.page_size
         slots = self._buffer("in_place", (heads, num_pages * fmt.page_size, quant.head_dim), storage.keys.dtype)
         by_extent = slots.view(heads, -1, slots_per_extent, quant.head_dim)  # [heads, extents, slots, head_dim]
@@ -305,10 +300,7 @@ class SlotStore:
             values = self._buffer("values", shape, slots.dtype)  # [heads, visited, slots, head_dim]
             self._dequantize(values, codes.index_select(1, extents), scales.index_select(1, extents))
             by_extent.index_copy_(1, extents, values)
-        if residual_slots is not None and layer_in_group in self.residual.buffers:
-            positions, index = residual_slots
-            newest = self.residual.buffers[layer_in_group].index_select(2, positions % self.residual.length)
-            write_slots(slots.view(-1, quant.head_dim), index, newest)  # [batch, heads, n, head_dim] over their slots
+        self._window_over_slots(layer_in_group, slots, plan)
         return slots.unsqueeze(0)
 
     def _dequantize(self, out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
