@@ -136,11 +136,11 @@ def test_a_default_pool_that_commits_at_once_compiles_from_the_first_request_on_
     ids = random_ids(2, 21)
     eager = generate(model, ids, "paged_pool", max_new_tokens=8)
     pool = KVPool.default(PageFormat.from_model_config(model.config, torch.float32), "cpu")
-    storage, addresses = pool.storage, [tensor.data_ptr() for tensor in pool.storage.tensors]
+    storage, addresses = pool.pages.storage, [tensor.data_ptr() for tensor in pool.pages.storage.tensors]
     compiled = generate(model, ids, "paged_pool", compile_config, max_new_tokens=8)
     assert torch.equal(compiled, eager)
     assert graphs() > 0
-    assert pool.storage is storage and [tensor.data_ptr() for tensor in pool.storage.tensors] == addresses
+    assert pool.pages.storage is storage and [tensor.data_ptr() for tensor in pool.pages.storage.tensors] == addresses
 
 
 QUANTIZED_VALUES = {  # residual windows of a page (codes written by page eager), less than one, none

@@ -35,11 +35,11 @@ def test_recycled_pages_cannot_change_an_output(tiny_llama_model, cache_name, at
             for page in row
         }
         index = torch.tensor(sorted(held))
-        for tensor in pool.storage.tensors:  # the request's own pages overflowed
+        for tensor in pool.pages.storage.tensors:  # the request's own pages overflowed
             tensor.index_fill_(2, index, fill if tensor.is_floating_point() else torch.iinfo(tensor.dtype).max)
         fresh.cache.release()  # every page back to the pool, all free, all zeros
         assert pool.stats()["pages_used"] == 0
-        assert not any(tensor[:, :, 1:].any() for tensor in pool.storage.tensors)
+        assert not any(tensor[:, :, 1:].any() for tensor in pool.pages.storage.tensors)
         recycled = run(tiny_llama_model, ids, mask, **settings)
     assert_same_generation(fresh, recycled)
     assert not any(step.isnan().any() for step in recycled.logits)

@@ -16,7 +16,7 @@ ORDER = ["errors", "memory", "transformers_internals", "attention", "layers", "c
 INSIDE = {
     "memory": [
         *("quant", "dequant", "format", "device_memory", "prefix_index", "allocator", "page_table", "placement"),
-        *("storage", "pools", "stats", "pool"),
+        *("storage", "pools", "stats", "page_pool", "pool"),
     ],
     "attention": ["kernels", "block_mask", "flex", "reads", "interface"],
     "layers": [
@@ -208,7 +208,7 @@ def test_only_integration_and_the_bundled_model_change_transformers():
 
 
 def test_only_the_memory_package_takes_a_pools_lock():
-    """Outside ``memory`` a change of several steps holds the pool through ``KVPool.held()``, never its lock."""
+    """Outside ``memory`` a change of several steps holds the pool through ``pool.pages.held()``, never its lock."""
     takers = {
         file.relative_to(PACKAGE).as_posix()
         for file in PACKAGE.rglob("*.py")

@@ -163,7 +163,7 @@ def test_attention_reads_a_view_that_grows_with_the_rows_pages(
     gathered = run(tiny_llama_model, ids, mask, **settings)
     assert_same_generation(gathered, fast)
     assert views == [(32, 32, 32)] * 2 * 8 + [(64, 64, 64)] * 2 * 7  # steps to token 128, then past it
-    storage_pages = fast.cache.pool.storage.num_pages
+    storage_pages = fast.cache.pool.pages.storage.num_pages
     assert storage_pages > 64
 
 

@@ -266,13 +266,13 @@ def test_generate_grows_a_small_pool(tiny_llama_model):
     writes stay exact."""
     page_format = hf_kvcache.PageFormat.from_model_config(tiny_llama_model.config, torch.float32, page_size=4)
     pool = KVPool(page_format, num_pages=3, max_pages=200)
-    storage = pool.storage
+    storage = pool.pages.storage
     ids, mask = padded_batch([13, 6, 9], seed=8)
     reference = run(tiny_llama_model, ids, mask, max_new_tokens=25)
     paged = run(
         tiny_llama_model, ids, mask, max_new_tokens=25, cache_implementation="paged_pool", cache_config={"pool": pool}
     )
-    assert pool.stats()["high_water_pages"] > 8 and pool.storage is storage  # grew at least twice, unmoved
+    assert pool.stats()["high_water_pages"] > 8 and pool.pages.storage is storage  # grew at least twice, unmoved
     assert_same_generation(reference, paged)
 
 
@@ -330,10 +330,10 @@ def test_the_view_is_the_pools_storage(tiny_llama_model):
     states = torch.randn(2, 1, config.num_key_value_heads, 37, config.head_dim)  # keys, values: [1, heads, 37, dim]
     keys, values = cache.update(states[0], states[1], 0)
     assert torch.equal(keys, states[0]) and torch.equal(values, states[1])
-    memory = pool.storage.keys.untyped_storage()
+    memory = pool.pages.storage.keys.untyped_storage()
     start, end = memory.data_ptr(), memory.data_ptr() + memory.nbytes()
     assert start <= keys.data_ptr() < end  # a view: the next write shows through it
-    pool.storage.keys.zero_()
+    pool.pages.storage.keys.zero_()
     assert not keys.any()
 
 

@@ -21,6 +21,20 @@ from hf_kvcache.memory.placement import normalize_device
 FORMAT = PageFormat(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32, page_size=16)
 
 
+def test_kvpool_public_surface_is_what_users_need(tiny_llama_model):
+    """Users see a pool's constructors, statistics, alerts, capacity and prefix index; the allocator, the page tables
+    and the storage are behind it in ``pool.pages`` (docs/caches.md lists this surface)."""
+    surface = {name for name in dir(KVPool) if not name.startswith("_")}
+    assert surface == {
+        *("for_model", "named", "default", "drop_defaults", "default_budget"),
+        *("stats", "add_alert_callback", "check_integrity", "capacity_pages", "prefix_caching", "reset_prefix_index"),
+    }
+    assert len(surface) <= 12
+    pool = KVPool.for_model(tiny_llama_model, max_tokens=64)
+    assert {name for name in vars(pool) if not name.startswith("_")} == {"format", "device", "name", "pages"}
+    assert pool.pages.format is pool.format and pool.pages.device == pool.device
+
+
 def test_page_format_sizes_and_checks():
     assert FORMAT.token_bytes == 2 * 2 * 2 * 16 * 4
     assert FORMAT.page_bytes == 16 * FORMAT.token_bytes
@@ -37,7 +51,7 @@ def test_for_model_sizes_by_tokens_or_bytes(tiny_llama_model):
     by_tokens = KVPool.for_model(tiny_llama_model, PagedConfig(page_size=8), max_tokens=100)
     assert by_tokens.stats()["pages_total"] == 13  # ceil(100 / 8) usable pages
     # [layers, heads, pages incl. null rounded up to whole extents of 128 tokens, slots, head_dim]
-    assert by_tokens.keys.shape == (2, 2, 16, 8, 16)
+    assert by_tokens.pages.storage.keys.shape == (2, 2, 16, 8, 16)
     page_bytes = by_tokens.format.page_bytes
     by_bytes = KVPool.for_model(tiny_llama_model, PagedConfig(page_size=8), max_bytes=10 * page_bytes + 5)
     assert by_bytes.stats()["bytes_total"] == 10 * page_bytes
@@ -93,25 +107,25 @@ def test_alerts_fire_once_per_upward_crossing(caplog):
     pool = KVPool(FORMAT, num_pages=11, alert_thresholds=(0.5, 0.9))
     fired = []
     pool.add_alert_callback(lambda threshold, stats: fired.append((threshold, stats["pages_used"])))
-    first = pool.allocate(4)
+    first = pool.pages.allocate(4)
     assert fired == []
-    second = pool.allocate(2)  # 6 of 10: past 50%
-    more = pool.allocate(1)  # still past 50%: no second alert
+    second = pool.pages.allocate(2)  # 6 of 10: past 50%
+    more = pool.pages.allocate(1)  # still past 50%: no second alert
     assert fired == [(0.5, 6)]
-    last = pool.allocate(3)  # 10 of 10
+    last = pool.pages.allocate(3)  # 10 of 10
     assert fired == [(0.5, 6), (0.9, 10)]
     assert "past the 90% alert threshold" in caplog.text
-    pool.free(last + more + second)  # back under both thresholds: they re-arm
-    pool.allocate(2)
+    pool.pages.free(last + more + second)  # back under both thresholds: they re-arm
+    pool.pages.allocate(2)
     assert fired[-1] == (0.5, 6) and len(fired) == 3
-    pool.free(first)
+    pool.pages.free(first)
 
 
 def test_exhaustion_is_all_or_nothing():
     pool = KVPool(FORMAT, num_pages=5)
-    pool.allocate(3)
+    pool.pages.allocate(3)
     with pytest.raises(PoolExhaustedError, match="needs 2 pages but only 1 of 4 are free") as error:
-        pool.allocate(2)
+        pool.pages.allocate(2)
     assert "max_tokens" in str(error.value)
     assert pool.stats()["pages_used"] == 3
 
@@ -120,20 +134,22 @@ def test_growable_pool_doubles_up_to_its_cap():
     """A growable pool opens page ids in doublings up to its cap, in one storage made for the cap when the pool is
     (the CPU commits only the pages opened): views of it and compiled attention stay valid for the pool's life."""
     pool = KVPool(FORMAT, num_pages=4, max_pages=20)
-    storage = pool.storage
+    storage = pool.pages.storage
     assert storage.num_pages == 24  # 20 ids in whole extents of 8 pages
-    pages = pool.allocate(3)
-    pool.keys[1, 0, pages[0]] = 7.0
-    pages += pool.allocate(5)  # 4 ids -> 8 is not enough -> 16
-    assert pool.stats()["pages_total"] == 15 and pool.storage is storage
+    pages = pool.pages.allocate(3)
+    pool.pages.storage.keys[1, 0, pages[0]] = 7.0
+    pages += pool.pages.allocate(5)  # 4 ids -> 8 is not enough -> 16
+    assert pool.stats()["pages_total"] == 15 and pool.pages.storage is storage
     assert pool.stats()["bytes_total"] == 16 * FORMAT.page_bytes  # committed: the opened pages (null included)
-    pages += pool.allocate(9)  # 7 free -> capped at 20 ids
-    assert pool.stats()["pages_total"] == 19 and pool.storage is storage
+    pages += pool.pages.allocate(9)  # 7 free -> capped at 20 ids
+    assert pool.stats()["pages_total"] == 19 and pool.pages.storage is storage
     with pytest.raises(PoolExhaustedError, match="needs 5 pages but only 2 of 19 are free"):
-        pool.allocate(5)
-    assert (pool.keys[1, 0, pages[0]] == 7.0).all() and pool.keys[:, :, 20:].eq(0).all()  # unopened ids: zeros
-    pool.free(pages)
-    assert pool.keys.eq(0).all() and pool.values.eq(0).all()  # free pages are zeros
+        pool.pages.allocate(5)
+    assert (pool.pages.storage.keys[1, 0, pages[0]] == 7.0).all() and pool.pages.storage.keys[:, :, 20:].eq(
+        0
+    ).all()  # unopened ids: zeros
+    pool.pages.free(pages)
+    assert pool.pages.storage.keys.eq(0).all() and pool.pages.storage.values.eq(0).all()  # free pages are zeros
     pool.check_integrity()
 
 
@@ -152,14 +168,14 @@ def test_a_default_pools_storage_never_moves_as_it_opens_pages(monkeypatch, fres
     growth. Where memory is committed where touched (the CPU) and where it is committed at once (CUDA's)."""
     default_pool_budget(monkeypatch, 1000, lazily)
     pool = KVPool.default(FORMAT, "cpu")
-    tensors = pool.storage.tensors
+    tensors = pool.pages.storage.tensors
     addresses = [tensor.data_ptr() for tensor in tensors]
     opened = pool.stats()["pages_total"]
-    pages = pool.allocate(opened + 1)  # more than it opened first: it opens more
+    pages = pool.pages.allocate(opened + 1)  # more than it opened first: it opens more
     assert pool.stats()["pages_total"] > opened
-    assert all(now is before for now, before in zip(pool.storage.tensors, tensors, strict=True))
-    assert [tensor.data_ptr() for tensor in pool.storage.tensors] == addresses
-    pool.free(pages)
+    assert all(now is before for now, before in zip(pool.pages.storage.tensors, tensors, strict=True))
+    assert [tensor.data_ptr() for tensor in pool.pages.storage.tensors] == addresses
+    pool.pages.free(pages)
     pool.check_integrity()
 
 
@@ -171,15 +187,15 @@ def test_a_default_pools_opened_pages_are_zeros(monkeypatch, fresh_default_pools
     pool = KVPool.default(FORMAT, "cpu")
     extent = FORMAT.extent_pages
     first = -(-(pool.stats()["pages_total"] + 1) // extent) * extent  # the opened ids, in whole extents
-    assert pool.storage.num_pages > first
-    for tensor in pool.storage.tensors:
+    assert pool.pages.storage.num_pages > first
+    for tensor in pool.pages.storage.tensors:
         tensor[:, :, first:].fill_(float("nan"))  # what an uninitialized storage may hold
-    pages = pool.allocate(pool.stats()["pages_total"] + 1)
+    pages = pool.pages.allocate(pool.stats()["pages_total"] + 1)
     opened = -(-(pool.stats()["pages_total"] + 1) // extent) * extent
     assert opened > first
-    assert all(tensor[:, :, :opened].eq(0).all() for tensor in pool.storage.tensors)
-    assert pool.keys[:, :, pages].eq(0).all() and pool.values[:, :, pages].eq(0).all()
-    pool.free(pages)
+    assert all(tensor[:, :, :opened].eq(0).all() for tensor in pool.pages.storage.tensors)
+    assert pool.pages.storage.keys[:, :, pages].eq(0).all() and pool.pages.storage.values[:, :, pages].eq(0).all()
+    pool.pages.free(pages)
     pool.check_integrity()
 
 
@@ -189,12 +205,12 @@ def test_growable_pool_keeps_rows_in_extents_of_their_own():
     else. 8 rows of 64 pages (1,024 tokens) on a pool opened at 257 ids, then one token more (each row's 65th
     page starts a new extent)."""
     pool = KVPool(FORMAT, num_pages=257, max_pages=4096)
-    table = pool.new_table(row_extents=True)
+    table = pool.pages.new_table(row_extents=True)
     for num_new in [64 * 16, 1]:
         table.grow(8, num_new)
         held = {page for row in table.rows for page in row}
         extents = {page // pool.format.extent_pages for page in held}
-        assert pool.foreign_pages(held, sorted(extents)) == []
+        assert pool.pages.foreign_pages(held, sorted(extents)) == []
         assert len(extents) == 8 * math.ceil(len(table.rows[0]) / pool.format.extent_pages)
     pool.check_integrity()
     table.release()
@@ -215,7 +231,7 @@ def test_named_default_and_copied_pools(tiny_llama_model):
         ).cache.pool
         for _ in range(2)
     )
-    assert first is second and first.max_pages > first.stats()["pages_total"]
+    assert first is second and first.pages.max_pages > first.stats()["pages_total"]
 
 
 def test_pool_made_under_inference_mode_serves_calls_outside_it(tiny_llama_model):
@@ -224,7 +240,7 @@ def test_pool_made_under_inference_mode_serves_calls_outside_it(tiny_llama_model
         pool = KVPool.for_model(tiny_llama_model, max_tokens=256)
         config = {"cache_implementation": "paged_pool", "cache_config": {"pool": pool}, "max_new_tokens": 4}
         inside = tiny_llama_model.generate(ids, **config)
-    assert not pool.keys[0].is_inference()
+    assert not pool.pages.storage.keys[0].is_inference()
     assert torch.equal(tiny_llama_model.generate(ids, **config), inside)
 
 
@@ -274,7 +290,7 @@ def test_threads_share_one_pool(tiny_llama_model):
 def test_cuda_pool_matches_dynamic_cache(tiny_gemma3_model):
     model = copy.deepcopy(tiny_gemma3_model).to("cuda")
     pool = KVPool.for_model(model, memory_fraction=0.01)
-    assert pool.device.type == "cuda" and pool.keys[0].is_cuda
+    assert pool.device.type == "cuda" and pool.pages.storage.keys[0].is_cuda
     ids = torch.randint(1, 128, (3, 30), device="cuda")
     expected = model.generate(ids, max_new_tokens=20, do_sample=False)
     actual = model.generate(
@@ -385,14 +401,14 @@ def test_a_storage_the_device_refuses_is_halved_until_granted(monkeypatch, caplo
     monkeypatch.setattr(torch, "empty", refusing)
     with caplog.at_level("WARNING", logger="hf_kvcache"):
         pool = KVPool(page_format, num_pages=4, max_pages=64)
-    assert pool.max_pages == 16 and pool.storage.num_pages == 16
+    assert pool.pages.max_pages == 16 and pool.pages.storage.num_pages == 16
     assert "could not take 64 pages" in caplog.text and "could not take 32 pages" in caplog.text
     with pytest.raises(RuntimeError, match="injected"):
         KVPool(page_format, num_pages=20, max_pages=64)  # 16 pages would not hold the 20 it opens
     monkeypatch.undo()
-    pages = pool.allocate(15)
+    pages = pool.pages.allocate(15)
     assert pool.stats()["pages_total"] == 15
-    pool.free(pages)
+    pool.pages.free(pages)
     pool.check_integrity()
 
 
@@ -410,12 +426,12 @@ def test_default_pools_of_a_device_share_one_memory_cap(monkeypatch, fresh_defau
         return sum(pool.stats()["bytes_total"] for pool in (first, second))
 
     assert held_bytes() == budget.used_bytes <= cap
-    table = first.new_table()
+    table = first.pages.new_table()
     table.grow(1, first.capacity_pages * small.page_size)  # grows into the rest of the budget
     assert held_bytes() == budget.used_bytes <= cap
     assert second.capacity_pages == second.stats()["pages_total"]  # no room left to grow into
     with pytest.raises(PoolExhaustedError):
-        second.new_table().grow(1, (second.stats()["pages_free"] + 1) * large.page_size)
+        second.pages.new_table().grow(1, (second.stats()["pages_free"] + 1) * large.page_size)
     first.check_integrity()
     table.release()
     second.check_integrity()
@@ -431,16 +447,16 @@ def test_default_pools_that_commit_at_once_take_half_the_room_left_each(monkeypa
         first = KVPool.default(small, "cpu")
     assert "took 500 pages" in caplog.text and "never moves" in caplog.text and "max_tokens" in caplog.text
     budget = KVPool.default_budget("cpu")
-    assert first.max_pages == 500 and budget.used_bytes == 500 * small.page_bytes
+    assert first.pages.max_pages == 500 and budget.used_bytes == 500 * small.page_bytes
     second = KVPool.default(large, "cpu")
-    assert second.max_pages == 125  # half of the 250 pages of twice the size left
+    assert second.pages.max_pages == 125  # half of the 250 pages of twice the size left
     assert budget.used_bytes == 500 * small.page_bytes + 125 * large.page_bytes <= budget.total_bytes
     used = budget.used_bytes
     for pool, page_format in ((first, small), (second, large)):
-        storage = pool.storage
-        table = pool.new_table()
+        storage = pool.pages.storage
+        table = pool.pages.new_table()
         table.grow(1, pool.capacity_pages * page_format.page_size)  # every page it took opens
-        assert pool.stats()["pages_total"] == pool.max_pages - 1 and pool.storage is storage
+        assert pool.stats()["pages_total"] == pool.pages.max_pages - 1 and pool.pages.storage is storage
         table.release()
         pool.check_integrity()
     assert budget.used_bytes == used  # drawn once, when the pools were made
@@ -464,7 +480,7 @@ def test_forgotten_default_pools_stay_with_their_caches_and_the_next_ones_start_
     first = KVPool.default(FORMAT, "cpu")
     budget = KVPool.default_budget("cpu")
     assert KVPool.default(FORMAT, "cpu") is first
-    table = first.new_table()
+    table = first.pages.new_table()
     table.grow(1, 3 * FORMAT.page_size)
     assert KVPool.drop_defaults("cuda:0") == 0  # another device's: nothing of the CPU's goes
     assert KVPool.default(FORMAT, "cpu") is first

@@ -150,7 +150,7 @@ def test_cached_pages_make_room_for_new_prompts(tiny_llama_model):
     for ids in prompts:  # 10 pages each: later prompts evict earlier ones' cached pages
         greedy(tiny_llama_model, ids, "paged_pool", {"pool": pool}, max_new_tokens=2)
         pool.check_integrity()
-        assert pool.num_available_pages == pool.stats()["pages_free"] + pool.stats()["pages_cached"]
+        assert pool.pages.num_available_pages == pool.stats()["pages_free"] + pool.stats()["pages_cached"]
     assert pool.stats()["pages_cached"] > 0
     before = pool.stats()["prefix_tokens_reused"]
     greedy(tiny_llama_model, prompts[-1], "paged_pool", {"pool": pool}, max_new_tokens=2)

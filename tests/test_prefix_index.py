@@ -144,35 +144,35 @@ def test_pool_zeroes_evicted_pages_before_handing_them_out():
     """Free pages are all zeros (in-place attention reads whole extents): an evicted cached page is zeroed."""
     page_format = PageFormat(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, page_size=2)
     pool = KVPool(page_format, 3, prefix_caching=True)
-    pages = pool.allocate(2)
-    pool.keys[:, :, pages] = float("nan")
-    pool.values[:, :, pages] = 1.0
-    pool.publish([((b"a", 0), pages[0])])
-    pool.free(pages)  # pages[1] is free (zeroed), pages[0] cached (kept)
-    assert pool.keys[:, :, pages[0]].isnan().all() and pool.keys[:, :, pages[1]].eq(0).all()
-    taken = pool.allocate(2)  # evicts pages[0]
+    pages = pool.pages.allocate(2)
+    pool.pages.storage.keys[:, :, pages] = float("nan")
+    pool.pages.storage.values[:, :, pages] = 1.0
+    pool.pages.publish([((b"a", 0), pages[0])])
+    pool.pages.free(pages)  # pages[1] is free (zeroed), pages[0] cached (kept)
+    assert pool.pages.storage.keys[:, :, pages[0]].isnan().all() and pool.pages.storage.keys[:, :, pages[1]].eq(0).all()
+    taken = pool.pages.allocate(2)  # evicts pages[0]
     assert sorted(taken) == sorted(pages) and pool.stats()["pages_cached"] == 0
-    assert pool.keys[:, :, taken].eq(0).all() and pool.values[:, :, taken].eq(0).all()
-    pool.free(taken)
+    assert pool.pages.storage.keys[:, :, taken].eq(0).all() and pool.pages.storage.values[:, :, taken].eq(0).all()
+    pool.pages.free(taken)
     pool.check_integrity()
 
 
 def test_pool_counts_cached_pages_as_available_and_in_stats():
     page_format = PageFormat(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, page_size=2)
     pool = KVPool(page_format, 5, prefix_caching=True)
-    pages = pool.allocate(4)
-    assert pool.publish([((b"a", 0), pages[0]), ((b"b", 0), pages[1]), ((b"a", 0), pages[2])]) == 2
-    pool.free(pages)
+    pages = pool.pages.allocate(4)
+    assert pool.pages.publish([((b"a", 0), pages[0]), ((b"b", 0), pages[1]), ((b"a", 0), pages[2])]) == 2
+    pool.pages.free(pages)
     stats = pool.stats()
     assert (stats["pages_cached"], stats["pages_free"], stats["pages_used"]) == (2, 2, 2)
-    assert pool.num_available_pages == 4
+    assert pool.pages.num_available_pages == 4
     pool.check_integrity()
-    taken = pool.allocate(4)  # evicts both cached pages: no PoolExhaustedError
-    assert pool.stats()["pages_cached"] == 0 and pool.lookup((b"a", 0)) is None
-    pool.free(taken)
+    taken = pool.pages.allocate(4)  # evicts both cached pages: no PoolExhaustedError
+    assert pool.stats()["pages_cached"] == 0 and pool.pages.lookup((b"a", 0)) is None
+    pool.pages.free(taken)
     pool.check_integrity()
-    pool.record_prefix_lookup(2, 4, 10)
-    pool.record_prefix_lookup(1, 0, 10)
+    pool.pages.record_prefix_lookup(2, 4, 10)
+    pool.pages.record_prefix_lookup(1, 0, 10)
     stats = pool.stats()
     assert (stats["prefix_lookups"], stats["prefix_hits"], stats["prefix_tokens_reused"]) == (3, 2, 8)
     assert stats["prefix_hit_rate"] == pytest.approx(8 / 30)
@@ -183,5 +183,5 @@ def test_pools_without_an_index_report_none():
     pool = KVPool(page_format, 3)
     stats = pool.stats()
     assert not pool.prefix_caching and stats["prefix_caching"] is False and stats["pages_cached"] == 0
-    pool.enable_prefix_caching()
+    pool.pages.enable_prefix_caching()
     assert pool.prefix_caching

@@ -112,12 +112,14 @@ def test_values_are_quantized_once_and_keys_kept_exact(tiny_llama_model):
     assert torch.equal(out_keys, keys)
     assert torch.equal(out_values, values)  # a prefill reads its own values as given
     pool = cache.pool
-    assert pool.values.dtype == torch.uint8 and pool.values.shape[-1] == 8  # two codes per byte
-    before = pool.values.clone(), pool.value_scales.clone()
+    assert (
+        pool.pages.storage.values.dtype == torch.uint8 and pool.pages.storage.values.shape[-1] == 8
+    )  # two codes per byte
+    before = pool.pages.storage.values.clone(), pool.pages.storage.value_scales.clone()
     out_keys, out_values = cache.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), 0)
     assert torch.equal(out_keys[:, :, :40], keys)
     assert torch.equal(out_values[:, :, :40], dequantize(*quantize(values, fmt), fmt, values.dtype))  # stored codes
-    changed = (pool.values != before[0]).any(dim=-1)  # [layers, heads, pages, slots]
+    changed = (pool.pages.storage.values != before[0]).any(dim=-1)  # [layers, heads, pages, slots]
     assert changed.sum() == 2  # one slot per head: the new token; the 40 before it are never re-quantized
 
 

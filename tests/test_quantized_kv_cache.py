@@ -129,7 +129,7 @@ def test_full_pages_are_encoded_once_and_never_change(tiny_llama_model, key_bits
     keys, values = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
     out_keys, _ = cache.update(keys, values, 0)
     pool = cache.pool
-    storage = pool.storage
+    storage = pool.pages.storage
     page_ids = cache.layers[0].rows.table.rows[0]
     assert len(page_ids) == 3
     torch.testing.assert_close(out_keys[:, :, 32:], keys[:, :, 32:], rtol=0, atol=0)  # the page still filling: exact
@@ -274,7 +274,7 @@ def test_decoded_keys_equal_the_reference_bitwise(tiny_llama_model, key_bits, dt
     states = (torch.randn(2, 2, 13, 16) * torch.linspace(0.1, 20, 16)).to(dtype)  # channels of many magnitudes
     cache.update(states, states, 0)
     rows = cache.layers[0].rows
-    storage, fmt, ids = cache.pool.storage, cache.pool.format, rows._page_ids()[:, :3]  # the 3 full pages
+    storage, fmt, ids = cache.pool.pages.storage, cache.pool.format, rows._page_ids()[:, :3]  # the 3 full pages
     pages = rows.store.keys.codes.decode(0, storage, ids, dtype)  # [heads, batch * 3, page_size, head_dim]
     fast = pages.view(2, 2, 12, 16).permute(1, 0, 2, 3)  # [batch, heads, 12, head_dim]
     layer = (storage.keys[0], storage.key_scales[0])

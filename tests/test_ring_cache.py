@@ -218,9 +218,9 @@ def test_pages_read_in_place_are_views_of_the_pool(tiny_llama_model):
         handed = {}  # the attention's kwargs, as transformers hands them to update
         keys, values = cache.update(torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16), 0, kwargs=handed)
         assert handed[KEY_LAYOUT].mask_columns is not None  # slot order: attention gets where each key's column is
-        storage = pool.keys.untyped_storage().data_ptr()
+        storage = pool.pages.storage.keys.untyped_storage().data_ptr()
         assert keys.untyped_storage().data_ptr() == storage
-        assert values.untyped_storage().data_ptr() == pool.values.untyped_storage().data_ptr()
+        assert values.untyped_storage().data_ptr() == pool.pages.storage.values.untyped_storage().data_ptr()
         assert keys.shape[2] == cache.layers[0].rows.num_slots  # every slot, in slot order
         cache.reorder_cache(torch.tensor([0, 0]))  # both rows now share row 0's pages
         keys, _ = cache.update(torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16), 1, kwargs={})
@@ -330,7 +330,7 @@ def test_pages_held_stop_growing_once_the_window_is_full(tiny_llama_model, sink_
     for token in range(ids.shape[1]):
         tiny_llama_model(ids[:, token : token + 1], cache=cache)
         held.append(pool.stats()["pages_used"])
-    per_row = RingRows(pool, 40, sink_tokens).num_slots // pool.format.page_size
+    per_row = RingRows(pool.pages, 40, sink_tokens).num_slots // pool.format.page_size
     assert max(held) == held[-1] == 3 * per_row  # three rows, each a fixed ring
     assert held.index(max(held)) < 40 + sink_tokens + pool.format.page_size
     pool.check_integrity()
@@ -490,7 +490,7 @@ def test_the_pages_a_step_takes_are_those_of_its_tokens_slots(tiny_llama_model, 
     """``RingRows._pages_taking`` (host arithmetic, what copy-on-write asks every step of a wrapped ring) against its
     slow twin: the pages of ``_slots``' slots of every token of every row, for steps of one token and chunks longer
     than the ring, around the sinks and the wrap, rows padded differently."""
-    rows = RingRows(KVPool.for_model(tiny_llama_model, max_tokens=4096), window, sink_tokens)
+    rows = RingRows(KVPool.for_model(tiny_llama_model, max_tokens=4096).pages, window, sink_tokens)
     page_size, generator = rows.pool.format.page_size, torch.Generator().manual_seed(0)
     for _ in range(300):
         pads = torch.randint(0, 30, (3,), generator=generator).tolist()

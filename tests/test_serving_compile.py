@@ -132,11 +132,11 @@ def test_after_warmup_requests_on_a_busy_pool_compile_nothing(compile_config, in
     ids = random_ids(2, 21)
     reference = tiny_llama().generate(ids, do_sample=False, max_new_tokens=12)
     for held in (0, 296, 0):  # other requests hold page ids below this: none, most of the pool, none again
-        others = pool.allocate(pool.stats()["pages_free"]) if held else []
-        pool.free([page for page in others if page >= held])
+        others = pool.pages.allocate(pool.stats()["pages_free"]) if held else []
+        pool.pages.free([page for page in others if page >= held])
         others = [page for page in others if page < held]
         out = on_pool(model, ids, pool, compile_config=config)
-        pool.free(others)
+        pool.pages.free(others)
         assert torch.equal(out, reference)
     assert (len(flex.compile_seconds()), graphs()) == (kernels, compiled_graphs)
     assert flex.call_count() - calls >= 3 * 10 * model.config.num_hidden_layers  # read in place
@@ -213,9 +213,11 @@ def test_serving_from_threads_after_warmup_compiles_nothing(in_place_model):
                 if batch == 1:  # DynamicCache
                     out = model.generate(short, do_sample=False, max_new_tokens=3)
                 else:
-                    held = pool.extend(None, 136) if round_idx % 2 else []  # other requests' pages, the lowest free
+                    held = (
+                        pool.pages.extend(None, 136) if round_idx % 2 else []
+                    )  # other requests' pages, the lowest free
                     out = on_pool(model, ids, pool)
-                    pool.free(held)
+                    pool.pages.free(held)
                 assert torch.equal(out, expected[batch])
             except Exception as error:  # noqa: BLE001  (any failure of a request counts)
                 failures.append(f"{type(error).__name__}: {error}"[:200])

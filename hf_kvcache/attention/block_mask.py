@@ -101,7 +101,7 @@ class PagedBlockMask:
             pads: ``[batch]`` leading padding tokens of each row (hidden).
 
         Returns:
-            The extents the step visits (some row's pages, or fillers), for ``KVPool.foreign_pages``.
+            The extents the step visits (some row's pages, or fillers), for ``PagePool.foreign_pages``.
         """
         batch, n = page_ids.shape
         size, device = self.extent_pages, page_ids.device

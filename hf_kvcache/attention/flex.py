@@ -17,7 +17,7 @@ the page tables directly (no ``create_block_mask``):
 ``mask_mod`` is the whole truth, the block lists only an optimization: it maps a slot to its row's logical position
 through ``page_position[row, page]`` (-1: not this row's page) and keeps ``pad[row] <= position < num_tokens``. A
 masked slot still enters the kernel's sums as ``0 x value``, so everything in the extents a row visits must be
-finite: the row's pages, other live rows' pages (``KVPool.foreign_pages``) and free pages (all zeros).
+finite: the row's pages, other live rows' pages (``PagePool.foreign_pages``) and free pages (all zeros).
 
 GQA is packed: the query heads sharing a KV head become query rows of it, so every page is read once per KV head.
 

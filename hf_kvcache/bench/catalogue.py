@@ -134,8 +134,8 @@ def pool_kind(name: str) -> str | None:
 def interleaved_extents(pool: KVPool, num_extents: int) -> Iterator[None]:
     """Holds every other one of the next ``2 * num_extents`` whole extents of ``pool`` for the block, as another
     live request would: rows taking pages meanwhile get the ones between, their pages interleaved with its."""
-    table = pool.new_table(row_extents=True)
-    with pool.held():
+    table = pool.pages.new_table(row_extents=True)
+    with pool.pages.held():
         table.grow(2 * num_extents, pool.format.extent_pages * pool.format.page_size)  # one whole extent per row
         table.select_rows(list(range(0, 2 * num_extents, 2)))  # gives the odd rows' extents back
     try:

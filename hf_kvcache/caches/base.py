@@ -219,7 +219,7 @@ class PoolCache(PlannedDecoding):
             worst = self.worst_case_pages(num_rows, num_tokens, page_size, placed)
             held = sum(1 for held_device, _ in self._held_pages() if held_device == placed)
             requested = worst - held
-            available = agree([pool.num_available_pages], binder.placement.process_group, placed)[0]
+            available = agree([pool.pages.num_available_pages], binder.placement.process_group, placed)[0]
             if requested > available:
                 capacity = pool.capacity_pages
                 retry = "" if requested > capacity else "Retry once requests in flight have given pages back, or: "

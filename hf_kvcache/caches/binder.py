@@ -108,7 +108,7 @@ class PoolBinder:
             heads = getattr(config, "num_attention_heads", 1)
             kv_heads = getattr(config, "num_key_value_heads", None) or heads
             queries_per_kv_head = max(1, heads // kv_heads)  # rank-invariant
-            rows = policy.make_rows(pool, our_attention, queries_per_kv_head, self.placement.process_group)
+            rows = policy.make_rows(pool.pages, our_attention, queries_per_kv_head, self.placement.process_group)
             self.rows[(device, layer_group_idx)] = rows
             rows.set_plan(self.planned_tokens, self.pad_lengths)
         return rows
@@ -148,7 +148,7 @@ class PoolBinder:
             self.prefix.active = False
         elif pool.prefix_caching and self._uses_prefix_index():
             self._check_prefix_placement()
-            self.prefix = PrefixTracker(pool, self.policies, self.cache_config.prefix_namespace)
+            self.prefix = PrefixTracker(pool.pages, self.policies, self.cache_config.prefix_namespace)
         self.pools[device] = pool
         return pool
 
@@ -193,7 +193,7 @@ class PoolBinder:
             self._check_prefix_placement()
         if max_tokens is not None:
             if prefix_caching:  # kept for the process, so that its index outlives the call
-                return KVPool.for_budget(page_format, device, max_tokens)
+                return KVPool.default(page_format, device, max_tokens=max_tokens)
             num_pages = page_format.pages_for_tokens(max_tokens) + 1
             check_fits(f"max_tokens={max_tokens}", num_pages * page_format.page_bytes, device)
             return KVPool(page_format, num_pages, device)
@@ -201,7 +201,7 @@ class PoolBinder:
         if pool is None:
             pool = KVPool.default(page_format, device, self.placement.process_group)
             if prefix_caching:
-                pool.enable_prefix_caching()
+                pool.pages.enable_prefix_caching()
             return pool
         if prefix_caching and not pool.prefix_caching:
             raise ValueError(

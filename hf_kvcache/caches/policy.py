@@ -11,7 +11,7 @@ from transformers import PreTrainedConfig
 from hf_kvcache.attention.interface import ATTENTION_NAME, hands_states_to_attention_only
 from hf_kvcache.layers import PagedRows, RingRows
 from hf_kvcache.layers.window import ring_num_slots
-from hf_kvcache.memory.pool import KVPool
+from hf_kvcache.memory.page_pool import PagePool
 from hf_kvcache.transformers_internals import attn_implementation
 
 
@@ -41,9 +41,9 @@ class RowPolicy:
         return math.ceil(num_tokens / page_size)
 
     def make_rows(
-        self, pool: KVPool, our_attention: Callable[[], bool], queries_per_kv_head: int = 1, process_group: Any = None
+        self, pool: PagePool, our_attention: Callable[[], bool], queries_per_kv_head: int = 1, process_group: Any = None
     ) -> PagedRows:
-        """The rows of a layer group on ``pool``.
+        """The rows of a layer group on ``pool`` (a ``KVPool``'s ``pages``).
 
         Args:
             our_attention: does the model's attention read a ``KeyLayout`` (and a ``PagedRead``).

@@ -39,7 +39,7 @@ from hf_kvcache.attention.interface import ATTENTION_NAME
 from hf_kvcache.caches.policy import RowPolicy
 from hf_kvcache.errors import PoolExhaustedError
 from hf_kvcache.layers import PagedRows, RingRows
-from hf_kvcache.memory.pool import KVPool
+from hf_kvcache.memory.page_pool import PagePool
 from hf_kvcache.memory.prefix_index import PageKey, chain_keys, root_key
 from hf_kvcache.transformers_internals import attn_implementation
 
@@ -115,12 +115,12 @@ class PrefixTracker:
     """The token ids a cache's rows hold, their chain keys, and what the cache has published, on one pool.
 
     Args:
-        pool: the cache's pool, with a prefix index.
+        pool: the pages of the cache's pool (``KVPool.pages``), with a prefix index.
         policies: the row policy of each layer group (``PoolCache``).
         namespace: ``PagedConfig.prefix_namespace``: pages are published and found under it only.
     """
 
-    def __init__(self, pool: KVPool, policies: list[RowPolicy], namespace: str = "") -> None:
+    def __init__(self, pool: PagePool, policies: list[RowPolicy], namespace: str = "") -> None:
         self.pool = pool
         self.namespace = namespace
         self.page_size = pool.format.page_size

@@ -29,7 +29,7 @@ from hf_kvcache.caches.config import PagedConfig
 from hf_kvcache.errors import PoolExhaustedError
 from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.layers.plan import capacity_bucket
-from hf_kvcache.memory.pool import KVPool
+from hf_kvcache.memory.page_pool import PagePool
 
 logger = logging.getLogger("hf_kvcache")
 
@@ -180,7 +180,7 @@ def warmup(
             shapes.append(shape)
             if shape.in_place_calls and not views_done and _shares_pool(cache_config) and pool is not None:
                 # The first shape read in place: the same in each larger view of the pool's storage.
-                shapes += _warm_views(run, pool, batch_size, prompt, length)
+                shapes += _warm_views(run, pool.pages, batch_size, prompt, length)
                 views_done = True
     if compile_config is None and not any(shape.in_place_calls for shape in shapes):
         raise ValueError(
@@ -199,7 +199,7 @@ def _shares_pool(cache_config: PagedConfig) -> bool:
     return cache_config.max_tokens is None or bool(cache_config.prefix_caching)
 
 
-def _warm_views(run: Callable, pool: KVPool, batch_size: int, prompt: int, length: int) -> list[WarmedShape]:
+def _warm_views(run: Callable, pool: PagePool, batch_size: int, prompt: int, length: int) -> list[WarmedShape]:
     """Runs a generation of ``batch_size`` rows of ``length`` tokens whose pages lie in each larger view of the
     pool's storage that in-place attention may read (``block_mask.view_pages``: powers of two extents from
     ``MIN_VIEW_EXTENTS``, up to the whole storage), the pages below held as other requests would hold them."""
@@ -218,7 +218,7 @@ def _warm_views(run: Callable, pool: KVPool, batch_size: int, prompt: int, lengt
     return shapes
 
 
-def _hold_extents_below(pool: KVPool, first_page: int) -> list[int]:
+def _hold_extents_below(pool: PagePool, first_page: int) -> list[int]:
     """Takes the pool's wholly free extents below ``first_page``, lowest first, as other requests' rows would hold
     them, so that the next rows start at ``first_page`` or above (where the pool has room). Returns the pages."""
     held: list[int] = []

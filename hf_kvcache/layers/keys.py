@@ -82,7 +82,7 @@ class KeyPages:
     ) -> None:
         """Takes tokens ``[start, start + n)`` of every row; encodes and stores the pages they fill.
 
-        Call it inside ``KVPool.held()``, with the storage it yields.
+        Call it inside ``PagePool.held()``, with the storage it yields.
 
         Args:
             key_states: ``[batch, heads, n, head_dim]``.

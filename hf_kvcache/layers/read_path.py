@@ -3,7 +3,7 @@ place through a block mask over the pool's storage, chosen once per step for its
 
 The block mask is kept from step to step and refilled in place: a step that only adds a token moves its end, a
 change of the table or of the rows' padding refills it. In place needs the extents the mask visits to hold nothing
-but the rows' pages (``KVPool.foreign_pages``).
+but the rows' pages (``PagePool.foreign_pages``).
 """
 
 from collections.abc import Callable
@@ -12,8 +12,8 @@ import torch
 
 from hf_kvcache.attention import block_mask, flex
 from hf_kvcache.layers.store import extent_runs
+from hf_kvcache.memory.page_pool import PagePool
 from hf_kvcache.memory.page_table import PageTable
-from hf_kvcache.memory.pool import KVPool
 
 GATHER, RUN, IN_PLACE = "gather", "run", "in place"
 """How a step's attention reads a layer's pages (``ReadPath.choose``)."""
@@ -34,7 +34,7 @@ class ReadPath:
     """
 
     def __init__(
-        self, pool: KVPool, table: PageTable, our_attention: Callable[[], bool], queries_per_kv_head: int
+        self, pool: PagePool, table: PageTable, our_attention: Callable[[], bool], queries_per_kv_head: int
     ) -> None:
         self.pool, self.table = pool, table
         self.our_attention = our_attention

@@ -54,7 +54,7 @@ from hf_kvcache.layers.read_path import IN_PLACE
 from hf_kvcache.layers.rows import PagedRows
 from hf_kvcache.layers.window import band, ring_num_slots, visible_span
 from hf_kvcache.memory.allocator import NULL_PAGE
-from hf_kvcache.memory.pool import KVPool
+from hf_kvcache.memory.page_pool import PagePool
 
 
 class RingRows(PagedRows):
@@ -77,7 +77,7 @@ class RingRows(PagedRows):
 
     def __init__(
         self,
-        pool: KVPool,
+        pool: PagePool,
         window: int,
         sink_tokens: int = 0,
         residual_length: int = 0,
@@ -392,13 +392,13 @@ class RingRows(PagedRows):
         if views is None:
             pool, ids, base = self.pool, self._page_ids(), self._first_page()
             batch, num_pages = ids.shape
-            _, heads, _, page_size, head_dim = pool.keys.shape
+            _, heads, _, page_size, head_dim = pool.storage.keys.shape
 
             def view(storage: torch.Tensor) -> torch.Tensor:
                 pages = storage[layer_in_group, :, base : base + ids.numel()]  # [heads, rows * pages, page_size, hd]
                 return pages.view(heads, batch, num_pages * page_size, head_dim).permute(1, 0, 2, 3)
 
-            views = self._views[layer_in_group] = (view(pool.keys), view(pool.values))
+            views = self._views[layer_in_group] = (view(pool.storage.keys), view(pool.storage.values))
         return views
 
     def key_shifts(self, batch: int) -> list[int]:

@@ -37,8 +37,8 @@ from hf_kvcache.layers.planned import PlannedRows
 from hf_kvcache.layers.read_path import GATHER, IN_PLACE, RUN, ReadPath
 from hf_kvcache.layers.store import SlotStore
 from hf_kvcache.memory.allocator import NULL_PAGE
+from hf_kvcache.memory.page_pool import PagePool
 from hf_kvcache.memory.placement import agree
-from hf_kvcache.memory.pool import KVPool
 from hf_kvcache.memory.storage import PoolStorage
 
 
@@ -66,7 +66,7 @@ class PagedRows(PlannedRows):
 
     def __init__(
         self,
-        pool: KVPool,
+        pool: PagePool,
         residual_length: int = 0,
         row_extents: bool = True,
         our_attention: Callable[[], bool] = lambda: False,
@@ -189,7 +189,7 @@ class PagedRows(PlannedRows):
 
     def _write_keys(self, layer_in_group: int, storage: PoolStorage, start: int, key_states: torch.Tensor) -> None:
         """Encoded keys: the step's keys to the rows' pages still filling; pages that fill, encoded (call it inside
-        ``KVPool.held()``)."""
+        ``PagePool.held()``)."""
         if self.store.keys is not None:
             shifts = self.key_shifts(key_states.shape[0])
             self.store.keys.write(layer_in_group, storage, start, key_states, self._page_ids(), shifts, self.ring_pages)
@@ -407,7 +407,7 @@ class PagedRows(PlannedRows):
         self.store.attach(num_tokens)
 
     def _apply(self, change: Callable[[], list[tuple[int, int]] | None]) -> None:
-        """Runs a table change holding the pool (``KVPool.held``), copies the pages it asks for, drops cached
+        """Runs a table change holding the pool (``PagePool.held``), copies the pages it asks for, drops cached
         indices."""
         self._shared_prefill = None
         self.path.stale()

@@ -24,7 +24,7 @@ from hf_kvcache.attention.kernels import write_planned
 from hf_kvcache.layers.exact import ExactSink, ResidualValues
 from hf_kvcache.layers.keys import KeyPages
 from hf_kvcache.memory.dequant import dequantize_joined_into, spread_bytes
-from hf_kvcache.memory.pool import KVPool
+from hf_kvcache.memory.page_pool import PagePool
 from hf_kvcache.memory.quant import dequantize, join_scales, quantize
 from hf_kvcache.memory.storage import PoolStorage
 
@@ -66,7 +66,7 @@ class SlotStore:
     """
 
     def __init__(
-        self, pool: KVPool, residual_length: int = 0, defers_codes: bool = False, exact_tokens: int = 0
+        self, pool: PagePool, residual_length: int = 0, defers_codes: bool = False, exact_tokens: int = 0
     ) -> None:
         self.pool = pool
         self.quant = pool.format.value_format
@@ -89,7 +89,7 @@ class SlotStore:
     ) -> None:
         """Stores new states ``[batch, heads, n, head_dim]`` into their slots of ``storage`` with ``put``.
 
-        Call it inside ``KVPool.held()`` with the storage it yields. The pool holds inference state: what is stored
+        Call it inside ``PagePool.held()`` with the storage it yields. The pool holds inference state: what is stored
         is detached from any autograd graph. Encoded keys are not written here (``KeyPages.write``, a page at a
         time), nor quantized values with ``code_values=False`` (``code_step``).
         """
@@ -107,7 +107,7 @@ class SlotStore:
         """After the last layer of a one-token step that deferred its codes (``defers_codes``): the codes of the
         step's token of every layer of the layer group, from the residual windows, stored into the slots ``plan``
         writes (``StepPlan.write_pages`` / ``write_offsets``) at once (one quantization for all layers keeps the
-        step's op count low). Inside ``KVPool.held()``, like ``write``."""
+        step's op count low). Inside ``PagePool.held()``, like ``write``."""
         layers, values = self.residual.take_all(plan.window_write)  # [layers, batch, heads, 1, head_dim]
         codes, scale, zero = quantize(values, self.quant)
         layer_index = torch.tensor(layers, device=values.device).view(-1, 1, 1, 1)

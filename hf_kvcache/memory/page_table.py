@@ -28,7 +28,7 @@ class PageTable:
     """Page ids of ``num_rows`` sequences of equal length.
 
     Args:
-        allocator: where pages come from and go back to (a ``PageAllocator`` or a ``KVPool``, under its lock).
+        allocator: where pages come from and go back to (a ``PageAllocator`` or a ``PagePool``, under its lock).
         page_size: token slots per page.
         row_extents: place each row's pages in runs after its last page (see the module docstring).
     """

@@ -197,7 +197,7 @@ class AgreedPages:
     under tensor parallelism (``ValueError`` when a cache binds a prefix-caching pool with a process group).
 
     Args:
-        pool: this rank's pool (a ``KVPool``).
+        pool: this rank's pool's pages (a ``PagePool``).
         process_group: the ``torch.distributed`` process group of the ranks.
     """
 

@@ -1,55 +1,29 @@
-"""The KV pool: preallocated page storage for one model geometry on one device.
+"""``KVPool``: the pool of KV pages a user builds, names, shares between caches and watches.
 
-Storage. One tensor per kind, shaped once for the pool's life, holds every page in every layer of one *layer group*
-(``num_layers`` layers of one attention type; a model has ``num_layer_groups`` of them, each with its own page table,
-so a page id serves one layer group): ``hf_kvcache.memory.storage`` lays them out.
-
-Page 0 is the null page. The storage is made once, with the pool, for every page id it may ever open (its cap,
-``max_pages``; halved until the device grants it), and never replaced: slot indices, views of it and graphs
-compiled over it stay valid for the pool's life. A pool *opens* page ids as it needs them: a fixed pool all at
-once; a growable one (the default pools) ``DEFAULT_INITIAL_TOKENS`` worth first, then doubling up to its cap, all
-or nothing (a growth its memory budget cannot give leaves the pool as it was, and the request fails alone). The
-ids opened are zeroed in whole extents as they open; only they are touched, so where memory is committed where
-touched (the CPU, ``torch.empty``) the pool commits what it has opened. ``hf_kvcache.memory.pools`` says how much
-a default pool takes on each device.
-
-Every free page is all zeros (pages are zeroed when opened, when freed, and when a cached page of the prefix
-index is evicted), so a slot a request has not written reads as zero, and attention that reads whole blocks in
-place reads nothing but zeros and the pages of live rows outside a row's own (an earlier request's overflowed
-values, NaN or inf, would poison it: 0 x NaN is NaN). Cached pages keep their contents: they count as other rows'.
-
-Bookkeeping is delegated to a ``PageAllocator`` (ids, reference counts, placement in extents, and with
-``prefix_caching`` the prefix index of published pages: ``hf_kvcache.memory.prefix_index``) and to the ``PageTable`` of
-each cache's layer group; the pool serializes them with one lock, so threads running ``generate`` on different
-caches can share a pool (and find each other's published pages). It also keeps live statistics and fires alerts
-when the share of pages held crosses a threshold.
+Where things live: ``KVPool`` is what users hold, a handful of methods (its constructors, ``stats``, alerts,
+``reset_prefix_index``, ``check_integrity``); its constructors beyond ``__init__`` and the registries of named and
+shared default pools are in ``hf_kvcache.memory.pools``. Everything else is behind it, in ``pool.pages`` (a
+``PagePool``, ``hf_kvcache.memory.page_pool``): the storage that never moves, the allocator, the page tables drawing
+from it and the prefix index, under one lock. Caches, layers and the prefix tracker work on ``pool.pages``; so do
+tests that poke the allocator. ``pool.format`` and ``pool.device`` say what the pool holds and where.
 """
 
-import contextlib
-import logging
-import threading
-import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from hf_kvcache.errors import PoolExhaustedError
-from hf_kvcache.memory.allocator import PageAllocator
 from hf_kvcache.memory.device_memory import MemoryBudget
 from hf_kvcache.memory.format import PageFormat
-from hf_kvcache.memory.page_table import Allocator, PageTable
-from hf_kvcache.memory.placement import AgreedPages, normalize_device
+from hf_kvcache.memory.page_pool import PagePool
 from hf_kvcache.memory.pools import PoolFactories, register_name
-from hf_kvcache.memory.prefix_index import PageKey
-from hf_kvcache.memory.stats import AlertCallback, PoolAlerts, check_integrity, pool_stats
-from hf_kvcache.memory.storage import PoolStorage
-
-logger = logging.getLogger("hf_kvcache")
+from hf_kvcache.memory.stats import AlertCallback
 
 
 class KVPool(PoolFactories):
     """Pages of KV memory for one model geometry (``PageFormat``) on one device.
+
+    Build one with ``KVPool.for_model(model, cache_config, max_tokens=...)``; caches draw from the default pool of
+    their model otherwise (``KVPool.default``).
 
     Args:
         page_format: geometry and dtype of a page.
@@ -63,6 +37,11 @@ class KVPool(PoolFactories):
             calls the alert callbacks (once per crossing).
         prefix_caching: keep a prefix index, so that caches on the pool reuse each other's prompt pages across
             ``generate`` calls (``PoolCache.prefix``); idle published pages stay cached until evicted.
+
+    Attributes:
+        format / device: the page format and the device.
+        name: the name the pool is registered under, or ``None``.
+        pages: the storage, allocator and page tables behind the pool (``PagePool``), for caches and layers.
     """
 
     def __init__(
@@ -77,23 +56,10 @@ class KVPool(PoolFactories):
         alert_thresholds: tuple[float, ...] = (0.9,),
         prefix_caching: bool = False,
     ) -> None:
-        if num_pages < 2:
-            raise ValueError(f"num_pages={num_pages} is too small: a pool needs the null page plus at least one page.")
-        if max_pages is not None and max_pages < num_pages:
-            raise ValueError(f"max_pages={max_pages} is below num_pages={num_pages}.")
-        alerts = PoolAlerts(alert_thresholds)
+        self.pages = PagePool(page_format, num_pages, device, max_pages, budget, alert_thresholds, prefix_caching)
         self.format = page_format
-        self.device = normalize_device(device)
+        self.device = self.pages.device
         self.name = name
-        self.lock = threading.RLock()
-        self._allocator = PageAllocator(num_pages, page_format.extent_pages, prefix_caching)
-        self._prefix_epoch = 0
-        self.max_pages = max_pages or num_pages  # page ids it may open at most, the null page included
-        self.budget = budget
-        self.storage = self._new_storage(num_pages)  # made once: the pool's for its life
-        self._zero_range(0, self._storage_pages(num_pages))
-        self._tables: weakref.WeakSet[PageTable] = weakref.WeakSet()
-        self._alerts = alerts
         if name is not None:
             register_name(name, self)
 
@@ -111,269 +77,33 @@ class KVPool(PoolFactories):
         """A pool is a shared resource: ``generate`` deep-copies its config, never the pool in it."""
         return self
 
-    # ----- storage ---------------------------------------------------------------------------
-
-    @property
-    def keys(self) -> torch.Tensor:
-        """``[num_layers, num_kv_heads, num_storage_pages, page_size, head_dim]``, the storage's keys."""
-        return self.storage.keys
-
-    @property
-    def values(self) -> torch.Tensor:
-        return self.storage.values
-
-    @property
-    def value_scales(self) -> torch.Tensor | None:
-        return self.storage.value_scales
-
-    @contextlib.contextmanager
-    def held(self) -> Iterator[PoolStorage]:
-        """Holds the pool for a change of several steps (writes at slots planned from a table, a table change of
-        several pages, a lookup and the attach of what it found): until the block exits no other thread takes,
-        frees or evicts pages. Yields the storage."""
-        with self.lock:
-            yield self.storage
-
-    def _new_storage(self, num_ids: int) -> PoolStorage:
-        """Uninitialized storage for ``max_pages`` ids, whose cap is halved until the device grants it (never below
-        the ``num_ids`` opened first)."""
-        while True:
-            try:
-                return PoolStorage.empty(self.format, self._storage_pages(self.max_pages), self.device)
-            except (RuntimeError, MemoryError) as error:  # torch's out-of-memory errors are RuntimeErrors
-                if self.max_pages // 2 < num_ids:
-                    raise
-                logger.warning(
-                    "KV pool on %s could not take %d pages (%s); trying half.", self.device, self.max_pages, error
-                )
-                self.max_pages //= 2
-
-    def _storage_pages(self, num_ids: int) -> int:
-        """Storage page ids for ``num_ids`` opened ones: whole extents (attention reads whole blocks)."""
-        extent = self.format.extent_pages
-        return -(-num_ids // extent) * extent
-
-    def _zero_range(self, start: int, end: int) -> None:
-        for tensor in self.storage.tensors:
-            tensor[:, :, start:end].zero_()
-
-    def _growth_room(self) -> int:
-        """Page ids that can still open: up to ``max_pages``, within the memory budget if any."""
-        room = self.max_pages - self._allocator.num_pages - 1
-        if self.budget is not None:
-            room = min(room, self.budget.free_bytes // self.format.page_bytes)
-        return max(0, room)
-
     @property
     def capacity_pages(self) -> int:
         """Usable pages the pool holds or could still grow to (the null page excluded)."""
-        with self.lock:
-            return self._allocator.num_pages + self._growth_room()
-
-    def _grow(self, num_needed: int) -> bool:
-        """Opens page ids in doublings, as often as needed for ``num_needed`` free ones (within the room), zeroed in
-        whole extents; all or nothing. False if they cannot fit."""
-        num_ids, num_wanted = self._allocator.num_pages + 1, num_needed - self._allocator.num_free
-        room = self._growth_room()
-        if room < num_wanted:
-            return False
-        target = num_ids
-        while target - num_ids < num_wanted:
-            target = min(num_ids + room, 2 * target)
-        if self.budget is not None and not self.budget.reserve((target - num_ids) * self.format.page_bytes):
-            return False  # another default pool of this device took the room meanwhile
-        self._zero_range(num_ids, self._storage_pages(target))  # whole extents: attention reads them whole
-        self._allocator.add_pages(target - num_ids)
-        logger.info(
-            "KV pool on %s grew to %d pages (%.1f MiB).",
-            *(self.device, self._allocator.num_pages + 1, self.stats()["bytes_total"] / 2**20),
-        )
-        return True
-
-    # ----- pages ----------------------------------------------------------------------------
-
-    def ensure_free(self, num: int) -> None:
-        """Makes sure ``num`` pages are free: the free ones, then cached pages evicted (least recently used first;
-        zeroed, as free pages are), then room a default pool grows into. Nothing is evicted unless ``num`` fit.
-
-        Raises:
-            PoolExhaustedError: the pool (at its cap) cannot hold ``num`` more pages, cached ones counted.
-        """
-        with self.lock:
-            num_cached = self._allocator.num_cached
-            if num > self._allocator.num_available and not self._grow(num - num_cached):
-                raise PoolExhaustedError(
-                    num,
-                    self._allocator.num_available,
-                    self._allocator.num_pages + self._growth_room(),
-                    f"Pages hold {self.format.page_size} tokens. Give the pool more room (KVPool.for_model(..., "
-                    "max_tokens=...) or cache_config max_tokens), or lower the batch size or max_new_tokens.",
-                )
-            self._zero_pages(self._allocator.ensure_free(num))
-
-    def allocate(self, num: int) -> list[int]:
-        """Takes ``num`` single pages (``PageAllocator.allocate``), growing a default pool if needed; all or nothing.
-
-        The pages are all zeros. Raises ``PoolExhaustedError`` as ``ensure_free``.
-        """
-        with self.lock:
-            self.ensure_free(num)
-            pages = self._allocator.allocate(num)
-            self._check_alerts()
-            return pages
-
-    def extend(self, anchor: int | None, num: int) -> list[int]:
-        """Takes a row's next ``num`` pages after its page ``anchor`` (``PageAllocator.extend``), growing a default
-        pool if needed; all or nothing. The pages are all zeros. Raises ``PoolExhaustedError`` as ``ensure_free``.
-
-        A growable pool also grows (if it can) where the free pages lie in too few whole extents: the row then keeps
-        its pages in extents of its own, which attention reads in place (``foreign_pages``)."""
-        with self.lock:
-            self.ensure_free(num)
-            allocator = self._allocator
-            short = allocator.extents_needed(anchor, num) - allocator.num_whole_extents
-            if short > 0:  # one extent more than short: the pages opened need not start on an extent boundary
-                self._grow(allocator.num_free + (short + 1) * self.format.extent_pages)
-            pages = allocator.extend(anchor, num)
-            self._check_alerts()
-            return pages
-
-    def share(self, pages: list[int]) -> None:
-        with self.lock:
-            self._allocator.share(pages)
-
-    def free(self, pages: list[int]) -> list[int]:
-        """Drops one reference from each page; the pages left with none are zeroed (free pages are all zeros)."""
-        with self.lock:
-            freed = self._allocator.free(pages)
-            self._zero_pages(freed)
-            self._check_alerts()
-            return freed
-
-    def _zero_pages(self, pages: list[int]) -> None:
-        """Zeroes every layer's slots of ``pages`` (pages become free: free pages are all zeros)."""
-        if pages:
-            index = torch.tensor(pages, dtype=torch.long, device=self.device)
-            for tensor in self.storage.tensors:
-                tensor.index_fill_(2, index, 0)
-
-    def refcount(self, page: int) -> int:
-        return self._allocator.refcount(page)
-
-    def foreign_pages(self, pages: set[int], extents: list[int]) -> list[int]:
-        """Pages of ``extents`` that are neither in ``pages`` nor free (the null page among them): what attention
-        that reads those extents whole reads of other rows than the ones holding ``pages``. Free pages, and those
-        never opened, are all zeros."""
-        size = self.format.extent_pages
-        with self.lock:
-            num_ids = self._allocator.num_pages + 1
-            return [
-                page
-                for extent in extents
-                for page in range(extent * size, min((extent + 1) * size, num_ids))
-                if page not in pages and not self._allocator.is_free(page)
-            ]
-
-    @property
-    def num_available_pages(self) -> int:
-        """Pages a request could take now: the free and cached ones plus the room a growable pool can grow into."""
-        with self.lock:
-            return self._allocator.num_available + self._growth_room()
-
-    # ----- prefix index -----------------------------------------------------------------------
+        return self.pages.capacity_pages
 
     @property
     def prefix_caching(self) -> bool:
-        """Whether the pool keeps a prefix index."""
-        return self._allocator.index is not None
-
-    def enable_prefix_caching(self) -> None:
-        """Starts the pool's prefix index (a no-op if it has one): how ``cache_config={"prefix_caching": True}``
-        turns it on for the default pool."""
-        with self.lock:
-            self._allocator.enable_prefix_caching()
-
-    @property
-    def prefix_epoch(self) -> int:
-        """How many times the prefix index was reset (``reset_prefix_index``)."""
-        return self._prefix_epoch
+        """Whether the pool keeps a prefix index (``KVPool.for_model(..., prefix_caching=True)``, or a cache's
+        ``prefix_caching=True`` on the default pool)."""
+        return self.pages.prefix_caching
 
     def reset_prefix_index(self) -> int:
         """Drops every page of the prefix index at once (vLLM's ``reset_prefix_cache``), e.g. after the model's
         weights were updated in place: cached pages are freed; pages live caches hold stay theirs, and those caches
         publish nothing more they wrote before the reset. Returns the pages dropped from the index (0 without one).
         """
-        with self.lock:
-            if self._allocator.index is None:
-                return 0
-            dropped, freed = self._allocator.clear_index()
-            self._zero_pages(freed)
-            self._prefix_epoch += 1
-            self._check_alerts()
-            return dropped
-
-    def publish(self, pages: list[tuple[PageKey, int]]) -> int:
-        """Publishes each ``(key, page)`` (a full page a cache holds); returns how many were new.
-
-        A key already published keeps its page (the first wins): the other page stays its cache's alone.
-        """
-        with self.lock:
-            return sum(self._allocator.publish(key, page) for key, page in pages)
-
-    def lookup(self, key: PageKey) -> int | None:
-        """The page published under ``key``, without taking it. Hold ``lock`` from the lookup until the pages are
-        taken (``share``): a cached page may be evicted in between otherwise."""
-        return self._allocator.lookup(key)
-
-    def record_prefix_lookup(self, num_rows: int, tokens_reused_per_row: int, tokens_per_row: int) -> None:
-        """Counts a lookup of ``num_rows`` prompts of ``tokens_per_row`` tokens, ``tokens_reused_per_row`` of which
-        came from the index (``stats()``)."""
-        with self.lock:
-            self._allocator.index.record_lookup(num_rows, tokens_reused_per_row, tokens_per_row)
-
-    def new_table(self, row_extents: bool = False, process_group: Any = None) -> PageTable:
-        """An empty page table drawing from this pool, counted in its statistics.
-
-        Args:
-            row_extents: ``PageTable``'s ``row_extents``.
-            process_group: the process group of a tensor-parallel model's ranks: the table's allocations are then
-                agreed over it (``AgreedPages``).
-        """
-        allocator: Allocator = self if process_group is None else AgreedPages(self, process_group)
-        table = PageTable(allocator, self.format.page_size, row_extents)
-        with self.lock:
-            self._tables.add(table)
-        return table
-
-    def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
-        """Copies every layer's slots of page ``src`` into page ``dst`` for each ``(src, dst)``."""
-        if not pairs:
-            return
-        src = torch.tensor([pair[0] for pair in pairs], dtype=torch.long, device=self.device)
-        dst = torch.tensor([pair[1] for pair in pairs], dtype=torch.long, device=self.device)
-        with self.lock:
-            for tensor in self.storage.tensors:
-                tensor.index_copy_(2, dst, tensor.index_select(2, src))
-
-    # ----- statistics -----------------------------------------------------------------------
+        return self.pages.reset_prefix_index()
 
     def stats(self) -> dict[str, Any]:
         """Live statistics as a plain dict (``hf_kvcache.memory.stats.pool_stats`` says what each count is)."""
-        with self.lock:
-            max_pages = self._allocator.num_pages + self._growth_room()
-            return pool_stats(self._allocator, list(self._tables), self.format, self.storage, max_pages, self.device)
+        return self.pages.stats()
 
     def add_alert_callback(self, callback: AlertCallback) -> None:
         """Calls ``callback(threshold, stats)`` each time use crosses an alert threshold upwards."""
-        self._alerts.callbacks.append(callback)
-
-    def _check_alerts(self) -> None:
-        held = self._allocator.num_used - self._allocator.num_cached  # cached pages are as good as free
-        capacity = self._allocator.num_pages + self._growth_room()
-        self._alerts.check(held, capacity, self.stats, self.device)
+        self.pages.alerts.callbacks.append(callback)
 
     def check_integrity(self) -> None:
         """Raises ``AssertionError`` if the allocator, its prefix index or any live page table is inconsistent: each
         page's refcount is its page-table references plus one if it is published."""
-        with self.lock:
-            check_integrity(self._allocator, list(self._tables), self.storage)
+        self.pages.check_integrity()

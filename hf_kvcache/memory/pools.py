@@ -130,14 +130,22 @@ class PoolFactories:
         return pool
 
     @classmethod
-    def default(cls, page_format: PageFormat, device: str | torch.device, process_group: Any = None) -> Self:
-        """The shared growable pool for this format and device, made on first use.
+    def default(
+        cls,
+        page_format: PageFormat,
+        device: str | torch.device,
+        process_group: Any = None,
+        max_tokens: int | None = None,
+    ) -> Self:
+        """The shared pool for this format and device, made on first use and kept for the process: the growable
+        default pool, or with ``max_tokens`` a fixed pool of that many tokens with a prefix index (how
+        ``cache_config={"max_tokens": N, "prefix_caching": True}`` reuses prompts across calls).
 
-        It opens room for ``DEFAULT_INITIAL_TOKENS`` tokens first and doubles when full, up to its cap (at most
-        ``DEFAULT_MAX_POOL_PAGES`` pages), in a storage made once for the cap. The default pools of one device share
-        one ``MemoryBudget``: together they hold at most ``DEFAULT_MAX_MEMORY_FRACTION`` of the RAM (CPU; the
-        container's limit where lower, ``memory_limit_bytes``) or of the free memory (CUDA). Where memory is
-        committed only where touched (``commits_lazily``: the CPU), the cap is the whole budget and the pages draw
+        The growable pool opens room for ``DEFAULT_INITIAL_TOKENS`` tokens first and doubles when full, up to its cap
+        (at most ``DEFAULT_MAX_POOL_PAGES`` pages), in a storage made once for the cap. The default pools of one
+        device share one ``MemoryBudget``: together they hold at most ``DEFAULT_MAX_MEMORY_FRACTION`` of the RAM
+        (CPU; the container's limit where lower, ``memory_limit_bytes``) or of the free memory (CUDA). Where memory
+        is committed only where touched (``commits_lazily``: the CPU), the cap is the whole budget and the pages draw
         on it as they open. Elsewhere (CUDA) the storage commits the cap at once: the cap is half the room left in
         the budget (the other half stays for the default pools of other formats), drawn from it at once, and logged
         with the knob that sizes a pool otherwise (``max_tokens``).
@@ -146,8 +154,14 @@ class PoolFactories:
             process_group: the process group of a tensor-parallel model's ranks: the budget is then the smallest
                 of theirs (their RAM or free memory differ), so every rank's default pools can hold as many pages.
                 A collective: every rank of the process group calls it, at each call.
+            max_tokens: the fixed pool's tokens; ``None``: the growable pool.
+
+        Raises:
+            ValueError: the device could never hold ``max_tokens`` tokens.
         """
         device = normalize_device(device)
+        if max_tokens is not None:
+            return cls._budget_pool(page_format, device, max_tokens)
         with _REGISTRY_LOCK:
             budget = _DEFAULT_BUDGETS.get(device)
             if budget is None:
@@ -175,12 +189,12 @@ class PoolFactories:
             return cls(page_format, num_pages, device, max_pages=max_pages, budget=budget)
         max_pages = max(2, min(DEFAULT_MAX_POOL_PAGES, budget.free_bytes // 2 // page_bytes))
         pool = cls(page_format, min(max_pages, first), device, max_pages=max_pages)  # halved until granted
-        budget.reserve(pool.max_pages * page_bytes)
+        budget.reserve(pool.pages.max_pages * page_bytes)
         logger.warning(
             "KV pool on %s took %d pages (%.1f MiB: half the room left in its device's default pools' budget) at "
             "once, in a storage that never moves. Pass cache_config max_tokens, or KVPool.for_model(..., "
             "max_tokens=...), for a pool of another size.",
-            *(device, pool.max_pages, pool.max_pages * page_bytes / 2**20),
+            *(device, pool.pages.max_pages, pool.pages.max_pages * page_bytes / 2**20),
         )
         return pool
 
@@ -206,15 +220,8 @@ class PoolFactories:
             return len(dropped)
 
     @classmethod
-    def for_budget(cls, page_format: PageFormat, device: str | torch.device, max_tokens: int) -> Self:
-        """The shared fixed pool of ``max_tokens`` tokens with a prefix index for this format and device, made on
-        first use and kept for the process as the default pools are: how ``cache_config={"max_tokens": N,
-        "prefix_caching": True}`` reuses prompts across calls.
-
-        Raises:
-            ValueError: the device could never hold ``max_tokens`` tokens.
-        """
-        device = normalize_device(device)
+    def _budget_pool(cls, page_format: PageFormat, device: torch.device, max_tokens: int) -> Self:
+        """The shared fixed pool of ``max_tokens`` tokens with a prefix index (``default``)."""
         num_pages = page_format.pages_for_tokens(max_tokens) + 1
         device_memory.check_fits(f"max_tokens={max_tokens}", num_pages * page_format.page_bytes, device)
         with _REGISTRY_LOCK:

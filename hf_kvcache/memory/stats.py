@@ -1,5 +1,5 @@
 """A pool's live statistics (``pool_stats``), its alerts when the share of pages held crosses a threshold
-(``PoolAlerts``) and its integrity check (``check_integrity``): ``KVPool`` calls them under its lock with its
+(``PoolAlerts``) and its integrity check (``check_integrity``): ``PagePool`` calls them under its lock with its
 allocator, page tables and storage."""
 
 import logging
