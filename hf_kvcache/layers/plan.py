@@ -61,13 +61,15 @@ class StepPlan:
             none; ``RingRows``), which ``reads`` reads (and keys coded a page at a time decode).
         layout: a ring's eager step: the ``KeyLayout`` attention gets (``None``: a single new token read in time
             order sees every key).
-        value_extents: quantized values read in place: ``[n]`` the extents the mask visits (padded with the last
-            one to a fixed count), whose codes are dequantized into ``value_buffer``.
+        value_extents: quantized values read in place: ``[n]`` the extents the mask visits (a compiled step's padded
+            with the last one to a fixed count), whose codes are dequantized into ``value_buffer``.
         window_pages / window_offsets: ``[batch, 1, residual length]`` the page and slot of the token each slot
             of the residual window holds (the null page's first slot where it holds none), where its
             full-precision values go over the dequantized ones.
         value_buffer: ``[heads, view pages * page_size, head_dim]`` quantized values laid out as the storage's
             first pages (the view attention reads), rewritten by each layer.
+        value_runs: an eager step's ``value_extents`` as ``(first, end)`` runs of consecutive ids
+            (``SlotStore.values_in_place``).
         sink_write / sink_writes: an exact sink (``ExactSink``): ``[1]`` where the new token goes in it, and ``[1, 1,
             1, 1]`` whether it is one of the first tokens the sink holds (else the sink keeps what it held).
     """
@@ -93,6 +95,7 @@ class StepPlan:
     window_pages: torch.Tensor | None = None
     window_offsets: torch.Tensor | None = None
     value_buffer: torch.Tensor | None = None
+    value_runs: list[tuple[int, int]] | None = None
     sink_write: torch.Tensor | None = None
     sink_writes: torch.Tensor | None = None
     reads: torch.Tensor | None = None

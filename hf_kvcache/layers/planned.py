@@ -233,7 +233,7 @@ class PlannedRows:
             keys = self._storage_view(storage.keys, layer_in_group)
             if self.store.quant is None:
                 return keys, self._storage_view(storage.values, layer_in_group)
-            return keys, self.store.read_planned_in_place(layer_in_group, storage, plan)
+            return keys, self.store.values_in_place(layer_in_group, storage, plan)
         keys = None if self.store.keys is None else self.store.keys.read_planned(layer_in_group, storage, plan, dtype)
         gather = lambda tensor: read_planned(tensor, plan, layer_in_group)  # noqa: E731
         return self.store.read(layer_in_group, storage, gather, plan.window_reads, keys)

@@ -143,6 +143,9 @@ class PagedRows(PlannedRows):
             plan.reads = page_rows(read_pages, fmt.num_kv_heads, self.pool.storage.num_pages)
         elif mode == IN_PLACE:
             plan.mask = self.path.mask
+            if self.store.quant is not None:  # the visited extents' values, dequantized into a buffer
+                plan.value_extents, plan.value_runs = self.path.extents
+                plan.value_buffer = self.store.in_place_buffer(plan.mask.num_pages)
             if self.store.residual is not None:  # the window's tokens, over their dequantized slots
                 plan.window_pages, plan.window_offsets = self._window_slots(end)
         return plan
@@ -256,8 +259,7 @@ class PagedRows(PlannedRows):
         if self.store.quant is None:
             values = self._storage_view(storage.values, layer_in_group)
         else:
-            extents, runs = self.path.extents
-            values = self.store.values_in_place(layer_in_group, storage, plan, extents, runs)
+            values = self.store.values_in_place(layer_in_group, storage, plan)
         gather = functools.partial(self.gather, layer_in_group, num_tokens, window=plan.window_reads)
         handoff[PAGED_READ] = PagedRead(plan.mask, self._pad_tensor(self.table.num_rows), num_tokens, gather)
         return keys, values

@@ -166,24 +166,6 @@ class SlotStore:
         if plan.window_write is not None:
             self.residual.buffers[layer_in_group].index_copy_(2, plan.window_write, value_states)
 
-    def read_planned_in_place(self, layer_in_group: int, storage: PoolStorage, plan: "Any") -> torch.Tensor:
-        """A step's values read in place (``StepPlan.mask``), laid out as the storage's first pages: the codes
-        of the extents the step visits dequantized into ``plan.value_buffer``, the residual window's tokens over
-        their slots in full precision; ``[1, heads, view pages * page_size, head_dim]``."""
-        fmt, quant, buffer = self.pool.format, self.quant, plan.value_buffer
-        heads, slots_per_extent = fmt.num_kv_heads, fmt.extent_pages * fmt.page_size
-
-        def visited(tensor: torch.Tensor) -> torch.Tensor:  # [heads, extents, slots, last_dim]
-            by_extent = tensor[layer_in_group].view(heads, -1, slots_per_extent, tensor.shape[-1])
-            return by_extent.index_select(1, plan.value_extents)
-
-        codes, scales = visited(storage.values), visited(storage.value_scales)
-        groups = quant.num_scale_groups
-        values = dequantize(codes, scales[..., :groups], scales[..., groups:], quant, buffer.dtype)
-        buffer.view(heads, -1, slots_per_extent, quant.head_dim).index_copy_(1, plan.value_extents, values)
-        self._window_over_slots(layer_in_group, buffer, plan)
-        return buffer.unsqueeze(0)
-
     def _window_over_slots(self, layer_in_group: int, slots: torch.Tensor, plan: "Any") -> None:
         """The residual window's values over their slots of ``slots`` ``[heads, pages * page_size, head_dim]``, a
         layer's values laid out as the storage's first pages (``StepPlan.window_pages`` / ``window_offsets``)."""
@@ -241,12 +223,7 @@ class SlotStore:
         else:
             codes = gather(storage.values)  # [batch, heads, n, code_dim]
             scales = gather(storage.value_scales)  # [batch, heads, n, 2 * num_scale_groups]
-            if torch.compiler.is_compiling():  # a graph allocates what it computes: no buffer kept across steps
-                groups = self.quant.num_scale_groups
-                values = dequantize(codes, scales[..., :groups], scales[..., groups:], self.quant, keys.dtype)
-            else:
-                values = self._buffer("values", (*codes.shape[:3], self.quant.head_dim), keys.dtype)  # [b, h, n, hd]
-                self._dequantize(values, codes, scales)
+            values = self._dequantized(codes, scales, keys.dtype)  # [batch, heads, n, head_dim]
             if window is not None:
                 self.residual.overlay(layer_in_group, values, window)
         coded = (keys if self.keys is not None else None, values if self.quant is not None else None)
@@ -258,50 +235,52 @@ class SlotStore:
                     out[:, :, -states.shape[2] :] = _detached(states)
         return keys, values
 
-    def values_in_place(
-        self,
-        layer_in_group: int,
-        storage: PoolStorage,
-        plan: "Any",
-        extents: torch.Tensor,
-        runs: list[tuple[int, int]],
-    ) -> torch.Tensor:
-        """One layer's quantized values laid out as the storage's slots, for attention that reads the keys in place.
+    def values_in_place(self, layer_in_group: int, storage: PoolStorage, plan: "Any") -> torch.Tensor:
+        """One layer's quantized values laid out as the storage's slots, for attention that reads the keys in place
+        (``StepPlan.mask``), eager and compiled steps alike.
 
-        Only the pages of ``extents`` (what the step's mask visits) are dequantized, into a buffer shaped as the
-        storage's first ``num_pages`` pages that the layers of the layer group reuse (pages outside them are never
-        read); the residual window's tokens are then written over their slots in full precision. Extents in at most
-        ``MAX_RUNS`` runs of consecutive ids (a fresh pool's rows) are dequantized straight from their codes' slices
-        into their slots'; others are gathered, dequantized and scattered (two more passes over the values).
-
-        Args:
-            extents: ``[visited]`` extent ids, ascending.
-            runs: the same extents as ``(first, end)`` runs of consecutive ids (``extent_runs``).
-            plan: the step's (``StepPlan.mask`` says how many pages the view holds; ``window_pages`` /
-                ``window_offsets`` where the residual window's tokens lie).
+        Only the extents the step's mask visits (``StepPlan.value_extents``) are dequantized, into
+        ``StepPlan.value_buffer``, shaped as the storage's first pages, which the layers of the layer group reuse
+        (pages outside them are never read); the residual window's tokens then go over their slots in full precision.
+        An eager step whose extents lie in at most ``MAX_RUNS`` runs of consecutive ids (``StepPlan.value_runs``: a
+        fresh pool's rows) dequantizes them straight from their codes' slices into their slots'; otherwise they are
+        gathered, dequantized and scattered (two more passes over the values).
 
         Returns:
-            ``[1, heads, num_pages * page_size, head_dim]``.
+            ``[1, heads, view pages * page_size, head_dim]``.
         """
-        fmt, quant, num_pages = self.pool.format, self.quant, plan.mask.num_pages
+        fmt, quant, buffer = self.pool.format, self.quant, plan.value_buffer
         heads, slots_per_extent = fmt.num_kv_heads, fmt.extent_pages * fmt.page_size
-        slots = self._buffer("in_place", (heads, num_pages * fmt.page_size, quant.head_dim), storage.keys.dtype)
-        by_extent = slots.view(heads, -1, slots_per_extent, quant.head_dim)  # [heads, extents, slots, head_dim]
+        by_extent = buffer.view(heads, -1, slots_per_extent, quant.head_dim)  # [heads, extents, slots, head_dim]
 
         def by_extents(tensor: torch.Tensor) -> torch.Tensor:  # [heads, extents, slots, last_dim]
             return tensor[layer_in_group].view(heads, -1, slots_per_extent, tensor.shape[-1])
 
         codes, scales = by_extents(storage.values), by_extents(storage.value_scales)
-        if len(runs) <= MAX_RUNS:
-            for first, end in runs:
+        if plan.value_runs is not None and len(plan.value_runs) <= MAX_RUNS:
+            for first, end in plan.value_runs:
                 self._dequantize(by_extent[:, first:end], codes[:, first:end], scales[:, first:end])
         else:
-            shape = (heads, extents.numel(), slots_per_extent, quant.head_dim)
-            values = self._buffer("values", shape, slots.dtype)  # [heads, visited, slots, head_dim]
-            self._dequantize(values, codes.index_select(1, extents), scales.index_select(1, extents))
+            extents = plan.value_extents
+            values = self._dequantized(codes.index_select(1, extents), scales.index_select(1, extents), buffer.dtype)
             by_extent.index_copy_(1, extents, values)
-        self._window_over_slots(layer_in_group, slots, plan)
-        return slots.unsqueeze(0)
+        self._window_over_slots(layer_in_group, buffer, plan)
+        return buffer.unsqueeze(0)
+
+    def in_place_buffer(self, num_pages: int) -> torch.Tensor:
+        """An eager step's ``StepPlan.value_buffer``: ``[heads, num_pages * page_size, head_dim]``, reused."""
+        fmt = self.pool.format
+        return self._buffer("in_place", (fmt.num_kv_heads, num_pages * fmt.page_size, fmt.head_dim), fmt.dtype)
+
+    def _dequantized(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Values ``[..., head_dim]`` of ``codes`` and their joined ``scales``: in a reused buffer, or where a graph is
+        compiled, computed by it (no buffer kept across steps)."""
+        if torch.compiler.is_compiling():
+            groups = self.quant.num_scale_groups
+            return dequantize(codes, scales[..., :groups], scales[..., groups:], self.quant, dtype)
+        values = self._buffer("values", (*codes.shape[:-1], self.quant.head_dim), dtype)
+        self._dequantize(values, codes, scales)
+        return values
 
     def _dequantize(self, out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
         """``dequantize_into`` with the joined scales of ``join_scales`` and reused work buffers."""
