@@ -38,13 +38,18 @@ class KeyCodes:
         self.quant = page_format.key_format
         self.page_size = page_format.page_size
         self._buffer = buffer
-        # Kept for a step's layers: (page table, its ids flattened), (decode buffer, its even and odd rows).
-        self._gather_ids: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._halves: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._targets: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None  # (targets, store's index)
+        self._halves: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None  # (decode buffer, its rows)
 
-    def store(self, layer_in_group: int, storage: PoolStorage, pages: torch.Tensor, targets: torch.Tensor) -> None:
-        """Encodes full pages ``[batch, heads, m, page_size, head_dim]`` into pool pages ``targets [batch, m]``."""
+    def store_index(self, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``store``'s index of pool pages ``targets [batch, m]``: ``[heads, batch, m]`` as index tensors."""
+        heads = torch.arange(self.format.num_kv_heads, device=targets.device).view(-1, 1, 1)
+        return heads, targets.unsqueeze(0)
+
+    def store(
+        self, layer_in_group: int, storage: PoolStorage, pages: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
+        """Encodes full pages ``[batch, heads, m, page_size, head_dim]`` into the pool pages of ``index``
+        (``store_index``)."""
         fmt, quant = self.format, self.quant
         if fmt.keys_per_channel:  # each channel's page_size tokens: [batch, heads, m, head_dim, page_size]
             codes, scale, zero = quantize(pages.transpose(-1, -2), quant)  # codes [..., head_dim, page_size // 2]
@@ -53,24 +58,25 @@ class KeyCodes:
         else:
             codes, scale, zero = quantize(pages, quant)
             parts = ((storage.keys, codes), (storage.key_scales, join_scales(scale, zero)))
-        if self._targets is None or self._targets[0] is not targets:  # once for a step's layers
-            heads = torch.arange(fmt.num_kv_heads, device=targets.device).view(-1, 1, 1)
-            self._targets = (targets, (heads, targets.unsqueeze(0)))  # -> [heads, batch, m]
         for tensor, part in parts:  # part [batch, heads, m, *a page's shape] to each head's pages
             pool_pages = storage.page_view(tensor, layer_in_group, tuple(part.shape[3:]))  # [heads, pages, *shape]
-            pool_pages.index_put_(self._targets[1], part.transpose(0, 1).to(tensor.dtype))
+            pool_pages.index_put_(index, part.transpose(0, 1).to(tensor.dtype))
 
     def decode(
-        self, layer_in_group: int, storage: PoolStorage, page_ids: torch.Tensor, dtype: torch.dtype
+        self,
+        layer_in_group: int,
+        storage: PoolStorage,
+        page_ids: torch.Tensor,
+        dtype: torch.dtype,
+        ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The keys of pages ``page_ids [batch, m]`` as ``[heads, batch * m, page_size, head_dim]`` in ``dtype``,
-        decoded into a reused buffer (slots of a page still filling read as whatever its codes were)."""
+        """The keys of pages ``page_ids [batch, m]`` (``ids``: the same flattened, a step's ``StepPlan.key_ids``) as
+        ``[heads, batch * m, page_size, head_dim]`` in ``dtype``, decoded into a reused buffer (slots of a page still
+        filling read as whatever its codes were)."""
         fmt, quant = self.format, self.quant
         heads, page_size, head_dim = fmt.num_kv_heads, self.page_size, fmt.head_dim
         batch, m = page_ids.shape
-        if self._gather_ids is None or self._gather_ids[0] is not page_ids:  # once per table
-            self._gather_ids = (page_ids, page_ids.reshape(-1))
-        ids = self._gather_ids[1]
+        ids = page_ids.reshape(-1) if ids is None else ids
 
         def gather(tensor: torch.Tensor, *page_shape: int) -> torch.Tensor:  # [heads, batch * m, *page_shape]
             return storage.page_view(tensor, layer_in_group, page_shape).index_select(1, ids)
@@ -122,4 +128,4 @@ class KeyCodes:
         return dequantize(*quantize(pages, self.quant), self.quant, pages.dtype)
 
     def release(self) -> None:
-        self._gather_ids = self._halves = self._targets = None
+        self._halves = None

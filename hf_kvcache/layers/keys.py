@@ -40,12 +40,7 @@ class KeyPages:
         self.partial: dict[int, torch.Tensor] = {}  # layer_in_group -> [batch, heads, page_size, head_dim]
         self.written: dict[int, int] = {}  # layer_in_group -> tokens written (padding included)
         self.filled_unencoded: int | None = None  # the end of a page the last planned step filled, not yet encoded
-        # Kept for a step's layers: ((start, shifts, heads, head_dim), where its key goes in the pages still filling,
-        # the rows' pages, and for a step that fills pages where each row's goes and which rows fill it);
-        # ((batch, pages, page still filling), where it goes in read).
-        self._step_slot: tuple[tuple, torch.Tensor, torch.Tensor, tuple | None] | None = None
         self._partial_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (partial, heads first)
-        self._filling: tuple[tuple[int, int, int], torch.Tensor] | None = None
 
     @property
     def partial_bytes(self) -> int:
@@ -68,6 +63,36 @@ class KeyPages:
         """Where token pages ``[batch, m]`` lie in their rows' pages."""
         return token_pages if ring_pages is None else token_pages % ring_pages
 
+    # ----- an eager step's plan --------------------------------------------------------------
+
+    def plan_eager(
+        self,
+        plan: "Any",
+        start: int,
+        num_new: int,
+        page_ids: torch.Tensor,
+        shifts: list[int],
+        ring_pages: int | None = None,
+    ) -> None:
+        """What every layer of an eager step writing tokens ``[start, start + n)`` does with its keys
+        (``StepPlan.key_ids``, ``key_filling``, ``key_step``): the rows' pages ``page_ids`` flattened, to decode;
+        where each row's page still filling lies among them once the step has written (rows counted from 0); and for
+        a one-token step after the rows' first tokens, where its key goes in each row's page still filling and, if it
+        fills that page, the pool pages it is encoded to and which rows fill it."""
+        (batch, m), device, end = page_ids.shape, page_ids.device, start + num_new
+        plan.key_ids = page_ids.reshape(-1)
+        if ring_pages is None and not any(shifts) and end % self.page_size:
+            plan.key_filling = torch.arange(batch, device=device) * m + end // self.page_size
+        if num_new != 1 or min(start - shift for shift in shifts) < 0:
+            return  # the general path of write
+        fmt = self.codes.format
+        slot = torch.tensor([(start - shift) % self.page_size for shift in shifts], device=device)
+        fills, filled = self._fills(end, shifts), None
+        if any(fills):
+            targets, rows = self._filled_targets(page_ids, end, shifts, ring_pages)
+            filled = (self.codes.store_index(targets), None if all(fills) else rows.view(-1, 1, 1, 1))
+        plan.key_step = (slot.view(batch, 1, 1, 1).expand(batch, fmt.num_kv_heads, 1, fmt.head_dim), filled)
+
     # ----- writing ------------------------------------------------------------------------------
 
     def write(
@@ -79,6 +104,7 @@ class KeyPages:
         page_ids: torch.Tensor,
         shifts: list[int],
         ring_pages: int | None = None,
+        plan: "Any" = None,
     ) -> None:
         """Takes tokens ``[start, start + n)`` of every row; encodes and stores the pages they fill.
 
@@ -89,12 +115,13 @@ class KeyPages:
             page_ids: ``[batch, num_pages]`` the rows' pages (their page table).
             shifts: the token each row counts from (``0``, or a ring row's leading padding).
             ring_pages: the ring's pages per row (``None``: growing rows keep every page).
+            plan: the step's (``plan_eager``); a one-token step writes as it says.
         """
         if key_states.requires_grad:
             key_states = key_states.detach()
         if self.filled_unencoded is not None and self.filled_unencoded == start:  # the step after a planned one
             self._encode_partial(storage, page_ids, start, shifts, ring_pages)  # that filled a page, not planned
-        if self._write_in_place(layer_in_group, storage, start, key_states, page_ids, shifts, ring_pages):
+        if self._write_in_place(layer_in_group, storage, start, key_states, plan):
             return
         batch, page_size, device = key_states.shape[0], self.page_size, key_states.device
         firsts, ends = self._pages_before(start, shifts), self._pages_before(start + key_states.shape[2], shifts)
@@ -110,7 +137,7 @@ class KeyPages:
             pages = take(self._page_tokens(token_pages))  # [batch, heads, most, page_size, head_dim]
             targets = page_ids.gather(1, self._position(token_pages, ring_pages).clamp(max=page_ids.shape[1] - 1))
             targets = targets.masked_fill(steps >= num_done.unsqueeze(1), NULL_PAGE)  # [batch, most]
-            self.codes.store(layer_in_group, storage, pages, targets)
+            self.codes.store(layer_in_group, storage, pages, self.codes.store_index(targets))
         _, end_held = self._filled(start + key_states.shape[2], row_shifts)
         partial = take(self._page_tokens(end_page.unsqueeze(1))).squeeze(2)  # [batch, heads, page_size, head_dim]
         keep = torch.arange(page_size, device=device) < end_held.unsqueeze(1)  # [batch, page_size]
@@ -119,41 +146,24 @@ class KeyPages:
         self.written[layer_in_group] = start + key_states.shape[2]
 
     def _write_in_place(
-        self,
-        layer_in_group: int,
-        storage: PoolStorage,
-        start: int,
-        key_states: torch.Tensor,
-        page_ids: torch.Tensor,
-        shifts: list[int],
-        ring_pages: int | None,
+        self, layer_in_group: int, storage: PoolStorage, start: int, key_states: torch.Tensor, plan: "Any"
     ) -> bool:
-        """A decode step's key put in its slot of each row's page still filling (one op); the rows whose page it
-        fills get that page encoded to their pool page, and a page still filling of zeros (the general path of
-        ``write`` took and gathered every row's tokens to do the same). ``False``: not a decode step after one
-        of the rows' tokens, nothing written."""
+        """A one-token step's key put in its slot of each row's page still filling (one op), as ``plan`` says
+        (``StepPlan.key_step``); the rows whose page it fills get that page encoded to their pool page, and a page
+        still filling of zeros. ``False``: not such a step after the rows' tokens, nothing written."""
         partial = self.partial.get(layer_in_group)
-        batch, heads, num_new, head_dim = key_states.shape
-        if num_new != 1 or partial is None or partial.shape[0] != batch or self.written.get(layer_in_group) != start:
+        step = plan.key_step if plan is not None else None
+        batch, _, num_new, _ = key_states.shape
+        if step is None or num_new != 1 or partial is None or partial.shape[0] != batch:
             return False
-        key = (start, tuple(shifts), heads, head_dim)
-        if self._step_slot is None or self._step_slot[0] != key or self._step_slot[2] is not page_ids:
-            offsets = [start - shift for shift in shifts]
-            if min(offsets) < 0:
-                return False  # a row before its first token: the general path
-            slot = torch.tensor([offset % self.page_size for offset in offsets], device=partial.device)
-            fills = self._fills(start + 1, shifts)
-            filled = None
-            if any(fills):
-                targets, mask = self._filled_targets(page_ids, start + 1, shifts, ring_pages)
-                filled = (targets, None if all(fills) else mask.view(-1, 1, 1, 1))
-            self._step_slot = (key, slot.view(batch, 1, 1, 1).expand(batch, heads, 1, head_dim), page_ids, filled)
-        _, slot, _, filled = self._step_slot
+        if self.written.get(layer_in_group) != start:
+            return False
+        slot, filled = step
         partial.scatter_(2, slot, key_states.to(partial.dtype))
         self.written[layer_in_group] = start + 1
         if filled is not None:
-            targets, rows = filled
-            self.codes.store(layer_in_group, storage, partial.unsqueeze(2), targets)
+            index, rows = filled
+            self.codes.store(layer_in_group, storage, partial.unsqueeze(2), index)
             if rows is None:  # every slot is written again before it is read
                 partial.zero_()
             else:
@@ -213,14 +223,17 @@ class KeyPages:
         dtype: torch.dtype,
         ring_pages: int | None = None,
         num_tokens: int | None = None,
+        plan: "Any" = None,
     ) -> torch.Tensor:
-        """Every slot of the rows' pages ``page_ids [batch, m]``, decoded, with the pages still filling over theirs.
+        """Every slot of the rows' pages ``page_ids [batch, m]``, decoded, with the pages still filling over theirs
+        (where the step's ``plan`` says, ``plan_eager``; without one: worked out).
 
         Returns:
             ``[batch, heads, num_tokens, head_dim]`` (a strided view of a reused buffer), in page order: the first
             ``num_tokens`` slots of each row (all ``m * page_size`` if ``None``).
         """
-        pages = self.codes.decode(layer_in_group, storage, page_ids, dtype)  # [heads, batch * m, page_size, head_dim]
+        ids = plan.key_ids if plan is not None else None
+        pages = self.codes.decode(layer_in_group, storage, page_ids, dtype, ids)  # [heads, batch * m, page_size, hd]
         (heads, _, page_size, head_dim), (batch, m) = pages.shape, page_ids.shape
         partial = self.partial.get(layer_in_group)
         written = self.written.get(layer_in_group, 0)
@@ -228,10 +241,10 @@ class KeyPages:
             # Rows counted from 0: the page still filling is page written // page_size of every row, and its
             # slots past the tokens held lie past the tokens read. One op puts it over its decoded slots.
             if written % page_size:
-                key = (batch, m, written // page_size)
-                if self._filling is None or self._filling[0] != key:
-                    self._filling = (key, torch.arange(batch, device=pages.device) * m + key[2])
-                pages.index_copy_(1, self._filling[1], self._heads_first(layer_in_group, partial).to(dtype))
+                filling = plan.key_filling if plan is not None else None
+                if filling is None:
+                    filling = torch.arange(batch, device=pages.device) * m + written // page_size
+                pages.index_copy_(1, filling, self._heads_first(layer_in_group, partial).to(dtype))
         elif partial is not None and partial.shape[0] == batch:
             keys = pages.view(heads, batch, m * page_size, head_dim)
             row_shifts = torch.tensor(shifts, device=keys.device)  # [batch]
@@ -328,8 +341,9 @@ class KeyPages:
         page still filling (the page a planned step filled: planned steps encode it one step late, the step that
         filled it only wrote its last key there)."""
         targets, filled = self._filled_targets(page_ids, end, shifts, ring_pages)
+        index = self.codes.store_index(targets)
         for layer_in_group, partial in self.partial.items():
-            self.codes.store(layer_in_group, storage, partial.unsqueeze(2), targets)
+            self.codes.store(layer_in_group, storage, partial.unsqueeze(2), index)
             partial.masked_fill_(filled.view(-1, 1, 1, 1), 0)  # every slot is written again before it is read
         self.filled_unencoded = None
 
@@ -395,5 +409,4 @@ class KeyPages:
         self._partial_views.clear()
         self.written.clear()
         self.filled_unencoded = None
-        self._step_slot = self._filling = None
         self.codes.release()

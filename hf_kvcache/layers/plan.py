@@ -70,6 +70,10 @@ class StepPlan:
             first pages (the view attention reads), rewritten by each layer.
         value_runs: an eager step's ``value_extents`` as ``(first, end)`` runs of consecutive ids
             (``SlotStore.values_in_place``).
+        key_ids / key_filling / key_step: an eager step's keys coded a page at a time (``KeyPages.plan_eager``): the
+            rows' pages flattened ``[batch * pages]``, to decode; each row's page still filling among them ``[batch]``
+            (rows counted from 0, ``None``: none); a one-token step's slot in the pages still filling ``[batch, heads,
+            1, head_dim]`` and, where it fills them, the pool pages they are encoded to and the rows that fill.
         sink_write / sink_writes: an exact sink (``ExactSink``): ``[1]`` where the new token goes in it, and ``[1, 1,
             1, 1]`` whether it is one of the first tokens the sink holds (else the sink keeps what it held).
     """
@@ -96,6 +100,9 @@ class StepPlan:
     window_offsets: torch.Tensor | None = None
     value_buffer: torch.Tensor | None = None
     value_runs: list[tuple[int, int]] | None = None
+    key_ids: torch.Tensor | None = None
+    key_filling: torch.Tensor | None = None
+    key_step: Any = None
     sink_write: torch.Tensor | None = None
     sink_writes: torch.Tensor | None = None
     reads: torch.Tensor | None = None

@@ -166,7 +166,7 @@ class RingRows(PagedRows):
         storage = self.pool.storage
         shape = (plan.slots.shape[0], self.pool.format.num_kv_heads, plan.slots.shape[1])
         gather = lambda tensor: read_slots(storage.slots(tensor, layer_in_group), plan.reads, shape)  # noqa: E731
-        keys = self._read_keys(layer_in_group, storage, plan.slots) if self.store.keys is not None else None
+        keys = self._read_keys(layer_in_group, storage, plan.slots, plan=plan) if self.store.keys is not None else None
         return self.store.read(layer_in_group, storage, gather, plan.window_reads, keys, own)
 
     def _plan_eager(self, start: int, num_new: int, hands_over: bool) -> StepPlan:
@@ -179,6 +179,7 @@ class RingRows(PagedRows):
         new_tokens = torch.arange(start, end, device=device).expand(batch, -1)  # [batch, num_new]
         plan = StepPlan(None, None, *self._write_slots(start, num_new), *self._constants(), 0)
         plan.start, plan.num_new, plan.version = start, num_new, self.table.version
+        self._plan_keys(plan)
         pads = self._pad_tensor(batch)
         if num_new <= self.max_step and hands_over and self.path.our_attention() and self._first_page() is not None:
             plan.mode, plan.layout = IN_PLACE, self._slot_layout(start, num_new, sinks, first)

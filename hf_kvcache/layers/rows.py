@@ -138,6 +138,7 @@ class PagedRows(PlannedRows):
         plan = StepPlan(None, None, *self._write_slots(start, num_new), *self._constants(), end)
         plan.start, plan.num_new, plan.version, plan.mode = start, num_new, self.table.version, mode
         self.store.plan_window(plan, start, num_new)
+        self._plan_keys(plan)
         if mode == GATHER:
             read_pages = self._page_ids()[:, : -(-end // fmt.page_size)]  # [batch, pages]
             plan.reads = page_rows(read_pages, fmt.num_kv_heads, self.pool.storage.num_pages)
@@ -149,6 +150,14 @@ class PagedRows(PlannedRows):
             if self.store.residual is not None:  # the window's tokens, over their dequantized slots
                 plan.window_pages, plan.window_offsets = self._window_slots(end)
         return plan
+
+    def _plan_keys(self, plan: StepPlan) -> None:
+        """An eager step's keys coded a page at a time (``KeyPages.plan_eager``)."""
+        if self.store.keys is not None:
+            ids = self._page_ids()
+            self.store.keys.plan_eager(
+                plan, plan.start, plan.num_new, ids, self.key_shifts(ids.shape[0]), self.ring_pages
+            )
 
     def _write_slots(self, start: int, num_new: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[batch, 1, n]`` the page and the slot in it of each row's tokens ``[start, start + n)``
@@ -179,7 +188,7 @@ class PagedRows(PlannedRows):
 
         with self.pool.held() as storage:
             self.store.write(layer_in_group, storage, put, key_states, value_states, code_values=not deferred)
-            self._write_keys(layer_in_group, storage, start, key_states)
+            self._write_keys(layer_in_group, storage, plan, key_states)
         self.store.remember(layer_in_group, plan, value_states, key_states)
         if deferred and layer_in_group == self._last_layer:  # every layer's token, coded at once
             with self.pool.held() as storage:
@@ -190,12 +199,13 @@ class PagedRows(PlannedRows):
         """The token each row counts its pages from (``KeyPages``): growing rows store padding too, from 0."""
         return [0] * batch
 
-    def _write_keys(self, layer_in_group: int, storage: PoolStorage, start: int, key_states: torch.Tensor) -> None:
+    def _write_keys(self, layer_in_group: int, storage: PoolStorage, plan: StepPlan, key_states: torch.Tensor) -> None:
         """Encoded keys: the step's keys to the rows' pages still filling; pages that fill, encoded (call it inside
         ``PagePool.held()``)."""
         if self.store.keys is not None:
             shifts = self.key_shifts(key_states.shape[0])
-            self.store.keys.write(layer_in_group, storage, start, key_states, self._page_ids(), shifts, self.ring_pages)
+            ids = self._page_ids()
+            self.store.keys.write(layer_in_group, storage, plan.start, key_states, ids, shifts, self.ring_pages, plan)
 
     def _read_keys(
         self,
@@ -203,6 +213,7 @@ class PagedRows(PlannedRows):
         storage: PoolStorage,
         slots: torch.Tensor | None = None,
         num_tokens: int | None = None,
+        plan: StepPlan | None = None,
     ) -> torch.Tensor:
         """Encoded keys: every slot of the rows' pages decoded, ``[batch, heads, pages * page_size, head_dim]`` (the
         first ``num_tokens``), or with ``slots [batch, n]`` (a ring's logical slots; ``-1``: none) those, ``[batch,
@@ -210,9 +221,8 @@ class PagedRows(PlannedRows):
         ids = self._page_ids()
         shifts = self.key_shifts(ids.shape[0])
         fmt = self.pool.format
-        keys = self.store.keys.read(
-            layer_in_group, storage, ids, shifts, fmt.dtype, self.ring_pages, None if slots is not None else num_tokens
-        )
+        num_read = None if slots is not None else num_tokens
+        keys = self.store.keys.read(layer_in_group, storage, ids, shifts, fmt.dtype, self.ring_pages, num_read, plan)
         if slots is None:
             return keys
         index = slots.clamp(min=0).view(slots.shape[0], 1, -1, 1)
@@ -249,7 +259,7 @@ class PagedRows(PlannedRows):
         step = (key_states, value_states) if plan.num_new > 1 else None
         self.path.reads[plan.mode] += 1
         if plan.mode == GATHER:
-            return self.gather(layer_in_group, num_tokens, plan.reads, step, plan.window_reads)
+            return self.gather(layer_in_group, num_tokens, plan, step)
         storage = self.pool.storage
         if plan.mode == RUN:
             first_page = self.table.rows[0][0]
@@ -260,7 +270,7 @@ class PagedRows(PlannedRows):
             values = self._storage_view(storage.values, layer_in_group)
         else:
             values = self.store.values_in_place(layer_in_group, storage, plan)
-        gather = functools.partial(self.gather, layer_in_group, num_tokens, window=plan.window_reads)
+        gather = functools.partial(self.gather, layer_in_group, num_tokens, plan)
         handoff[PAGED_READ] = PagedRead(plan.mask, self._pad_tensor(self.table.num_rows), num_tokens, gather)
         return keys, values
 
@@ -275,28 +285,28 @@ class PagedRows(PlannedRows):
         self,
         layer_in_group: int,
         num_tokens: int,
-        reads: torch.Tensor | None = None,
+        plan: StepPlan | None = None,
         step: tuple[torch.Tensor, torch.Tensor] | None = None,
-        window: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[batch, heads, num_tokens, head_dim]`` of one layer, gathered for attention.
+        """Keys and values ``[batch, heads, num_tokens, head_dim]`` of one layer, gathered for attention as the step's
+        ``plan`` says (its ``reads``, ``window_reads`` and keys: ``_plan_eager``), or without one, as worked out here.
 
         Args:
-            reads: the rows' pages holding the tokens (``kernels.page_rows``; ``StepPlan.reads``); default: built.
             step: as for ``SlotStore.read``.
-            window: where the residual window's values go (``StepPlan.window_reads``); default: built.
         """
         storage = self.pool.storage
+        reads = plan.reads if plan is not None else None
+        window = plan.window_reads if plan is not None else None
         if reads is None:
             pages = self._page_ids()[:, : -(-num_tokens // self.pool.format.page_size)]
             reads = page_rows(pages, self.pool.format.num_kv_heads, storage.num_pages)
-        if window is None and self.store.residual is not None:
+        if plan is None and self.store.residual is not None:
             window = self.store.residual.reads(num_tokens, 0, num_tokens, 0, self.pool.device)
         shape = (self.table.num_rows, self.pool.format.num_kv_heads, num_tokens)
         page_size = self.pool.format.page_size
         keys = None
         if self.store.keys is not None:
-            keys = self._read_keys(layer_in_group, storage, num_tokens=num_tokens)
+            keys = self._read_keys(layer_in_group, storage, num_tokens=num_tokens, plan=plan)
         return self.store.read(
             layer_in_group,
             storage,
