@@ -83,12 +83,6 @@ def read_slots(slots: torch.Tensor, index: torch.Tensor, shape: tuple[int, ...])
     return slots.index_select(0, index).view(*shape, slots.shape[-1])
 
 
-def write_slots(slots: torch.Tensor, index: torch.Tensor, states: torch.Tensor) -> None:
-    """Scatters new keys (or values) ``[batch, heads, n, last_dim]`` into their slots ``index [batch, heads, n]``
-    (slot indices) of a layer's ``slots`` view (as for ``read_slots``)."""
-    slots.index_put_((index,), states if states.dtype == slots.dtype else states.to(slots.dtype))
-
-
 def write_planned(storage: torch.Tensor, plan: "Any", layer_idx: int, states: torch.Tensor) -> None:
     """Writes a step's new tokens, ``states [batch, heads, n, last_dim]``, to their slots of one layer
     (``StepPlan.write_pages`` / ``write_offsets``): one ``index_put_`` on the whole storage (no view of it is

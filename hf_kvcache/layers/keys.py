@@ -82,7 +82,7 @@ class KeyPages:
         (batch, m), device, end = page_ids.shape, page_ids.device, start + num_new
         plan.key_ids = page_ids.reshape(-1)
         if ring_pages is None and not any(shifts) and end % self.page_size:
-            plan.key_filling = torch.arange(batch, device=device) * m + end // self.page_size
+            plan.key_filling = torch.tensor([row * m + end // self.page_size for row in range(batch)], device=device)
         if num_new != 1 or min(start - shift for shift in shifts) < 0:
             return  # the general path of write
         fmt = self.codes.format
