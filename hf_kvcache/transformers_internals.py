@@ -31,12 +31,14 @@ __all__ = [
     "commit_hash",
     "drop_quantizer",
     "layer_types_and_kwargs",
+    "prefill_method",
     "prepare_cache_method",
     "prepare_inputs_method",
     "remove_attention",
     "sdpa_attention_forward",
     "sdpa_mask",
     "set_cache_implementations",
+    "set_prefill_method",
     "set_prepare_cache_method",
     "set_prepare_inputs_method",
     "tensor_parallel_group",
@@ -110,6 +112,17 @@ def set_prepare_inputs_method(method: Callable[..., Any]) -> None:
     """Replaces ``GenerationMixin.prepare_inputs_for_generation`` for every model that does not override it (models
     that do call it through ``super()``)."""
     GenerationMixin.prepare_inputs_for_generation = method
+
+
+def prefill_method() -> Callable[..., Any]:
+    """``GenerationMixin._prefill``: a request's first forward pass, or with ``prefill_chunk_size`` its chunks, each
+    through the forward it picks then (compiled where ``_valid_auto_compile_criteria`` says so)."""
+    return GenerationMixin._prefill
+
+
+def set_prefill_method(method: Callable[..., Any]) -> None:
+    """Replaces ``GenerationMixin._prefill`` for every model."""
+    GenerationMixin._prefill = method
 
 
 def remove_attention(name: str) -> None:

@@ -1,6 +1,6 @@
 """Teaches ``model.generate(cache_implementation=NAME, cache_config={...})`` our cache names.
 
-The only module that changes transformers, through exactly three seams (plus one public registry,
+The only module that changes transformers, through exactly four seams (plus one public registry,
 ``AttentionInterface``/``AttentionMaskInterface``, where ``attn_implementation="hf_kvcache"`` is added: see
 ``hf_kvcache.attention.interface``), all reached through ``hf_kvcache.transformers_internals``:
 
@@ -15,9 +15,12 @@ The only module that changes transformers, through exactly three seams (plus one
    (``PoolCache.prefix``) sees the token ids: before the first forward pass it attaches the prompt's cached prefix
    and ``generate`` feeds only the rest; before every forward pass it records the ids fed, to publish full pages.
    Any other cache goes to the original method untouched.
+4. ``GenerationMixin._prefill``: wrapped so that a chunked prefill (``prefill_chunk_size``) on one of our caches
+   runs its chunks, steps of several tokens, eager (the cache says it is not compileable while they run) and its
+   decode steps compiled, through the forward ``generate`` picked before the prefill.
 
 Our names are those of ``integration.registry.REGISTRY``. ``register()`` is idempotent and ``unregister()`` puts
-all four back exactly as they were.
+all of them back exactly as they were.
 """
 
 import functools
@@ -40,10 +43,12 @@ from hf_kvcache.memory.format import PageFormat
 from hf_kvcache.memory.placement import Placement, kv_heads_per_rank, layer_devices_from_map
 from hf_kvcache.transformers_internals import (
     cache_implementations,
+    prefill_method,
     prepare_cache_method,
     prepare_inputs_method,
     remove_attention,
     set_cache_implementations,
+    set_prefill_method,
     set_prepare_cache_method,
     set_prepare_inputs_method,
     tensor_parallel_group,
@@ -56,6 +61,7 @@ SUPPORTED_TRANSFORMERS = (Version("5.24"), Version("6.0"))
 _lock = threading.Lock()
 _original_prepare: Callable[..., Any] | None = None
 _original_inputs: Callable[..., Any] | None = None
+_original_prefill: Callable[..., Any] | None = None
 _original_names: tuple[str, ...] | None = None
 
 
@@ -146,7 +152,8 @@ def check_request(
     cache's ``admission_check`` option is off, a request whose worst case does not fit its pool; tells the cache how
     long its rows will grow (``PoolCache.plan``); decides whether ``generate`` compiles the request's steps: where
     its own rule says so and every compiled step feeds one token (``several_tokens_a_step`` tells the requests whose
-    steps feed more, which run eager: the cache is then not compileable for them).
+    steps feed more, which run eager: the cache is then not compileable for them; a chunked prefill's chunks run
+    eager, ``_prefill``).
 
     Args:
         batch_size: prompts in the request; each runs ``max(num_beams, num_return_sequences)`` rows.
@@ -186,16 +193,11 @@ def several_tokens_a_step(generation_config: Any, generation_mode: str | None) -
     """Why ``generate`` would run steps of several tokens through the compiled forward of a request: a key to say it
     once by and the message; ``None`` where every compiled step feeds one token (a decode step).
 
-    ``generate`` picks the compiled forward once for a loop of steps: chunked prefill runs every chunk through it, and
-    assisted decoding (prompt lookup, an assistant model) every step after the prompt, each feeding the candidate
-    tokens. Only one-token steps are planned, so these requests run eager.
+    ``generate`` picks the compiled forward once for a loop of steps: assisted decoding (prompt lookup, an assistant
+    model) runs every step after the prompt through it, each feeding the candidate tokens. Only one-token steps are
+    planned, so these requests run eager. (A chunked prefill's chunks go through a forward ``_prefill`` picks, which
+    runs them eager.)
     """
-    if generation_config.prefill_chunk_size is not None:
-        return "prefill_chunk_size", (
-            "Compiled decoding is off for requests with prefill_chunk_size: generate runs each chunk, several tokens, "
-            "through the compiled forward, and only one-token steps are planned, so such a request runs eager (leave "
-            "prefill_chunk_size unset to compile its decode steps)."
-        )
     if generation_mode == "assisted_generation":
         return "assisted", (
             "Compiled decoding is off for prompt lookup and assisted decoding: every step after the prompt feeds the "
@@ -226,6 +228,23 @@ def _prepare_cache_for_generation(
     return None
 
 
+def _prefill(self, input_ids: torch.LongTensor, generation_config: Any, model_kwargs: dict, *args, **kwargs):
+    cache = model_kwargs.get("cache")
+    if not isinstance(cache, PoolCache) or generation_config.prefill_chunk_size is None or not cache.compiled_decoding:
+        return _original_prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
+    flex.log_once(
+        "compiled:prefill_chunk_size",
+        logging.INFO,
+        "A chunked prefill's chunks (prefill_chunk_size, several tokens a step) run eager, its decode steps compiled: "
+        "only one-token steps are planned.",
+    )
+    cache.compiled_decoding = False  # generate's rule then picks the eager forward for the chunks
+    try:
+        return _original_prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
+    finally:
+        cache.compiled_decoding = True
+
+
 def _prepare_inputs_for_generation(
     self,
     input_ids: torch.LongTensor,
@@ -252,7 +271,7 @@ def register() -> None:
     Raises:
         ImportError: the installed transformers is outside ``SUPPORTED_TRANSFORMERS``.
     """
-    global _original_prepare, _original_inputs, _original_names
+    global _original_prepare, _original_inputs, _original_prefill, _original_names
     check_transformers_version()
     with _lock:
         if _original_prepare is not None:
@@ -260,25 +279,28 @@ def register() -> None:
         _original_names = cache_implementations()
         _original_prepare = prepare_cache_method()
         _original_inputs = prepare_inputs_method()
+        _original_prefill = prefill_method()
         new_names = tuple(name for name in REGISTRY if name not in _original_names)
         set_cache_implementations(_original_names + new_names)
         set_prepare_cache_method(functools.wraps(_original_prepare)(_prepare_cache_for_generation))
         set_prepare_inputs_method(functools.wraps(_original_inputs)(_prepare_inputs_for_generation))
+        set_prefill_method(functools.wraps(_original_prefill)(_prefill))
         AttentionInterface.register(ATTENTION_NAME, banded_sdpa_attention)
         AttentionMaskInterface.register(ATTENTION_NAME, model_attention_mask)
 
 
 def unregister() -> None:
     """Puts transformers back exactly as before ``register()`` (a no-op if not registered)."""
-    global _original_prepare, _original_inputs, _original_names
+    global _original_prepare, _original_inputs, _original_prefill, _original_names
     with _lock:
         if _original_prepare is None:
             return
         set_cache_implementations(_original_names)
         set_prepare_cache_method(_original_prepare)
         set_prepare_inputs_method(_original_inputs)
+        set_prefill_method(_original_prefill)
         remove_attention(ATTENTION_NAME)  # register() has no public undo
-        _original_prepare = _original_inputs = _original_names = None
+        _original_prepare = _original_inputs = _original_prefill = _original_names = None
 
 
 def is_registered() -> bool:
