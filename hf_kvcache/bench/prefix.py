@@ -10,7 +10,9 @@ KVPool.for_model(model, max_tokens=..., prefix_caching=on)``, a fresh pool per m
   question: time to first token (the prefill and the first pick, read from a streamer) and the call's total time,
   medians. Each question's greedy tokens are compared across modes, and so are its logits (largest difference).
 - **concurrent**: the document is generated on once (``max_new_tokens=1``), then ``num_questions`` threads each
-  answer one question at once on the pool: its high-water pages, against the issue's bound
+  answer one question at once on the pool (each waits after its prefill until all have prefilled, so that the
+  requests hold their prompts' pages at the same time however the threads are scheduled): its high-water pages,
+  against the issue's bound
   ``prefix + num_questions * (question + answer) + num_questions`` pages (one partial page each).
 - **chat**: ``chat_turns`` turns, the first prompt the document, each next prompt the previous prompt, its answer
   and a new ``chat_message_tokens`` message: tokens prefilled per turn (the prompt less the tokens reused).
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
+from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 from hf_kvcache.bench import measure
 from hf_kvcache.integration.registry import REGISTRY
@@ -270,12 +272,12 @@ def _answer_at_once(
     model: PreTrainedModel, prompts: list[torch.Tensor], pool: KVPool, config: PrefixBenchConfig
 ) -> None:
     """One thread per prompt, all starting together on ``pool``; re-raises the first thread's error."""
-    barrier, errors = threading.Barrier(len(prompts)), []
+    barrier, prefilled, errors = threading.Barrier(len(prompts)), threading.Barrier(len(prompts)), []
 
     def answer(ids: torch.Tensor) -> None:
         try:
             barrier.wait()
-            _generate(model, ids, pool, config)
+            _generate(model, ids, pool, config, logits_processor=LogitsProcessorList([_AllPrefilled(prefilled)]))
         except Exception as error:  # noqa: BLE001  (re-raised below, in the calling thread)
             errors.append(error)
 
@@ -286,6 +288,19 @@ def _answer_at_once(
         thread.join()
     if errors:
         raise errors[0]
+
+
+class _AllPrefilled(LogitsProcessor):
+    """Holds a request at its first pick (its prompt's pages taken) until every request of ``barrier`` is there."""
+
+    def __init__(self, barrier: threading.Barrier) -> None:
+        self.barrier, self.waited = barrier, False
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if not self.waited:
+            self.waited = True
+            self.barrier.wait(timeout=300)
+        return scores
 
 
 def _chat(
