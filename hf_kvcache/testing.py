@@ -130,6 +130,110 @@ def tiny_hybrid(model_type: str, seed: int = 0, **overrides: Any) -> PreTrainedM
     return model
 
 
+CAUSAL_LM_SIZES: dict[str, Any] = {
+    **_TINY_SIZES,
+    "vocab_size": 256,  # room for the special token ids some models keep below 256
+    # the same sizes under the names other configs give them (each config takes those it declares)
+    **{name: 2 for name in ("decoder_layers", "encoder_layers", "num_layers", "n_layers")},
+    **{name: 4 for name in ("decoder_attention_heads", "encoder_attention_heads", "num_decoder_attention_heads")},
+    **{name: 4 for name in ("num_encoder_attention_heads", "num_heads", "n_heads")},
+    **{name: 128 for name in ("decoder_ffn_dim", "encoder_ffn_dim", "ffn_dim", "d_ff", "dim_ff", "n_inner")},
+    **{name: 64 for name in ("d_model", "embed_dim", "n_embed", "word_embed_proj_dim")},
+    **{name: 32 for name in ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size")},
+    **{name: 4 for name in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")},
+    **{name: 2 for name in ("num_experts_per_tok", "moe_topk")},
+    **{name: 16 for name in ("dim_head", "d_kv", "kv_channels", "attention_head_size")},
+    **{name: 16 for name in ("kv_lora_rank", "q_lora_rank", "linear_key_head_dim", "linear_value_head_dim")},
+    # multi-head latent attention keeps its real layout: its latent (kv_lora_rank) wider than its rope key
+    **{"qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16},
+    **{name: 2 for name in ("linear_num_key_heads", "n_group", "topk_group")},
+    "linear_num_value_heads": 4,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "n_positions": 512,
+    "sliding_window": 8,  # shorter than the matrix's sequences: sliding layers drop tokens
+    "rotary_dim": 8,
+    "vocab_size_per_layer_input": 256,
+    "hidden_size_per_layer_input": 16,
+    "global_head_dim": 32,  # Gemma 4's full-attention layers: wider heads than its sliding layers'
+    "max_position_embeddings": 512,
+}
+"""The sizes ``tiny_causal_lm`` gives every model type: each config takes those of its fields (or ``attribute_map``
+names) that are here, its sub-configs (a vision tower beside the text model) too."""
+
+_HYBRID = {"layer_types": ["linear_attention", "full_attention"]}
+CAUSAL_LM_SETTINGS: dict[str, dict[str, Any]] = {
+    "mimo_v2_flash": {"head_dim": 24},  # keys wider than values (v_head_dim), as in the real model
+    # hybrids: an attention layer among two (the default patterns put the first one further down)
+    **dict.fromkeys(["bailing_hybrid", "granitemoehybrid", "kimi_linear", "qwen3_next", "qwen3_5_text"], _HYBRID),
+    **dict.fromkeys(["qwen3_5_moe_text", "qwen4_exp_text"], _HYBRID),
+    **{model_type: {"text_config": _HYBRID} for model_type in ("qwen3_5", "qwen3_5_moe", "qwen4_exp")},
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
+    "bamba": {"attn_layer_indices": [1]},
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
+    **dict.fromkeys(["lfm2_moe", "lfm3"], {"layer_types": ["conv", "full_attention"]}),
+    # sizes these configs check against each other
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 8},
+    "dots3_note": {"num_key_value_heads": 4},
+    "dots3_note_text": {"num_key_value_heads": 4},
+    "mamba2": {"num_heads": 8},
+    "xlnet": {"d_head": 16},
+    "zaya": {"num_experts_per_tok": 1},
+    "gemma4_assistant": {"hidden_size_per_layer_input": 0, "text_config": {"hidden_size_per_layer_input": 0}},
+    "kolibri1_1": {"index_num_heads": 1},
+    "zamba2": {"layer_types": ["mamba", "hybrid"]},
+}
+"""What ``tiny_causal_lm`` sets besides ``CAUSAL_LM_SIZES`` for a model type whose own fields need it."""
+
+
+def tiny_causal_lm_config(model_type: str, **overrides: Any) -> PreTrainedConfig:
+    """The tiny config of ``model_type`` (a ``model_type`` of transformers' auto mapping of causal LMs):
+    ``CAUSAL_LM_SIZES`` where the config (or one of its sub-configs) has such a field, ``CAUSAL_LM_SETTINGS``, then
+    ``overrides``.
+
+    Raises:
+        whatever transformers raises for a config it cannot build (a missing optional package, ...).
+    """
+    default = AutoConfig.for_model(model_type)
+    settings = {**_declared(type(default), CAUSAL_LM_SIZES), **CAUSAL_LM_SETTINGS.get(model_type, {}), **overrides}
+    for key in getattr(type(default), "sub_configs", None) or {}:
+        sub_config = getattr(default, key, None)
+        if isinstance(sub_config, PreTrainedConfig):  # built by its class, or by its model_type (AutoConfig)
+            given, sizes = settings.get(key, {}), _declared(type(sub_config), CAUSAL_LM_SIZES)
+            if given or sizes:
+                kind = {"model_type": sub_config.model_type} if sub_config.model_type else {}
+                settings[key] = {**kind, **sizes, **given}
+    return AutoConfig.for_model(model_type, **settings)
+
+
+def tiny_causal_lm(model_type: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
+    """Builds a random-init tiny model of ``model_type`` (``tiny_causal_lm_config``) with ``AutoModelForCausalLM``.
+
+    Args:
+        model_type: a ``model_type`` of transformers' auto mapping of causal LMs.
+        seed: Seed for ``torch.manual_seed`` before the weights are initialized.
+        **overrides: config fields that replace the tiny defaults.
+
+    Returns:
+        An fp32 model in eval mode under its own attention: ``"sdpa"``, or ``"eager"`` where the model refuses sdpa;
+        its ``generate`` pads with id 0 and stops at no token.
+    """
+    config = tiny_causal_lm_config(model_type, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()  # transformers' default: sdpa if it can
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None  # every run makes max_new_tokens tokens
+    return model
+
+
+def _declared(config_class: type[PreTrainedConfig], sizes: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``sizes`` that ``config_class`` declares as fields or ``attribute_map`` names."""
+    fields = set(getattr(config_class, "__dataclass_fields__", {})) | set(getattr(config_class, "attribute_map", {}))
+    if "qk_rope_head_dim" in fields:  # latent attention: a KV head per query head, head_dim the rope part's (derived)
+        fields -= {"head_dim", "num_key_value_heads"}
+    return {name: value for name, value in sizes.items() if name in fields}
+
+
 def random_padded_batch(
     lengths: list[int], vocab_size: int, generator: torch.Generator, low: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,12 +21,14 @@ from transformers.dynamic_module_utils import check_python_requirements
 from transformers.generation import configuration_utils
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 __all__ = [
     "DummyLayer",
     "attn_implementation",
     "cache_implementations",
     "cache_layer_state",
+    "causal_lm_model_types",
     "check_python_requirements",
     "commit_hash",
     "drop_quantizer",
@@ -37,6 +39,7 @@ __all__ = [
     "remove_attention",
     "sdpa_attention_forward",
     "sdpa_mask",
+    "serves_dynamic_cache",
     "set_cache_implementations",
     "set_prefill_method",
     "set_prepare_cache_method",
@@ -140,3 +143,15 @@ def drop_quantizer(model: Any) -> None:
     """
     model.hf_quantizer = None
     del model.config.quantization_config
+
+
+def causal_lm_model_types() -> list[str]:
+    """The ``model_type`` of every causal LM transformers' ``AutoModelForCausalLM`` builds, in its auto mapping's
+    order (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, a submodule's)."""
+    return list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def serves_dynamic_cache(model: Any) -> bool:
+    """Whether ``generate`` gives ``model`` a ``DynamicCache`` (``_supports_default_dynamic_cache``, private): not for
+    the models that keep a cache of their own (MiniMax's, RWKV's, XLNet's memory, ...)."""
+    return type(model)._supports_default_dynamic_cache()

@@ -18,7 +18,7 @@ from transformers import (
 import hf_kvcache
 from hf_kvcache import transformers_internals as internals
 from hf_kvcache.memory.placement import kv_heads_per_rank
-from hf_kvcache.testing import tiny_gemma3, tiny_llama
+from hf_kvcache.testing import tiny_causal_lm, tiny_gemma3, tiny_llama
 
 
 def test_seams_exist_in_this_transformers():
@@ -171,3 +171,16 @@ def test_kv_heads_per_rank_is_transformers_rule():
     for style in ("colwise_gather_output", "rowwise"):
         plan = {"model.layers.*.self_attn.k_proj": style}
         assert kv_heads_per_rank(4, plan, 2) == get_kv_heads_per_rank(plan, 4, 2) == 4
+
+
+def test_causal_lm_model_types_are_the_auto_mappings():
+    """Each names a config ``AutoModelForCausalLM`` builds a model for."""
+    model_types = internals.causal_lm_model_types()
+    assert {"llama", "gpt2", "qwen3_5_text", "mamba"} <= set(model_types)
+    assert len(model_types) == len(set(model_types))
+
+
+def test_serves_dynamic_cache_is_generates_rule():
+    """transformers gives ``DynamicCache`` to a Llama, not to MiniMax (a cache of its own)."""
+    assert internals.serves_dynamic_cache(tiny_llama())
+    assert not internals.serves_dynamic_cache(tiny_causal_lm("minimax"))

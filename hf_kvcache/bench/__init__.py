@@ -5,8 +5,9 @@ Modules: ``catalogue`` (the caches compared and how each is built), ``decode`` (
 peak memory of each cache, against its baselines in the same run; ``decode_report``: its settings, results and
 table), ``ring_update`` (one cache update alone,
 sliding caches), ``measure`` (RSS and peak memory, other processes' CPU, the scripts' machine options, the
-checks and JSON record every benchmark shares) and ``soak`` (thousands of short ``generate`` calls on small
-pools, checking that memory stays flat).
+checks and JSON record every benchmark shares), ``soak`` (thousands of short ``generate`` calls on small
+pools, checking that memory stays flat) and ``model_matrix`` (every causal LM of transformers' auto mapping, tiny,
+through every cache under either attention: ``scripts/model_matrix.py``).
 """
 
 from hf_kvcache.errors import MissingExtraError

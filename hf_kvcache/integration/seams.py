@@ -47,6 +47,7 @@ from hf_kvcache.transformers_internals import (
     prepare_cache_method,
     prepare_inputs_method,
     remove_attention,
+    serves_dynamic_cache,
     set_cache_implementations,
     set_prefill_method,
     set_prepare_cache_method,
@@ -81,7 +82,15 @@ def build_cache(name: str, model: Any, cache_config: Any) -> Cache:
     The pool is bound to the model's dtype and device right away (each device's, for a split model), cut for the
     KV heads this process holds (a tensor-parallel rank's share) and the layers on its device (``placement_of``);
     unknown keys are rejected.
+
+    Raises:
+        IncompatibleModelError: the model keeps a cache of its own (transformers gives it no ``DynamicCache``).
     """
+    if not serves_dynamic_cache(model):
+        raise IncompatibleModelError(
+            f"{type(model).__name__} keeps a cache of its own, not a DynamicCache (transformers gives it none), so no "
+            f"cache_implementation={name!r} either: leave cache_implementation unset."
+        )
     cache_class = REGISTRY[name].cache_class
     placement = placement_of(model)
     return cache_class(model.config, cache_config, dtype=model.dtype, device=model.device, placement=placement)

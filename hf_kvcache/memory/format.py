@@ -209,6 +209,80 @@ class PageFormat:
                 f"{type(config).__name__} has no num_attention_heads/num_hidden_layers: not an attention model. "
                 "Serve it with transformers' own caches (leave cache_implementation unset)."
             )
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        cross = getattr(config, "cross_attention_layers", None)
+        if cross:
+            raise IncompatibleModelError(
+                f"{type(config).__name__}'s layers {list(cross)} attend to an image's or encoder's keys "
+                "(cross_attention_layers), which hf_kvcache caches do not hold. Serve it with transformers' own caches "
+                "(DynamicCache: leave cache_implementation unset)."
+            )
+        num_kv_heads, head_dim = kv_geometry(config, [idx for group in groups for idx in group])
         return cls(len(groups[0]), num_kv_heads, head_dim, dtype, page_size, len(groups))
+
+
+def kv_geometry(config: Any, layers: list[int]) -> tuple[int, int]:
+    """``(num_kv_heads, head_dim)`` of the keys and values the paged ``layers`` of a (decoder) config write: the
+    config's (``layer_geometry``), or each layer's own where the config is heterogeneous (``per_layer_config``:
+    Gemma 4), which must agree.
+
+    Raises:
+        IncompatibleModelError: the layers write values of another width than their keys, or layers write keys and
+            values of different geometries (one pool holds pages of one geometry).
+    """
+    if not getattr(config, "is_heterogeneous", False):
+        return layer_geometry(config)
+    found = {layer_geometry(config.per_layer_config[idx]) for idx in layers}
+    if len(found) > 1:
+        raise IncompatibleModelError(
+            f"{type(config).__name__}'s attention layers write keys and values of different geometries "
+            f"({sorted(found)} as (KV heads, width), per_layer_config): a pool holds pages of one geometry. Serve it "
+            "with transformers' own caches (DynamicCache: leave cache_implementation unset)."
+        )
+    return found.pop()
+
+
+def layer_geometry(config: Any) -> tuple[int, int]:
+    """``(num_kv_heads, head_dim)`` of the keys and values each attention layer of a (decoder) config writes.
+
+    Read where the config says it exactly: a decoder beside an encoder writes its own heads
+    (``decoder_attention_heads`` or ``num_decoder_attention_heads``, where ``num_attention_heads`` and
+    ``num_key_value_heads`` may be the encoder's: BART-like decoders, Whisper, ProphetNet), each ``hidden_size`` over
+    them wide; otherwise ``num_key_value_heads`` (one for a multi-query model: GPTBigCode's ``multi_query`` sets it),
+    else ``num_attention_heads``, each ``head_dim`` (or ``dim_head``: CPM-Ant) wide, else ``hidden_size`` over the
+    heads. Multi-head latent attention (``kv_lora_rank`` and ``qk_rope_head_dim``: DeepSeek-V2/V3, Kimi, ...)
+    writes its compressed latent as the keys and its rope key as the values, one head each.
+
+    Raises:
+        IncompatibleModelError: the layers write values of another width than their keys (``v_head_dim``, or a latent
+            attention's latent and rope key): pages store both at one width.
+    """
+    decoder_heads = getattr(config, "decoder_attention_heads", None)
+    decoder_heads = decoder_heads or getattr(config, "num_decoder_attention_heads", None)
+    num_heads = decoder_heads or config.num_attention_heads
+    latent, rope = getattr(config, "kv_lora_rank", None), getattr(config, "qk_rope_head_dim", None)
+    if latent is not None and rope is not None:  # latent attention caches its latent and rope key as one head
+        return _same_width(
+            config, 1, latent, rope, "its compressed latent (kv_lora_rank) and rope key (qk_rope_head_dim)"
+        )
+    if decoder_heads is not None:  # a decoder beside an encoder: its num_key_value_heads may be the encoder's
+        num_kv_heads, head_dim = decoder_heads, config.hidden_size // decoder_heads
+    else:
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(config, "head_dim", None) or getattr(config, "dim_head", None)
+        head_dim = head_dim or config.hidden_size // num_heads
+    return _same_width(config, num_kv_heads, head_dim, getattr(config, "v_head_dim", None) or head_dim, "v_head_dim")
+
+
+def _same_width(config: Any, num_kv_heads: int, key_dim: int, value_dim: int, source: str) -> tuple[int, int]:
+    """``(num_kv_heads, key_dim)``, if the values are as wide as the keys.
+
+    Raises:
+        IncompatibleModelError: they are not (``source`` says where the widths come from).
+    """
+    if value_dim != key_dim:
+        raise IncompatibleModelError(
+            f"{type(config).__name__} writes keys of width {key_dim} and values of width {value_dim} ({source}): "
+            "hf_kvcache pages store keys and values at one width. Serve it with transformers' own caches "
+            "(DynamicCache: leave cache_implementation unset)."
+        )
+    return num_kv_heads, key_dim

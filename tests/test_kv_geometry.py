@@ -1,0 +1,98 @@
+"""Pages cut for the keys and values the model writes: multi-query models (one KV head: GPTBigCode's config says so
+with ``multi_query``), multi-head latent attention (its compressed latent as keys and its rope key as values, one head:
+DeepSeek-V3), decoders whose config names an encoder's heads besides theirs (ProphetNet) or heads of ``dim_head``
+(CPM-Ant); and the models whose values are narrower than their keys, refused by name before any page is taken
+(MiMo-V2-Flash; DeepSeek-V3 as released, whose latent is wider than its rope key).
+
+Tiny random-init models from ``hf_kvcache.testing.tiny_causal_lm``, against ``DynamicCache``."""
+
+import pytest
+import torch
+
+from hf_kvcache import IncompatibleModelError, KVPool, PagedCache, PagedConfig
+from hf_kvcache.memory.format import PageFormat
+from hf_kvcache.testing import tiny_causal_lm, tiny_llama
+from tests.helpers import assert_same_generation, exact_config, padded_batch, run
+
+PROMPT = [5, 11]
+NEW_TOKENS = 5
+
+
+def assert_generates_as_dynamic_cache(model, cache_name: str) -> None:
+    ids, mask = padded_batch(PROMPT, vocab=256, seed=2)
+    expected = run(model, ids, mask, max_new_tokens=NEW_TOKENS)
+    config = exact_config(cache_name, max(PROMPT) + NEW_TOKENS)
+    config.pop("group_size", None)  # the default: the model's head, however wide
+    actual = run(model, ids, mask, max_new_tokens=NEW_TOKENS, cache_implementation=cache_name, cache_config=config)
+    assert_same_generation(expected, actual)
+
+
+@pytest.fixture(scope="module")
+def starcoder():
+    """GPTBigCode with multi-query attention (StarCoder, SantaCoder): one KV head for 4 query heads."""
+    return tiny_causal_lm("gpt_bigcode", multi_query=True)
+
+
+@pytest.fixture(scope="module")
+def latent():
+    """DeepSeek-V3's latent attention with a latent (kv_lora_rank) as wide as its rope key."""
+    return tiny_causal_lm("deepseek_v3", kv_lora_rank=8, qk_rope_head_dim=8)
+
+
+def test_a_multi_query_model_is_cut_one_kv_head(starcoder):
+    page_format = PageFormat.from_model_config(starcoder.config, torch.float32)
+    assert (page_format.num_kv_heads, page_format.head_dim) == (1, 16)
+
+
+def test_a_multi_query_model_generates_on_the_default_pool(starcoder, cache_name, fresh_default_pools):
+    assert_generates_as_dynamic_cache(starcoder, cache_name)
+
+
+def test_latent_attention_is_cut_one_head_of_its_latent(latent):
+    page_format = PageFormat.from_model_config(latent.config, torch.float32)
+    assert (page_format.num_kv_heads, page_format.head_dim) == (1, 8)
+
+
+def test_latent_attention_generates_on_the_default_pool(latent, cache_name, fresh_default_pools):
+    assert_generates_as_dynamic_cache(latent, cache_name)
+
+
+@pytest.mark.parametrize(
+    "model_type,overrides,geometry",
+    [
+        ("prophetnet", {"num_decoder_attention_heads": 8}, (8, 8)),  # the encoder's heads are num_attention_heads
+        ("cpmant", {"dim_head": 32}, (4, 32)),  # heads of dim_head channels, not hidden_size / heads
+    ],
+    ids=["prophetnet", "cpmant"],
+)
+def test_a_decoder_is_cut_for_the_heads_it_writes(model_type, overrides, geometry, fresh_default_pools):
+    model = tiny_causal_lm(model_type, **overrides)
+    page_format = PageFormat.from_model_config(model.config, torch.float32)
+    assert (page_format.num_kv_heads, page_format.head_dim) == geometry
+    assert_generates_as_dynamic_cache(model, "paged_pool")
+
+
+@pytest.mark.parametrize(
+    "model_type,overrides",
+    [("mimo_v2_flash", {"head_dim": 24}), ("deepseek_v3", {})],
+    ids=["mimo_v2_flash", "deepseek_v3"],
+)
+def test_values_narrower_than_keys_are_refused_by_name_before_any_page(
+    model_type, overrides, cache_name, fresh_default_pools
+):
+    model = tiny_causal_lm(model_type, **overrides)
+    with pytest.raises(IncompatibleModelError, match=r"keys of width (24|16) and values of width (16|8) \("):
+        PagedCache(model.config)
+    ids, mask = padded_batch(PROMPT, vocab=256)
+    with pytest.raises(IncompatibleModelError, match="DynamicCache"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, cache_implementation=cache_name)
+    assert KVPool.drop_defaults() == 0  # no pool was made, so no page was taken
+
+
+def test_a_given_pool_of_another_geometry_keeps_its_error(starcoder):
+    pool = KVPool.for_model(tiny_llama(), PagedConfig(), max_tokens=64)  # 2 KV heads
+    cache = PagedCache(starcoder.config, {"pool": pool})
+    ids, mask = padded_batch(PROMPT, vocab=256)
+    with pytest.raises(IncompatibleModelError, match=r"pool was built for another model .*num_kv_heads 2 vs 1"):
+        starcoder.generate(ids, attention_mask=mask, max_new_tokens=2, cache=cache)
+    assert pool.stats()["pages_used"] == 0

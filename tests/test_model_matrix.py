@@ -1,0 +1,159 @@
+"""Every causal LM of transformers' auto mapping, tiny, through every cache under either attention
+(``hf_kvcache.bench.model_matrix``): one test per model type and attention, each cache against ``DynamicCache`` under
+the model's own attention.
+
+A run passes if a lossless cache gives ``DynamicCache``'s tokens and logits, a quantized one stays within its bound,
+or the cache refuses the model by name for the reason ``REFUSED`` gives it; a crash, a silent difference, a refusal
+for another reason and a listed refusal that no longer happens all fail. ``KNOWN_FAILURES`` lists the runs that still
+fail, with their status: the test fails when one changes (fixed: take it out). A model type not built tiny, or that
+transformers cannot generate with ``DynamicCache``, is skipped with the error, if ``SKIPPED`` names it and the error.
+"""
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import transformers
+
+from hf_kvcache import KVPool
+from hf_kvcache.bench import model_matrix as matrix
+
+_TINY = "not built tiny"
+_NO_DYNAMIC = "transformers cannot generate with DynamicCache"
+SKIPPED: dict[str, str] = {
+    # configs that refuse the tiny sizes, or need what the test environment lacks
+    "cohere_compass_text": f"{_TINY} (the tiny sizes or transformers): KeyError: 'full_attention'",
+    "dbrx": f"{_TINY} (the tiny sizes or transformers): AttributeError: 'DbrxAttentionConfig'",
+    "dots3_note": f"{_TINY} (the tiny sizes or transformers): StrictDataclassClassValidationError",
+    "gemma3n": f"{_TINY} (the tiny sizes or transformers): ImportError: TimmWrapperModel requires the timm library",
+    "gemma3n_text": f"{_TINY} (the tiny sizes or transformers): ValueError: The set of layer types producing a cache",
+    "gemma4_assistant": f"{_TINY} (the tiny sizes or transformers): StrictDataclassClassValidationError",
+    "musicgen": f"{_TINY} (the tiny sizes or transformers): AttributeError: 'MusicgenConfig'",
+    "musicgen_melody": f"{_TINY} (the tiny sizes or transformers): AttributeError: 'MusicgenMelodyConfig'",
+    "qwen4_exp": f"{_TINY} (the tiny sizes or transformers): TypeError: unsupported operand",
+    "qwen4_exp_text": f"{_TINY} (the tiny sizes or transformers): TypeError: unsupported operand",
+    "reformer": f"{_TINY} (the tiny sizes or transformers): AssertionError: If you want to use",
+    "zamba": f"{_TINY} (the tiny sizes or transformers): StrictDataclassClassValidationError",
+    # transformers' own generate fails with DynamicCache on the tiny model
+    "blt": f"{_NO_DYNAMIC}: AttributeError: 'BltConfig' object has no attribute 'num_hidden_layers'",
+    "dory": f"{_NO_DYNAMIC}: RuntimeError: The size of tensor a (18) must match",
+    "gemma4_unified_assistant": f"{_NO_DYNAMIC}: AttributeError: 'DummyLayer' object has no attribute",
+    "inkling2_loop_text": f"{_NO_DYNAMIC}: IndexError: index out of range in self",
+    "inkling2_text": f"{_NO_DYNAMIC}: IndexError: index out of range in self",
+    "longcat_flash": f"{_NO_DYNAMIC}: RuntimeError: The size of tensor a (4) must match",
+    "xlstm": f"{_NO_DYNAMIC}: ValueError: matC_old has wrong shape",
+    "xmod": f"{_NO_DYNAMIC}: ValueError: Input language unknown",
+    "zamba2": f"{_NO_DYNAMIC}: KeyError: 1",
+}
+"""Model types not built tiny (their config refuses the tiny sizes, an optional package is missing) or that
+transformers cannot generate with ``DynamicCache``: the start of the error."""
+
+_WIDTHS = "values of width"
+_NOTHING_TO_PAGE = "this model has none to page"
+_OWN_CACHE = "keeps a cache of its own, not a DynamicCache"
+REFUSED: dict[str, str] = {
+    # values narrower than keys (MiMo's v_head_dim; latent attention's rope key beside its latent): one width a page
+    **dict.fromkeys(["axk1", "bailing_hybrid", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "kimi_linear"], _WIDTHS),
+    **dict.fromkeys(["mimo_v2_flash", "minicpm3", "sarvam_mla", "youtu"], _WIDTHS),
+    # no layer to page: state-space models, layers that carry a state and keys (hybrid), indexed (sparse) attention
+    **dict.fromkeys(["falcon_mamba", "mamba", "mamba2", "falcon_h1", "zaya", "inkling_text"], _NOTHING_TO_PAGE),
+    **dict.fromkeys(
+        ["axk2", "deepseek_v32", "deepseek_v4", "dots3_note_text", "glm_moe_dsa", "hy_v4"], _NOTHING_TO_PAGE
+    ),
+    # full-attention layers with wider heads than the sliding ones: one pool holds pages of one geometry
+    **dict.fromkeys(["gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text"], "of different geometries"),
+    # models that take no DynamicCache from transformers either
+    **dict.fromkeys(["minimax", "rwkv", "xlnet"], _OWN_CACHE),
+    # cross-attention layers over the image's keys
+    "mllama": "attend to an image's or encoder's keys (cross_attention_layers)",
+}
+"""Model types each of our caches refuses (``IncompatibleModelError``) under either attention: a piece of the reason
+(``DynamicCache`` under our attention must still equal the model's own)."""
+
+KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
+    # a ring whose window is longer than the sequence, on models whose position bias reads the keys' count
+    **{("cpmant", attention, "sliding_ring"): "differs" for attention in matrix.ATTENTIONS},
+    **{("prophetnet", attention, "sliding_ring"): "differs" for attention in matrix.ATTENTIONS},
+    ("xlm-roberta-xl", matrix.ATTENTION_NAME, "sliding_ring"): "differs",
+    # quantized caches beyond QUANTIZED_BOUND
+    **{("cpmant", attention, "quantized_kv"): "differs" for attention in matrix.ATTENTIONS},
+    **{("kolibri1", attention, cache): "differs" for attention in matrix.ATTENTIONS for cache in matrix.LOSSY},
+    # the keys quantized_kv returns are a view the model's attention cannot .view()
+    **{("gpt_neox_japanese", attention, "quantized_kv"): "crash" for attention in matrix.ATTENTIONS},
+}
+"""Runs that still fail, each with its status (open bugs: the test fails when one changes, fixed or not)."""
+
+RECORD = Path(__file__).parents[1] / "benchmarks" / "model_matrix.json"
+DOCS = Path(__file__).parents[1] / "docs" / "caches.md"
+
+
+@functools.cache
+def built(model_type: str):
+    """The tiny model and its reference run (``matrix.build``), once per model type."""
+    return matrix.build(model_type)
+
+
+@pytest.fixture(autouse=True)
+def drop_default_pools():
+    yield
+    KVPool.drop_defaults()
+
+
+@pytest.mark.parametrize("attention", matrix.ATTENTIONS)
+@pytest.mark.parametrize("model_type", matrix.model_types())
+def test_every_cache_equals_dynamic_cache_or_refuses_by_name(model_type, attention):
+    model = built(model_type)
+    if isinstance(model, str):
+        assert model_type in SKIPPED, f"{model}: transformers' own failure? then add it to SKIPPED"
+        assert SKIPPED[model_type] in model
+        pytest.skip(model)
+    assert model_type not in SKIPPED, f"{model_type} now builds and generates: remove it from SKIPPED"
+    model, reference = model
+    failures = []
+    for cache in matrix.columns(attention):
+        outcome = matrix.run_cell(model_type, model, reference, attention, cache)
+        found = f"{cache}: {outcome.status} {outcome.detail or outcome.difference}"
+        known = KNOWN_FAILURES.get((model_type, attention, cache))
+        if model_type in REFUSED and cache != matrix.DYNAMIC:
+            if outcome.status != "refused" or REFUSED[model_type] not in outcome.detail:
+                failures.append(f"{found}; expected refused for {REFUSED[model_type]!r}")
+        elif known is not None:
+            if outcome.status != known:
+                failures.append(f"{found}; KNOWN_FAILURES lists {known}: update it")
+        elif outcome.status not in ("equal", "close"):
+            failures.append(found)
+    assert not failures, "\n".join(failures)
+
+
+def recorded() -> dict:
+    record = json.loads(RECORD.read_text())
+    if record["transformers"] != transformers.__version__:
+        pytest.skip(f"{RECORD.name} is of transformers {record['transformers']}: rerun scripts/model_matrix.py")
+    return record
+
+
+def test_the_docs_list_the_model_types_of_the_recorded_matrix():
+    """docs/caches.md's list of model types is the one ``scripts/model_matrix.py --write-docs`` renders from
+    ``benchmarks/model_matrix.json``."""
+    text = DOCS.read_text()
+    assert matrix.with_families(text, recorded()) == text
+
+
+def test_the_recorded_matrix_has_every_model_type_and_the_tables_agree_with_it():
+    record = recorded()
+    assert [model["model_type"] for model in record["models"]] == matrix.model_types()
+    assert {model["model_type"] for model in record["models"] if model["skipped"] is not None} == set(SKIPPED)
+    failing = {
+        (model["model_type"], outcome["attention"], outcome["cache"]): outcome["status"]
+        for model in record["models"]
+        for outcome in model["outcomes"]
+        if outcome["status"] not in ("equal", "close", "refused")
+    }
+    assert failing == KNOWN_FAILURES
+    refused = {
+        model["model_type"]
+        for model in record["models"]
+        if any(outcome["status"] == "refused" for outcome in model["outcomes"])
+    }
+    assert refused == set(REFUSED)
