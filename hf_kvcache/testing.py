@@ -133,6 +133,7 @@ def tiny_hybrid(model_type: str, seed: int = 0, **overrides: Any) -> PreTrainedM
 CAUSAL_LM_SIZES: dict[str, Any] = {
     **_TINY_SIZES,
     "vocab_size": 256,  # room for the special token ids some models keep below 256
+    "is_decoder": True,  # a causal LM: BERT-like models attend causally only as decoders
     # the same sizes under the names other configs give them (each config takes those it declares)
     **{name: 2 for name in ("decoder_layers", "encoder_layers", "num_layers", "n_layers")},
     **{name: 4 for name in ("decoder_attention_heads", "encoder_attention_heads", "num_decoder_attention_heads")},
@@ -179,6 +180,7 @@ CAUSAL_LM_SETTINGS: dict[str, dict[str, Any]] = {
     "mamba2": {"num_heads": 8},
     "xlnet": {"d_head": 16},
     "zaya": {"num_experts_per_tok": 1},
+    "reformer": {"axial_pos_shape": [16, 32], "axial_pos_embds_dim": [32, 32]},
     "gemma4_assistant": {"hidden_size_per_layer_input": 0, "text_config": {"hidden_size_per_layer_input": 0}},
     "kolibri1_1": {"index_num_heads": 1},
     "zamba2": {"layer_types": ["mamba", "hybrid"]},
