@@ -48,9 +48,9 @@ class ResidualValues:
         positions = [(token if token >= 0 else fallback) - offset for token in tokens]
         return torch.tensor(sources, device=device), torch.tensor(positions, device=device)
 
-    def write(self, layer_in_group: int, start: int, value_states: torch.Tensor, slots: torch.Tensor) -> None:
-        """Keeps the newest of tokens ``[start, start + n)``, given as ``[batch, heads, n, head_dim]`` states, in
-        ``slots`` (``ResidualValues.slots``)."""
+    def write(self, layer_in_group: int, value_states: torch.Tensor, slots: torch.Tensor) -> None:
+        """Keeps the newest of a step's tokens, given as ``[batch, heads, n, head_dim]`` states, in ``slots``
+        (``ResidualValues.slots``; the step's plan moved ``first`` on: ``SlotStore.plan_window``)."""
         batch, heads, num_new, head_dim = value_states.shape
         buffer = self.buffers.get(layer_in_group)
         if buffer is None or buffer.shape[0] != batch:
@@ -58,7 +58,6 @@ class ResidualValues:
         keep = slots.shape[0]
         newest = value_states if keep == num_new else value_states[:, :, num_new - keep :]  # no op for a decode step
         buffer.index_copy_(2, slots, newest)
-        self.first = max(self.first, start + num_new - self.length)
 
     def overlay(self, layer_in_group: int, values: torch.Tensor, reads: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Puts the held tokens over their positions in ``values`` ``[batch, heads, n, head_dim]`` as ``reads``

@@ -212,16 +212,13 @@ class PlannedRows:
     def _write_ahead(
         self, plan: StepPlan, layer_in_group: int, key_states: torch.Tensor, value_states: torch.Tensor
     ) -> None:
-        """Stores a planned step's ``[batch, heads, 1, head_dim]`` states at its slots: tensor operations only."""
-        storage = self.pool.storage
-        if self.store.keys is None:
-            write_planned(storage.keys, plan, layer_in_group, key_states)
-        else:
+        """Stores a planned step's ``[batch, heads, 1, head_dim]`` states at its slots, as an eager step does but
+        with tensor operations only: no lock, values coded by each layer (the window read from the plan)."""
+        put = lambda tensor, states: write_planned(tensor, plan, layer_in_group, states)  # noqa: E731
+        self.store.write(layer_in_group, self.pool.storage, put, key_states, value_states)
+        if self.store.keys is not None:
             self.store.keys.write_planned(layer_in_group, plan, key_states)
-        if self.store.quant is None:
-            write_planned(storage.values, plan, layer_in_group, value_states)
-        else:
-            self.store.write_planned_values(layer_in_group, storage, plan, value_states)
+        self.store.remember(layer_in_group, plan, value_states)
         if self.store.sink is not None:
             self.store.sink.write_planned(layer_in_group, plan, key_states.detach(), value_states.detach())
 

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from hf_kvcache.attention.kernels import write_planned
 from hf_kvcache.layers.exact import ExactSink, ResidualValues
 from hf_kvcache.layers.keys import KeyPages
 from hf_kvcache.memory.dequant import dequantize_joined_into, spread_bytes
@@ -128,8 +127,7 @@ class SlotStore:
         if residual is None:
             return
         end, device = start + num_new, self.pool.device
-        if start == 0:
-            residual.first = 0
+        residual.first = max(residual.first if start else 0, end - residual.length)  # the step overwrites older ones
         plan.window_write = residual.slots(start, end, device)
         reads = residual.reads(end, low, end if high is None else high, offset, device)
         plan.window_sources, plan.window_positions = (None, None) if reads is None else reads
@@ -153,19 +151,6 @@ class SlotStore:
         plan.window_positions.copy_(positions)
         return plan.window
 
-    def write_planned_values(
-        self, layer_in_group: int, storage: PoolStorage, plan: "Any", value_states: torch.Tensor
-    ) -> None:
-        """A planned step's new values ``[batch, heads, 1, head_dim]``: their codes to their slots (token by token:
-        per-token scales make them the codes a page at a time would be), and the full-precision values to the
-        residual window."""
-        value_states = value_states.detach()
-        codes, scale, zero = quantize(value_states, self.quant)
-        write_planned(storage.values, plan, layer_in_group, codes)
-        write_planned(storage.value_scales, plan, layer_in_group, join_scales(scale, zero))
-        if plan.window_write is not None:
-            self.residual.buffers[layer_in_group].index_copy_(2, plan.window_write, value_states)
-
     def _window_over_slots(self, layer_in_group: int, slots: torch.Tensor, plan: "Any") -> None:
         """The residual window's values over their slots of ``slots`` ``[heads, pages * page_size, head_dim]``, a
         layer's values laid out as the storage's first pages (``StepPlan.window_pages`` / ``window_offsets``)."""
@@ -187,9 +172,10 @@ class SlotStore:
         self, layer_in_group: int, plan: "Any", value_states: torch.Tensor, key_states: torch.Tensor | None = None
     ) -> None:
         """Keeps the full-precision values of a step's tokens for the residual window (``StepPlan.window_write``),
-        and with ``key_states`` (rows that keep every page) the first tokens' keys and values for the exact sink."""
+        and with ``key_states`` (an eager step of rows that keep every page) the first tokens' keys and values for the
+        exact sink."""
         if self.residual is not None:
-            self.residual.write(layer_in_group, plan.start, _detached(value_states), plan.window_write)
+            self.residual.write(layer_in_group, _detached(value_states), plan.window_write)
         if self.sink is not None and key_states is not None:
             self.sink.write(layer_in_group, plan.start, _detached(key_states), _detached(value_states))
 
