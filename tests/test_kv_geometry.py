@@ -1,8 +1,8 @@
 """Pages cut for the keys and values the model writes: multi-query models (one KV head: GPTBigCode's config says so
 with ``multi_query``), multi-head latent attention (its compressed latent as keys and its rope key as values, one head:
-DeepSeek-V3), decoders whose config names an encoder's heads besides theirs (ProphetNet) or heads of ``dim_head``
-(CPM-Ant); and the models whose values are narrower than their keys, refused by name before any page is taken
-(MiMo-V2-Flash; DeepSeek-V3 as released, whose latent is wider than its rope key).
+DeepSeek-V3: values of another width than keys, in full precision; the quantized caches refuse it by name), decoders
+whose config names an encoder's heads besides theirs (ProphetNet) or heads of ``dim_head`` (CPM-Ant); and the models
+whose layers write heads of different geometries, refused by name before any page is taken (MiMo-V2-Flash).
 
 Tiny random-init models from ``hf_kvcache.testing.tiny_causal_lm``, against ``DynamicCache``."""
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hf_kvcache import IncompatibleModelError, KVPool, PagedCache, PagedConfig
+from hf_kvcache.attention.interface import model_attention
 from hf_kvcache.memory.format import PageFormat
 from hf_kvcache.testing import tiny_causal_lm, tiny_llama
 from tests.helpers import assert_same_generation, exact_config, padded_batch, run
@@ -35,8 +36,8 @@ def starcoder():
 
 @pytest.fixture(scope="module")
 def latent():
-    """DeepSeek-V3's latent attention with a latent (kv_lora_rank) as wide as its rope key."""
-    return tiny_causal_lm("deepseek_v3", kv_lora_rank=8, qk_rope_head_dim=8)
+    """DeepSeek-V3's latent attention as released: its cached latent (kv_lora_rank 16) wider than its rope key (8)."""
+    return tiny_causal_lm("deepseek_v3")
 
 
 def test_a_multi_query_model_is_cut_one_kv_head(starcoder):
@@ -48,13 +49,27 @@ def test_a_multi_query_model_generates_on_the_default_pool(starcoder, cache_name
     assert_generates_as_dynamic_cache(starcoder, cache_name)
 
 
-def test_latent_attention_is_cut_one_head_of_its_latent(latent):
+def test_latent_attention_is_cut_one_head_of_its_latent_and_rope_key(latent):
     page_format = PageFormat.from_model_config(latent.config, torch.float32)
-    assert (page_format.num_kv_heads, page_format.head_dim) == (1, 8)
+    assert (page_format.num_kv_heads, page_format.head_dim, page_format.value_head_dim) == (1, 16, 8)
+    assert page_format.page_bytes == 2 * 1 * (16 + 8) * 4 * page_format.page_size  # 2 layers, fp32
 
 
-def test_latent_attention_generates_on_the_default_pool(latent, cache_name, fresh_default_pools):
-    assert_generates_as_dynamic_cache(latent, cache_name)
+@pytest.mark.parametrize("attention", [None, "hf_kvcache"])
+@pytest.mark.parametrize("cache_name", ["paged_pool", "sliding_ring"])
+def test_latent_attention_generates_on_the_default_pool(latent, cache_name, attention, fresh_default_pools):
+    with model_attention(latent, attention):
+        assert_generates_as_dynamic_cache(latent, cache_name)
+
+
+@pytest.mark.parametrize("cache_name", ["quantized_values", "quantized_kv"])
+def test_values_of_another_width_are_refused_by_the_quantized_caches_before_any_page(
+    latent, cache_name, fresh_default_pools
+):
+    ids, mask = padded_batch(PROMPT, vocab=256)
+    with pytest.raises(IncompatibleModelError, match="Keys of width 16 and values of width 8 are stored in full"):
+        latent.generate(ids, attention_mask=mask, max_new_tokens=2, cache_implementation=cache_name)
+    assert KVPool.drop_defaults() == 0  # no pool was made, so no page was taken
 
 
 @pytest.mark.parametrize(
@@ -72,16 +87,10 @@ def test_a_decoder_is_cut_for_the_heads_it_writes(model_type, overrides, geometr
     assert_generates_as_dynamic_cache(model, "paged_pool")
 
 
-@pytest.mark.parametrize(
-    "model_type,overrides",
-    [("mimo_v2_flash", {"head_dim": 24}), ("deepseek_v3", {})],
-    ids=["mimo_v2_flash", "deepseek_v3"],
-)
-def test_values_narrower_than_keys_are_refused_by_name_before_any_page(
-    model_type, overrides, cache_name, fresh_default_pools
-):
-    model = tiny_causal_lm(model_type, **overrides)
-    with pytest.raises(IncompatibleModelError, match=r"keys of width (24|16) and values of width (16|8) \("):
+def test_layers_of_different_geometries_are_refused_by_name_before_any_page(cache_name, fresh_default_pools):
+    """MiMo-V2-Flash's sliding layers hold twice the KV heads of its full-attention layers: no one pool holds both."""
+    model = tiny_causal_lm("mimo_v2_flash", num_hidden_layers=2, layer_types=["full_attention", "sliding_attention"])
+    with pytest.raises(IncompatibleModelError, match=r"different geometries \(\[\(2, 24, 16\), \(4, 24, 16\)\]"):
         PagedCache(model.config)
     ids, mask = padded_batch(PROMPT, vocab=256)
     with pytest.raises(IncompatibleModelError, match="DynamicCache"):

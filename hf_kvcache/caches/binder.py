@@ -216,6 +216,7 @@ class PoolBinder:
                 "num_layer_groups",
                 "num_kv_heads",
                 "head_dim",
+                "value_head_dim",
                 "dtype",
                 "value_bits",
                 "value_group_size",

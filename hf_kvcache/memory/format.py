@@ -94,7 +94,9 @@ class PageFormat:
       token loses; docs/caches.md), a scale and a zero per channel and page in 3 bytes
       (``QuantFormat.compact_params``: the float32 math's grid to within 1/10 of a step).
 
-    Scales (and float zeros) are stored in ``scale_dtype``, by default ``dtype``.
+    Scales (and float zeros) are stored in ``scale_dtype``, by default ``dtype``. Values are ``value_head_dim``
+    wide (by default ``head_dim``, as keys): another width is stored in full precision only (multi-head latent
+    attention caches its latent as keys and its narrower rope key as values).
     """
 
     num_layers: int
@@ -108,12 +110,20 @@ class PageFormat:
     key_bits: int | None = None
     key_group_size: int = 64
     scale_dtype: torch.dtype | None = None
+    value_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         check_page_size(self.page_size)
-        for name in ("num_layers", "num_kv_heads", "head_dim", "num_layer_groups"):
+        if self.value_head_dim is None:
+            object.__setattr__(self, "value_head_dim", self.head_dim)
+        for name in ("num_layers", "num_kv_heads", "head_dim", "num_layer_groups", "value_head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PageFormat.{name} must be >= 1, got {getattr(self, name)}.")
+        if self.value_head_dim != self.head_dim and self.encodes:
+            raise IncompatibleModelError(
+                f"Keys of width {self.head_dim} and values of width {self.value_head_dim} are stored in full precision "
+                "only: the quantized caches code both at one width. Use paged_pool or sliding_ring for this model."
+            )
         if not self.dtype.is_floating_point:
             raise ValueError(f"PageFormat.dtype must be a floating dtype, got {self.dtype}.")
         if self.key_bits is not None and self.key_bits not in (8, 4):
@@ -160,7 +170,7 @@ class PageFormat:
         full_bytes = self.head_dim * self.dtype.itemsize * self.page_size  # one head's keys or values of a page
         scale_bytes = (self.scale_dtype or self.dtype).itemsize
         values = self.value_format
-        value_bytes = full_bytes
+        value_bytes = self.value_head_dim * self.dtype.itemsize * self.page_size
         if values is not None:
             value_bytes = (values.code_dim + 2 * values.num_scale_groups * scale_bytes) * self.page_size
         keys = self.key_format
@@ -216,73 +226,59 @@ class PageFormat:
                 "(cross_attention_layers), which hf_kvcache caches do not hold. Serve it with transformers' own caches "
                 "(DynamicCache: leave cache_implementation unset)."
             )
-        num_kv_heads, head_dim = kv_geometry(config, [idx for group in groups for idx in group])
-        return cls(len(groups[0]), num_kv_heads, head_dim, dtype, page_size, len(groups))
+        num_kv_heads, head_dim, value_head_dim = kv_geometry(config, [idx for group in groups for idx in group])
+        return cls(len(groups[0]), num_kv_heads, head_dim, dtype, page_size, len(groups), value_head_dim=value_head_dim)
 
 
-def kv_geometry(config: Any, layers: list[int]) -> tuple[int, int]:
-    """``(num_kv_heads, head_dim)`` of the keys and values the paged ``layers`` of a (decoder) config write: the
-    config's (``layer_geometry``), or each layer's own where the config is heterogeneous (``per_layer_config``:
-    Gemma 4), which must agree.
+def kv_geometry(config: Any, layers: list[int]) -> tuple[int, int, int]:
+    """``(num_kv_heads, head_dim, value_head_dim)`` of the keys and values the paged ``layers`` of a (decoder) config
+    write: the config's (``layer_geometry``), or each layer's own where the config is heterogeneous
+    (``per_layer_config``: Gemma 4) or the model's sliding layers hold more heads (MiMo-V2-Flash: twice
+    ``num_key_value_heads``), which must agree.
 
     Raises:
-        IncompatibleModelError: the layers write values of another width than their keys, or layers write keys and
-            values of different geometries (one pool holds pages of one geometry).
+        IncompatibleModelError: layers write keys and values of different geometries (one pool holds pages of one
+            geometry).
     """
-    if not getattr(config, "is_heterogeneous", False):
+    if getattr(config, "is_heterogeneous", False):
+        found = {layer_geometry(config.per_layer_config[idx]) for idx in layers}
+    elif getattr(config, "model_type", None) == "mimo_v2_flash":  # its sliding layers hold twice the KV heads
+        heads, head_dim, value_head_dim = layer_geometry(config)
+        kinds = {getattr(config, "layer_types", None)[idx] for idx in layers}
+        found = {(heads * (2 if kind == "sliding_attention" else 1), head_dim, value_head_dim) for kind in kinds}
+    else:
         return layer_geometry(config)
-    found = {layer_geometry(config.per_layer_config[idx]) for idx in layers}
     if len(found) > 1:
         raise IncompatibleModelError(
             f"{type(config).__name__}'s attention layers write keys and values of different geometries "
-            f"({sorted(found)} as (KV heads, width), per_layer_config): a pool holds pages of one geometry. Serve it "
-            "with transformers' own caches (DynamicCache: leave cache_implementation unset)."
+            f"({sorted(found)} as (KV heads, key width, value width), per layer): a pool holds pages of one "
+            "geometry. Serve it with transformers' own caches (DynamicCache: leave cache_implementation unset)."
         )
     return found.pop()
 
 
-def layer_geometry(config: Any) -> tuple[int, int]:
-    """``(num_kv_heads, head_dim)`` of the keys and values each attention layer of a (decoder) config writes.
+def layer_geometry(config: Any) -> tuple[int, int, int]:
+    """``(num_kv_heads, head_dim, value_head_dim)`` of the keys and values each attention layer of a (decoder) config
+    writes.
 
     Read where the config says it exactly: a decoder beside an encoder writes its own heads
     (``decoder_attention_heads`` or ``num_decoder_attention_heads``, where ``num_attention_heads`` and
     ``num_key_value_heads`` may be the encoder's: BART-like decoders, Whisper, ProphetNet), each ``hidden_size`` over
     them wide; otherwise ``num_key_value_heads`` (one for a multi-query model: GPTBigCode's ``multi_query`` sets it),
     else ``num_attention_heads``, each ``head_dim`` (or ``dim_head``: CPM-Ant) wide, else ``hidden_size`` over the
-    heads. Multi-head latent attention (``kv_lora_rank`` and ``qk_rope_head_dim``: DeepSeek-V2/V3, Kimi, ...)
-    writes its compressed latent as the keys and its rope key as the values, one head each.
-
-    Raises:
-        IncompatibleModelError: the layers write values of another width than their keys (``v_head_dim``, or a latent
-            attention's latent and rope key): pages store both at one width.
+    heads; values ``v_head_dim`` wide where the config says so (MiMo-V2-Flash), else as wide as the keys. Multi-head
+    latent attention (``kv_lora_rank`` and ``qk_rope_head_dim``: DeepSeek-V2/V3, Kimi, ...) writes one head: its
+    compressed latent as the keys, its rope key as the values.
     """
-    decoder_heads = getattr(config, "decoder_attention_heads", None)
-    decoder_heads = decoder_heads or getattr(config, "num_decoder_attention_heads", None)
-    num_heads = decoder_heads or config.num_attention_heads
     latent, rope = getattr(config, "kv_lora_rank", None), getattr(config, "qk_rope_head_dim", None)
     if latent is not None and rope is not None:  # latent attention caches its latent and rope key as one head
-        return _same_width(
-            config, 1, latent, rope, "its compressed latent (kv_lora_rank) and rope key (qk_rope_head_dim)"
-        )
+        return 1, latent, rope
+    decoder_heads = getattr(config, "decoder_attention_heads", None)
+    decoder_heads = decoder_heads or getattr(config, "num_decoder_attention_heads", None)
     if decoder_heads is not None:  # a decoder beside an encoder: its num_key_value_heads may be the encoder's
-        num_kv_heads, head_dim = decoder_heads, config.hidden_size // decoder_heads
-    else:
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        head_dim = getattr(config, "head_dim", None) or getattr(config, "dim_head", None)
-        head_dim = head_dim or config.hidden_size // num_heads
-    return _same_width(config, num_kv_heads, head_dim, getattr(config, "v_head_dim", None) or head_dim, "v_head_dim")
-
-
-def _same_width(config: Any, num_kv_heads: int, key_dim: int, value_dim: int, source: str) -> tuple[int, int]:
-    """``(num_kv_heads, key_dim)``, if the values are as wide as the keys.
-
-    Raises:
-        IncompatibleModelError: they are not (``source`` says where the widths come from).
-    """
-    if value_dim != key_dim:
-        raise IncompatibleModelError(
-            f"{type(config).__name__} writes keys of width {key_dim} and values of width {value_dim} ({source}): "
-            "hf_kvcache pages store keys and values at one width. Serve it with transformers' own caches "
-            "(DynamicCache: leave cache_implementation unset)."
-        )
-    return num_kv_heads, key_dim
+        head_dim = config.hidden_size // decoder_heads
+        return decoder_heads, head_dim, head_dim
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(config, "head_dim", None) or getattr(config, "dim_head", None) or config.hidden_size // num_heads
+    return num_kv_heads, head_dim, getattr(config, "v_head_dim", None) or head_dim
