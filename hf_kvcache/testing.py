@@ -181,6 +181,12 @@ CAUSAL_LM_SETTINGS: dict[str, dict[str, Any]] = {
     "xlnet": {"d_head": 16},
     "zaya": {"num_experts_per_tok": 1},
     "reformer": {"axial_pos_shape": [16, 32], "axial_pos_embds_dim": [32, 32]},
+    # KV sharing: the last layer reads the keys and values of the one before it of its type
+    "gemma3n_text": {
+        "num_hidden_layers": 4,
+        "num_kv_shared_layers": 2,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+    },
     "gemma4_assistant": {"hidden_size_per_layer_input": 0, "text_config": {"hidden_size_per_layer_input": 0}},
     "kolibri1_1": {"index_num_heads": 1},
     "zamba2": {"layer_types": ["mamba", "hybrid"]},

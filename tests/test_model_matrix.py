@@ -27,7 +27,6 @@ SKIPPED: dict[str, str] = {
     "dbrx": f"{_TINY} (the tiny sizes or transformers): AttributeError: 'DbrxAttentionConfig'",
     "dots3_note": f"{_TINY} (the tiny sizes or transformers): StrictDataclassClassValidationError",
     "gemma3n": f"{_TINY} (the tiny sizes or transformers): ImportError: TimmWrapperModel requires the timm library",
-    "gemma3n_text": f"{_TINY} (the tiny sizes or transformers): ValueError: The set of layer types producing a cache",
     "gemma4_assistant": f"{_TINY} (the tiny sizes or transformers): StrictDataclassClassValidationError",
     "musicgen": f"{_TINY} (the tiny sizes or transformers): AttributeError: 'MusicgenConfig'",
     "musicgen_melody": f"{_TINY} (the tiny sizes or transformers): AttributeError: 'MusicgenMelodyConfig'",
@@ -68,15 +67,19 @@ REFUSED: dict[str, str] = {
 """Model types each of our caches refuses (``IncompatibleModelError``) under either attention: a piece of the reason
 (``DynamicCache`` under our attention must still equal the model's own)."""
 
-REFUSED_QUANTIZED: dict[str, str] = dict.fromkeys(
-    [
-        *("axk1", "bailing_hybrid", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "kimi_linear", "minicpm3"),
-        *("sarvam_mla", "youtu"),
-    ],
-    "are stored in full precision only",
-)
+REFUSED_QUANTIZED: dict[str, str] = {
+    **dict.fromkeys(
+        [
+            *("axk1", "bailing_hybrid", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "kimi_linear", "minicpm3"),
+            *("sarvam_mla", "youtu"),
+        ],
+        "are stored in full precision only",
+    ),
+    "gemma3n_text": "shares KV between layers",
+}
 """Model types the quantized caches (``matrix.LOSSY``) refuse, the others serve: multi-head latent attention, which
-caches its latent as keys and its narrower rope key as values."""
+caches its latent as keys and its narrower rope key as values; layers that read another layer's keys and values
+(Gemma 3n's ``kv_sharing_modes``)."""
 
 KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
     # a ring (window longer than the sequence) on a left-padded batch, on models that build their attention mask and
