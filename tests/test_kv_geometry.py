@@ -6,6 +6,8 @@ whose layers write heads of different geometries, refused by name before any pag
 
 Tiny random-init models from ``hf_kvcache.testing.tiny_causal_lm``, against ``DynamicCache``."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -51,7 +53,7 @@ def test_a_multi_query_model_generates_on_the_default_pool(starcoder, cache_name
 
 def test_latent_attention_is_cut_one_head_of_its_latent_and_rope_key(latent):
     page_format = PageFormat.from_model_config(latent.config, torch.float32)
-    assert (page_format.num_kv_heads, page_format.head_dim, page_format.value_head_dim) == (1, 16, 8)
+    assert (page_format.num_kv_heads, page_format.head_dim, page_format.value_dim) == (1, 16, 8)
     assert page_format.page_bytes == 2 * 1 * (16 + 8) * 4 * page_format.page_size  # 2 layers, fp32
 
 
@@ -105,3 +107,10 @@ def test_a_given_pool_of_another_geometry_keeps_its_error(starcoder):
     with pytest.raises(IncompatibleModelError, match=r"pool was built for another model .*num_kv_heads 2 vs 1"):
         starcoder.generate(ids, attention_mask=mask, max_new_tokens=2, cache=cache)
     assert pool.stats()["pages_used"] == 0
+
+
+def test_values_are_as_wide_as_keys_unless_the_format_says_otherwise():
+    page_format = PageFormat(2, 2, 16, torch.float32)
+    assert page_format.value_head_dim is None and page_format.value_dim == 16
+    assert dataclasses.replace(page_format, head_dim=32).value_dim == 32  # follows the keys
+    assert PageFormat(2, 2, 16, torch.float32, value_head_dim=8).page_bytes == 2 * 2 * (16 + 8) * 4 * 16

@@ -95,8 +95,8 @@ class PageFormat:
       (``QuantFormat.compact_params``: the float32 math's grid to within 1/10 of a step).
 
     Scales (and float zeros) are stored in ``scale_dtype``, by default ``dtype``. Values are ``value_head_dim``
-    wide (by default ``head_dim``, as keys): another width is stored in full precision only (multi-head latent
-    attention caches its latent as keys and its narrower rope key as values).
+    wide where it is set (``value_dim``; ``None``: ``head_dim``, as keys): another width is stored in full precision
+    only (multi-head latent attention caches its latent as keys and its narrower rope key as values).
     """
 
     num_layers: int
@@ -114,14 +114,12 @@ class PageFormat:
 
     def __post_init__(self) -> None:
         check_page_size(self.page_size)
-        if self.value_head_dim is None:
-            object.__setattr__(self, "value_head_dim", self.head_dim)
-        for name in ("num_layers", "num_kv_heads", "head_dim", "num_layer_groups", "value_head_dim"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "num_layer_groups", "value_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PageFormat.{name} must be >= 1, got {getattr(self, name)}.")
-        if self.value_head_dim != self.head_dim and self.encodes:
+        if self.value_dim != self.head_dim and self.encodes:
             raise IncompatibleModelError(
-                f"Keys of width {self.head_dim} and values of width {self.value_head_dim} are stored in full precision "
+                f"Keys of width {self.head_dim} and values of width {self.value_dim} are stored in full precision "
                 "only: the quantized caches code both at one width. Use paged_pool or sliding_ring for this model."
             )
         if not self.dtype.is_floating_point:
@@ -136,6 +134,11 @@ class PageFormat:
             )
         self.value_format  # noqa: B018  (checks bits, group size and scale dtype)
         self.key_format  # noqa: B018
+
+    @property
+    def value_dim(self) -> int:
+        """Channels of a stored value: ``value_head_dim``, or ``head_dim`` where that is ``None``."""
+        return self.value_head_dim or self.head_dim
 
     @property
     def value_format(self) -> QuantFormat | None:
@@ -170,7 +173,7 @@ class PageFormat:
         full_bytes = self.head_dim * self.dtype.itemsize * self.page_size  # one head's keys or values of a page
         scale_bytes = (self.scale_dtype or self.dtype).itemsize
         values = self.value_format
-        value_bytes = self.value_head_dim * self.dtype.itemsize * self.page_size
+        value_bytes = self.value_dim * self.dtype.itemsize * self.page_size
         if values is not None:
             value_bytes = (values.code_dim + 2 * values.num_scale_groups * scale_bytes) * self.page_size
         keys = self.key_format
@@ -226,7 +229,8 @@ class PageFormat:
                 "(cross_attention_layers), which hf_kvcache caches do not hold. Serve it with transformers' own caches "
                 "(DynamicCache: leave cache_implementation unset)."
             )
-        num_kv_heads, head_dim, value_head_dim = kv_geometry(config, [idx for group in groups for idx in group])
+        num_kv_heads, head_dim, value_dim = kv_geometry(config, [idx for group in groups for idx in group])
+        value_head_dim = None if value_dim == head_dim else value_dim
         return cls(len(groups[0]), num_kv_heads, head_dim, dtype, page_size, len(groups), value_head_dim=value_head_dim)
 
 

@@ -6,8 +6,8 @@ of one *layer group* (``num_layers`` layers of one attention type; a model has `
 each with its own page table, so a page id serves one layer group)::
 
     keys:   [num_layers, num_kv_heads, num_storage_pages, page_size, head_dim]
-    values: [num_layers, num_kv_heads, num_storage_pages, page_size, value_head_dim]   (head_dim unless the model's
-            values are of another width: full precision only)
+    values: [num_layers, num_kv_heads, num_storage_pages, page_size, value_dim]   (head_dim unless the model's
+            values are of another width, format.value_head_dim: full precision only)
 
     quantized values (format.value_bits set) instead, per *scale group* of value_group_size channels:
     values:       [num_layers, num_kv_heads, num_storage_pages, page_size, code_dim]             uint8 codes
@@ -80,7 +80,7 @@ class PoolStorage:
                 keys = torch.empty(*shape, key_quant.code_dim, dtype=torch.uint8, device=device)
                 key_scales = torch.empty(*shape, 2 * key_quant.num_scale_groups, dtype=scale_dtype, device=device)
             if quant is None:
-                values = torch.empty(*shape, fmt.value_head_dim, dtype=fmt.dtype, device=device)  # [L, H, P, ps, Dv]
+                values = torch.empty(*shape, fmt.value_dim, dtype=fmt.dtype, device=device)  # [L, H, P, ps, Dv]
                 scales = None
             else:  # codes [..., code_dim] and (scale, zero) per scale group [..., 2 * num_scale_groups]
                 values = torch.empty(*shape, quant.code_dim, dtype=torch.uint8, device=device)
