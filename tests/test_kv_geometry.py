@@ -12,7 +12,10 @@ import pytest
 import torch
 
 from hf_kvcache import IncompatibleModelError, KVPool, PagedCache, PagedConfig
+from hf_kvcache.attention import flex
 from hf_kvcache.attention.interface import model_attention
+from hf_kvcache.layers import PagedRows
+from hf_kvcache.layers.read_path import IN_PLACE
 from hf_kvcache.memory.format import PageFormat
 from hf_kvcache.testing import tiny_causal_lm, tiny_llama
 from tests.helpers import assert_same_generation, exact_config, padded_batch, run
@@ -114,3 +117,24 @@ def test_values_are_as_wide_as_keys_unless_the_format_says_otherwise():
     assert page_format.value_head_dim is None and page_format.value_dim == 16
     assert dataclasses.replace(page_format, head_dim=32).value_dim == 32  # follows the keys
     assert PageFormat(2, 2, 16, torch.float32, value_head_dim=8).page_bytes == 2 * 2 * (16 + 8) * 4 * 16
+
+
+def test_values_of_another_width_are_read_in_place_at_their_width(monkeypatch):
+    """An in-place read hands attention views of the pool's first pages, the values' cut at their own width (no
+    model with such values reads in place today: latent attention uses its cache's states outside the attention
+    call, so it reads gathered)."""
+    monkeypatch.setattr(flex, "MIN_IN_PLACE_TOKENS", 0)
+    pool = KVPool(PageFormat(1, 2, 16, torch.float32, page_size=4, value_head_dim=8), num_pages=256)
+    rows = PagedRows(pool.pages, our_attention=lambda: True)
+    states = torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7, 8)  # [batch, heads, tokens, width]
+    for start, end in ((0, 6), (6, 7)):  # a prefill, then a decode step
+        step = tuple(part[:, :, start:end] for part in states)
+        plan = rows.plan_step(0, start, *step, hands_over=True)
+        rows.write(plan, 0, *step)
+        keys, values = rows.read(plan, 0, *step, handoff={})
+    assert plan.mode == IN_PLACE
+    page_ids, page_size = rows._page_ids(), 4
+    for row in range(2):
+        slots = torch.tensor([page_ids[row, t // page_size] * page_size + t % page_size for t in range(7)])
+        for held, written in zip((keys, values), states):
+            assert torch.equal(held[0][:, slots], written[row])

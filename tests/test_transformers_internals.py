@@ -22,8 +22,8 @@ from hf_kvcache.testing import tiny_causal_lm, tiny_gemma3, tiny_llama
 
 
 def test_seams_exist_in_this_transformers():
-    """The three seams integration patches: the cache names' tuple, the method that builds the cache, and the one that
-    prepares each forward pass's inputs."""
+    """The four seams integration patches: the cache names' tuple, the method that builds the cache, the one that
+    prepares each forward pass's inputs, and the prefill."""
     hf_kvcache.unregister()
     try:
         assert isinstance(internals.cache_implementations(), tuple)
@@ -49,6 +49,16 @@ def test_seams_exist_in_this_transformers():
         # from the cache's length: what a reused prefix shortens.
         assert "is_first_iteration=is_first_iteration" in prefill
         assert "next_sequence_length = input_ids.shape[1] - past_length" in prefill
+        # The prefill seam has a chunked prefill's chunks run eager: _prefill picks their forward by generate's rule,
+        # which reads the cache's is_compileable, after the decode loop picked its own.
+        assert internals.prefill_method() is GenerationMixin._prefill
+        assert "self._valid_auto_compile_criteria(model_kwargs, generation_config)" in prefill
+        assert list(inspect.signature(internals.prefill_method()).parameters)[:4] == [
+            "self",
+            "input_ids",
+            "generation_config",
+            "model_kwargs",
+        ]
     finally:
         hf_kvcache.register()
 

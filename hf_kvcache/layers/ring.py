@@ -393,11 +393,11 @@ class RingRows(PagedRows):
         if views is None:
             pool, ids, base = self.pool, self._page_ids(), self._first_page()
             batch, num_pages = ids.shape
-            _, heads, _, page_size, head_dim = pool.storage.keys.shape
+            _, heads, _, page_size, _ = pool.storage.keys.shape
 
-            def view(storage: torch.Tensor) -> torch.Tensor:
-                pages = storage[layer_in_group, :, base : base + ids.numel()]  # [heads, rows * pages, page_size, hd]
-                return pages.view(heads, batch, num_pages * page_size, head_dim).permute(1, 0, 2, 3)
+            def view(storage: torch.Tensor) -> torch.Tensor:  # at the keys' or the values' width
+                pages = storage[layer_in_group, :, base : base + ids.numel()]  # [heads, rows * pages, page_size, w]
+                return pages.view(heads, batch, num_pages * page_size, storage.shape[-1]).permute(1, 0, 2, 3)
 
             views = self._views[layer_in_group] = (view(pool.storage.keys), view(pool.storage.values))
         return views

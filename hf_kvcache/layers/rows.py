@@ -276,9 +276,9 @@ class PagedRows(PlannedRows):
 
     def _storage_view(self, storage: torch.Tensor, layer_in_group: int) -> torch.Tensor:
         """One layer's first ``mask.num_pages`` pages (all the rows' among them) as ``[1, heads, pages * page_size,
-        head_dim]``: what in-place attention reads."""
+        width]`` (the keys' or the values' width): what in-place attention reads."""
         fmt, num_pages = self.pool.format, self.path.mask.num_pages
-        shape = (1, fmt.num_kv_heads, num_pages * fmt.page_size, fmt.head_dim)
+        shape = (1, fmt.num_kv_heads, num_pages * fmt.page_size, storage.shape[-1])
         return storage[layer_in_group][:, :num_pages].view(shape)
 
     def gather(
