@@ -138,3 +138,39 @@ def test_values_of_another_width_are_read_in_place_at_their_width(monkeypatch):
         slots = torch.tensor([page_ids[row, t // page_size] * page_size + t % page_size for t in range(7)])
         for held, written in zip((keys, values), states):
             assert torch.equal(held[0][:, slots], written[row])
+
+
+def test_a_multi_query_model_decodes_compiled_in_one_graph(starcoder, compile_config, fresh_dynamo):
+    """generate compiles the decode step of a one-KV-head model once (issue 46, item 5), with eager's tokens."""
+    ids, mask = padded_batch(PROMPT, vocab=256, seed=2)
+    expected = run(starcoder, ids, mask, max_new_tokens=NEW_TOKENS)
+    actual = run(
+        starcoder,
+        ids,
+        mask,
+        max_new_tokens=NEW_TOKENS,
+        cache_implementation="paged_pool",
+        compile_config=compile_config,
+    )
+    assert torch.equal(actual.sequences, expected.sequences)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_multi_query_model_reuses_its_prompt_pages(starcoder):
+    """A second call with the same prompt takes the first call's pages from the pool's prefix index (one KV head a
+    page) and generates the same tokens."""
+    pool = KVPool.for_model(starcoder, PagedConfig(page_size=4), max_tokens=512, prefix_caching=True)
+    ids = torch.randint(1, 256, (1, 18), generator=torch.Generator().manual_seed(5))
+    calls = [
+        run(
+            starcoder,
+            ids,
+            torch.ones_like(ids),
+            max_new_tokens=NEW_TOKENS,
+            cache_implementation="paged_pool",
+            cache_config={"pool": pool},
+        )
+        for _ in range(2)
+    ]
+    assert_same_generation(*calls)
+    assert pool.stats()["prefix_tokens_reused"] == 16  # 17 tokens at most (the last is fed), whole pages of 4
