@@ -18,11 +18,17 @@ Two suites, each measured against its baselines in the same run:
   and ``StaticCache`` eager, and our caches eager and compiled, on the default pool, at 1,024 x 1, 4,096 x 1 and
   4,096 x 8 (``--lengths`` x ``--batches`` override); ``hf_kvcache.bench.compiled``; writes
   ``benchmarks/decode_compiled.json``.
+- ``hybrid``: a hybrid linear-attention model built from its config with random weights (``--hybrid``, default
+  ``qwen3_5_text``: Qwen3.5's layout, ``hf_kvcache.bench.hybrid``), each of our caches as
+  ``generate(cache_implementation=NAME)`` runs it, under the model's own attention and under ours, against
+  ``DynamicCache`` (``--rows`` override, e.g. ``paged_pool@hf_kvcache:compiled``), at 1,024 x 1, 4,096 x 1 and
+  4,096 x 8 (``--lengths`` x ``--batches`` override); writes ``benchmarks/decode_hybrid.json``.
 
 Examples (CPU, fp32)::
 
     PYTHONPATH=. python scripts/bench_decode.py --lengths 256 1024 --batches 1 8
     PYTHONPATH=. python scripts/bench_decode.py --suite sliding --window 256 --lengths 1024 4096 --batches 1 8
+    PYTHONPATH=. python scripts/bench_decode.py --suite hybrid --lengths 1024 4096 --batches 1 --threads 1
 
 ``--caches``, ``--lengths`` and ``--output`` override a suite's. Writes the record (machine, settings,
 results) to ``--output`` as JSON and prints a Markdown table.
@@ -58,6 +64,7 @@ from hf_kvcache.bench.measure import OtherCpuUse, add_machine_args, machine_sett
 from hf_kvcache.bench.prompts import essay_token_stream
 from hf_kvcache.bundled import BUNDLED_MODEL, bundled_model_path, load_bundled_model
 from hf_kvcache.eval import environment
+from hf_kvcache.testing import HYBRIDS
 
 SUITES = {
     "paged": {"caches": FULL_CACHES, "lengths": (1024, 4096), "output": Path("benchmarks/decode.json")},
@@ -67,6 +74,7 @@ SUITES = {
         "output": Path("benchmarks/decode_quantized.json"),
     },
     "compiled": {"caches": (), "lengths": (), "output": Path("benchmarks/decode_compiled.json")},
+    "hybrid": {"caches": (), "lengths": (), "output": Path("benchmarks/decode_hybrid.json")},
     "sliding": {
         "caches": (BASELINE, *SLIDING_CACHES),
         "lengths": (1024, 4096),
@@ -89,7 +97,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile", choices=CACHE_NAMES, help="print a profile of one decode step of this cache")
     parser.add_argument("--profile-row", help="the compiled suite: print a profile of this row's steps instead")
     parser.add_argument("--mode", default="default", help="CompileConfig mode of the compiled suite's rows")
-    parser.add_argument("--rows", nargs="+", help="the compiled suite's rows (default: all; static:compiled always)")
+    parser.add_argument(
+        "--rows", nargs="+", help="the compiled or hybrid suite's rows (default: all; its baseline always)"
+    )
+    parser.add_argument("--hybrid", default="qwen3_5_text", choices=sorted(HYBRIDS), help="the hybrid suite's model")
+    parser.add_argument("--size", default="bench", choices=["bench", "tiny"], help="the hybrid suite's model size")
     parser.add_argument("--random-weights", action="store_true", help="the bundled architecture, random weights")
     add_machine_args(parser)
     return parser.parse_args()
@@ -100,6 +112,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.suite == "compiled":
         run_compiled_suite(args)
+        return
+    if args.suite == "hybrid":
+        run_hybrid_suite(args)
         return
     suite = SUITES[args.suite]
     output = args.output or suite["output"]
@@ -146,6 +161,25 @@ def run_compiled_suite(args: argparse.Namespace) -> None:
     record = compiled.results_record(results, config, info)
     record["model"] = model_name(args)
     write_record(record, args.output or SUITES["compiled"]["output"], others, compiled.markdown_table(results))
+
+
+def run_hybrid_suite(args: argparse.Namespace) -> None:
+    from hf_kvcache.bench import hybrid
+
+    config = hybrid.HybridBenchConfig()
+    cells = config.cells
+    if args.lengths:
+        cells = tuple((length, batch) for length in args.lengths for batch in args.batches)
+    rows = config.rows
+    if args.rows:
+        rows = (hybrid.BASELINE, *(row for row in args.rows if row != hybrid.BASELINE))
+    config = hybrid.HybridBenchConfig(cells=cells, rows=rows, steps=args.steps, rounds=args.rounds, mode=args.mode)
+    device, dtype = machine_settings(args)
+    model = hybrid.hybrid_bench_model(args.hybrid, args.size, dtype, device)
+    with OtherCpuUse() as others:
+        results = hybrid.run_hybrid_benchmark(model, config)
+    record = hybrid.results_record(results, config, model, environment(device, dtype))
+    write_record(record, args.output or SUITES["hybrid"]["output"], others, hybrid.markdown_table(results))
 
 
 def load_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):

@@ -113,7 +113,7 @@ class CompiledResult:
     compiled: bool  # generate compiled its decode steps (with a graph of its own or one an earlier cell compiled)
 
 
-class _StepClock(LogitsProcessor):
+class StepClock(LogitsProcessor):
     """Stamps the time each decode step's logits come out (``generate`` calls it once per step)."""
 
     def __init__(self) -> None:
@@ -126,7 +126,8 @@ class _StepClock(LogitsProcessor):
         return scores
 
 
-def _graphs() -> int:
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far."""
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
@@ -152,9 +153,9 @@ def _run(model, prefill, rows: torch.Tensor, row: str, batch: int, config: Compi
     if compiled:
         compile_config = CompileConfig(mode=config.mode)
         compile_config._compile_all_devices = True  # a class attribute in transformers 5.24
-    clock = _StepClock()
+    clock = StepClock()
     new_tokens = config.warmup_steps + config.steps + 1
-    graphs, skips = _graphs(), _cudagraph_skips()
+    graphs, skips = compiled_graphs(), _cudagraph_skips()
     began = time.perf_counter()
     with model_attention(model, ATTENTION_NAME if name in REGISTRY else None):  # ours read pages in place
         for layer_idx, (keys, values) in enumerate(zip(prefill.keys, prefill.values)):
@@ -183,7 +184,7 @@ def _run(model, prefill, rows: torch.Tensor, row: str, batch: int, config: Compi
         "step_s": steps,
         "tokens": out.sequences[:, length + 1 :].cpu(),
         "wall_s": wall_s,
-        "graphs": _graphs() - graphs,
+        "graphs": compiled_graphs() - graphs,
         "cudagraph_skips": _cudagraph_skips() - skips,
         "kv_bytes": held,
     }
