@@ -91,7 +91,8 @@ AS_GIVEN_ERRORS = {
             {"page_sise": 8},
             ValueError,
             r"Unknown cache_config keys \['page_sise'\].*valid keys are \['page_size', 'pool', 'max_tokens', "
-            r"'admission_check', 'prefix_caching', 'prefix_namespace'\]",
+            r"'admission_check', 'prefix_caching', 'prefix_namespace', 'prefix_host_bytes', 'prefix_disk_dir', "
+            r"'prefix_disk_bytes', 'prefix_store'\]",
         ),
         ({"page_size": 0}, ValueError, "page_size=0 is out of range"),
         ({"page_size": "16"}, TypeError, "page_size must be an int"),

@@ -148,6 +148,7 @@ class PoolBinder:
             self.prefix.active = False
         elif pool.prefix_caching and self._uses_prefix_index():
             self._check_prefix_placement()
+            pool.pages.configure_tiers(self.cache_config.prefix_tiers)
             self.prefix = PrefixTracker(pool.pages, self.policies, self.cache_config.prefix_namespace)
         self.pools[device] = pool
         return pool

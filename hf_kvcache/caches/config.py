@@ -12,6 +12,7 @@ import torch
 
 from hf_kvcache.memory.format import DEFAULT_PAGE_SIZE, PageFormat, check_page_size
 from hf_kvcache.memory.pool import KVPool
+from hf_kvcache.memory.tiers import TierSettings
 
 
 def check_count(name: str, value: Any, low: int, optional: bool = False) -> None:
@@ -53,6 +54,15 @@ class PagedConfig:
             given ``pool`` keeps one; ``False``: never.
         prefix_namespace: a name the cache's pages are published and found under, besides the model and the
             cache's attention: caches of other namespaces (tenants, experiments) never share pages on one pool.
+        prefix_host_bytes: host memory (bytes) that prefix pages the pool evicts spill to, and that a later lookup
+            brings them back from (``hf_kvcache.memory.tiers``); 0: none.
+        prefix_disk_dir / prefix_disk_bytes: a local directory, within a budget of bytes, for the pages pushed out of
+            host memory (or evicted, with no host memory); it survives restarts.
+        prefix_store: a Redis URL (``"redis://host:port/0"``) that published prefix pages also go to, so that other
+            processes and machines on the same model reuse them; fail-open (docs/prefix-caching.md).
+
+        Any of the last four turns ``prefix_caching`` on (``False`` with one of them is refused). The tiers are the
+        pool's: the first cache that asks for them sets them; a cache on a pool that has them may leave them unset.
     """
 
     page_size: int = DEFAULT_PAGE_SIZE
@@ -61,6 +71,10 @@ class PagedConfig:
     admission_check: bool | None = None
     prefix_caching: bool | None = None
     prefix_namespace: str = ""
+    prefix_host_bytes: int = 0
+    prefix_disk_dir: str | None = None
+    prefix_disk_bytes: int | None = None
+    prefix_store: str | None = None
 
     def __post_init__(self) -> None:
         check_page_size(self.page_size)
@@ -76,6 +90,19 @@ class PagedConfig:
                 f"prefix_namespace must be a str, got {self.prefix_namespace!r} "
                 f"({type(self.prefix_namespace).__name__})."
             )
+        tiers = self.prefix_tiers  # checks the four settings, naming the one to change
+        if tiers.enabled:
+            if self.prefix_caching is False:
+                raise ValueError(
+                    f"prefix_caching=False but {tiers} asks for prefix tiers: drop those settings or set "
+                    "prefix_caching=True (or leave it unset)."
+                )
+            object.__setattr__(self, "prefix_caching", True)
+
+    @property
+    def prefix_tiers(self) -> TierSettings:
+        """The prefix tiers this config asks its pool for (``TierSettings.enabled`` False: none)."""
+        return TierSettings(self.prefix_host_bytes, self.prefix_disk_dir, self.prefix_disk_bytes, self.prefix_store)
 
     def page_format(self, config: Any, dtype: torch.dtype) -> PageFormat:
         """The format of the pool a cache with this config draws from, for a model config and dtype."""

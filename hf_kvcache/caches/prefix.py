@@ -31,6 +31,7 @@ held pages across a reset publishes nothing more (``epoch``).
 
 import json
 import logging
+from collections import Counter
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ from hf_kvcache.errors import PoolExhaustedError
 from hf_kvcache.layers import PagedRows, RingRows
 from hf_kvcache.memory.page_pool import PagePool
 from hf_kvcache.memory.prefix_index import PageKey, chain_keys, root_key
+from hf_kvcache.memory.tiers import PageData
 from hf_kvcache.transformers_internals import attn_implementation
 
 logger = logging.getLogger("hf_kvcache")
@@ -50,6 +52,9 @@ TOKEN_INPUTS = ("attention_mask", "position_ids")
 conditions the keys and values on something the token ids do not say)."""
 FINGERPRINT_VALUES = 16
 """Values sampled from each weight tensor for a model's fingerprint."""
+
+MAX_TIER_ASKS = 4
+"""Times one lookup asks the pool's tiers (each a round trip to a store) for the pages of a shorter prefix."""
 
 _logged: set[str] = set()
 VOLATILE_CONFIG_KEYS = frozenset(
@@ -179,10 +184,17 @@ class PrefixTracker:
             self.pool.record_prefix_lookup(num_rows, 0, length)
             return 0
         self._extend_chains(num_pages)
+        fetched: dict[PageKey, tuple[str, PageData]] = {}
+        if self.pool.tiers is not None:
+            num_pages, fetched = self._fetch(rows_of, num_pages)
         with self.pool.held():  # found pages are taken before anything can evict them
+            taken = self.pool.restore(list(self._keys(rows_of, num_pages)), fetched) if fetched else []
             num_pages = self._longest(rows_of, num_pages)
             if num_pages and not self._attach(rows_of, num_pages):
                 num_pages = 0
+            self.pool.free(taken)  # the rows hold what they attached; the rest is cached again
+        tiers = {key: tier for key, (tier, _) in fetched.items()}
+        self.pool.record_tier_hits([tiers.get(key, "device") for key in self._keys(rows_of, num_pages).elements()])
         reused = num_pages * self.page_size
         self.pool.record_prefix_lookup(num_rows, reused, length)
         self._published = dict.fromkeys(rows_of, num_pages)
@@ -332,6 +344,48 @@ class PrefixTracker:
             if len(chain) < num_pages:
                 ids = self._tokens[row, len(chain) * page_size : num_pages * page_size].tolist()
                 chain += chain_keys(chain[-1] if chain else self.root, ids, page_size)
+
+    def _keys(self, rows_of: "dict[int, PagedRows]", num_pages: int) -> Counter[PageKey]:
+        """The page keys a prefix of ``num_pages`` token pages attaches (``prefix_layout``), with how many rows want
+        each."""
+        return Counter(
+            (chain[d], layer_group)
+            for layer_group, rows in rows_of.items()
+            for d in (rows.prefix_layout(num_pages) if num_pages else [])
+            if d is not None
+            for chain in self._chains
+        )
+
+    def _fetch(
+        self, rows_of: "dict[int, PagedRows]", num_pages: int
+    ) -> tuple[int, dict[PageKey, tuple[str, PageData]]]:
+        """Outside the pool's lock (the tiers may be a network away): the longest prefix (at most ``num_pages`` token
+        pages) that the index and the pool's tiers hold together, and the pages the tiers hold of it, with their tier.
+
+        A layer group that keeps every token needs token pages 0..n-1 for a prefix of n: a page missing from both
+        bounds the prefix below it; otherwise the prefix shrinks a page at a time (a ring wants other pages then),
+        asking the tiers ``MAX_TIER_ASKS`` times at most."""
+        fetched: dict[PageKey, tuple[str, PageData]] = {}
+        asked: set[PageKey] = set()
+        num_asks = 0
+        while num_pages:
+            with self.pool.held():
+                absent = [key for key in self._keys(rows_of, num_pages) if self.pool.lookup(key) is None]
+            new = [key for key in absent if key not in asked]
+            if new and num_asks < MAX_TIER_ASKS:
+                asked.update(new)
+                fetched.update(self.pool.tiers.fetch(new))
+                num_asks += 1
+            missing = {key for key in absent if key not in fetched}
+            if not missing:
+                break
+            shorter = num_pages - 1
+            for layer_group, rows in rows_of.items():
+                if rows.prefix_layout(num_pages) == list(range(num_pages)):  # every token page, in order
+                    for chain in self._chains:
+                        shorter = min([shorter, *(d for d in range(num_pages) if (chain[d], layer_group) in missing)])
+            num_pages = shorter
+        return num_pages, fetched
 
     def _longest(self, rows_of: "dict[int, PagedRows]", num_pages: int) -> int:
         """The most token pages (at most ``num_pages``) whose pages every row finds for every layer group."""

@@ -25,6 +25,10 @@ Bookkeeping is delegated to a ``PageAllocator`` (ids, reference counts, placemen
 each cache's layer group; one lock serializes them, so threads running ``generate`` on different caches can share a
 pool (and find each other's published pages). It also keeps live statistics and fires alerts when the share of
 pages held crosses a threshold.
+
+Tiers (``hf_kvcache.memory.tiers``, with ``configure_tiers``): pages the index evicts are copied to the host (and a
+directory) before they are zeroed, published pages to a shared store; ``restore`` writes pages the tiers hold back
+into pages of the pool and publishes them, for a lookup to attach.
 """
 
 import contextlib
@@ -43,8 +47,9 @@ from hf_kvcache.memory.format import PageFormat
 from hf_kvcache.memory.page_table import Allocator, PageTable
 from hf_kvcache.memory.placement import AgreedPages, normalize_device
 from hf_kvcache.memory.prefix_index import PageKey
-from hf_kvcache.memory.stats import PoolAlerts, check_integrity, pool_stats
+from hf_kvcache.memory.stats import PoolAlerts, check_integrity, pool_stats, tier_stats
 from hf_kvcache.memory.storage import PoolStorage
+from hf_kvcache.memory.tiers import TIERS, PageData, PageTiers, TierSettings
 
 logger = logging.getLogger("hf_kvcache")
 
@@ -59,6 +64,7 @@ class PagePool:
         max_pages: page ids the pool may open at most, the null page included.
         budget: the memory budget the ids it opens draw from (a default pool's), or ``None``.
         alerts: the use alerts (``KVPool.add_alert_callback``).
+        tiers: where prefix pages go besides the pool (``configure_tiers``), or ``None``.
     """
 
     def __init__(
@@ -86,6 +92,8 @@ class PagePool:
         self.storage = self._new_storage(num_pages)  # made once: the pool's for its life
         self._zero_range(0, self._storage_pages(num_pages))
         self._tables: weakref.WeakSet[PageTable] = weakref.WeakSet()
+        self.tiers: PageTiers | None = None
+        self._tier_hits = dict.fromkeys(TIERS, 0)  # pages attached by a lookup, by the tier they came from
 
     # ----- storage ---------------------------------------------------------------------------
 
@@ -172,7 +180,13 @@ class PagePool:
                     f"Pages hold {self.format.page_size} tokens. Give the pool more room (KVPool.for_model(..., "
                     "max_tokens=...) or cache_config max_tokens), or lower the batch size or max_new_tokens.",
                 )
-            self._zero_pages(self._allocator.ensure_free(num))
+            evicted = self._allocator.ensure_free(num)
+            if self._allocator.index is not None:
+                spilled = self._allocator.index.take_evicted()
+                if spilled and self.tiers is not None and self.tiers.keeps_evicted:  # copied before they are zeroed
+                    keys, pages = zip(*spilled)
+                    self.tiers.spill(list(zip(keys, self._read_pages(list(pages)))))
+            self._zero_pages(evicted)
 
     def allocate(self, num: int) -> list[int]:
         """Takes ``num`` single pages (``PageAllocator.allocate``), growing a default pool if needed; all or nothing.
@@ -219,6 +233,27 @@ class PagePool:
             index = torch.tensor(pages, dtype=torch.long, device=self.device)
             for tensor in self.storage.tensors:
                 tensor.index_fill_(2, index, 0)
+
+    def _read_pages(self, pages: list[int]) -> list[PageData]:
+        """Each page's slots of every storage tensor, copied to the host (pinned and without waiting from CUDA: the
+        copies are ordered before any later write of the pages on the stream; ``PageData.ready`` marks their end)."""
+        cuda = self.device.type == "cuda"
+        tensors = self.storage.tensors
+        datas = [
+            PageData(tuple(t[:, :, page].to("cpu", non_blocking=cuda, copy=True) for t in tensors)) for page in pages
+        ]
+        if cuda and datas:
+            event = torch.cuda.Event()
+            event.record()
+            for data in datas:
+                data.ready = event
+        return datas
+
+    def _write_pages(self, pages: list[int], datas: list[PageData]) -> None:
+        """Writes each page's contents (``_read_pages``' shapes) into ``pages`` of every storage tensor."""
+        for page, data in zip(pages, datas):
+            for tensor, slots in zip(self.storage.tensors, data.wait().tensors):
+                tensor[:, :, page].copy_(slots, non_blocking=True)
 
     def refcount(self, page: int) -> int:
         return self._allocator.refcount(page)
@@ -268,6 +303,8 @@ class PagePool:
                 return 0
             dropped, freed = self._allocator.clear_index()
             self._zero_pages(freed)
+            if self.tiers is not None:
+                self.tiers.clear()
             self._prefix_epoch += 1
             self._check_alerts()
             return dropped
@@ -278,7 +315,80 @@ class PagePool:
         A key already published keeps its page (the first wins): the other page stays its cache's alone.
         """
         with self.lock:
-            return sum(self._allocator.publish(key, page) for key, page in pages)
+            new = [(key, page) for key, page in pages if self._allocator.publish(key, page)]
+            if new and self.tiers is not None and self.tiers.store is not None:
+                keys, ids = zip(*new)
+                self.tiers.publish(list(zip(keys, self._read_pages(list(ids)))))
+            return len(new)
+
+    def configure_tiers(self, settings: TierSettings | None) -> None:
+        """Gives the pool's prefix index the tiers of ``settings`` (a no-op for ``None``, settings that enable none,
+        or the settings the pool has).
+
+        Raises:
+            ValueError: the pool keeps no prefix index, or has tiers of other settings.
+        """
+        if settings is None or not settings.enabled:
+            return
+        with self.lock:
+            if self.tiers is not None:
+                if self.tiers.settings != settings:
+                    raise ValueError(
+                        f"The pool keeps its prefix pages in {self.tiers.settings}; a cache asks for {settings}. "
+                        "Give every cache on a pool the same prefix_host_bytes, prefix_disk_dir, prefix_disk_bytes and "
+                        "prefix_store (or none: a cache uses its pool's), or give the cache a pool of its own."
+                    )
+                return
+            if self._allocator.index is None:
+                raise ValueError(
+                    "Prefix tiers (prefix_host_bytes, prefix_disk_dir, prefix_store) need a prefix index: build the "
+                    "pool with KVPool.for_model(model, ..., prefix_caching=True)."
+                )
+            specs = [(tuple(tensor[:, :, 0].shape), tensor.dtype) for tensor in self.storage.tensors]
+            self.tiers = PageTiers(settings, self.format, specs)
+
+    def restore(self, keys: list[PageKey], fetched: dict[PageKey, tuple[str, PageData]]) -> list[int]:
+        """Takes one reference to each page of ``keys`` the index holds (so that nothing evicts it), and brings each
+        ``fetched`` page it lacks back: into a page of the pool, published under its key (taken too). Returns the
+        pages taken: free them once the lookup attached what it wanted. Fetched pages that do not fit stay out.
+
+        Args:
+            keys: the page keys a lookup wants.
+            fetched: ``PageTiers.fetch``'s answer: for keys the tiers hold, the tier and the contents.
+        """
+        with self.lock:
+            held, missing = [], []
+            for key in dict.fromkeys(keys):
+                page = self._allocator.lookup(key)
+                if page is not None:
+                    held.append(page)
+                elif key in fetched:
+                    missing.append(key)
+            self._allocator.share(held)
+            if not missing:
+                return held
+            try:
+                pages = self.allocate(len(missing))
+            except PoolExhaustedError:
+                logger.info("%d prefix pages from the tiers do not fit in the pool; they are recomputed.", len(missing))
+                return held
+            self._write_pages(pages, [fetched[key][1] for key in missing])
+            for key, page in zip(missing, pages):
+                self._allocator.publish(key, page)
+            self.tiers.restored(missing, [fetched[key][0] for key in missing])
+            return held + pages
+
+    def flush_tiers(self, timeout: float | None = 30.0) -> bool:
+        """Waits until pages on their way to the prefix directory or store are written; True if they are (or the pool
+        has no tiers), False if ``timeout`` seconds passed first. A process that exits waits for them anyway
+        (``FLUSH_AT_EXIT_S`` at most)."""
+        return self.tiers.flush(timeout) if self.tiers is not None else True
+
+    def record_tier_hits(self, tiers: list[str]) -> None:
+        """Counts pages a lookup attached, each by the tier it came from (``stats()``)."""
+        with self.lock:
+            for tier in tiers:
+                self._tier_hits[tier] += 1
 
     def lookup(self, key: PageKey) -> int | None:
         """The page published under ``key``, without taking it. Hold ``lock`` from the lookup until the pages are
@@ -321,7 +431,8 @@ class PagePool:
         """``KVPool.stats``, under the lock."""
         with self.lock:
             max_pages = self._allocator.num_pages + self._growth_room()
-            return pool_stats(self._allocator, list(self._tables), self.format, self.storage, max_pages, self.device)
+            stats = pool_stats(self._allocator, list(self._tables), self.format, self.storage, max_pages, self.device)
+            return tier_stats(stats, self._tier_hits, self.tiers)
 
     def _check_alerts(self) -> None:
         held = self._allocator.num_used - self._allocator.num_cached  # cached pages are as good as free

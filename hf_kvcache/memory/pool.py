@@ -17,6 +17,7 @@ from hf_kvcache.memory.format import PageFormat
 from hf_kvcache.memory.page_pool import PagePool
 from hf_kvcache.memory.pools import PoolFactories, register_name
 from hf_kvcache.memory.stats import AlertCallback
+from hf_kvcache.memory.tiers import TierSettings
 
 
 class KVPool(PoolFactories):
@@ -37,6 +38,8 @@ class KVPool(PoolFactories):
             calls the alert callbacks (once per crossing).
         prefix_caching: keep a prefix index, so that caches on the pool reuse each other's prompt pages across
             ``generate`` calls (``PoolCache.prefix``); idle published pages stay cached until evicted.
+        prefix_tiers: where the prefix index's pages go besides the pool (host memory, a directory, a shared store:
+            ``hf_kvcache.memory.tiers``); needs ``prefix_caching``.
 
     Attributes:
         format / device: the page format and the device.
@@ -55,8 +58,10 @@ class KVPool(PoolFactories):
         name: str | None = None,
         alert_thresholds: tuple[float, ...] = (0.9,),
         prefix_caching: bool = False,
+        prefix_tiers: TierSettings | None = None,
     ) -> None:
         self.pages = PagePool(page_format, num_pages, device, max_pages, budget, alert_thresholds, prefix_caching)
+        self.pages.configure_tiers(prefix_tiers)
         self.format = page_format
         self.device = self.pages.device
         self.name = name

@@ -15,6 +15,7 @@ from hf_kvcache.memory import device_memory
 from hf_kvcache.memory.device_memory import MemoryBudget
 from hf_kvcache.memory.format import PageFormat
 from hf_kvcache.memory.placement import agree, kv_heads_per_rank, normalize_device
+from hf_kvcache.memory.tiers import TierSettings
 
 logger = logging.getLogger("hf_kvcache")
 
@@ -64,6 +65,10 @@ class PoolFactories:
         name: str | None = None,
         alert_thresholds: tuple[float, ...] = (0.9,),
         prefix_caching: bool = False,
+        prefix_host_bytes: int = 0,
+        prefix_disk_dir: str | None = None,
+        prefix_disk_bytes: int | None = None,
+        prefix_store: str | None = None,
     ) -> Self:
         """A fixed-budget pool for ``model``, sized by exactly one of the three budgets.
 
@@ -80,7 +85,11 @@ class PoolFactories:
             memory_fraction: fraction of the device's free memory (CUDA only).
             dtype / device: default to the model's.
             prefix_caching: keep a prefix index: caches on the pool reuse each other's prompt pages.
+            prefix_host_bytes / prefix_disk_dir / prefix_disk_bytes / prefix_store: the index's tiers
+                (``hf_kvcache.memory.tiers.TierSettings``): host memory and a directory for the pages it evicts, a
+                Redis URL shared between processes for the pages it publishes. Any of them keeps a prefix index.
         """
+        tiers = TierSettings(prefix_host_bytes, prefix_disk_dir, prefix_disk_bytes, prefix_store)
         budgets = {"max_tokens": max_tokens, "max_bytes": max_bytes, "memory_fraction": memory_fraction}
         given = [key for key, value in budgets.items() if value is not None]
         if len(given) != 1:
@@ -118,7 +127,11 @@ class PoolFactories:
                     f"max_bytes={max_bytes} holds fewer than 2 pages of {page_format.page_bytes} bytes; raise it."
                 )
         return cls(
-            page_format, num_pages, device, name=name, alert_thresholds=alert_thresholds, prefix_caching=prefix_caching
+            *(page_format, num_pages, device),
+            name=name,
+            alert_thresholds=alert_thresholds,
+            prefix_caching=prefix_caching or tiers.enabled,
+            prefix_tiers=tiers,
         )
 
     @classmethod

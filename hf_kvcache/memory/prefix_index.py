@@ -15,7 +15,8 @@ The index holds one reference to each page it publishes (counted in the allocato
 page a cache holds and the index holds has refcount 2 and the page table copies it before writing). A
 published page whose only reference is the index's is *cached*: the index keeps cached pages in least
 recently used order, and the allocator evicts them (oldest first) only when it needs pages. ``PageAllocator``
-drives the transitions; this module only keeps the maps and the order.
+drives the transitions; this module only keeps the maps and the order. The index remembers what it evicted
+(``take_evicted``) until the pool has copied those pages to its tiers (``hf_kvcache.memory.tiers``).
 """
 
 import hashlib
@@ -64,6 +65,7 @@ class PrefixIndex:
         self._page_of: dict[PageKey, int] = {}
         self._key_of: dict[int, PageKey] = {}
         self._cached: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._evicted: list[tuple[PageKey, int]] = []  # evicted since the last take_evicted, oldest first
         self.lookups = self.hits = self.tokens_reused = self.tokens_queried = 0
 
     def __len__(self) -> int:
@@ -98,8 +100,16 @@ class PrefixIndex:
     def evict_oldest(self) -> int:
         """Unpublishes the least recently used cached page and returns it (the caller drops the index's reference)."""
         page, _ = self._cached.popitem(last=False)
-        del self._page_of[self._key_of.pop(page)]
+        key = self._key_of.pop(page)
+        del self._page_of[key]
+        self._evicted.append((key, page))
         return page
+
+    def take_evicted(self) -> list[tuple[PageKey, int]]:
+        """The ``(key, page)`` of each page evicted since the last call, oldest first (the pages still hold their
+        contents until the pool zeroes them), and forgets them."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     def clear(self) -> list[int]:
         """Unpublishes every page; returns them (the caller drops the index's references). Counts are kept."""

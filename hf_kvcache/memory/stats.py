@@ -12,6 +12,7 @@ from hf_kvcache.memory.allocator import PageAllocator
 from hf_kvcache.memory.format import PageFormat
 from hf_kvcache.memory.page_table import PageTable
 from hf_kvcache.memory.storage import PoolStorage
+from hf_kvcache.memory.tiers import NO_TIER_STATS, PageTiers
 
 logger = logging.getLogger("hf_kvcache")
 
@@ -78,6 +79,24 @@ def pool_stats(
         "prefix_tokens_reused": index.tokens_reused if index is not None else 0,
         "prefix_hit_rate": index.tokens_reused / queried if queried else 0.0,
     }
+
+
+def tier_stats(stats: dict[str, Any], hits: dict[str, int], tiers: PageTiers | None) -> dict[str, Any]:
+    """``stats`` with the prefix tiers' counts (``hf_kvcache.memory.tiers``; zeros and ``None`` without tiers).
+
+    ``prefix_hits_device``, ``prefix_hits_host``, ``prefix_hits_disk``, ``prefix_hits_store``: pages lookups attached,
+    by where each was found (the pool itself, or a tier it was brought back from; a page counts once per row).
+    ``prefix_host_pages`` / ``prefix_host_bytes`` held in host memory, within ``prefix_host_max_bytes``;
+    ``prefix_disk_pages`` / ``prefix_disk_bytes`` in the directory; ``prefix_pages_spilled``: pages the index evicted
+    into the tiers; ``prefix_pages_dropped``: writes to the directory or store given up (the writer too far behind,
+    or the directory failing); ``prefix_store`` the store's URL, ``prefix_store_writes`` pages it took,
+    ``prefix_store_errors`` its calls that failed (down, slow, an error); ``prefix_pages_rejected`` pages read from
+    the directory or the store that failed their checks (damaged, of another page format, model or tokens) and were
+    recomputed instead.
+    """
+    stats.update({f"prefix_hits_{tier}": count for tier, count in hits.items()})
+    stats.update(tiers.stats() if tiers is not None else NO_TIER_STATS)
+    return stats
 
 
 class PoolAlerts:

@@ -1,0 +1,504 @@
+"""Tiers behind a pool's prefix index: where its pages go when the index evicts them, and where a lookup finds them
+again (``PageTiers``, the pool's ``pages.tiers``)::
+
+    device pool (prefix index) --evicted--> host memory (HostTier, prefix_host_bytes)
+                                              --pushed out--> a local directory (DiskTier, prefix_disk_dir)
+    published pages ------------------------------------> a shared store (RedisStore, prefix_store)
+
+A lookup (``hf_kvcache.caches.prefix``) that misses the index asks the tiers, fastest first, for the pages of the
+longest prefix they hold; the pool writes them back into pages of its own and publishes them in its index before the
+prefill, which then attaches them as any reused page.
+
+A page's contents (``PageData``) are its slots in each storage tensor of the pool (``PoolStorage.tensors``), on the
+host: ``[num_layers, num_kv_heads, page_size, last_dim]`` each (per-channel key scales and zeros:
+``[num_layers, num_kv_heads, head_dim]``). Copies from a CUDA pool go to pinned memory without waiting (``ready``
+says when they landed). Off the host tier, a page travels as bytes (``encode_page``)::
+
+    magic | format digest (16) | chain key (16) | layer group (4) | tensors | blake2b checksum (16)
+    tensor = dtype name | ndim | shape (int64 each) | byte count | raw bytes
+
+and is served only if the checksum, the format digest (``format_digest``: the whole ``PageFormat``), the key and
+every tensor's dtype and shape are the ones asked for; anything else is counted (``rejected``) and read as a miss.
+The store's key (``store_key``) hashes the format digest, the chain key (which already hashes the model fingerprint,
+namespace, attention semantics, page size and token ids: ``hf_kvcache.memory.prefix_index``) and the layer group.
+
+Writes to the directory and the store run on one background thread (``flush`` waits for them, and so does a process
+that exits, ``FLUSH_AT_EXIT_S`` at most), within ``MAX_PENDING_BYTES``; past that a write is dropped (counted).
+Lookups read synchronously, outside the pool's lock.
+"""
+
+import atexit
+import contextlib
+import hashlib
+import logging
+import os
+import queue
+import struct
+import threading
+import weakref
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hf_kvcache.memory.format import PageFormat
+from hf_kvcache.memory.prefix_index import KEY_BYTES, PageKey, root_key
+from hf_kvcache.memory.store import RedisStore, check_store_url
+
+logger = logging.getLogger("hf_kvcache")
+
+MAGIC = b"hfkvpg1\n"
+MAX_PENDING_BYTES = 256 * 2**20
+"""Bytes of pages waiting for the background writer at most; a write past that is dropped (and counted)."""
+FLUSH_AT_EXIT_S = 10.0
+"""Seconds a process that exits waits for the pages its tiers are still writing."""
+PAGE_SUFFIX = ".page"
+TIERS = ("device", "host", "disk", "store")
+TensorSpec = tuple[tuple[int, ...], torch.dtype]
+NO_TIER_STATS: dict[str, Any] = {
+    **dict.fromkeys(("prefix_host_pages", "prefix_host_bytes", "prefix_host_max_bytes"), 0),
+    **dict.fromkeys(("prefix_disk_pages", "prefix_disk_bytes", "prefix_pages_spilled", "prefix_pages_dropped"), 0),
+    "prefix_store": None,
+    **dict.fromkeys(("prefix_store_writes", "prefix_store_errors", "prefix_pages_rejected"), 0),
+}
+"""``PageTiers.stats`` of a pool without tiers."""
+
+
+class CorruptPage(ValueError):
+    """Bytes that are not the page asked for (``decode_page``)."""
+
+
+@dataclass(frozen=True)
+class TierSettings:
+    """Where a pool's prefix pages go besides the device (``cache_config`` ``prefix_host_bytes``,
+    ``prefix_disk_dir``, ``prefix_disk_bytes``, ``prefix_store``; ``KVPool.for_model`` takes the same).
+
+    Attributes:
+        host_bytes: host memory for pages the index evicts (0: none).
+        disk_dir: a local directory for pages pushed out of host memory (or evicted, without host memory); pages
+            found there survive a restart.
+        disk_bytes: bytes of the directory's pages at most (required with ``disk_dir``).
+        store: a Redis URL (``redis://host:port/db``) that published pages also go to, shared between processes.
+    """
+
+    host_bytes: int = 0
+    disk_dir: str | None = None
+    disk_bytes: int | None = None
+    store: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in (("prefix_host_bytes", self.host_bytes), ("prefix_disk_bytes", self.disk_bytes)):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int of bytes, got {value!r} ({type(value).__name__}).")
+            if value < 0:
+                raise ValueError(f"{name}={value} is out of range: choose {name} >= 0.")
+        if self.disk_dir is not None:
+            if not isinstance(self.disk_dir, (str, os.PathLike)):
+                raise TypeError(f"prefix_disk_dir must be a directory path, got {self.disk_dir!r}.")
+            if self.disk_bytes is None:
+                raise ValueError(f"prefix_disk_dir={str(self.disk_dir)!r} needs a budget: set prefix_disk_bytes.")
+        elif self.disk_bytes is not None:
+            raise ValueError(f"prefix_disk_bytes={self.disk_bytes} without prefix_disk_dir: set the directory too.")
+        if self.store is not None:
+            check_store_url(self.store)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.host_bytes) or self.disk_dir is not None or self.store is not None
+
+
+@dataclass
+class PageData:
+    """One page's contents on the host: each storage tensor's slots of the page (the module docstring's shapes).
+
+    Attributes:
+        tensors: one per ``PoolStorage.tensors``.
+        ready: an event recorded after the copies from a CUDA pool (``None``: they are done).
+    """
+
+    tensors: tuple[torch.Tensor, ...]
+    ready: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(tensor.numel() * tensor.element_size() for tensor in self.tensors)
+
+    def wait(self) -> "PageData":
+        """Waits for the copies from the device (if any) and returns itself."""
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.ready = None
+        return self
+
+
+def format_digest(page_format: PageFormat) -> bytes:
+    """What a page's bytes mean: the whole page format (geometry, dtype, page size, codes), hashed."""
+    return root_key("hf_kvcache page", 1, repr(page_format))
+
+
+def store_key(digest: bytes, key: PageKey) -> bytes:
+    """The store's (and the directory's) name of a page: a hash of its format digest, chain key and layer group."""
+    chain, layer_group = key
+    name = hashlib.blake2b(digest + chain + layer_group.to_bytes(4, "little"), digest_size=KEY_BYTES).hexdigest()
+    return f"hf_kvcache:page:{name}".encode()
+
+
+def encode_page(digest: bytes, key: PageKey, data: PageData) -> bytes:
+    """A page's bytes (the module docstring's layout)."""
+    parts = [MAGIC, digest, key[0], key[1].to_bytes(4, "little"), len(data.tensors).to_bytes(4, "little")]
+    for tensor in data.wait().tensors:
+        name = str(tensor.dtype).removeprefix("torch.").encode()
+        raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        parts += [bytes([len(name)]), name, bytes([tensor.ndim]), struct.pack(f"<{tensor.ndim}q", *tensor.shape)]
+        parts += [struct.pack("<Q", len(raw)), raw]
+    body = b"".join(parts)
+    return body + hashlib.blake2b(body, digest_size=KEY_BYTES).digest()
+
+
+def decode_page(blob: bytes, digest: bytes, key: PageKey, specs: list[TensorSpec]) -> PageData:
+    """The page ``key`` from its bytes, whose tensors must be ``specs`` (shape, dtype).
+
+    Raises:
+        CorruptPage: the bytes are damaged, of another page, or of another page format.
+    """
+    size = KEY_BYTES
+    if len(blob) < len(MAGIC) + 2 * size + 8 + size:
+        raise CorruptPage(f"{len(blob)} bytes are too few for a page")
+    body, checksum = memoryview(blob)[:-size], blob[-size:]
+    if hashlib.blake2b(body, digest_size=size).digest() != checksum:
+        raise CorruptPage("the checksum does not match")
+    if bytes(body[: len(MAGIC)]) != MAGIC:
+        raise CorruptPage("not a page of hf_kvcache")
+    at = len(MAGIC)
+    if bytes(body[at : at + size]) != digest:
+        raise CorruptPage("a page of another page format")
+    at += size
+    if bytes(body[at : at + size]) != key[0] or int.from_bytes(body[at + size : at + size + 4], "little") != key[1]:
+        raise CorruptPage("a page of other tokens, model or layer group")
+    at += size + 4
+    count = int.from_bytes(body[at : at + 4], "little")
+    at += 4
+    if count != len(specs):
+        raise CorruptPage(f"{count} tensors where the pool has {len(specs)}")
+    buffer = bytearray(body)  # one copy, writable: the tensors are views of it
+    tensors = []
+    try:
+        for shape, dtype in specs:
+            name_len = buffer[at]
+            name = buffer[at + 1 : at + 1 + name_len].decode()
+            at += 1 + name_len
+            ndim = buffer[at]
+            found = struct.unpack_from(f"<{ndim}q", buffer, at + 1)
+            at += 1 + 8 * ndim
+            (num_bytes,) = struct.unpack_from("<Q", buffer, at)
+            at += 8
+            if name != str(dtype).removeprefix("torch.") or tuple(found) != tuple(shape) or at + num_bytes > len(body):
+                raise CorruptPage(f"a tensor of {name} {tuple(found)} where the pool has {dtype} {tuple(shape)}")
+            raw = torch.frombuffer(buffer, dtype=torch.uint8, count=num_bytes, offset=at) if num_bytes else None
+            tensor = torch.empty(shape, dtype=dtype) if raw is None else raw.view(dtype).reshape(shape)
+            tensors.append(tensor)
+            at += num_bytes
+    except (IndexError, struct.error, UnicodeDecodeError, RuntimeError) as error:
+        raise CorruptPage(f"unreadable ({error})") from error
+    if at != len(body):
+        raise CorruptPage("trailing bytes")
+    return PageData(tuple(tensors))
+
+
+class HostTier:
+    """Pages in host memory, least recently used first out, within ``max_bytes``. Not thread-safe on its own."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self._pages: OrderedDict[PageKey, PageData] = OrderedDict()  # oldest first
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def get(self, key: PageKey) -> PageData | None:
+        return self._pages.get(key)
+
+    def put(self, key: PageKey, data: PageData) -> list[tuple[PageKey, PageData]]:
+        """Keeps ``data`` as the most recently used page; returns the pages pushed out for room (oldest first; the
+        page itself if it alone exceeds ``max_bytes``)."""
+        if data.nbytes > self.max_bytes:
+            return [(key, data)]
+        old = self._pages.pop(key, None)
+        if old is not None:
+            self.num_bytes -= old.nbytes
+        self._pages[key] = data
+        self.num_bytes += data.nbytes
+        pushed = []
+        while self.num_bytes > self.max_bytes:
+            oldest, page = self._pages.popitem(last=False)
+            self.num_bytes -= page.nbytes
+            pushed.append((oldest, page))
+        return pushed
+
+    def discard(self, key: PageKey) -> None:
+        page = self._pages.pop(key, None)
+        if page is not None:
+            self.num_bytes -= page.nbytes
+
+    def clear(self) -> None:
+        self._pages.clear()
+        self.num_bytes = 0
+
+
+class DiskTier:
+    """Pages as files in a local directory (``<store key>.page``), least recently written first out, within
+    ``max_bytes`` (counted over the files found at start and those written since). Files another process or an
+    earlier run wrote are found too: the name and the checked contents say what they hold."""
+
+    def __init__(self, directory: str | os.PathLike, max_bytes: int) -> None:
+        self.directory = Path(directory)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ValueError(f"prefix_disk_dir={str(directory)!r} cannot be made ({error}); choose another.") from error
+        self.max_bytes = max_bytes
+        files = sorted(self.directory.glob(f"*{PAGE_SUFFIX}"), key=lambda path: path.stat().st_mtime)
+        self._sizes: OrderedDict[str, int] = OrderedDict((path.name, path.stat().st_size) for path in files)
+        self.num_bytes = sum(self._sizes.values())
+        self._trim()
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def path(self, name: bytes) -> Path:
+        return self.directory / (name.decode().rsplit(":", 1)[-1] + PAGE_SUFFIX)
+
+    def read(self, name: bytes) -> bytes | None:
+        try:
+            return self.path(name).read_bytes()
+        except OSError:
+            return None
+
+    def write(self, name: bytes, blob: bytes) -> None:
+        path = self.path(name)
+        if path.name in self._sizes and path.exists():
+            self._sizes.move_to_end(path.name)
+            return
+        temporary = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        temporary.write_bytes(blob)
+        os.replace(temporary, path)  # readers see a whole file or none
+        self.num_bytes += len(blob) - self._sizes.pop(path.name, 0)
+        self._sizes[path.name] = len(blob)
+        self._trim()
+
+    def remove(self, name: bytes) -> None:
+        path = self.path(name)
+        self.num_bytes -= self._sizes.pop(path.name, 0)
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+    def clear(self) -> None:
+        for name in list(self._sizes):
+            with contextlib.suppress(OSError):
+                (self.directory / name).unlink()
+        self._sizes.clear()
+        self.num_bytes = 0
+
+    def _trim(self) -> None:
+        while self.num_bytes > self.max_bytes and self._sizes:
+            name, size = self._sizes.popitem(last=False)
+            self.num_bytes -= size
+            with contextlib.suppress(OSError):
+                (self.directory / name).unlink()
+
+
+class PageTiers:
+    """A pool's tiers (``TierSettings``) for pages of ``page_format`` whose tensors are ``specs`` (shape, dtype).
+
+    Thread-safe: the pool calls ``spill`` and ``publish`` under its lock, lookups call ``fetch`` outside it; one
+    background thread writes the directory and the store.
+    """
+
+    def __init__(self, settings: TierSettings, page_format: PageFormat, specs: list[TensorSpec]) -> None:
+        self.settings = settings
+        self.digest = format_digest(page_format)
+        self.specs = specs
+        self.host = HostTier(settings.host_bytes) if settings.host_bytes else None
+        self.disk = DiskTier(settings.disk_dir, settings.disk_bytes) if settings.disk_dir is not None else None
+        self.store = RedisStore(settings.store) if settings.store is not None else None
+        self._lock = threading.Lock()
+        self._jobs: queue.Queue[tuple[Callable[[], None], int]] = queue.Queue()
+        self._pending = 0  # bytes queued for the writer
+        self._idle = threading.Condition(self._lock)
+        self._writer: threading.Thread | None = None
+        self.counts: Counter[str] = Counter()
+
+    @property
+    def keeps_evicted(self) -> bool:
+        """Whether pages the index evicts go anywhere (host memory or the directory)."""
+        return self.host is not None or self.disk is not None
+
+    # ----- pages in --------------------------------------------------------------------------
+
+    def spill(self, pages: list[tuple[PageKey, PageData]]) -> None:
+        """Pages the index evicted: into host memory, and what that pushes out (or everything, without host
+        memory) to the directory."""
+        with self._lock:
+            self.counts["spilled"] += len(pages)
+            host = self.host
+            pushed = pages if host is None else [out for key, data in pages for out in host.put(key, data)]
+        if self.disk is not None:
+            for key, data in pushed:
+                self._submit(lambda key=key, data=data: self._write_disk(key, data), data.nbytes)
+
+    def publish(self, pages: list[tuple[PageKey, PageData]]) -> None:
+        """Pages the index published: to the store (in the background)."""
+        if self.store is not None:
+            for key, data in pages:
+                self._submit(lambda key=key, data=data: self._write_store(key, data), data.nbytes)
+
+    # ----- pages out -------------------------------------------------------------------------
+
+    def fetch(self, keys: list[PageKey]) -> dict[PageKey, tuple[str, PageData]]:
+        """The pages of ``keys`` the tiers hold, with the tier each came from (fastest first: host, disk, store).
+        Damaged or foreign bytes are counted (``rejected``) and left out."""
+        found: dict[PageKey, tuple[str, PageData]] = {}
+        if self.host is not None:
+            with self._lock:
+                for key in keys:
+                    data = self.host.get(key)
+                    if data is not None:
+                        found[key] = ("host", data)
+        rest = [key for key in keys if key not in found]
+        if self.disk is not None and rest:
+            for key in rest:
+                blob = self.disk.read(store_key(self.digest, key))
+                data = self._decode("disk", key, blob) if blob is not None else None
+                if data is not None:
+                    found[key] = ("disk", data)
+            rest = [key for key in rest if key not in found]
+        if self.store is not None and rest:
+            names = [store_key(self.digest, key) for key in rest]
+            rejected = []
+            for key, name, blob in zip(rest, names, self.store.get_many(names)):
+                data = self._decode("store", key, blob) if blob is not None else None
+                if data is not None:
+                    found[key] = ("store", data)
+                elif blob is not None:
+                    rejected.append(name)
+            self.store.delete(rejected)  # the page recomputed here then takes their place
+        return found
+
+    def restored(self, keys: list[PageKey], tiers: list[str]) -> None:
+        """Pages the pool brought back: they leave host memory (the index holds them again)."""
+        with self._lock:
+            self.counts.update(f"restored_{tier}" for tier in tiers)
+            if self.host is not None:
+                for key in keys:
+                    self.host.discard(key)
+
+    def clear(self) -> None:
+        """Forgets the pages of host memory and of the directory (the store is shared: left as it is)."""
+        self.flush()
+        with self._lock:
+            if self.host is not None:
+                self.host.clear()
+            if self.disk is not None:
+                self.disk.clear()
+
+    def flush(self, timeout: float | None = 30.0) -> bool:
+        """Waits until the background writes are done; False if ``timeout`` seconds passed first."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+    def stats(self) -> dict[str, Any]:
+        """The tiers' counts for ``KVPool.stats`` (``hf_kvcache.memory.stats.pool_stats`` says what each is)."""
+        with self._lock:
+            counts = self.counts
+            return {
+                "prefix_host_pages": len(self.host) if self.host is not None else 0,
+                "prefix_host_bytes": self.host.num_bytes if self.host is not None else 0,
+                "prefix_host_max_bytes": self.settings.host_bytes,
+                "prefix_disk_pages": len(self.disk) if self.disk is not None else 0,
+                "prefix_disk_bytes": self.disk.num_bytes if self.disk is not None else 0,
+                "prefix_pages_spilled": counts["spilled"],
+                "prefix_pages_dropped": counts["dropped"],
+                "prefix_store": self.settings.store,
+                "prefix_store_writes": counts["store_writes"],
+                "prefix_store_errors": self.store.errors if self.store is not None else 0,
+                "prefix_pages_rejected": counts["rejected"],
+            }
+
+    # ----- internals ---------------------------------------------------------------------------
+
+    def _decode(self, tier: str, key: PageKey, blob: bytes) -> PageData | None:
+        try:
+            return decode_page(blob, self.digest, key, self.specs)
+        except CorruptPage as error:
+            with self._lock:
+                self.counts["rejected"] += 1
+                first = self.counts[f"rejected_{tier}"] == 0
+                self.counts[f"rejected_{tier}"] += 1
+            if first:
+                logger.warning(
+                    "A prefix page from the %s tier was not served: %s. It is recomputed; counted in "
+                    "pool.stats()['prefix_pages_rejected']; logged once.",
+                    *(tier, error),
+                )
+            if tier == "disk" and self.disk is not None:
+                with self._lock:
+                    self.disk.remove(store_key(self.digest, key))
+            return None
+
+    def _write_disk(self, key: PageKey, data: PageData) -> None:
+        blob = encode_page(self.digest, key, data)
+        try:
+            with self._lock:
+                self.disk.write(store_key(self.digest, key), blob)
+        except OSError as error:
+            with self._lock:
+                first = self.counts["disk_errors"] == 0
+                self.counts["disk_errors"] += 1
+                self.counts["dropped"] += 1
+            if first:
+                logger.warning("Writing prefix pages to %s failed (%s); logged once.", self.disk.directory, error)
+
+    def _write_store(self, key: PageKey, data: PageData) -> None:
+        if self.store.put(store_key(self.digest, key), encode_page(self.digest, key, data)):
+            with self._lock:
+                self.counts["store_writes"] += 1
+
+    def _submit(self, job: Callable[[], None], num_bytes: int) -> None:
+        with self._lock:
+            if self._pending + num_bytes > MAX_PENDING_BYTES:
+                self.counts["dropped"] += 1
+                return
+            self._pending += num_bytes
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_loop, name="hf_kvcache-tiers", daemon=True)
+                self._writer.start()
+                _WRITING.add(self)
+        self._jobs.put((job, num_bytes))
+
+    def _write_loop(self) -> None:
+        while True:
+            job, num_bytes = self._jobs.get()
+            try:
+                job()
+            except Exception:  # a writer that dies would stop every later write: log and go on
+                logger.exception("A background write of prefix pages failed.")
+            finally:
+                with self._idle:
+                    self._pending -= num_bytes
+                    self._idle.notify_all()
+
+
+_WRITING: "weakref.WeakSet[PageTiers]" = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    """Lets the writes of every live pool's tiers land before the process exits (its writer threads are daemons)."""
+    for tiers in list(_WRITING):
+        tiers.flush(FLUSH_AT_EXIT_S)
