@@ -228,6 +228,8 @@ def test_cache_config_gives_the_pool_its_tiers_and_refuses_conflicts(tiny_llama_
         ({"prefix_disk_bytes": 10}, ValueError, "without prefix_disk_dir"),
         ({"prefix_store": "http://localhost:6379"}, ValueError, "prefix_store='http://localhost:6379' is not a Redis"),
         ({"prefix_store": 6379}, TypeError, "prefix_store must be a URL string"),
+        ({"prefix_store": "redis://h:notaport/0"}, ValueError, "prefix_store=.redis://h:notaport/0.: Port"),
+        ({"prefix_store": "redis://h/0?timeout=0"}, ValueError, "the timeout > 0"),
         ({"prefix_store": "redis://h:1/0", "prefix_caching": False}, ValueError, "prefix_caching=False but"),
     ],
 )

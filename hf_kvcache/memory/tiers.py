@@ -46,7 +46,7 @@ import torch
 
 from hf_kvcache.memory.format import PageFormat
 from hf_kvcache.memory.prefix_index import KEY_BYTES, PageKey, root_key
-from hf_kvcache.memory.store import RedisStore, check_store_url
+from hf_kvcache.memory.store import RedisStore, parse_store_url
 
 logger = logging.getLogger("hf_kvcache")
 
@@ -105,7 +105,7 @@ class TierSettings:
         elif self.disk_bytes is not None:
             raise ValueError(f"prefix_disk_bytes={self.disk_bytes} without prefix_disk_dir: set the directory too.")
         if self.store is not None:
-            check_store_url(self.store)
+            parse_store_url(self.store)
 
     @property
     def enabled(self) -> bool:
@@ -424,7 +424,7 @@ class PageTiers:
                 "prefix_disk_bytes": self.disk.num_bytes if self.disk is not None else 0,
                 "prefix_pages_spilled": counts["spilled"],
                 "prefix_pages_dropped": counts["dropped"],
-                "prefix_store": self.settings.store,
+                "prefix_store": self.store.url if self.store is not None else None,
                 "prefix_store_writes": counts["store_writes"],
                 "prefix_store_errors": self.store.errors if self.store is not None else 0,
                 "prefix_pages_rejected": counts["rejected"],
