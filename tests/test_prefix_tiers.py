@@ -304,3 +304,33 @@ def test_store_keys_differ_by_format_chain_and_layer_group(page):
     other_format = format_digest(dataclasses.replace(fmt, dtype=torch.float16))
     names = {store_key(digest, key), store_key(other_format, key), store_key(digest, (key[0], key[1] + 1))}
     assert len(names) == 3 and all(name.startswith(b"hf_kvcache:page:") for name in names)
+
+
+def test_threads_evicting_and_restoring_on_one_pool_keep_it_whole(tiny_llama_model):
+    """Four threads generate six prompts over and over on a pool too small to keep them: pages spill and come back while
+    other threads take, share and evict pages; every answer equals a fresh prefill's."""
+    import threading
+
+    model = tiny_llama_model
+    prompts = [random_ids(1, PROMPT, seed=30 + i) for i in range(6)]
+    references = [fresh(model, ids) for ids in prompts]
+    pool = tiered_pool(model, max_tokens=192, prefix_host_bytes=1 << 20)  # 48 pages: 4 requests of 10, 8 cached
+    failures: list[BaseException] = []
+
+    def work(offset: int) -> None:
+        try:
+            for step in range(6):
+                i = (offset + step) % len(prompts)
+                assert_same(references[i], greedy(model, prompts[i], {"pool": pool}))
+        except BaseException as error:  # reported by the main thread
+            failures.append(error)
+
+    threads = [threading.Thread(target=work, args=(offset,)) for offset in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures[0]
+    pool.check_integrity()
+    stats = pool.stats()
+    assert stats["prefix_hits_host"] > 0 and stats["pages_used"] == stats["pages_cached"]

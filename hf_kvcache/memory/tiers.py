@@ -254,7 +254,8 @@ class HostTier:
 class DiskTier:
     """Pages as files in a local directory (``<store key>.page``), least recently written first out, within
     ``max_bytes`` (counted over the files found at start and those written since). Files another process or an
-    earlier run wrote are found too: the name and the checked contents say what they hold."""
+    earlier run wrote are found too: the name and the checked contents say what they hold. Thread-safe: its own lock
+    guards the counts, never a file's reading or writing."""
 
     def __init__(self, directory: str | os.PathLike, max_bytes: int) -> None:
         self.directory = Path(directory)
@@ -263,10 +264,16 @@ class DiskTier:
         except OSError as error:
             raise ValueError(f"prefix_disk_dir={str(directory)!r} cannot be made ({error}); choose another.") from error
         self.max_bytes = max_bytes
-        files = sorted(self.directory.glob(f"*{PAGE_SUFFIX}"), key=lambda path: path.stat().st_mtime)
-        self._sizes: OrderedDict[str, int] = OrderedDict((path.name, path.stat().st_size) for path in files)
+        self._lock = threading.Lock()
+        found = []
+        for path in self.directory.glob(f"*{PAGE_SUFFIX}"):
+            with contextlib.suppress(OSError):  # another process may remove a file meanwhile
+                status = path.stat()
+                found.append((status.st_mtime, path.name, status.st_size))
+        self._sizes: OrderedDict[str, int] = OrderedDict((name, size) for _, name, size in sorted(found))
         self.num_bytes = sum(self._sizes.values())
-        self._trim()
+        with self._lock:
+            self._trim()
 
     def __len__(self) -> int:
         return len(self._sizes)
@@ -281,31 +288,37 @@ class DiskTier:
             return None
 
     def write(self, name: bytes, blob: bytes) -> None:
+        """Writes a page's bytes (``OSError`` if the directory fails); a page it holds is only marked as used."""
         path = self.path(name)
-        if path.name in self._sizes and path.exists():
-            self._sizes.move_to_end(path.name)
-            return
+        with self._lock:
+            if path.name in self._sizes and path.exists():
+                self._sizes.move_to_end(path.name)
+                return
         temporary = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         temporary.write_bytes(blob)
         os.replace(temporary, path)  # readers see a whole file or none
-        self.num_bytes += len(blob) - self._sizes.pop(path.name, 0)
-        self._sizes[path.name] = len(blob)
-        self._trim()
+        with self._lock:
+            self.num_bytes += len(blob) - self._sizes.pop(path.name, 0)
+            self._sizes[path.name] = len(blob)
+            self._trim()
 
     def remove(self, name: bytes) -> None:
         path = self.path(name)
-        self.num_bytes -= self._sizes.pop(path.name, 0)
-        with contextlib.suppress(OSError):
-            path.unlink()
+        with self._lock:
+            self.num_bytes -= self._sizes.pop(path.name, 0)
+            with contextlib.suppress(OSError):
+                path.unlink()
 
     def clear(self) -> None:
-        for name in list(self._sizes):
-            with contextlib.suppress(OSError):
-                (self.directory / name).unlink()
-        self._sizes.clear()
-        self.num_bytes = 0
+        with self._lock:
+            for name in list(self._sizes):
+                with contextlib.suppress(OSError):
+                    (self.directory / name).unlink()
+            self._sizes.clear()
+            self.num_bytes = 0
 
     def _trim(self) -> None:
+        """Removes the oldest files until the rest fit ``max_bytes`` (under the lock)."""
         while self.num_bytes > self.max_bytes and self._sizes:
             name, size = self._sizes.popitem(last=False)
             self.num_bytes -= size
@@ -404,8 +417,8 @@ class PageTiers:
         with self._lock:
             if self.host is not None:
                 self.host.clear()
-            if self.disk is not None:
-                self.disk.clear()
+        if self.disk is not None:
+            self.disk.clear()
 
     def flush(self, timeout: float | None = 30.0) -> bool:
         """Waits until the background writes are done; False if ``timeout`` seconds passed first."""
@@ -447,15 +460,13 @@ class PageTiers:
                     *(tier, error),
                 )
             if tier == "disk" and self.disk is not None:
-                with self._lock:
-                    self.disk.remove(store_key(self.digest, key))
+                self.disk.remove(store_key(self.digest, key))
             return None
 
     def _write_disk(self, key: PageKey, data: PageData) -> None:
         blob = encode_page(self.digest, key, data)
         try:
-            with self._lock:
-                self.disk.write(store_key(self.digest, key), blob)
+            self.disk.write(store_key(self.digest, key), blob)
         except OSError as error:
             with self._lock:
                 first = self.counts["disk_errors"] == 0
