@@ -92,6 +92,14 @@ KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
     **{("kolibri1", attention, cache): "differs" for attention in matrix.ATTENTIONS for cache in matrix.LOSSY},
     # the keys quantized_kv returns are a view the model's attention cannot .view()
     **{("gpt_neox_japanese", attention, "quantized_kv"): "crash" for attention in matrix.ATTENTIONS},
+    # sparse attention (matrix.MODEL_SETTINGS): the models fold their indexer's keys (indices=) or blocks
+    # (block_indices=) into the mask only under "eager" and "sdpa"; attn_implementation="hf_kvcache" ignores both
+    # (tests/test_attention_equals_own.py)
+    **{
+        (model_type, matrix.ATTENTION_NAME, matrix.DYNAMIC): "differs"
+        for model_type in ("axk2", "deepseek_v32", "dots3_note_text", "glm_moe_dsa", "hy_v4", "minimax_m3_vl_text")
+    },
+    **{("minimax_m3_vl_text", matrix.ATTENTION_NAME, cache): "differs" for cache in matrix.REGISTRY},
 }
 """Runs that still fail, each with its status (open bugs: the test fails when one changes, fixed or not)."""
 

@@ -49,6 +49,19 @@ MATRIX_CONFIGS: dict[str, dict[str, Any]] = {
     "quantized_kv": {"key_bits": 4, "value_bits": 8, "residual_length": 2, "page_size": 4},  # keys per channel
 }
 """The ``cache_config`` of each registered cache in the matrix (a cache not named here runs its ``example_config``)."""
+MODEL_SETTINGS: dict[str, dict[str, Any]] = {
+    # sparse attention the generic tiny config leaves dense: the indexer keeps 4 of a prompt's keys
+    **{name: {"index_topk": 4} for name in ("axk2", "deepseek_v32", "dots3_note_text", "glm_moe_dsa", "hy_v4")},
+    # MiniMax-M3's block-sparse layer (the top block of 2 keys and the local one) beside a full-attention layer
+    "minimax_m3_vl_text": {
+        "layer_types": ["minimax_m3_sparse", "full_attention"],
+        "index_topk_blocks": 1,
+        "index_block_size": 2,
+        "index_local_blocks": 1,
+        "index_head_dim": 16,
+    },
+}
+"""Config fields that make a model type's tiny build use an attention feature the tiny sizes alone leave unused."""
 LOSSY = frozenset({"quantized_values", "quantized_kv"})
 """Caches held to ``QUANTIZED_BOUND``; every other cache must give the reference's tokens and logits."""
 EQUAL_TOLERANCE = 5e-4
@@ -105,7 +118,7 @@ def build(model_type: str) -> tuple[Any, Any] | str:
     """The tiny model of ``model_type`` and its reference run, or why transformers cannot build or run it (a
     ``str``)."""
     try:
-        model = tiny_causal_lm(model_type)
+        model = tiny_causal_lm(model_type, **MODEL_SETTINGS.get(model_type, {}))
     except Exception as error:  # transformers' own failure: a missing package, pixel inputs, remote code, ...
         return f"not built tiny (the tiny sizes or transformers): {_error(error)}"
     try:
@@ -210,6 +223,7 @@ def settings() -> dict[str, Any]:
         "prompt_lengths": list(PROMPT_LENGTHS),
         "new_tokens": NEW_TOKENS,
         "cache_configs": {name: dict(MATRIX_CONFIGS.get(name, REGISTRY[name].example_config)) for name in REGISTRY},
+        "model_settings": MODEL_SETTINGS,
         "equal_tolerance": EQUAL_TOLERANCE,
         "quantized_bound": QUANTIZED_BOUND,
     }
