@@ -5,6 +5,12 @@ Example (the issue's settings: a 2,048-token document, 8 questions of 64 tokens,
 
     PYTHONPATH=. python scripts/bench_prefix.py --threads 1
 
+With ``--tiers``, prompt reuse beyond one pool instead (``hf_kvcache.bench.prefix_tiers``): a worker with a warm
+shared store against a cold one, and the host tier after eviction against a recompute (a ``redis-server`` is started
+for the run unless ``--store redis://...`` names one)::
+
+    PYTHONPATH=. python scripts/bench_prefix.py --threads 1 --tiers
+
 Writes the record (machine, settings, results) to ``--output`` as JSON and prints Markdown tables.
 """
 
@@ -12,6 +18,7 @@ import argparse
 import logging
 from pathlib import Path
 
+from hf_kvcache.bench import prefix_tiers
 from hf_kvcache.bench.measure import OtherCpuUse, add_machine_args, machine_settings, write_record
 from hf_kvcache.bench.prefix import PrefixBenchConfig, markdown_table, results_record, run_prefix_benchmark
 from hf_kvcache.bench.prompts import essay_token_stream
@@ -30,7 +37,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--chat-turns", type=int, default=defaults.chat_turns, help="turns of the chat")
     parser.add_argument("--cache", default=defaults.cache, choices=sorted(REGISTRY), help="cache_implementation")
     parser.add_argument("--page-size", type=int, default=defaults.page_size, help="token slots per page")
-    parser.add_argument("--output", type=Path, default=Path("benchmarks/prefix.json"), help="JSON record path")
+    parser.add_argument("--tiers", action="store_true", help="the store and host tier benchmark instead")
+    parser.add_argument("--store", default=None, help="--tiers: a Redis URL (default: a redis-server for the run)")
+    parser.add_argument(
+        "--output", type=Path, default=None, help="JSON record path (benchmarks/prefix.json, or prefix_tiers.json)"
+    )
     add_machine_args(parser)
     return parser.parse_args()
 
@@ -38,6 +49,9 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.tiers:
+        run_tiers(args)
+        return
     config = PrefixBenchConfig(
         prefix_tokens=args.prefix_tokens,
         question_tokens=args.question_tokens,
@@ -54,7 +68,30 @@ def main() -> None:
         shared, concurrent, chat = run_prefix_benchmark(model, essay_token_stream(tokenizer), config)
     record = results_record(shared, concurrent, chat, config, info)
     record["model"] = BUNDLED_MODEL
-    write_record(record, args.output, others, markdown_table(shared, concurrent, chat))
+    write_record(
+        record, args.output or Path("benchmarks/prefix.json"), others, markdown_table(shared, concurrent, chat)
+    )
+
+
+def run_tiers(args: argparse.Namespace) -> None:
+    config = prefix_tiers.TierBenchConfig(
+        prefix_tokens=args.prefix_tokens,
+        question_tokens=args.question_tokens,
+        new_tokens=args.new_tokens,
+        num_questions=args.questions,
+        cache=args.cache,
+        page_size=args.page_size,
+        store=args.store,
+    )
+    device, dtype = machine_settings(args)
+    model, tokenizer = load_bundled_model(dtype=dtype, device=device)
+    info = environment(device, dtype)
+    with OtherCpuUse() as others:
+        results = prefix_tiers.run_tier_benchmark(model, essay_token_stream(tokenizer), config)
+    record = prefix_tiers.results_record(results, config, info)
+    record["model"] = BUNDLED_MODEL
+    output = args.output or Path("benchmarks/prefix_tiers.json")
+    write_record(record, output, others, prefix_tiers.markdown_table(results))
 
 
 if __name__ == "__main__":

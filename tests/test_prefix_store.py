@@ -5,6 +5,7 @@ a damaged value or a page of another model or page format is never served.
 Each test starts its own ``redis-server`` on a loopback port (``.ci/run`` installs it). The tests skip only where the
 binary cannot be found, and never on CI (``CI`` set), where a missing server fails them."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -187,6 +188,8 @@ def test_two_processes_share_a_prompt_through_the_store(server):
     assert candidate[0].tolist() == first["sequences"]
     stats = pool.stats()
     assert stats["prefix_hits_store"] == 8 and stats["prefix_tokens_reused"] == 32
+    assert stats["prefix_bytes_restored"] == 8 * stats["page_bytes"]
+    assert 8 * stats["page_bytes"] < stats["prefix_store_bytes_read"] < 8 * (stats["page_bytes"] + 1024)  # + headers
     assert stats["prefix_store_errors"] == stats["prefix_pages_rejected"] == 0
     second = run_second_process(server.url, seed=5)  # the worker again, in a new process: a warm store
     assert second["hits"] == 8 and second["sequences"] == first["sequences"]
@@ -361,3 +364,27 @@ def test_store_urls(url, expected):
     fields = ("host", "port", "unix_path", "tls", "db", "username", "password", "timeout")
     assert tuple(getattr(address, name) for name in fields) == expected
     assert "p@" not in address.display
+
+
+def test_the_tiers_benchmark_reuses_from_the_store_and_host_memory_and_matches(server):
+    """scripts/bench_prefix.py --tiers on a tiny model: structure, reuse and equal tokens (timings are not checked)."""
+    from hf_kvcache.bench.prefix_tiers import TierBenchConfig, markdown_table, results_record, run_tier_benchmark
+
+    config = TierBenchConfig(prefix_tokens=32, question_tokens=8, new_tokens=3, num_questions=3, page_size=4)
+    model = tiny_llama()
+    stream = random_ids(1, config.tokens_needed, seed=12)[0]
+    results = run_tier_benchmark(model, stream, dataclasses.replace(config, store=server.url))
+    by_mode = {(r.part, r.mode): r for r in results}
+    assert list(by_mode) == [("store", "cold"), ("store", "warm"), ("host", "recompute"), ("host", "host")]
+    assert by_mode["store", "cold"].tokens_reused_per_question == 0
+    assert by_mode["store", "warm"].tokens_reused_per_question == 32  # the document's 8 pages
+    assert by_mode["host", "recompute"].tokens_reused_per_question == 0
+    assert by_mode["host", "host"].tokens_reused_per_question == 32
+    page_bytes = store_pool(model, server.url).stats()["page_bytes"]
+    assert by_mode["host", "host"].bytes_moved_per_reused_token == page_bytes / PAGE_SIZE
+    assert page_bytes / PAGE_SIZE < by_mode["store", "warm"].bytes_moved_per_reused_token < 2 * page_bytes / PAGE_SIZE
+    assert by_mode["store", "warm"].tokens_match and by_mode["host", "host"].tokens_match
+    assert all(r.questions_timed == 2 and r.median_ttft_ms > 0 for r in results)
+    assert len(markdown_table(results).splitlines()) == 2 + 4
+    record = json.loads(json.dumps(results_record(results, config, {"device": "cpu"})))
+    assert record["config"]["store"] is None and len(record["results"]) == 4

@@ -80,6 +80,7 @@ def test_pages_evicted_under_pressure_come_back_from_host_memory(tiny_llama_mode
     assert_same(fresh(tiny_llama_model, ids), candidate)
     assert after["prefix_tokens_reused"] - before["prefix_tokens_reused"] == 32
     assert after["prefix_hits_host"] - before["prefix_hits_host"] == 8
+    assert after["prefix_bytes_restored"] - before["prefix_bytes_restored"] == 8 * after["page_bytes"]
     assert after["prefix_hits_device"] == before["prefix_hits_device"]
     assert (
         after["prefix_host_pages"]

@@ -372,10 +372,11 @@ class PagePool:
             except PoolExhaustedError:
                 logger.info("%d prefix pages from the tiers do not fit in the pool; they are recomputed.", len(missing))
                 return held
-            self._write_pages(pages, [fetched[key][1] for key in missing])
+            datas = [fetched[key][1] for key in missing]
+            self._write_pages(pages, datas)
             for key, page in zip(missing, pages):
                 self._allocator.publish(key, page)
-            self.tiers.restored(missing, [fetched[key][0] for key in missing])
+            self.tiers.restored(missing, [fetched[key][0] for key in missing], sum(data.nbytes for data in datas))
             return held + pages
 
     def flush_tiers(self, timeout: float | None = 30.0) -> bool:

@@ -92,7 +92,8 @@ def tier_stats(stats: dict[str, Any], hits: dict[str, int], tiers: PageTiers | N
     or the directory failing); ``prefix_store`` the store's URL, ``prefix_store_writes`` pages it took,
     ``prefix_store_errors`` its calls that failed (down, slow, an error); ``prefix_pages_rejected`` pages read from
     the directory or the store that failed their checks (damaged, of another page format, model or tokens) and were
-    recomputed instead.
+    recomputed instead; ``prefix_store_bytes_read`` the bytes of the values read from the store,
+    ``prefix_bytes_restored`` the bytes written back into the pool from any tier.
     """
     stats.update({f"prefix_hits_{tier}": count for tier, count in hits.items()})
     stats.update(tiers.stats() if tiers is not None else NO_TIER_STATS)

@@ -63,6 +63,7 @@ NO_TIER_STATS: dict[str, Any] = {
     **dict.fromkeys(("prefix_disk_pages", "prefix_disk_bytes", "prefix_pages_spilled", "prefix_pages_dropped"), 0),
     "prefix_store": None,
     **dict.fromkeys(("prefix_store_writes", "prefix_store_errors", "prefix_pages_rejected"), 0),
+    **dict.fromkeys(("prefix_store_bytes_read", "prefix_bytes_restored"), 0),
 }
 """``PageTiers.stats`` of a pool without tiers."""
 
@@ -394,7 +395,10 @@ class PageTiers:
         if self.store is not None and rest:
             names = [store_key(self.digest, key) for key in rest]
             rejected = []
-            for key, name, blob in zip(rest, names, self.store.get_many(names)):
+            blobs = self.store.get_many(names)
+            with self._lock:
+                self.counts["store_bytes_read"] += sum(len(blob) for blob in blobs if blob is not None)
+            for key, name, blob in zip(rest, names, blobs):
                 data = self._decode("store", key, blob) if blob is not None else None
                 if data is not None:
                     found[key] = ("store", data)
@@ -403,10 +407,11 @@ class PageTiers:
             self.store.delete(rejected)  # the page recomputed here then takes their place
         return found
 
-    def restored(self, keys: list[PageKey], tiers: list[str]) -> None:
-        """Pages the pool brought back: they leave host memory (the index holds them again)."""
+    def restored(self, keys: list[PageKey], tiers: list[str], num_bytes: int) -> None:
+        """Pages the pool brought back (``num_bytes`` of them): they leave host memory (the index holds them again)."""
         with self._lock:
             self.counts.update(f"restored_{tier}" for tier in tiers)
+            self.counts["bytes_restored"] += num_bytes
             if self.host is not None:
                 for key in keys:
                     self.host.discard(key)
@@ -441,6 +446,8 @@ class PageTiers:
                 "prefix_store_writes": counts["store_writes"],
                 "prefix_store_errors": self.store.errors if self.store is not None else 0,
                 "prefix_pages_rejected": counts["rejected"],
+                "prefix_store_bytes_read": counts["store_bytes_read"],
+                "prefix_bytes_restored": counts["bytes_restored"],
             }
 
     # ----- internals ---------------------------------------------------------------------------
