@@ -16,7 +16,7 @@ ORDER = ["errors", "memory", "transformers_internals", "attention", "layers", "c
 INSIDE = {
     "memory": [
         *("quant", "dequant", "format", "device_memory", "prefix_index", "allocator", "page_table", "placement"),
-        *("storage", "store", "tiers", "pools", "stats", "page_pool", "pool"),
+        *("storage", "page_bytes", "store", "tiers", "pools", "stats", "page_pool", "pool"),
     ],
     "attention": ["kernels", "block_mask", "flex", "reads", "interface"],
     "layers": [

@@ -14,15 +14,8 @@ import torch
 from hf_kvcache import KVPool, PagedConfig
 from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.memory.format import PageFormat
-from hf_kvcache.memory.tiers import (
-    CorruptPage,
-    PageData,
-    TierSettings,
-    decode_page,
-    encode_page,
-    format_digest,
-    store_key,
-)
+from hf_kvcache.memory.page_bytes import CorruptPage, PageData, decode_page, encode_page, format_digest, store_key
+from hf_kvcache.memory.tiers import TierSettings
 from tests.helpers import random_ids
 
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}

@@ -7,7 +7,9 @@ feeds. A ``PrefixTracker`` keeps them (``[rows, tokens]``, CPU) with each row's 
 - **looks up** a prompt before the first forward pass (``reuse``): the longest prefix of whole pages, at most
   ``prompt - 1`` tokens (the last one must be fed for its logits), that every row of the batch finds in the index
   for every layer group; its pages are attached to the cache's empty page tables (shared, copy-on-write as any
-  shared page), and ``generate`` then feeds only the rest;
+  shared page), and ``generate`` then feeds only the rest. Where the pool has tiers (``memory.tiers``: host memory,
+  a directory, a shared store), the pages of the longest prefix the index and the tiers hold together are fetched
+  first, outside the pool's lock, and written back into the pool (``PagePool.restore``) before the index is asked;
 - **publishes** each full page once every layer of its layer group has written it (at each forward pass, and the
   rest when the cache is released), so that concurrent requests find each other's pages while they run.
 
@@ -40,9 +42,9 @@ from hf_kvcache.attention.interface import ATTENTION_NAME
 from hf_kvcache.caches.policy import RowPolicy
 from hf_kvcache.errors import PoolExhaustedError
 from hf_kvcache.layers import PagedRows, RingRows
+from hf_kvcache.memory.page_bytes import PageData
 from hf_kvcache.memory.page_pool import PagePool
 from hf_kvcache.memory.prefix_index import PageKey, chain_keys, root_key
-from hf_kvcache.memory.tiers import PageData
 from hf_kvcache.transformers_internals import attn_implementation
 
 logger = logging.getLogger("hf_kvcache")

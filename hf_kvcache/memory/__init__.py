@@ -9,8 +9,9 @@
 - ``storage``: the tensors page ids address and their layout (``PoolStorage``); ``pools``: how pools are made and
   found (for a model, by name, the default pool of a format and device); ``stats``: statistics, alerts, the
   integrity check;
-- ``tiers``: where a prefix index's pages go besides the pool (host memory, a directory, a shared store) and how a
-  page travels as bytes; ``store``: the shared store on a Redis server, fail-open;
+- ``page_bytes``: a page's contents on the host and as checked bytes; ``store``: a shared store of pages on a Redis
+  server, fail-open; ``tiers``: where a prefix index's pages go besides the pool (host memory, a directory, the
+  store);
 - ``page_pool``: ``PagePool``, one storage made for its cap, the page ids it opens, the allocator and the page
   tables under one lock: what caches and layers work on;
 - ``pool``: ``KVPool``, what users hold: its constructors, statistics and alerts, with its ``PagePool`` in

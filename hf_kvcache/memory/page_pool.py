@@ -44,12 +44,13 @@ from hf_kvcache.errors import PoolExhaustedError
 from hf_kvcache.memory.allocator import PageAllocator
 from hf_kvcache.memory.device_memory import MemoryBudget
 from hf_kvcache.memory.format import PageFormat
+from hf_kvcache.memory.page_bytes import PageData
 from hf_kvcache.memory.page_table import Allocator, PageTable
 from hf_kvcache.memory.placement import AgreedPages, normalize_device
 from hf_kvcache.memory.prefix_index import PageKey
 from hf_kvcache.memory.stats import PoolAlerts, check_integrity, pool_stats, tier_stats
 from hf_kvcache.memory.storage import PoolStorage
-from hf_kvcache.memory.tiers import TIERS, PageData, PageTiers, TierSettings
+from hf_kvcache.memory.tiers import TIERS, PageTiers, TierSettings
 
 logger = logging.getLogger("hf_kvcache")
 
