@@ -328,3 +328,31 @@ def test_threads_evicting_and_restoring_on_one_pool_keep_it_whole(tiny_llama_mod
     pool.check_integrity()
     stats = pool.stats()
     assert stats["prefix_hits_host"] > 0 and stats["pages_used"] == stats["pages_cached"]
+
+
+def test_a_ring_cache_reuses_as_much_from_host_memory_as_from_the_pool(tiny_llama_model):
+    """sliding_ring publishes the pages its ring still holds (the sink page, the window's last pages): after
+    eviction, the host tier gives back what the pool itself gave before, and the generation equals a fresh one."""
+    model, config = tiny_llama_model, {"window": 16, "sink_tokens": 4}
+    model.set_attn_implementation("hf_kvcache")
+    try:
+        pool = tiered_pool(model, 64, "sliding_ring", config, prefix_host_bytes=1 << 20)
+        ids = random_ids(1, PROMPT, seed=50)
+        greedy(model, ids, {**config, "pool": pool}, "sliding_ring")
+        before = pool.stats()
+        greedy(model, ids, {**config, "pool": pool}, "sliding_ring")
+        from_pool = pool.stats()["prefix_tokens_reused"] - before["prefix_tokens_reused"]
+        assert from_pool > 0 and pool.stats()["prefix_hits_host"] == 0
+        for seed in range(51, 55):  # other prompts evict its pages
+            greedy(model, random_ids(1, PROMPT, seed=seed), {**config, "pool": pool}, "sliding_ring")
+        before = pool.stats()
+        candidate = greedy(model, ids, {**config, "pool": pool}, "sliding_ring")
+        after = pool.stats()
+        assert_same(fresh(model, ids, "sliding_ring", config), candidate)
+        assert after["prefix_tokens_reused"] - before["prefix_tokens_reused"] == from_pool
+        hits = after["prefix_hits_host"] - before["prefix_hits_host"]
+        assert hits > 0 and after["prefix_hits_device"] == before["prefix_hits_device"]
+        assert after["prefix_bytes_restored"] - before["prefix_bytes_restored"] == hits * after["page_bytes"]
+        pool.check_integrity()
+    finally:
+        model.set_attn_implementation("sdpa")
