@@ -356,3 +356,15 @@ def test_a_ring_cache_reuses_as_much_from_host_memory_as_from_the_pool(tiny_llam
         pool.check_integrity()
     finally:
         model.set_attn_implementation("sdpa")
+
+
+def test_errors_never_show_the_stores_password(tiny_llama_model):
+    url = "redis://:pa55word@127.0.0.1:1/0"
+    with pytest.raises(ValueError, match="prefix_caching=False") as refused:
+        PagedConfig(prefix_store=url, prefix_caching=False)
+    assert "pa55word" not in str(refused.value) and "redis://:***@127.0.0.1:1/0" in str(refused.value)
+    pool = tiered_pool(tiny_llama_model, prefix_store=url)
+    with pytest.raises(ValueError, match="The pool keeps its prefix pages in") as refused:
+        pool.pages.configure_tiers(TierSettings(host_bytes=1024))
+    assert "pa55word" not in str(refused.value) and "pa55word" not in repr(pool.pages.tiers.settings)
+    assert pool.stats()["prefix_store"] == "redis://:***@127.0.0.1:1/0"

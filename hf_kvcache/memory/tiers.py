@@ -62,7 +62,7 @@ NO_TIER_STATS: dict[str, Any] = {
 """``PageTiers.stats`` of a pool without tiers."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class TierSettings:
     """Where a pool's prefix pages go besides the device (``cache_config`` ``prefix_host_bytes``,
     ``prefix_disk_dir``, ``prefix_disk_bytes``, ``prefix_store``; ``KVPool.for_model`` takes the same).
@@ -101,6 +101,14 @@ class TierSettings:
     @property
     def enabled(self) -> bool:
         return bool(self.host_bytes) or self.disk_dir is not None or self.store is not None
+
+    def __repr__(self) -> str:
+        """The settings, the store's password left out (errors and logs show them)."""
+        store = None if self.store is None else parse_store_url(self.store).display
+        return (
+            f"TierSettings(host_bytes={self.host_bytes}, disk_dir={self.disk_dir!r}, disk_bytes={self.disk_bytes}, "
+            f"store={store!r})"
+        )
 
 
 class HostTier:
