@@ -100,8 +100,7 @@ def test_bytes_per_token(results: list[DecodeResult]) -> None:
 def test_rows_say_which_pool_and_path_they_took(results: list[DecodeResult]) -> None:
     """Short contexts (below ``flex.MIN_IN_PLACE_TOKENS``) gather even under ``hf_kvcache``, but for a single row on
     consecutive pages, which attention reads as a view (on the fragmented pool too: these rows fit in one extent)
-    unless its keys are codes (``quantized_kv``), and for rings on consecutive pages (``read_counts``); nothing
-    compiles."""
+    unless its keys are codes (``quantized_kv``) or it keeps a window; nothing compiles."""
     kinds = {r.cache: (r.pool, r.attention) for r in results}
     assert kinds["paged_pool"] == ("default", "hf_kvcache") and kinds["paged_pool_sdpa_fixed"] == ("fixed", "sdpa")
     assert kinds["paged_pool_fragmented"] == ("fragmented", "hf_kvcache")
@@ -110,10 +109,8 @@ def test_rows_say_which_pool_and_path_they_took(results: list[DecodeResult]) -> 
     for r in results:
         if r.pool is None:
             expected = "-"
-        elif r.cache in SLIDING_CACHES:  # a ring reads its slots in place where its pages are consecutive: where the
-            # prefill took both (40 tokens); at 16 its second page comes after its interleaved twin took one
-            in_place = r.attention == "hf_kvcache" and r.length == max(LENGTHS)
-            expected = "in place (its slots, in ring order)" if in_place else "gathered"
+        elif r.cache in SLIDING_CACHES:  # a window reads in place through FlexAttention only (past the threshold)
+            expected = "gathered"
         elif r.batch == 1 and r.attention == "hf_kvcache" and r.cache not in encoded_keys:
             expected = "in place (sdpa over one run of pages)"
         else:

@@ -21,7 +21,6 @@ INSIDE = {
     "attention": ["kernels", "block_mask", "flex", "reads", "interface"],
     "layers": [
         "plan",
-        "window",
         "identical",
         "exact",
         "key_codes",
@@ -30,9 +29,8 @@ INSIDE = {
         "read_path",
         "planned",
         "rows",
+        "window",
         "paged",
-        "ring",
-        "ring_layer",
     ],
     "caches": [
         "config",

@@ -13,7 +13,6 @@ from helpers import random_ids
 import hf_kvcache  # noqa: F401
 from hf_kvcache import KVPool, PagedCache, PagedConfig, PageFormat, PoolExhaustedError
 from hf_kvcache.integration.registry import REGISTRY
-from hf_kvcache.layers.window import ring_num_slots
 from hf_kvcache.memory import device_memory
 from hf_kvcache.memory import pools as pool_module
 from hf_kvcache.memory.placement import normalize_device
@@ -83,8 +82,8 @@ def test_stats_track_use_and_utilization(tiny_llama_model):
 
 @pytest.mark.parametrize("cache_name", ["paged_pool", "sliding_ring"])
 def test_utilization_counts_real_tokens_not_left_padding(tiny_llama_model, cache_name):
-    # A left-padded batch: 3 real tokens of 16 in the short row, whose pages hold its padding's slots (growing rows)
-    # or start at its first real token (a ring). Only tokens count as held.
+    # A left-padded batch: 3 real tokens of 16 in the short row, whose pages hold its padding's slots (but whole pages
+    # of padding). Only tokens count as held.
     model = tiny_llama_model
     config = {"window": 16, "sink_tokens": 0} if cache_name == "sliding_ring" else {}
     pool = KVPool.for_model(model, REGISTRY[cache_name].config({**config, "page_size": 4}), max_tokens=512)
@@ -95,8 +94,8 @@ def test_utilization_counts_real_tokens_not_left_padding(tiny_llama_model, cache
     model.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=False, cache=cache)
     stats = pool.stats()
     real = (16 + 8) + (3 + 8)  # each row: its real prompt tokens and the 8 new tokens written back
-    if cache_name == "sliding_ring":  # the full row keeps the ring's slots: its window and the page it fills
-        real = min(16 + 8, ring_num_slots(16, 0, 4)) + (3 + 8)  # the full row has wrapped
+    if cache_name == "sliding_ring":  # the full row keeps the pages of its last 16 - 1 + 4 tokens: tokens 4 to 23
+        real = (24 - 4) + (3 + 8)
     assert stats["tokens_held"] == real
     assert stats["utilization"] == pytest.approx(real / (stats["pages_used"] * 4))
     del cache

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 import hf_kvcache  # noqa: F401  (registers "quantized_values")
 from hf_kvcache import IncompatibleModelError, KVPool, PagedCache, QuantizedValueCache, QuantizedValueConfig
-from hf_kvcache.layers import RingLayer
+from hf_kvcache.layers import WindowLayer
 from hf_kvcache.layers.rows import PagedRows
 from hf_kvcache.memory.quant import QuantFormat, dequantize, quantize
 from hf_kvcache.testing import tiny_llama
@@ -65,7 +65,7 @@ def test_generate_with_padding_and_beams_equals_the_spec(tiny_gemma3_model, bits
     )
     ours = run(tiny_gemma3_model, ids, mask, max_new_tokens=20, cache=cache)
     assert torch.equal(reference.sequences, ours.sequences)
-    assert [type(layer) for layer in cache.layers][:3] == [RingLayer] * 3
+    assert [type(layer) for layer in cache.layers][:3] == [WindowLayer] * 3
     beams = {"num_beams": 3, "max_new_tokens": 12, "cache_config": settings}
     assert torch.equal(
         tiny_gemma3_model.generate(

@@ -8,7 +8,7 @@ from transformers import DynamicCache
 import hf_kvcache  # noqa: F401  (registers "quantized_kv")
 from hf_kvcache import KVPool, PageFormat, PoolExhaustedError, QuantizedKVCache, QuantizedKVConfig, QuantizedValueCache
 from hf_kvcache.integration.registry import REGISTRY
-from hf_kvcache.layers import RingLayer
+from hf_kvcache.layers import WindowLayer
 from hf_kvcache.memory.quant import QuantFormat, dequantize, quantize
 
 MODELS = ["tiny_llama_model", "tiny_mistral_model", "tiny_gemma3_model"]
@@ -150,7 +150,7 @@ def test_beams_on_a_hybrid_model_equal_the_spec(tiny_gemma3_model, key_bits):
     settings = {"key_bits": key_bits, "value_bits": 4, "group_size": 16, "residual_length": 4, "page_size": 4}
     cache = QuantizedKVCache(tiny_gemma3_model.config, settings)
     greedy = run(tiny_gemma3_model, ids, None, max_new_tokens=20, cache=cache)
-    assert [type(layer) for layer in cache.layers][:3] == [RingLayer] * 3
+    assert [type(layer) for layer in cache.layers][:3] == [WindowLayer] * 3
     reference = run(
         tiny_gemma3_model, ids, None, max_new_tokens=20, cache=EncodedKVSpec(tiny_gemma3_model.config, **settings)
     )

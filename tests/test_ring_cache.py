@@ -20,14 +20,22 @@ from transformers import DynamicCache
 
 import hf_kvcache  # noqa: F401  (registers "sliding_ring")
 from hf_kvcache import KVPool, PagedCache, SlidingRingCache
+from hf_kvcache.attention import flex
 from hf_kvcache.attention.interface import ATTENTION_NAME, banded_sdpa_attention, model_attention
-from hf_kvcache.attention.reads import KEY_LAYOUT, KeyLayout
+from hf_kvcache.attention.reads import KEY_LAYOUT, PAGED_READ, KeyLayout
 from hf_kvcache.bench.catalogue import with_attention
 from hf_kvcache.caches.base import ATTENTION_LAYER_TYPES
-from hf_kvcache.layers import PagedLayer, RingLayer, RingRows
+from hf_kvcache.layers import PagedLayer, WindowLayer
+from hf_kvcache.layers.window import window_pages_per_row
 from hf_kvcache.memory.format import layer_groups, layer_types
 
 SLIDING_MODELS = ["tiny_mistral_model", "tiny_gemma3_model"]  # window 8
+IN_PLACE = pytest.mark.skipif(flex.unavailable(torch.device("cpu")) is not None, reason="no compiled FlexAttention")
+
+
+def read_path(patch: pytest.MonkeyPatch, path: str) -> None:
+    """Decode steps of the tiny models read in place (``"in place"``: however few their tokens) or gather."""
+    patch.setattr(flex, "MIN_IN_PLACE_TOKENS", 0 if path == "in place" else 1 << 40)
 
 
 def banded_logits(model, ids: torch.Tensor, window: int, sink_tokens: int = 0) -> torch.Tensor:
@@ -50,7 +58,7 @@ def test_model_window_matches_dynamic_cache(model_name, lengths, new_tokens, nam
     ring = run(model, ids, mask, max_new_tokens=new_tokens, cache_implementation=name)
     assert_same_generation(reference, ring)
     sliding = [layer for layer, slides in zip(ring.cache.layers, ring.cache.is_sliding) if slides]
-    assert sliding and all(isinstance(layer, RingLayer) for layer in sliding)
+    assert sliding and all(isinstance(layer, WindowLayer) for layer in sliding)
 
 
 @pytest.mark.parametrize("model_name", SLIDING_MODELS)
@@ -92,7 +100,7 @@ def test_imposed_window_prefill_past_the_window_equals_banded_attention(tiny_lla
 def test_prefill_past_an_imposed_window_without_banded_attention_warns(tiny_llama_model):
     ids = random_ids(1, 20)
     cache = SlidingRingCache(tiny_llama_model.config, {"window": 8})
-    with pytest.warns(UserWarning, match='A step of 20 tokens reaches past the ring.s window=8.*"hf_kvcache"'):
+    with pytest.warns(UserWarning, match='A step of 20 tokens reaches past the cache.s window=8.*"hf_kvcache"'):
         tiny_llama_model(ids, cache=cache)
     with warnings.catch_warnings():  # once per cache; and never where the band is applied
         warnings.simplefilter("error")
@@ -112,20 +120,22 @@ def test_banded_attention_without_a_band_is_sdpa(tiny_llama_model):
     assert_same_generation(expected, paged)
 
 
+@IN_PLACE
 @pytest.mark.parametrize("window,sink_tokens", [(8, 0), (8, 3), (20, 4)])
-@pytest.mark.parametrize("chunks", [[1], [9, 1], [5, 3, 1, 20, 2], [16]])
+@pytest.mark.parametrize("chunks", [[1], [9, 1], [5, 3, 1, 20, 1]])
 def test_pages_read_in_place_equal_pages_gathered(tiny_llama_model, window, sink_tokens, chunks):
-    """The fast path (keys in slot order, views of the pool) against its slow twin (gathered in time order)."""
+    """The fast path (FlexAttention over the pages where they lie, the window in its mask) against its slow twin
+    (gathered in time order)."""
     ids = random_ids(2, 60, seed=window + sink_tokens)
-    pool = KVPool.for_model(tiny_llama_model, max_tokens=1024)  # fresh: a row's pages are consecutive
-    with banded_attention(tiny_llama_model):
-        cache = SlidingRingCache(tiny_llama_model.config, {"window": window, "sink_tokens": sink_tokens, "pool": pool})
+    settings = {"window": window, "sink_tokens": sink_tokens}
+    with banded_attention(tiny_llama_model), pytest.MonkeyPatch.context() as patch:
+        read_path(patch, "in place")
+        cache = SlidingRingCache(tiny_llama_model.config, settings)
         in_place = teacher_forced_logits(tiny_llama_model, ids, cache, chunks)
         assert cache.read_counts()["in place"] > 0
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(RingRows, "_first_page", lambda self: None)  # never consecutive: always gather
-            cache = SlidingRingCache(tiny_llama_model.config, {"window": window, "sink_tokens": sink_tokens})
-            gathered = teacher_forced_logits(tiny_llama_model, ids, cache, chunks)
+        read_path(patch, "gathered")
+        cache = SlidingRingCache(tiny_llama_model.config, settings)
+        gathered = teacher_forced_logits(tiny_llama_model, ids, cache, chunks)
         assert cache.read_counts()["in place"] == 0
     torch.testing.assert_close(in_place, gathered, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(
@@ -133,46 +143,51 @@ def test_pages_read_in_place_equal_pages_gathered(tiny_llama_model, window, sink
     )
 
 
+@IN_PLACE
 @pytest.mark.parametrize("model_name", SLIDING_MODELS)
 @pytest.mark.parametrize("lengths,new_tokens", [([5, 3], 2), ([9, 4], 16), ([23, 16, 17], 40)])
 @pytest.mark.parametrize("name", ["sliding_ring", "paged_pool"])
 def test_pages_read_in_place_match_dynamic_cache_with_padding(model_name, lengths, new_tokens, name, request):
-    """The model's own sliding mask and left padding, put in slot order by the layout's mask columns."""
+    """The model's own sliding mask and left padding, applied in place by the block mask's window."""
     model = request.getfixturevalue(model_name)
     ids, mask = padded_batch(lengths)
     reference = run(model, ids, mask, max_new_tokens=new_tokens)
-    pool = KVPool.for_model(model, max_tokens=1024)  # fresh: a row's pages are consecutive
-    with banded_attention(model):
-        ring = run(model, ids, mask, max_new_tokens=new_tokens, cache_implementation=name, cache_config={"pool": pool})
+    with banded_attention(model), pytest.MonkeyPatch.context() as patch:
+        read_path(patch, "in place")
+        ring = run(model, ids, mask, max_new_tokens=new_tokens, cache_implementation=name)
     assert ring.past_key_values.read_counts()["in place"] > 0
     assert_same_generation(reference, ring)
 
 
-def test_generate_takes_planned_ring_pages_at_once_and_reads_them_in_place(tiny_llama_model):
-    """Short prompts in a batch: generate plans the rows' length, so each row's pages are taken together."""
+@IN_PLACE
+def test_generate_reads_window_pages_in_place(tiny_llama_model):
+    """Short prompts in a batch, past the window: every decode step reads in place, the prefill gathers."""
     ids, mask = padded_batch([5, 3, 9])
-    settings = {"max_new_tokens": 40, "cache_implementation": "sliding_ring"}
-    with banded_attention(tiny_llama_model):
-        pool = KVPool.for_model(tiny_llama_model, max_tokens=2048)
-        fast = run(tiny_llama_model, ids, mask, **settings, cache_config={"window": 20, "pool": pool})
-        assert fast.cache.read_counts() == {"gather": 0, "run": 0, "in place": 40 * 2}  # every forward, both layers
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(RingRows, "_first_page", lambda self: None)  # never consecutive: always gather
-            slow = run(tiny_llama_model, ids, mask, **settings, cache_config={"window": 20})
+    settings = {"max_new_tokens": 40, "cache_implementation": "sliding_ring", "cache_config": {"window": 20}}
+    with banded_attention(tiny_llama_model), pytest.MonkeyPatch.context() as patch:
+        read_path(patch, "in place")
+        fast = run(tiny_llama_model, ids, mask, **settings)
+        assert fast.cache.read_counts() == {"gather": 2, "run": 0, "in place": 39 * 2}  # both layers
+        read_path(patch, "gathered")
+        slow = run(tiny_llama_model, ids, mask, **settings)
         assert slow.cache.read_counts() == {"gather": 40 * 2, "run": 0, "in place": 0}
     assert_same_generation(slow, fast)
 
 
-@pytest.mark.parametrize("planned,pages_per_row", [(0, 1), (30, 2), (500, 3)])
-def test_planned_tokens_take_pages_up_to_the_ring(tiny_llama_model, planned, pages_per_row):
-    cache = SlidingRingCache(
-        tiny_llama_model.config, {"window": 20, "pool": KVPool.for_model(tiny_llama_model, max_tokens=512)}
-    )
-    cache.plan(planned)
-    tiny_llama_model(random_ids(3, 9), cache=cache)  # a ring of 20 tokens: 48 slots, 3 pages of 16
-    assert cache.memory_stats()["pages_held"] == 3 * pages_per_row
-    tiny_llama_model(random_ids(3, 60), cache=cache)
+def test_window_rows_hold_the_pages_of_what_they_see(tiny_llama_model):
+    """A window of 20 tokens keeps its last 20 - 1 + 16 (a page more, for crops): after a step to token 69 (a step of
+    60 tokens takes no page for its tokens behind them) and one more, the pages of tokens 35 to 69; those behind went
+    back to the pool."""
+    pool = KVPool.for_model(tiny_llama_model, max_tokens=512)
+    cache = SlidingRingCache(tiny_llama_model.config, {"window": 20, "pool": pool})
+    tiny_llama_model(random_ids(3, 9), cache=cache)
+    assert cache.memory_stats()["pages_held"] == 3 * 1
+    tiny_llama_model(random_ids(3, 60), cache=cache)  # page 0 (what the step sees), 2 to 4 (its last 35); 1: a hole
+    rows = cache.layers[0].rows.table.rows
+    assert [row[1] for row in rows] == [0, 0, 0] and all(row[0] and row[2] for row in rows)
+    tiny_llama_model(random_ids(3, 1), cache=cache)  # its last 35 tokens: 35 to 69, pages 2 to 4
     assert cache.memory_stats()["pages_held"] == 3 * 3
+    assert all(row[:2] == [0, 0] for row in rows)  # holes: the null page
     cache.pool.check_integrity()
 
 
@@ -186,45 +201,42 @@ def test_quantized_rings_under_banded_attention_match_sdpa(tiny_gemma3_model):
     assert_same_generation(expected, actual)
 
 
-@pytest.mark.parametrize("in_slot_order", [False, True])
-def test_banded_attention_reads_additive_float_masks_like_boolean_ones(in_slot_order):
-    """A custom additive 4D mask gets the same layout as transformers' boolean one; both equal plain attention."""
+def test_banded_attention_reads_additive_float_masks_like_boolean_ones():
+    """A custom additive 4D mask gets the same band as transformers' boolean one; both equal plain attention."""
     generator = torch.Generator().manual_seed(0)
     query, key, value = (torch.randn(2, 2, 3, 8, generator=generator) for _ in range(3))
     allowed = torch.rand(2, 1, 3, 3, generator=generator) > 0.3  # the model's mask
     band = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 1]], dtype=torch.bool).expand(2, -1, -1)  # [batch, n, keys]
     layout = KeyLayout(band)
-    if in_slot_order:  # each row's keys in their own order
-        layout = KeyLayout(layout.band, torch.tensor([[2, 0, 1], [1, 2, 0]]))
-    columns = torch.arange(3).expand(2, -1) if layout.mask_columns is None else layout.mask_columns  # [batch, keys]
-    allowed[torch.arange(2), ..., columns[:, 0]] = True  # every query sees key 0
+    allowed[..., 0] = True  # every query sees key 0
     module = torch.nn.Module().eval()
     additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
     handed = {KEY_LAYOUT: layout}  # as a ring's update puts it in the attention's kwargs
     from_bool, _ = banded_sdpa_attention(module, query, key, value, allowed, scaling=0.5, **handed)
     from_float, _ = banded_sdpa_attention(module, query, key, value, additive, scaling=0.5, **handed)
     torch.testing.assert_close(from_float, from_bool)
-    seen = allowed.gather(-1, columns[:, None, None, :].expand(-1, 1, 3, -1)) & layout.band.unsqueeze(1)  # [2, 1, 3, 3]
+    seen = allowed & layout.band.unsqueeze(1)  # [2, 1, 3, 3]
     scores = (query @ key.transpose(-1, -2) * 0.5).masked_fill(~seen, -torch.inf)
     torch.testing.assert_close(from_bool, (scores.softmax(-1) @ value).transpose(1, 2))
 
 
-def test_pages_read_in_place_are_views_of_the_pool(tiny_llama_model):
-    """Consecutive pages are read without a copy; rows that share pages (beams) are gathered."""
+@IN_PLACE
+def test_pages_read_in_place_are_views_of_the_pool(tiny_llama_model, monkeypatch):
+    """A decode step reads the window's pages without a copy, rows that share pages (beams) too; the block mask
+    hides what lies behind the window."""
+    read_path(monkeypatch, "in place")
     pool = KVPool.for_model(tiny_llama_model, max_tokens=1024)
     cache = SlidingRingCache(tiny_llama_model.config, {"window": 8, "pool": pool})
+    storage = pool.pages.storage.keys.untyped_storage().data_ptr()
     with banded_attention(tiny_llama_model):
         tiny_llama_model(random_ids(2, 20), cache=cache)
-        handed = {}  # the attention's kwargs, as transformers hands them to update
-        keys, values = cache.update(torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16), 0, kwargs=handed)
-        assert handed[KEY_LAYOUT].mask_columns is not None  # slot order: attention gets where each key's column is
-        storage = pool.pages.storage.keys.untyped_storage().data_ptr()
-        assert keys.untyped_storage().data_ptr() == storage
-        assert values.untyped_storage().data_ptr() == pool.pages.storage.values.untyped_storage().data_ptr()
-        assert keys.shape[2] == cache.layers[0].rows.num_slots  # every slot, in slot order
-        cache.reorder_cache(torch.tensor([0, 0]))  # both rows now share row 0's pages
-        keys, _ = cache.update(torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16), 1, kwargs={})
-        assert keys.untyped_storage().data_ptr() != storage
+        for layer_idx, rows in ((0, [0, 1]), (1, [0, 0])):
+            handed = {}  # the attention's kwargs, as transformers hands them to update
+            keys, values = cache.update(torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16), layer_idx, kwargs=handed)
+            assert keys.untyped_storage().data_ptr() == storage
+            assert values.untyped_storage().data_ptr() == pool.pages.storage.values.untyped_storage().data_ptr()
+            assert handed[PAGED_READ].kv_offset == 21 - 8 and handed[PAGED_READ].mask.windowed
+            cache.reorder_cache(torch.tensor(rows))  # then both rows share row 0's pages
 
 
 @pytest.mark.parametrize("prompt", [16, 64])
@@ -281,10 +293,8 @@ def test_sinks_are_each_rows_first_real_tokens(tiny_llama_model, attention, path
     settings = {"max_new_tokens": 30, "cache_implementation": "sliding_ring"}
     with model_attention(tiny_llama_model, attention), pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # without the band, prompts past the window warn
-        if path == "gathered":
-            patch.setattr(RingRows, "_first_page", lambda self: None)  # never consecutive: always gather
-        pool = KVPool.for_model(tiny_llama_model, max_tokens=2048)  # fresh: a row's pages are consecutive
-        batch = run(tiny_llama_model, ids, mask, **settings, cache_config={**cache_config, "pool": pool})
+        read_path(patch, path)
+        batch = run(tiny_llama_model, ids, mask, **settings, cache_config=cache_config)
         assert (batch.past_key_values.read_counts()["in place"] > 0) == (path == "in place")
         for row in range(ids.shape[0]):
             alone = ids[row : row + 1, mask[row].bool()]
@@ -330,9 +340,9 @@ def test_pages_held_stop_growing_once_the_window_is_full(tiny_llama_model, sink_
     for token in range(ids.shape[1]):
         tiny_llama_model(ids[:, token : token + 1], cache=cache)
         held.append(pool.stats()["pages_used"])
-    per_row = RingRows(pool.pages, 40, sink_tokens).num_slots // pool.format.page_size
-    assert max(held) == held[-1] == 3 * per_row  # three rows, each a fixed ring
-    assert held.index(max(held)) < 40 + sink_tokens + pool.format.page_size
+    per_row = window_pages_per_row(40, sink_tokens, pool.format.page_size)
+    assert max(held) <= 3 * per_row  # three rows, each its sinks' and its window's pages
+    assert held.index(max(held)) < 40 + sink_tokens + 3 * pool.format.page_size
     pool.check_integrity()
     cache.reset()
     assert pool.stats()["pages_used"] == 0
@@ -345,15 +355,18 @@ def test_hybrid_model_layers_draw_from_one_pool_in_groups(tiny_gemma3_model):
     pool = KVPool.for_model(tiny_gemma3_model, max_tokens=2048)
     assert (pool.format.num_layers, pool.format.num_layer_groups) == (1, 4)
     cache = PagedCache(config, {"pool": pool})
-    assert [type(layer) for layer in cache.layers] == [RingLayer, RingLayer, RingLayer, PagedLayer]
-    ids = random_ids(1, 300)
+    assert [type(layer) for layer in cache.layers] == [WindowLayer, WindowLayer, WindowLayer, PagedLayer]
+    ids = random_ids(1, 301)
     tiny_gemma3_model(ids[:, :100], cache=cache)
     first = cache.memory_stats()["pages_held"]
     tiny_gemma3_model(ids[:, 100:300], cache=cache)
     grown = cache.memory_stats()["pages_held"]
     page_size = pool.format.page_size
-    assert grown - first == math.ceil(300 / page_size) - math.ceil(100 / page_size)  # only the full layer grew
-    assert pool.stats()["pages_used"] == grown
+    assert len(cache.layers[3].rows.table.rows[0]) == math.ceil(300 / page_size)  # the full layer grew
+    tiny_gemma3_model(ids[:, 300:301], cache=cache)  # a decode step: the sliding layers give back what the chunk read
+    for layer in cache.layers[:3]:  # the sliding ones hold their window's pages
+        assert sum(page != 0 for page in layer.rows.table.rows[0]) <= window_pages_per_row(8, 0, page_size)
+    assert first < grown
 
 
 def test_layer_groups_split_by_type_in_equal_sizes():
@@ -404,7 +417,7 @@ def test_crop_is_exact_where_tokens_remain_and_refused_where_evicted(tiny_llama_
         assert cache.get_seq_length() == 65
         actual = teacher_forced_logits(tiny_llama_model, ids[:, 65:], cache, [1])
     torch.testing.assert_close(actual, banded_logits(tiny_llama_model, ids, 8)[:, 65:], rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="has overwritten tokens.*Crop at most"):
+    with pytest.raises(ValueError, match="gave back the page of token.*Crop at most"):
         cache.crop(-40)
     assert cache.get_seq_length() == 80  # a refused crop changes nothing
     cache.pool.check_integrity()
@@ -478,27 +491,40 @@ def test_a_step_past_an_imposed_window_warns_where_the_model_hands_no_kwargs(tin
     once per cache, and not where the kwargs come."""
     config = with_attention(tiny_llama_model.config, ATTENTION_NAME)
     states = torch.randn(2, 1, config.num_key_value_heads, 20, config.head_dim)  # keys, values
-    with pytest.warns(UserWarning, match="reaches past the ring.s window=8, but the model's attention hands the cache"):
+    with pytest.warns(UserWarning, match="reaches past the cache.s window=8, but the model's attention hands the cache"):
         SlidingRingCache(config, {"window": 8}).update(states[0], states[1], 0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         SlidingRingCache(config, {"window": 8}).update(states[0], states[1], 0, kwargs={})
 
 
-@pytest.mark.parametrize("window, sink_tokens", [(40, 0), (40, 4), (16, 2), (100, 16)])
-def test_the_pages_a_step_takes_are_those_of_its_tokens_slots(tiny_llama_model, window, sink_tokens):
-    """``RingRows._pages_taking`` (host arithmetic, what copy-on-write asks every step of a wrapped ring) against its
-    slow twin: the pages of ``_slots``' slots of every token of every row, for steps of one token and chunks longer
-    than the ring, around the sinks and the wrap, rows padded differently."""
-    rows = RingRows(KVPool.for_model(tiny_llama_model, max_tokens=4096).pages, window, sink_tokens)
-    page_size, generator = rows.pool.format.page_size, torch.Generator().manual_seed(0)
-    for _ in range(300):
-        pads = torch.randint(0, 30, (3,), generator=generator).tolist()
-        rows.set_plan(0, pads)
-        end = int(torch.randint(1, 4 * rows.num_slots, (1,), generator=generator))
-        first = max(
-            end - int(torch.randint(1, 2 * rows.num_slots, (1,), generator=generator)), 0, end - rows.ring_slots
-        )
-        slots = rows._slots(torch.arange(first, end).expand(3, -1))
-        expected = sorted(set((slots[slots >= 0] // page_size).tolist()))
-        assert rows._pages_taking(3, first, end) == expected, (pads, first, end)
+@pytest.mark.parametrize("window, sink_tokens", [(40, 0), (40, 4), (16, 2), (20, 16)])
+def test_window_rows_keep_what_they_see_and_give_back_the_rest(tiny_llama_model, window, sink_tokens):
+    """Rows padded differently, steps of one token and chunks longer than the window: after every step each row
+    holds the pages of its sinks and of its last ``window - 1 + page_size`` tokens (what the next step sees, and a
+    crop of a page), and after a one-token step no more than ``window_pages_per_row``."""
+    pool = KVPool.for_model(tiny_llama_model, max_tokens=4096)
+    page_size, generator = pool.format.page_size, torch.Generator().manual_seed(window + sink_tokens)
+    bound = window_pages_per_row(window, sink_tokens, page_size)
+    for _ in range(3):
+        pads = torch.randint(0, 30, (3,), generator=generator)
+        mask = (torch.arange(40) >= pads.unsqueeze(1)).long()  # [3, 40]
+        cache = SlidingRingCache(tiny_llama_model.config, {"window": window, "sink_tokens": sink_tokens, "pool": pool})
+        cache.plan(200, attention_mask=mask)
+        end = 0
+        while end < 200:
+            size = int(torch.randint(1, 60, (1,), generator=generator)) if end < 100 else 1
+            tiny_llama_model(random_ids(3, size), cache=cache)
+            end += size
+            rows = cache.layers[0].rows
+            for row, (pages, skip, pad) in enumerate(zip(rows.table.rows, rows.table.row_skips, pads.tolist())):
+                held = {skip + index for index, page in enumerate(pages) if page != 0}
+                needed = set(range(max(end - window + 1 - page_size, 0) // page_size, -(-end // page_size)))
+                if sink_tokens:
+                    needed |= set(range(pad // page_size, (pad + sink_tokens - 1) // page_size + 1))
+                needed &= set(range(skip, -(-end // page_size)))  # pages of padding alone are not taken
+                assert needed <= held, (row, end)
+                assert size > 1 or len(held) <= bound, (row, end)
+        pool.check_integrity()
+        cache.reset()
+    assert pool.stats()["pages_used"] == 0

@@ -28,6 +28,8 @@ class PagedBlockMask:
         page_size / extent_pages: the pool's page geometry; a KV block is one extent.
         queries_per_kv_head: query heads per KV head (the packed query rows of a decode step).
         device: the pool's device.
+        window: a window's ``(window, sink_tokens)`` (``hf_kvcache.layers.window``): a row sees its last ``window``
+            tokens and its first ``sink_tokens`` real ones; ``None``: every token.
 
     ``update(...)`` refills it in place from a page table, ``advance(...)`` moves it one token on; ``arguments``
     (the same tensors every time) then serve every layer of the layer group for the step. The compiled function
@@ -43,6 +45,7 @@ class PagedBlockMask:
         extent_pages: int,
         queries_per_kv_head: int,
         device: torch.device,
+        window: tuple[int, int] | None = None,
     ) -> None:
         self.batch, self.num_pages, self.page_size, self.extent_pages, self.queries_per_kv_head = (
             batch,
@@ -61,6 +64,11 @@ class PagedBlockMask:
         self.page_position = torch.full((batch, num_pages), -1, **as_int)  # [batch, pages]: logical page, or -1
         self.pads = torch.zeros(batch, dtype=torch.int64, device=device)  # [batch] leading padding tokens
         self.num_tokens = torch.zeros(1, dtype=torch.int64, device=device)  # [1] tokens per row, the new one included
+        # A window's: [1] its size (rows keeping every token: more than any length), [batch] each row's sinks' end
+        self.windowed = window is not None
+        self.sink_tokens = window[1] if window is not None else 0
+        self.window = torch.full((1,), window[0] if window is not None else 1 << 40, dtype=torch.int64, device=device)
+        self.sink_ends = torch.zeros(batch, dtype=torch.int64, device=device)
         # The last (model mask, pads, tokens) attention checked against this mask, and the verdict: a step's layers
         # share one check (``hf_kvcache.attention.interface``).
         self.padding_check: tuple | None = None
@@ -79,6 +87,8 @@ class PagedBlockMask:
             self.page_position,
             self.pads,
             self.num_tokens,
+            self.window,
+            self.sink_ends,
         )
 
     @property
@@ -118,7 +128,8 @@ class PagedBlockMask:
         any_count = torch.zeros(batch, extents.numel(), dtype=torch.int32, device=device)  # [batch, u]
         any_count.scatter_add_(1, inverse, seen_any.int())
         all_count = torch.zeros_like(any_count).scatter_add_(1, inverse, seen_all.int())
-        full = all_count == size  # [batch, u]: all the extent's pages are the row's, wholly visible
+        # [batch, u]: all the extent's pages are the row's, wholly visible (a window's slide: mask_mod always decides)
+        full = (all_count == size) & (not self.windowed)
         partial = (any_count > 0) & ~full
         # Equal counts for every row: keep the fewest rows' number of full extents, the rest become partial.
         num_full = int(full.sum(1).min())
@@ -137,10 +148,11 @@ class PagedBlockMask:
         logical = torch.arange(n, dtype=torch.int32, device=device).expand(batch, n)
         self.page_position.scatter_(1, page_ids, torch.where(held, logical, first_held.int()))
         self.pads.copy_(pads.view(-1))
+        self.sink_ends.copy_(pads.view(-1) + self.sink_tokens)
         self.num_tokens.fill_(num_tokens)
         return extents.tolist()
 
     def advance(self, num_tokens: int) -> None:
         """One more token per row in the rows' last pages, nothing else changed: only the end moves (the last page
-        is in a partial extent, where ``mask_mod`` bounds what is seen)."""
+        is in a partial extent, where ``mask_mod`` bounds what is seen; a window's start with it)."""
         self.num_tokens.fill_(num_tokens)

@@ -15,7 +15,8 @@ the page tables directly (no ``create_block_mask``):
   every row has the same counts (inductor's CPU decode kernel has a fast path only then).
 
 ``mask_mod`` is the whole truth, the block lists only an optimization: it maps a slot to its row's logical position
-through ``page_position[row, page]`` (-1: not this row's page) and keeps ``pad[row] <= position < num_tokens``. A
+through ``page_position[row, page]`` (-1: not this row's page) and keeps ``pad[row] <= position < num_tokens``
+(a window's: also ``position >= num_tokens - window`` or before the row's sinks' end). A
 masked slot still enters the kernel's sums as ``0 x value``, so everything in the extents a row visits must be
 finite: the row's pages, other live rows' pages (``PagePool.foreign_pages``) and free pages (all zeros).
 
@@ -269,6 +270,8 @@ def _paged_flex(
     page_position,
     pads,
     num_tokens,
+    window,
+    sink_ends,
     page_size,
     block_tokens,
     scale,
@@ -279,7 +282,8 @@ def _paged_flex(
     def mask_mod(b, h, q_idx, kv_idx):
         logical_page = page_position[b, kv_idx // page_size]
         position = logical_page * page_size + kv_idx % page_size
-        return (logical_page >= 0) & (position >= pads[b]) & (position < num_tokens[0])
+        in_window = (position >= num_tokens[0] - window[0]) | (position < sink_ends[b])
+        return (logical_page >= 0) & (position >= pads[b]) & (position < num_tokens[0]) & in_window
 
     block_mask = BlockMask.from_kv_blocks(
         kv_num_blocks,
@@ -389,6 +393,8 @@ def _paged_decode(
     page_position: torch.Tensor,
     pads: torch.Tensor,
     num_tokens: torch.Tensor,
+    window: torch.Tensor,
+    sink_ends: torch.Tensor,
     pages: torch.Tensor,
     page_size: int,
     block_tokens: int,
@@ -396,8 +402,8 @@ def _paged_decode(
 ) -> torch.Tensor:
     """``planned_attention``'s op: ``decode_attention`` over the mask's tensors, or the pages gathered."""
     arguments = (
-        kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, page_position, pads, num_tokens,
-        page_size, block_tokens,
+        kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, page_position, pads, num_tokens, window,
+        sink_ends, page_size, block_tokens,
     )  # fmt: skip
     try:
         return _decode(query, keys, values, arguments, scale).clone()

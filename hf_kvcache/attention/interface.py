@@ -2,11 +2,9 @@
 
 It is ``"sdpa"`` with the same masks (``sdpa_mask``), except:
 
-- a ring's keys come with a ``KeyLayout`` (``hf_kvcache.layers.ring``): its band (which keys each new token may see:
-  causality, window, sinks) is ANDed into the model's mask, so that a step of several tokens keeps each to its
-  window; where the ring hands over its slots in place, in slot order, its ``mask_columns`` reorder the model's
-  mask to match;
-- a growing layer's decode step (``PagedRead``, or a planned step's ``PLANNED_READS``) hands over the pool's storage
+- a window's step of several tokens comes with a ``KeyLayout`` (``hf_kvcache.layers.window``): its band (which keys
+  each new token may see: causality, window, sinks) is ANDed into the model's mask, so that each keeps to its window;
+- a decode step (``PagedRead``, or a planned step's ``PLANNED_READS``) hands over the pool's storage
   itself: compiled FlexAttention reads the pages where they lie (``attention.flex``) once the model's mask is
   checked to hide exactly each row's leading padding; what it cannot do in place (a mask with holes, training, a
   shape that does not compile) it does on the same keys gathered, the slow twin. A single row on consecutive pages
@@ -112,12 +110,6 @@ def banded_sdpa_attention(
     if attention_mask is None:
         attention_mask = allowed
     else:
-        if layout.mask_columns is not None:  # keys in slot order: the model's mask follows them, row by row
-            columns = layout.mask_columns[:, None, None, :]  # [batch, 1, 1, num_keys]
-            attention_mask = attention_mask.expand(columns.shape[0], -1, allowed.shape[2], -1)
-            attention_mask = attention_mask.gather(
-                -1, columns.expand(-1, attention_mask.shape[1], allowed.shape[2], -1)
-            )
         if attention_mask.dtype == torch.bool:
             attention_mask = attention_mask & allowed
         else:
@@ -379,17 +371,20 @@ def _hides_padding_only(read: PagedRead, attention_mask: torch.Tensor | None) ->
     last = read.mask.padding_check
     if last is not None and last[0] is attention_mask and last[1] is read.pads and last[2] == read.num_tokens:
         return last[3]
-    verdict = mask_hides_padding_only(attention_mask, read.pads, read.num_tokens)
+    verdict = mask_hides_padding_only(attention_mask, read.pads, read.num_tokens, read.kv_offset)
     read.mask.padding_check = (attention_mask, read.pads, read.num_tokens, verdict)
     return verdict
 
 
-def mask_hides_padding_only(attention_mask: torch.Tensor | None, pads: torch.Tensor, num_tokens: int) -> bool:
+def mask_hides_padding_only(
+    attention_mask: torch.Tensor | None, pads: torch.Tensor, num_tokens: int, kv_offset: int = 0
+) -> bool:
     """Whether the model's mask for the step's (last) query hides exactly each row's first ``pads`` tokens.
 
     Args:
         attention_mask: ``[batch, 1, q, kv]`` boolean (true: seen) or additive (0: seen), or ``None`` (all seen).
         pads: ``[batch]`` leading padding tokens of each row.
+        num_tokens / kv_offset: the mask's columns and the token of its first (a window's: ``get_mask_sizes``).
     """
     if attention_mask is None:
         return not bool(pads.any())
@@ -397,5 +392,6 @@ def mask_hides_padding_only(attention_mask: torch.Tensor | None, pads: torch.Ten
         return False
     last = attention_mask[:, 0, -1, :]  # [batch or 1, num_tokens]
     seen = last if last.dtype == torch.bool else last == 0
-    expected = torch.arange(num_tokens, device=seen.device) >= pads.to(seen.device).view(-1, 1)  # [batch, tokens]
+    columns = torch.arange(kv_offset, kv_offset + num_tokens, device=seen.device)
+    expected = columns >= pads.to(seen.device).view(-1, 1)  # [batch, tokens]
     return bool(torch.equal(seen.expand_as(expected), expected))

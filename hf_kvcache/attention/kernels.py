@@ -3,9 +3,9 @@
 A pool's storage holds keys or values as ``[num_layers, num_kv_heads, num_pages, page_size, last_dim]``
 (``hf_kvcache.memory.storage``). A step writes its tokens with one ``index_put_`` per layer at the pages and slots its
 plan names (``write_planned``), and gathers what attention reads with one ``index_select`` per layer: whole pages of
-rows that keep every token (``page_rows``, ``read_pages``), single slots of a ring (``slot_indices``, ``read_slots``),
-over one layer's view of the storage kept from step to step (``PoolStorage.slots``). Row and slot indices depend on
-the storage's page count: build them for the storage they are used with.
+rows that keep every token (``page_rows``, ``read_pages``), single slots (a window's visible tokens: ``slot_indices``,
+``read_slots``), over one layer's view of the storage kept from step to step (``PoolStorage.slots``). Row and slot
+indices depend on the storage's page count: build them for the storage they are used with.
 
 A single row whose pages are one run of consecutive ids hands its tokens over as a strided view (``run_view``), no
 copy. The in-place path for rows scattered over the pool is ``hf_kvcache.attention.flex``; the gathers are the slow
@@ -69,7 +69,7 @@ def run_view(storage: torch.Tensor, layer_idx: int, first_page: int, num_tokens:
 
 
 def read_slots(slots: torch.Tensor, index: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """Gathers slots of a layer, in the order given (a row's tokens; a ring's in time order).
+    """Gathers slots of a layer, in the order given (a row's tokens; a window's in time order).
 
     Args:
         slots: one layer as ``[heads * pages * page_size, last_dim]`` (``PoolStorage.slots``).

@@ -2,7 +2,7 @@
 
 transformers hands an attention layer's keyword arguments to the cache (``cache.update(..., kwargs=kwargs)``) and
 then to the attention function (``attention_interface(..., **kwargs)``), the same dict. A layer that returns the
-pool's storage in place (``PagedRead``), or a ring's keys out of time order or with a band (``KeyLayout``), puts
+pool's storage in place (``PagedRead``), or a window's keys with a band (``KeyLayout``), puts
 what attention must know into that dict under ``PAGED_READ`` / ``KEY_LAYOUT``; ``hf_kvcache.attention.interface``
 takes it out. Where a model's attention hands the cache no kwargs (``attention_kwargs`` is ``None``), its layers
 return their keys and values gathered in time order, which any attention reads as they are.
@@ -36,27 +36,26 @@ class PagedRead:
     Attributes:
         mask: the step's mask over the pool's storage (one decode token per row).
         pads: ``[batch]`` leading padding tokens of each row, which the mask hides.
-        num_tokens: tokens per row, the step's new one included.
+        num_tokens: keys per row the model's mask is built for (``get_mask_sizes``), the step's new one included.
         gather: the same keys and values gathered, ``[batch, heads, num_tokens, head_dim]`` (the slow twin, for a
             step attention cannot read in place after all).
+        kv_offset: the token of the mask's first column (a window's first visible token; ``get_mask_sizes``).
     """
 
     mask: PagedBlockMask
     pads: torch.Tensor
     num_tokens: int
     gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    kv_offset: int = 0
 
 
 @dataclass(frozen=True)
 class KeyLayout:
-    """What attention must know of the keys a ring returned, beyond the model's mask (``KEY_LAYOUT``).
+    """What attention must know of the keys a window returned, beyond the model's mask (``KEY_LAYOUT``).
 
     Attributes:
         band: ``[batch, num_new, num_keys]``, true where a new token of a row may see a key (causality, window and
-            the row's sinks; false for a slot that holds no token the step may see).
-        mask_columns: ``[batch, num_keys]``, the column of the model's mask (built for the visible tokens in time
-            order) that applies to each key of a row; ``None`` when the keys come in that order.
+            the row's sinks; false for a key that holds no token the step may see).
     """
 
     band: torch.Tensor
-    mask_columns: torch.Tensor | None = None

@@ -20,7 +20,7 @@ from hf_kvcache.bench.catalogue import (
     SLIDING_CACHES,
     pool_kind,
 )
-from hf_kvcache.layers import IN_PLACE, RUN
+from hf_kvcache.layers import RUN
 
 
 @dataclass(frozen=True)
@@ -167,11 +167,9 @@ def summarize(
         )
         held = cache_runs[-1].kv_bytes_held
         in_place = sum(run.in_place_calls for run in cache_runs)
-        as_runs, in_slots = (sum(run.reads.get(kind, 0) for run in cache_runs) for kind in (RUN, IN_PLACE))
+        as_runs = sum(run.reads.get(RUN, 0) for run in cache_runs)
         attention_calls = sum(run.attention_calls for run in cache_runs)
-        if name in SLIDING_CACHES and pool_kind(name) is not None:  # a ring: its slots in place, or gathered
-            path = {0: "gathered", attention_calls: "in place (its slots, in ring order)"}.get(in_slots, "mixed")
-        elif in_place == as_runs == 0:
+        if in_place == as_runs == 0:
             path = "gathered" if pool_kind(name) is not None else "-"
         elif in_place == attention_calls:
             path = "in place (compiled FlexAttention)"

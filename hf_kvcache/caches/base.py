@@ -20,7 +20,8 @@ from hf_kvcache.caches.policy import RowPolicy
 from hf_kvcache.caches.prefix import PrefixTracker
 from hf_kvcache.caches.state_layers import StateLayers
 from hf_kvcache.errors import IncompatibleModelError, PoolExhaustedError
-from hf_kvcache.layers import GATHER, IN_PLACE, RUN, PagedLayer, RingLayer
+from hf_kvcache.layers import GATHER, IN_PLACE, RUN, PagedLayer, WindowLayer
+from hf_kvcache.memory.allocator import NULL_PAGE
 from hf_kvcache.memory.format import PAGED_LAYER_TYPES, PageFormat, layer_groups, no_paged_layers
 from hf_kvcache.memory.placement import Placement, agree, normalize_device
 from hf_kvcache.memory.pool import KVPool
@@ -43,7 +44,7 @@ class PoolCache(PlannedDecoding):
 
     The model's attention layers are split into layer groups of one attention type (``config.layer_groups``); each
     layer group has its own page table, and a subclass says which tokens each one keeps
-    (``_row_policy``): every token, or a ring of the last ``window``. Layers of other types (a hybrid model's linear
+    (``_row_policy``): every token, or the last ``window``. Layers of other types (a hybrid model's linear
     attention or convolution layers) keep the layer objects transformers' ``DynamicCache`` makes for them, outside
     the pool (``StateLayers``); a model with no attention layer to page is refused.
 
@@ -152,7 +153,7 @@ class PoolCache(PlannedDecoding):
     def _make_layer(self, layer_idx: int, layer_in_group: int, bind, policy: RowPolicy) -> CacheLayerMixin:
         if policy.window is None:
             return PagedLayer(layer_idx, layer_in_group, bind)
-        return RingLayer(layer_idx, layer_in_group, bind, policy.window, policy.sink_tokens, policy.is_sliding)
+        return WindowLayer(layer_idx, layer_in_group, bind, policy.window, policy.sink_tokens, policy.is_sliding)
 
     @property
     def pools(self) -> dict[torch.device, KVPool]:
@@ -173,7 +174,7 @@ class PoolCache(PlannedDecoding):
         """Most pages ``num_rows`` rows of ``num_tokens`` tokens each can hold on one pool, no page shared.
 
         Each layer group takes its own pages: every token's for a layer group that keeps them all, at most
-        a ring's worth (``ring_num_slots``) for a ring. Rows that share pages (beams, identical prompts)
+        a window's worth (``window_pages_per_row``) for a window. Rows that share pages (beams, identical prompts)
         only need fewer.
 
         Args:
@@ -243,11 +244,9 @@ class PoolCache(PlannedDecoding):
     def plan(self, num_tokens: int, attention_mask: torch.Tensor | None = None) -> None:
         """Says how long rows will grow and where each starts, before the first write (``generate`` does both).
 
-        Ring layers then take the pages for ``num_tokens`` tokens (up to the ring's) at their first write rather
-        than a page at a time, so that each row's pages follow one another on a fresh pool and attention can read
-        them in place (``attention.interface``); those pages are held, and counted as held, from the first write.
-        The attention mask tells each row's leading padding, so that a ring's sinks are the row's first *real*
-        tokens, and so that growing layers reading in place hide it (``PagedRows.read``).
+        A compiled step sizes its reads for ``num_tokens`` (``capacity_bucket``). The attention mask tells each row's
+        leading padding, whose whole pages the rows do not take, so that a window's sinks are the row's first *real*
+        tokens, and so that layers reading in place hide it (``PagedRows.read``).
 
         Args:
             num_tokens: tokens a row may hold at most (``generate``: prompt + ``max_new_tokens`` - 1).
@@ -261,7 +260,7 @@ class PoolCache(PlannedDecoding):
             pad_lengths = leading.tolist() if bool(leading.any()) else None
         self._binder.planned_tokens, self._binder.pad_lengths = num_tokens, pad_lengths
         for rows in self._binder.rows.values():
-            rows.set_plan(num_tokens, pad_lengths)
+            rows.set_plan(pad_lengths)
 
     def memory_stats(self) -> dict[str, int]:
         """Pages this cache holds (shared pages once), the bytes it holds, and the tokens per row.
@@ -269,8 +268,8 @@ class PoolCache(PlannedDecoding):
         ``bytes_held`` counts the pages plus what the cache holds outside the pool: ``residual_bytes``, the
         full-precision values of the newest ``residual_length`` tokens a quantized cache keeps, and ``state_bytes``,
         the states transformers' own layers of a hybrid model hold (``StateLayers``: linear attention's recurrent and
-        convolution states, ...). ``pages_unfilled``: pages held that no token has been written to yet (a ring's
-        planned pages before its tokens reach them).
+        convolution states, ...). ``pages_unfilled``: pages held that hold no token (a page of padding a row shares
+        its first tokens with counts its tokens).
         """
         pages = self._held_pages()
         unfilled = sum(
@@ -304,7 +303,8 @@ class PoolCache(PlannedDecoding):
     def _held_pages(self) -> set[tuple[torch.device, int]]:
         """``(device, page id)`` of every page this cache's rows hold, shared ones once."""
         bound = self._binder.rows.items()
-        return {(device, page) for (device, _), rows in bound for row in rows.table.rows for page in row}
+        pages = {(device, page) for (device, _), rows in bound for row in rows.table.rows for page in row}
+        return {(device, page) for device, page in pages if page != NULL_PAGE}  # holes: none
 
     def _row_layers(self) -> list[PagedLayer]:
         """The layers on the pool (not transformers' own, not ``DummyLayer``)."""
@@ -403,7 +403,7 @@ class PoolCache(PlannedDecoding):
         its past (``activate_past_recording``); ``crop(0)`` shrinks recorded states back to their working size.
 
         Raises:
-            ValueError: ``tokens_to_remove > 0``, or a ring or a recurrent state cannot give back what the crop needs
+            ValueError: ``tokens_to_remove > 0``, or a window or a recurrent state cannot give back what the crop needs
                 (nothing is cropped then).
         """
         if tokens_to_remove > 0:
@@ -415,7 +415,7 @@ class PoolCache(PlannedDecoding):
         self.end_planning()
         keep = max(0, self.get_seq_length() + tokens_to_remove)
         for rows in self._binder.rows.values():
-            rows.check_crop(keep)  # all or nothing: a ring may not hold what the crop needs
+            rows.check_crop(keep)  # all or nothing: a window may not hold what the crop needs
         self._state_layers.crop(tokens_to_remove)
         for rows in self._binder.rows.values():
             rows.crop(keep)

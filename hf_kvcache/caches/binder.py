@@ -110,7 +110,7 @@ class PoolBinder:
             queries_per_kv_head = max(1, heads // kv_heads)  # rank-invariant
             rows = policy.make_rows(pool.pages, our_attention, queries_per_kv_head, self.placement.process_group)
             self.rows[(device, layer_group_idx)] = rows
-            rows.set_plan(self.planned_tokens, self.pad_lengths)
+            rows.set_plan(self.pad_lengths)
         return rows
 
     def page_format(self, device: torch.device, dtype: torch.dtype) -> PageFormat:

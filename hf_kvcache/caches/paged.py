@@ -10,7 +10,7 @@ from hf_kvcache.caches.policy import RowPolicy
 class PagedCache(PoolCache):
     """A drop-in for ``DynamicCache`` whose keys and values live in pages of a ``KVPool``.
 
-    On a model with sliding-window layers (Mistral, Gemma 3), those layers are rings of the model's
+    On a model with sliding-window layers (Mistral, Gemma 3), those layers keep the model's
     window, so their memory stays bounded; both kinds draw pages from the same pool.
 
     Args:

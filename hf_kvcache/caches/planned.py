@@ -22,7 +22,7 @@ class PlannedDecoding(Cache):
     @property
     def is_compileable(self) -> bool:
         """Whether ``generate`` may compile the model's forward with this cache (as it does for ``StaticCache``):
-        every layer group keeps its tokens (all of them, or a ring's; in full precision or as codes, with or without
+        every layer group keeps its tokens (all of them, or a window's; in full precision or as codes, with or without
         an exact sink) on one device, so a decode step can be planned before the forward pass (``plan_decode``) and
         run as tensor operations only (a pool's storage never moves: what a step reads stays where it was)."""
         binder = self._binder
@@ -60,7 +60,7 @@ class PlannedDecoding(Cache):
         page_size = rows_of[0].pool.format.page_size
         # A capacity bucket of what generate may reach: one graph for the whole generation.
         capacity = capacity_bucket(math.ceil(max(start + 1, binder.planned_tokens) / page_size))
-        if self._planned_capacity != capacity and any(rows.ring_pages is None for rows in rows_of):  # rings: fixed
+        if self._planned_capacity != capacity and any(rows.window is None for rows in rows_of):  # windows: fixed
             flex.logger.info(
                 "Compiled decoding: this cache reads %d pages per row (a capacity bucket; a graph compiles "
                 "where none serves it yet).",

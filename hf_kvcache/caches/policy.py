@@ -1,4 +1,4 @@
-"""Which tokens a layer group keeps (``RowPolicy``): every token, or a ring of the last ``window``; and the rows
+"""Which tokens a layer group keeps (``RowPolicy``): every token, or a window of the last ``window``; and the rows
 that keep them."""
 
 import math
@@ -9,19 +9,19 @@ from typing import Any
 from transformers import PreTrainedConfig
 
 from hf_kvcache.attention.interface import ATTENTION_NAME, hands_states_to_attention_only
-from hf_kvcache.layers import PagedRows, RingRows
-from hf_kvcache.layers.window import ring_num_slots
+from hf_kvcache.layers import PagedRows, WindowRows
+from hf_kvcache.layers.window import window_pages_per_row
 from hf_kvcache.memory.page_pool import PagePool
 from hf_kvcache.transformers_internals import attn_implementation
 
 
 @dataclass(frozen=True)
 class RowPolicy:
-    """Which tokens a layer group keeps: all of them (``window=None``), or a ring of the last ``window``.
+    """Which tokens a layer group keeps: all of them (``window=None``), or a window of the last ``window``.
 
     Attributes:
         window: tokens each query attends to, itself included; ``None`` keeps every token.
-        sink_tokens: first tokens of a row a ring keeps for good.
+        sink_tokens: first real tokens of a row a window keeps for good.
         is_sliding: the model's own mask applies the window (a sliding layer of the model).
         residual_length: newest tokens whose values stay in full precision (quantized pools only).
         exact_tokens: first tokens of a row whose keys and values attention gets in full precision over their codes
@@ -35,10 +35,12 @@ class RowPolicy:
     exact_tokens: int = 0
 
     def max_pages_per_row(self, num_tokens: int, page_size: int) -> int:
-        """Most pages one row holds with ``num_tokens`` tokens: all of them, or at most a ring's worth."""
+        """Most pages one row holds with ``num_tokens`` tokens: all of them, or at most a window's worth
+        (``window_pages_per_row``)."""
+        pages = math.ceil(num_tokens / page_size)
         if self.window is not None:
-            num_tokens = min(num_tokens, ring_num_slots(self.window, self.sink_tokens, page_size))
-        return math.ceil(num_tokens / page_size)
+            pages = min(pages, window_pages_per_row(self.window, self.sink_tokens, page_size))
+        return pages
 
     def make_rows(
         self, pool: PagePool, our_attention: Callable[[], bool], queries_per_kv_head: int = 1, process_group: Any = None
@@ -59,12 +61,12 @@ class RowPolicy:
                 process_group=process_group,
                 exact_tokens=self.exact_tokens,
             )
-        return RingRows(
+        return WindowRows(
             pool, self.window, self.sink_tokens, self.residual_length, our_attention, process_group, self.is_sliding
         )
 
 
 def uses_our_attention(config: PreTrainedConfig) -> bool:
-    """Whether the model attends with ``attn_implementation="hf_kvcache"``, which reads a ring's ``KeyLayout`` (and a
+    """Whether the model attends with ``attn_implementation="hf_kvcache"``, which reads a window's ``KeyLayout`` (and a
     ``PagedRead``), and its attention modules hand the keys and values they get to that attention alone."""
     return attn_implementation(config) == ATTENTION_NAME and hands_states_to_attention_only(config)

@@ -18,10 +18,10 @@ publishes pages a plain prefill would compute alike (up to float rounding) and r
 (docs/prefix-caching.md lists each case): rows with padding or custom position ids, inputs other than token ids,
 4-D attention masks, offloaded weights; caches with layers whose state lives outside the pool (a hybrid model's
 linear attention or convolution layers: ``StateLayers.refusal``); caches that store codes (a plain prefill reads
-the prompt's own keys and values exact, a reused prompt would read codes); rings whose sinks are not whole pages,
-or whose window is imposed on full-attention layers under an attention other than ``hf_kvcache``. Other rings are
-rebuilt from their sink pages and the last ``ring_pages - 1`` token pages of the prefix (all their window sees),
-published while the ring held them.
+the prompt's own keys and values exact, a reused prompt would read codes); windows imposed on full-attention layers
+under an attention other than ``hf_kvcache``. Other windows are rebuilt from their sink pages and the pages of the
+last tokens of the prefix (all their window sees), published while the window held them (``WindowRows.prefix_layout``;
+holes between).
 
 The index is keyed on what computes the keys and values (``model_fingerprint``, recomputed at every call: the
 model's class, config, dtype, adapters and a sample of its weights and buffers), the cache's ``prefix_namespace``,
@@ -40,8 +40,8 @@ import torch
 
 from hf_kvcache.attention.interface import ATTENTION_NAME
 from hf_kvcache.caches.policy import RowPolicy
-from hf_kvcache.errors import PoolExhaustedError
-from hf_kvcache.layers import PagedRows, RingRows
+from hf_kvcache.layers import PagedRows
+from hf_kvcache.memory.allocator import NULL_PAGE
 from hf_kvcache.memory.page_bytes import PageData
 from hf_kvcache.memory.page_pool import PagePool
 from hf_kvcache.memory.prefix_index import PageKey, chain_keys, root_key
@@ -192,8 +192,8 @@ class PrefixTracker:
         with self.pool.held():  # found pages are taken before anything can evict them
             taken = self.pool.restore(list(self._keys(rows_of, num_pages)), fetched) if fetched else []
             num_pages = self._longest(rows_of, num_pages)
-            if num_pages and not self._attach(rows_of, num_pages):
-                num_pages = 0
+            if num_pages:
+                self._attach(rows_of, num_pages)
             self.pool.free(taken)  # the rows hold what they attached; the rest is cached again
         tiers = {key: tier for key, (tier, _) in fetched.items()}
         self.pool.record_tier_hits([tiers.get(key, "device") for key in self._keys(rows_of, num_pages).elements()])
@@ -290,15 +290,10 @@ class PrefixTracker:
         for policy in self.policies:
             if policy.window is None:
                 continue
-            if policy.sink_tokens % self.page_size:
-                return (
-                    f"sink_tokens={policy.sink_tokens} is not a multiple of page_size={self.page_size}, so a ring's "
-                    "pages do not each hold one token page; choose sink_tokens as whole pages."
-                )
             attention = attn_implementation(model.config)
             if not policy.is_sliding and attention != ATTENTION_NAME:
                 return (
-                    f"the ring imposes window={policy.window} under {attention!r} attention, where a prompt past the "
+                    f"the cache imposes window={policy.window} under {attention!r} attention, where a prompt past the "
                     f'window attends in full; load the model with attn_implementation="{ATTENTION_NAME}" to reuse '
                     "prompts."
                 )
@@ -365,7 +360,7 @@ class PrefixTracker:
         pages) that the index and the pool's tiers hold together, and the pages the tiers hold of it, with their tier.
 
         A layer group that keeps every token needs token pages 0..n-1 for a prefix of n: a page missing from both
-        bounds the prefix below it; otherwise the prefix shrinks a page at a time (a ring wants other pages then),
+        bounds the prefix below it; otherwise the prefix shrinks a page at a time (a window wants other pages then),
         asking the tiers ``MAX_TIER_ASKS`` times at most."""
         fetched: dict[PageKey, tuple[str, PageData]] = {}
         asked: set[PageKey] = set()
@@ -393,7 +388,7 @@ class PrefixTracker:
         """The most token pages (at most ``num_pages``) whose pages every row finds for every layer group."""
         pool, chains = self.pool, self._chains
         for layer_group, rows in rows_of.items():  # a layer group keeping every token needs every page: a run from 0
-            if not isinstance(rows, RingRows):
+            if rows.window is None:
                 num_pages = min(
                     num_pages,
                     *(
@@ -401,10 +396,10 @@ class PrefixTracker:
                         for chain in chains
                     ),
                 )
-        rings = {layer_group: rows for layer_group, rows in rows_of.items() if isinstance(rows, RingRows)}
+        windows = {layer_group: rows for layer_group, rows in rows_of.items() if rows.window is not None}
         while num_pages and not all(
             pool.lookup((chain[d], layer_group)) is not None
-            for layer_group, rows in rings.items()
+            for layer_group, rows in windows.items()
             for d in rows.prefix_layout(num_pages)
             if d is not None
             for chain in chains
@@ -412,26 +407,17 @@ class PrefixTracker:
             num_pages -= 1
         return num_pages
 
-    def _attach(self, rows_of: "dict[int, PagedRows]", num_pages: int) -> bool:
-        """Takes the prefix's pages (and fresh ones where a ring needs no token page) and attaches them; False
-        (nothing taken) if the fresh pages do not fit."""
+    def _attach(self, rows_of: "dict[int, PagedRows]", num_pages: int) -> None:
+        """Takes the prefix's pages and attaches them (a window's holes: the null page)."""
         pool = self.pool
         layouts = {layer_group: rows.prefix_layout(num_pages) for layer_group, rows in rows_of.items()}
         pages = {
             layer_group: [
-                [None if d is None else pool.lookup((chain[d], layer_group)) for d in layout] for chain in self._chains
+                [NULL_PAGE if d is None else pool.lookup((chain[d], layer_group)) for d in layout]
+                for chain in self._chains
             ]
             for layer_group, layout in layouts.items()
         }
-        found = [page for table in pages.values() for row in table for page in row if page is not None]
-        pool.share(found)
-        num_fresh = sum(row.count(None) for table in pages.values() for row in table)
-        try:
-            fresh = iter(pool.allocate(num_fresh))
-        except PoolExhaustedError:
-            pool.free(found)
-            return False
+        pool.share([page for table in pages.values() for row in table for page in row if page != NULL_PAGE])
         for layer_group, table in pages.items():
-            filled = [[next(fresh) if page is None else page for page in row] for row in table]
-            rows_of[layer_group].attach(filled, num_pages * self.page_size)
-        return True
+            rows_of[layer_group].attach(table, num_pages * self.page_size)

@@ -76,7 +76,7 @@ def group_size_for(group_size: int | None, head_dim: int) -> int:
 def residual_row_policy(
     layer_type: str, layer_kwargs: dict[str, Any], residual_length: int, exact_tokens: int = 0
 ) -> RowPolicy:
-    """A quantized cache's rows: sliding layers as rings of their window, the others growing (with their first
+    """A quantized cache's rows: sliding layers keep their window, the others growing (with their first
     ``exact_tokens`` tokens in full precision); both with the residual window of ``residual_length`` tokens."""
     if layer_type == "sliding_attention":
         return RowPolicy(window=layer_kwargs["sliding_window"], is_sliding=True, residual_length=residual_length)
@@ -87,7 +87,7 @@ class QuantizedValueCache(PoolCache):
     """Keys in full precision, values as int8 or int4 codes with per-token scales, on the shared pool.
 
     Each token's values are quantized once, when stored; attention gets them dequantized into a reused
-    buffer, the newest ``residual_length`` in full precision. Sliding layers of hybrid models keep ring
+    buffer, the newest ``residual_length`` in full precision. Sliding layers of hybrid models keep window
     semantics (their memory stays bounded by the window) with quantized values too.
 
     Args:

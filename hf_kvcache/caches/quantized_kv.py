@@ -45,7 +45,7 @@ class QuantizedKVConfig(PagedConfig):
         residual_length: newest tokens whose values attention gets in full precision (the keys of a row's page
             still filling are always exact).
         sink_tokens: first tokens of a row whose keys and values attention gets in full precision (attention sinks,
-            IntactKV), held outside the pool next to their codes; full-attention layers (a ring's first tokens leave
+            IntactKV), held outside the pool next to their codes; full-attention layers (a window's first tokens leave
             it).
     """
 
@@ -82,7 +82,7 @@ class QuantizedKVCache(PoolCache):
 
     A row's page still filling keeps its keys in full precision (outside the pool, counted in ``memory_stats()``)
     until it fills, then its keys are encoded once; values are quantized per token when stored, the newest
-    ``residual_length`` served in full precision. Sliding layers of hybrid models stay rings (of encoded pages
+    ``residual_length`` served in full precision. Sliding layers of hybrid models stay windows (of encoded pages
     too). Attention gets keys and values decoded into reused buffers (never read in place).
 
     Args:

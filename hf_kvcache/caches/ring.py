@@ -1,4 +1,4 @@
-"""``SlidingRingCache``: every layer is a ring of the last ``window`` tokens, with optional attention sinks."""
+"""``SlidingRingCache``: every layer keeps the last ``window`` tokens, with optional attention sinks."""
 
 import warnings
 from dataclasses import dataclass
@@ -13,7 +13,7 @@ from hf_kvcache.caches.base import PoolCache
 from hf_kvcache.caches.config import PagedConfig, check_count
 from hf_kvcache.caches.entry import CacheEntry
 from hf_kvcache.caches.policy import RowPolicy
-from hf_kvcache.layers import RingLayer
+from hf_kvcache.layers import WindowLayer
 from hf_kvcache.memory.placement import Placement
 from hf_kvcache.transformers_internals import attn_implementation, layer_types_and_kwargs
 
@@ -25,7 +25,7 @@ class SlidingRingConfig(PagedConfig):
     Attributes:
         window: tokens each query of a full-attention layer attends to, itself included; the model's
             sliding layers keep the model's own window. Required on a model without sliding layers.
-        sink_tokens: first tokens of each row kept for good in the layers where the ring imposes the window.
+        sink_tokens: first tokens of each row kept for good in the layers where the cache imposes the window.
     """
 
     window: int | None = None
@@ -37,16 +37,16 @@ class SlidingRingConfig(PagedConfig):
         check_count("sink_tokens", self.sink_tokens, 0)
         if self.sink_tokens and self.window is None:
             raise ValueError(
-                f"sink_tokens={self.sink_tokens} needs a window: sinks are kept in the rings that cache_config window "
-                "imposes on full-attention layers (the model's sliding layers keep the model's own window)."
+                f"sink_tokens={self.sink_tokens} needs a window: sinks are kept in the windows that cache_config "
+                "window imposes on full-attention layers (the model's sliding layers keep the model's own window)."
             )
 
 
 class SlidingRingCache(PoolCache):
-    """A cache of bounded memory: each layer keeps a fixed ring of pages, reused in a circle.
+    """A cache of bounded memory: each layer keeps the pages of its last ``window`` tokens and gives back the rest.
 
-    Sliding layers of the model (Mistral, Gemma 3) are rings of the model's window: outputs equal
-    ``DynamicCache``'s. Full-attention layers become rings of ``window`` tokens: each token attends
+    Sliding layers of the model (Mistral, Gemma 3) keep the model's window: outputs equal
+    ``DynamicCache``'s. Full-attention layers keep ``window`` tokens: each token attends
     to the last ``window`` tokens (and the ``sink_tokens`` first ones, StreamingLLM's attention
     sinks), with memory that stops growing once the window is full. Within a prompt or prefill chunk
     that reaches past the window, only ``attn_implementation="hf_kvcache"`` keeps to that band (the
@@ -55,7 +55,7 @@ class SlidingRingCache(PoolCache):
     Args:
         config: the model's config.
         cache_config: a ``SlidingRingConfig`` (or a dict of its settings): the window of full-attention layers
-            (``None``: keep them whole, on a model with sliding layers), the sinks pinned in those rings, and
+            (``None``: keep them whole, on a model with sliding layers), the sinks kept in those windows, and
             ``PagedConfig``'s settings.
         dtype / device / placement: as for ``PagedCache``.
     """
@@ -89,7 +89,7 @@ class SlidingRingCache(PoolCache):
         gets none: it hands the cache no kwargs to put the band in (``hf_kvcache.attention.reads``)."""
         attention = attn_implementation(self._binder.config)  # None: no model set it
         if (
-            not isinstance(layer, RingLayer)
+            not isinstance(layer, WindowLayer)
             or layer.is_sliding
             or layer.num_tokens + num_new <= layer.window
             or attention is None
@@ -111,7 +111,7 @@ class SlidingRingCache(PoolCache):
                 "for the exact band."
             )
         warnings.warn(
-            f"A step of {num_new} tokens reaches past the ring's window={layer.window}, but {why}", stacklevel=3
+            f"A step of {num_new} tokens reaches past the cache's window={layer.window}, but {why}", stacklevel=3
         )
 
     def _row_policy(self, layer_type: str, layer_kwargs: dict[str, Any]) -> RowPolicy:

@@ -3,7 +3,7 @@ pays a compile or a CUDA graph recording, and no compile runs while other thread
 
 A compiled decode step's shape is its batch and the keys it reads per row: a capacity bucket of pages for layers
 that keep every token (``hf_kvcache.layers.plan.capacity_bucket``, from the request's prompt + ``max_new_tokens``),
-a ring's ``sink_tokens + window`` whatever the length. The same ``compile_config`` as the requests matters:
+a window's ``sink_tokens + window`` whatever the length. The same ``compile_config`` as the requests matters:
 ``generate`` keeps one compiled forward per model and compiles again when the config changes.
 
 A step that reads pages in place (``attn_implementation="hf_kvcache"``, eager or compiled) also has the view of the

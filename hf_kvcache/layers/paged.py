@@ -1,5 +1,5 @@
-"""The growing layer: a model layer's keys and values in pool pages, growing a page at a time (``PagedLayer``, also
-the base of the ring's layer)."""
+"""The layers: a model layer's keys and values in pool pages, every token (``PagedLayer``, growing a page at a time)
+or the last ``window`` (``WindowLayer``)."""
 
 from collections.abc import Callable
 
@@ -8,6 +8,7 @@ from transformers import CacheLayerMixin
 
 from hf_kvcache.attention.reads import attention_kwargs
 from hf_kvcache.layers.rows import PagedRows
+from hf_kvcache.layers.window import visible_span
 
 
 class PagedLayer(CacheLayerMixin):
@@ -92,3 +93,43 @@ class PagedLayer(CacheLayerMixin):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         pass
+
+
+class WindowLayer(PagedLayer):
+    """One model layer's KV store over the last ``window`` tokens (plus ``sink_tokens`` kept), in its layer group's
+    ``WindowRows``, which give back the pages behind the window.
+
+    Args:
+        layer_idx / layer_in_group / bind: as for ``PagedLayer`` (``bind`` returns ``WindowRows``).
+        window / sink_tokens: as for ``WindowRows``.
+        is_sliding: the model's own mask applies this window (a sliding layer); ``False`` where the cache imposes
+            the window on a full-attention layer.
+    """
+
+    def __init__(
+        self,
+        layer_idx: int,
+        layer_in_group: int,
+        bind: Callable[[torch.Tensor], PagedRows],
+        window: int,
+        sink_tokens: int = 0,
+        is_sliding: bool = True,
+    ) -> None:
+        super().__init__(layer_idx, layer_in_group, bind)
+        self.window, self.sink_tokens, self.is_sliding = window, sink_tokens, is_sliding
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(layer_idx={self.layer_idx}, window={self.window}, "
+            f"sink_tokens={self.sink_tokens}, num_tokens={self.num_tokens})"
+        )
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of what ``update`` returns; sinks are placed just before the window."""
+        if self.planned:
+            return super().get_mask_sizes(query_length)
+        sinks, first = visible_span(self.num_tokens, query_length, self.window, self.sink_tokens)
+        return sinks + self.num_tokens + query_length - first, first - sinks
+
+    def get_max_length(self) -> int:
+        return self.window + self.sink_tokens

@@ -24,9 +24,9 @@ class StepPlan:
     ``kernels.write_planned``).
 
     Attributes:
-        pages: ``[batch, 1, reads]`` what each row reads, in the order attention gets it: whole pages (a row's
-            pages, then the null page up to a capacity bucket: ``capacity_bucket``), or with ``offsets`` one slot per
-            read (a ring's visible tokens in time order, the null page's first slot where a key holds none).
+        pages: ``[batch, 1, reads]`` what each row reads, in the order attention gets it: whole pages (a row's pages,
+            then the null page up to a capacity bucket: ``capacity_bucket``), or with ``offsets`` one slot per read (a
+            window's visible tokens in time order, the null page's first slot where a key holds none).
         offsets: ``[batch, 1, reads]`` the slot of each read in its page; ``None``: whole pages are read.
         write_pages / write_offsets: ``[batch, 1, n]`` the page and the slot in it of each row's new tokens.
         heads: ``[1, heads, 1]`` the KV heads.
@@ -40,27 +40,26 @@ class StepPlan:
         window_sources / window_positions: ``[window length]`` where attention gets the window's tokens: slot
             ``window_sources[i]``'s values go over position ``window_positions[i]`` of the values it reads (gathered
             reads; a fixed count); ``None``: none to read.
-        key_pages / key_slots: keys coded a page at a time in a ring: ``[batch, 1, ring pages]`` the pages decoded
-            (the null page where the ring has none yet), and ``[batch, 1, num_keys, 1]`` each key's slot among them
-            (``None`` both for rows that keep every page: they decode ``pages``).
-        filling_page / filling_coded: keys coded a page at a time: ``[batch or 1, 1]`` where each row's page still
-            filling lies among the pages the step decodes (its keys go over that page's), and ``[batch or 1, 1, 1,
-            1]`` whether the step fills it (then it is read through its encoding). Growing rows count from token 0, so
-            one plan serves every row; a ring's rows count from their first real token (``KeyPages``).
+        key_pages / key_slots: keys coded a page at a time in a window: ``[batch, 1, window pages]`` the pages decoded
+            (from the first visible token's; the null page past the rows'), and ``[batch, 1, num_keys, 1]`` each key's
+            slot among them (``None`` both for rows that read every page: they decode ``pages``).
+        filling_page / filling_coded: keys coded a page at a time: ``[1, 1]`` where the rows' page still filling lies
+            among the pages the step decodes (its keys go over that page's), and ``[1, 1, 1, 1]`` whether the step
+            fills it (then it is read through its encoding). Every row counts tokens from 0 (``KeyPages``).
         mask: a ``PagedBlockMask`` where attention reads the pages in place (FlexAttention over the storage, in
             the graph), refilled before each step; ``None``: the step gathers ``pages``.
         reads: an eager step's gather: ``[batch * heads * pages]`` the rows' pages, as rows of a layer's storage
-            viewed as ``[heads * pages, page_size * last_dim]`` (``kernels.page_rows``), or a ring's ``[batch * heads
+            viewed as ``[heads * pages, page_size * last_dim]`` (``kernels.page_rows``), or a window's ``[batch * heads
             * num_keys]`` slot indices (``kernels.slot_indices``); ``None`` where the step does not gather.
         start / num_new: an eager step's first token and its number of new tokens.
         version: the page table's version an eager plan was made for (a shared prefill's rows that turn out to
             differ change it mid-step).
         mode: how an eager step's attention reads: ``"gather"``, ``"run"`` or ``"in place"`` (``ReadPath``).
         ahead: planned before the forward pass for a compiled step (``PagedRows.plan_decode``).
-        slots: a ring's eager step read in time order: ``[batch, num_keys]`` the logical slot of each key (``-1``:
-            none; ``RingRows``), which ``reads`` reads (and keys coded a page at a time decode).
-        layout: a ring's eager step: the ``KeyLayout`` attention gets (``None``: a single new token read in time
-            order sees every key).
+        slots: a window's gathered step: ``[batch, num_keys]`` the token of each key, in time order (``WindowRows``),
+            which ``reads`` reads (and keys coded a page at a time decode).
+        layout: a window's step of several tokens: the ``KeyLayout`` attention gets (``None``: a single new token
+            sees every key).
         value_extents: quantized values read in place: ``[n]`` the extents the mask visits (a compiled step's padded
             with the last one to a fixed count), whose codes are dequantized into ``value_buffer``.
         window_pages / window_offsets: ``[batch, 1, residual length]`` the page and slot of the token each slot

@@ -35,7 +35,7 @@ class PlannedRows:
         where the batch and the number of reads are the same as the last step's.
 
         Args:
-            capacity_pages: pages read per row (``capacity_bucket``; a ring reads its visible tokens instead).
+            capacity_pages: pages read per row (``capacity_bucket``; a window reads its visible tokens instead).
             padding_only: the model's mask hides nothing but each row's leading padding and the keys past its tokens
                 (then attention may read the pages in place: ``StepPlan.mask``).
 
@@ -52,8 +52,8 @@ class PlannedRows:
         self.written = start  # the steps before have run: every layer holds their tokens
         self._grow(batch, start, 1, None)
         page_size, store = self.pool.format.page_size, self.store
-        # Rows that keep every page, with no sink (a ring's reads slide, a sink fills: they plan every step anew)
-        keeps = self.ring_pages is None and store.sink is None
+        # Rows that keep every page, with no sink (a window's reads slide, a sink fills: they plan every step anew)
+        keeps = self.window is None and store.sink is None
         step_key = (self.table.version, start // page_size, batch, capacity_pages, padding_only) if keeps else None
         plan = self.step_plan
         keep = step_key is not None and plan is not None and plan.ahead and step_key == self._step_key
@@ -63,7 +63,7 @@ class PlannedRows:
             plan.write_offsets.fill_(start % page_size)
             store.plan_window_ahead(start, 0, 0, plan)
             if store.keys is not None:
-                store.keys.replan_decode(plan, start, self.key_shifts(batch))
+                store.keys.replan_decode(plan, start)
             # Quantized values read in place plan anew (value_buffer): these gathered, as the step before
             plan.mask = self._planned_mask(start, batch, capacity_pages, padding_only) if store.quant is None else None
             return plan
@@ -74,9 +74,8 @@ class PlannedRows:
         keys_read = (None,) * 4
         if self.store.keys is not None:
             with self.pool.held() as storage:
-                shifts = self.key_shifts(batch)
                 keys_read = self.store.keys.plan_decode(
-                    storage, start, self._page_ids(), tokens, shifts, self.ring_pages
+                    storage, start, self._page_ids(), tokens, self._key_window(start)
                 )
         sink = self.store.sink.plan(start) if self.store.sink is not None else (None, None)
         mask = self._planned_mask(start, batch, capacity_pages, padding_only)
@@ -149,7 +148,7 @@ class PlannedRows:
         reads = batch * capacity_pages * self.pool.format.page_size
         wanted = (
             padding_only
-            and self.ring_pages is None
+            and self.window is None
             and self.store.keys is None
             and self.store.sink is None
             and reads >= flex.MIN_IN_PLACE_TOKENS
@@ -183,6 +182,10 @@ class PlannedRows:
             self._planned_values = torch.zeros(shape, dtype=self.pool.storage.keys.dtype, device=self.pool.device)
             torch._dynamo.mark_static_address(self._planned_values)
         return self._planned_values
+
+    def _key_window(self, start: int) -> tuple[int, int] | None:
+        """What a planned step's coded keys read (``KeyPages.plan_decode``'s ``window``): growing rows, every page."""
+        return None
 
     def _window_low(self, start: int) -> int:
         """The first token of the consecutive tokens a step at ``start`` reads, the last ones read (growing rows: all

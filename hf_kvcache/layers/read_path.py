@@ -12,6 +12,7 @@ import torch
 
 from hf_kvcache.attention import block_mask, flex
 from hf_kvcache.layers.store import extent_runs
+from hf_kvcache.memory.allocator import NULL_PAGE
 from hf_kvcache.memory.page_pool import PagePool
 from hf_kvcache.memory.page_table import PageTable
 
@@ -39,6 +40,7 @@ class ReadPath:
         self.pool, self.table = pool, table
         self.our_attention = our_attention
         self.queries_per_kv_head = queries_per_kv_head
+        self.window: tuple[int, int] | None = None  # a window's (window, sink_tokens): what the mask hides (WindowRows)
         self.mask: block_mask.PagedBlockMask | None = None  # reused from step to step, refilled in place
         # The extents the mask visits, [visited] and as runs (quantized values: what is dequantized).
         self.extents: tuple[torch.Tensor, list[tuple[int, int]]] | None = None
@@ -70,10 +72,11 @@ class ReadPath:
         if encoded_keys:
             flex.log_path("encoded keys", "keys stored as int8/int4 codes are gathered and decoded for attention")
             return GATHER
-        if self.is_one_run():
+        if self.window is None and self.is_one_run():
             flex.log_path("in_place:run", "a single row on consecutive pages: sdpa over a view of them")
             return RUN
-        if num_new != 1 or batch * num_tokens < flex.MIN_IN_PLACE_TOKENS:
+        num_keys = num_tokens if self.window is None else min(num_tokens, sum(self.window))
+        if num_new != 1 or batch * num_keys < flex.MIN_IN_PLACE_TOKENS:
             return GATHER  # prefill (compute-bound), or a step whose compiled call would cost more than the copy
         reason = flex.unavailable(pool.device)
         if reason is not None:
@@ -92,11 +95,17 @@ class ReadPath:
         if self._fresh and self.mask.batch == batch:
             self.mask.advance(num_tokens)
         else:
-            held = {page for row in self.table.rows for page in row}
+            held = {page for row in self.table.rows for page in row if page != NULL_PAGE}  # holes: none
             num_pages = block_mask.view_pages(1 + max(held), fmt.extent_pages, pool.storage.num_pages)
             if self.mask is None or self.mask.batch != batch or self.mask.num_pages < num_pages:
                 self.mask = block_mask.PagedBlockMask(
-                    batch, num_pages, fmt.page_size, fmt.extent_pages, self.queries_per_kv_head, pool.device
+                    batch,
+                    num_pages,
+                    fmt.page_size,
+                    fmt.extent_pages,
+                    self.queries_per_kv_head,
+                    pool.device,
+                    self.window,
                 )
             page_ids, pads = inputs(batch)
             extents = self.mask.update(page_ids, num_tokens, pads)

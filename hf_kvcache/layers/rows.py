@@ -80,7 +80,6 @@ class PagedRows(PlannedRows):
         self.table = pool.new_table(row_extents, process_group)
         self.written = 0  # tokens every layer of the layer group has written (see write)
         self._last_layer = pool.format.num_layers - 1
-        self.planned_tokens = 0  # tokens a row is expected to reach (``PoolCache.plan``)
         self.pad_lengths: list[int] | None = None  # leading padding of each row (``PoolCache.plan``); None: none
         self._pads: torch.Tensor | None = None  # ``pad_lengths`` as a [batch] tensor, see _pad_tensor
         # How attention reads a step's pages, and the block mask in place uses
@@ -90,7 +89,7 @@ class PagedRows(PlannedRows):
         self._heads: torch.Tensor | None = None  # StepPlan.heads, see _constants
         self._layers: tuple[torch.Tensor, ...] = ()  # StepPlan.layers
         self._shared_prefill: tuple[int, list[int]] | None = None  # (num_tokens, identical_rows) of a prefill
-        self.ring_pages: int | None = None  # pages of a row's ring (RingRows); None: the rows keep every page
+        self.window: int | None = None  # tokens a query sees (WindowRows); None: the rows keep every token
         self.step_plan: StepPlan | None = None  # the step's plan (plan_step; a compiled step's: plan_decode)
         self._step_key: tuple[int, ...] | None = None  # what the step plan was made for, where it can be kept
         self._planned_values: torch.Tensor | None = None  # StepPlan.value_buffer
@@ -133,15 +132,14 @@ class PagedRows(PlannedRows):
         """What every layer of an eager step writes and reads (``StepPlan``): the slots of tokens ``[start, end)``,
         and how attention reads the rows' ``end`` tokens (``ReadPath.choose``): gathered (``StepPlan.reads``, exactly
         ``end`` keys), as a view of one run of pages, or in place through the path's block mask."""
-        end, fmt = start + num_new, self.pool.format
+        end = start + num_new
         mode = self.path.choose(end, num_new, self.store.keys is not None, hands_over, self.mask_inputs)
         plan = StepPlan(None, None, *self._write_slots(start, num_new), *self._constants(), end)
         plan.start, plan.num_new, plan.version, plan.mode = start, num_new, self.table.version, mode
-        self.store.plan_window(plan, start, num_new)
+        self._plan_span(plan)
         self._plan_keys(plan)
         if mode == GATHER:
-            read_pages = self._page_ids()[:, : -(-end // fmt.page_size)]  # [batch, pages]
-            plan.reads = page_rows(read_pages, fmt.num_kv_heads, self.pool.storage.num_pages)
+            self._plan_gather(plan)
         elif mode == IN_PLACE:
             plan.mask = self.path.mask
             if self.store.quant is not None:  # the visited extents' values, dequantized into a buffer
@@ -151,13 +149,27 @@ class PagedRows(PlannedRows):
                 plan.window_pages, plan.window_offsets = self._window_slots(end)
         return plan
 
+    def _plan_span(self, plan: StepPlan) -> None:
+        """Which tokens an eager step reads (``StepPlan.num_keys``, ``kv_offset``; growing rows: all, from 0), and
+        where its residual window's go (``SlotStore.plan_window``)."""
+        self.store.plan_window(plan, plan.start, plan.num_new)
+
+    def _plan_gather(self, plan: StepPlan) -> None:
+        """A gathered step's reads (``StepPlan.reads``): the rows' pages up to the step's end."""
+        fmt = self.pool.format
+        read_pages = self._page_ids()[:, : -(-plan.num_keys // fmt.page_size)]  # [batch, pages]
+        plan.reads = page_rows(read_pages, fmt.num_kv_heads, self.pool.storage.num_pages)
+
     def _plan_keys(self, plan: StepPlan) -> None:
         """An eager step's keys coded a page at a time (``KeyPages.plan_eager``)."""
         if self.store.keys is not None:
-            ids = self._page_ids()
-            self.store.keys.plan_eager(
-                plan, plan.start, plan.num_new, ids, self.key_shifts(ids.shape[0]), self.ring_pages
-            )
+            first_page = self._first_key_page(plan.start, plan.num_new)
+            ids = self._page_ids()[:, first_page:]
+            self.store.keys.plan_eager(plan, plan.start, plan.num_new, ids, first_page)
+
+    def _first_key_page(self, start: int, num_new: int) -> int:
+        """The first token page whose keys a step reads (growing rows: all, from 0)."""
+        return 0
 
     def _write_slots(self, start: int, num_new: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[batch, 1, n]`` the page and the slot in it of each row's tokens ``[start, start + n)``
@@ -195,38 +207,19 @@ class PagedRows(PlannedRows):
                 self.store.code_step(storage, plan)
         self.end_step(layer_in_group, start + num_new)
 
-    def key_shifts(self, batch: int) -> list[int]:
-        """The token each row counts its pages from (``KeyPages``): growing rows store padding too, from 0."""
-        return [0] * batch
-
     def _write_keys(self, layer_in_group: int, storage: PoolStorage, plan: StepPlan, key_states: torch.Tensor) -> None:
         """Encoded keys: the step's keys to the rows' pages still filling; pages that fill, encoded (call it inside
         ``PagePool.held()``)."""
         if self.store.keys is not None:
-            shifts = self.key_shifts(key_states.shape[0])
-            ids = self._page_ids()
-            self.store.keys.write(layer_in_group, storage, plan.start, key_states, ids, shifts, self.ring_pages, plan)
+            self.store.keys.write(layer_in_group, storage, plan.start, key_states, self._page_ids(), plan)
 
     def _read_keys(
-        self,
-        layer_in_group: int,
-        storage: PoolStorage,
-        slots: torch.Tensor | None = None,
-        num_tokens: int | None = None,
-        plan: StepPlan | None = None,
+        self, layer_in_group: int, storage: PoolStorage, num_tokens: int | None = None, plan: StepPlan | None = None
     ) -> torch.Tensor:
         """Encoded keys: every slot of the rows' pages decoded, ``[batch, heads, pages * page_size, head_dim]`` (the
-        first ``num_tokens``), or with ``slots [batch, n]`` (a ring's logical slots; ``-1``: none) those, ``[batch,
-        heads, n, head_dim]``."""
-        ids = self._page_ids()
-        shifts = self.key_shifts(ids.shape[0])
-        fmt = self.pool.format
-        num_read = None if slots is not None else num_tokens
-        keys = self.store.keys.read(layer_in_group, storage, ids, shifts, fmt.dtype, self.ring_pages, num_read, plan)
-        if slots is None:
-            return keys
-        index = slots.clamp(min=0).view(slots.shape[0], 1, -1, 1)
-        return keys.gather(2, index.expand(-1, keys.shape[1], -1, keys.shape[-1]))
+        first ``num_tokens``)."""
+        dtype = self.pool.format.dtype
+        return self.store.keys.read(layer_in_group, storage, self._page_ids(), dtype, num_tokens, plan)
 
     def end_step(self, layer_in_group: int, end: int) -> None:
         """A layer has written the step's tokens up to ``end``: once the layer group's last layer has, every
@@ -271,7 +264,8 @@ class PagedRows(PlannedRows):
         else:
             values = self.store.values_in_place(layer_in_group, storage, plan)
         gather = functools.partial(self.gather, layer_in_group, num_tokens, plan)
-        handoff[PAGED_READ] = PagedRead(plan.mask, self._pad_tensor(self.table.num_rows), num_tokens, gather)
+        pads = self._pad_tensor(self.table.num_rows)
+        handoff[PAGED_READ] = PagedRead(plan.mask, pads, num_tokens, gather, plan.kv_offset)
         return keys, values
 
     def _storage_view(self, storage: torch.Tensor, layer_in_group: int) -> torch.Tensor:
@@ -306,7 +300,7 @@ class PagedRows(PlannedRows):
         page_size = self.pool.format.page_size
         keys = None
         if self.store.keys is not None:
-            keys = self._read_keys(layer_in_group, storage, num_tokens=num_tokens, plan=plan)
+            keys = self._read_keys(layer_in_group, storage, num_tokens, plan)
         return self.store.read(
             layer_in_group,
             storage,
@@ -328,7 +322,7 @@ class PagedRows(PlannedRows):
             key_states / value_states: ``[batch, heads, n, head_dim]``.
         """
         batch, _, num_new, _ = key_states.shape
-        # Checked first, here: a full ring takes no new page, so the page table's own check would not run.
+        # Checked first, here: a step may take no new page, so the page table's own check would not run.
         if self.table.num_rows and batch != self.table.num_rows:
             raise ValueError(
                 f"The cache holds {self.table.num_rows} rows but a layer got {batch}. A cache serves one batch at a "
@@ -349,9 +343,9 @@ class PagedRows(PlannedRows):
     def _grow(self, batch: int, start: int, num_new: int, identical_rows: list[int] | None) -> None:
         self._apply(lambda: self.table.grow(batch, num_new, identical_rows))
 
-    def set_plan(self, planned_tokens: int, pad_lengths: list[int] | None) -> None:
-        """The tokens a row is expected to reach, and each row's leading padding (``PoolCache.plan``)."""
-        self.planned_tokens, self.pad_lengths, self._pads = planned_tokens, pad_lengths, None
+    def set_plan(self, pad_lengths: list[int] | None) -> None:
+        """Each row's leading padding (``PoolCache.plan``)."""
+        self.pad_lengths, self._pads = pad_lengths, None
         self.table.pads = list(pad_lengths) if pad_lengths is not None else None
         self.path.stale()
 
@@ -390,9 +384,7 @@ class PagedRows(PlannedRows):
         """Encoded keys: a row's page still filling moves back to the page the crop ends in (after the table's)."""
         if self.store.keys is not None and self.table.num_rows:
             with self.pool.held() as storage:
-                ids = self._page_ids()
-                shifts = self.key_shifts(ids.shape[0])
-                self.store.keys.crop(num_tokens, storage, ids, shifts, self.ring_pages)
+                self.store.keys.crop(num_tokens, storage, self._page_ids())
 
     def release(self) -> None:
         """Returns all pages to the pool."""

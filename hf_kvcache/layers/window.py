@@ -1,9 +1,53 @@
-"""The ring's arithmetic (``hf_kvcache.layers.ring`` tells the whole layout): which keys a step's tokens may see
-(``band``, ``visible_span``) and how many slots a ring holds (``ring_num_slots``)."""
+"""Windows over pages: a layer group whose layers keep each row's last ``window`` tokens and its first
+``sink_tokens`` real ones, in pages in token order (``WindowRows``).
 
-import math
+A window's rows keep their pages as growing rows do (``PagedRows``): page ``i`` of a row holds its tokens ``[i *
+page_size, (i + 1) * page_size)``, whole pages of leading padding are not taken. What falls behind the window goes
+back to the pool, as vLLM's sliding-window manager frees its blocks. After a step ending at ``end`` a row holds
+its last ``reach = window - 1 + page_size`` tokens: what the next step sees, and a page more, so that a crop of up
+to ``page_size`` tokens (assisted decoding, prompt lookup) stays exact and a prompt's pages serve a later prompt that
+repeats it up to its last page (``prefix_layout``). So before a step the pages wholly behind both what it sees and
+its last ``reach`` tokens leave the table, but those holding the row's sinks (their entries become holes, the null
+page: ``PageTable.drop``), and a step longer than ``reach`` takes no page for its tokens before its last ``reach``
+(``PageTable.grow``'s ``keeps``). A row holds the pages its sinks and its last ``reach`` tokens touch
+(``window_pages_per_row``), whatever its length; a chunk of a chunked prefill past the window also holds, until the
+next step, the pages of the ``window - 1`` tokens before it.
+
+Attention gets the visible tokens in time order (sinks first), gathered slot by slot:
+
+    visible(start, n) = sinks + [first, start + n),    first = max(0, start - window + 1)
+
+which is what transformers' sliding-window layer returns (``window - 1`` past tokens plus the new ones), so its
+sliding mask, padding and chunked prefill apply unchanged. Once the window has left the sinks behind (``first >
+sink_tokens``) the model's mask has ``sink_tokens`` columns before the window (``get_mask_sizes``); they hold each
+row's own sinks, tokens ``[pad, pad + sink_tokens)``, or where a padded row's window still reaches its sinks, its
+tokens ``[first - sink_tokens, first)`` in time order. Both put a real, earlier token under a real, earlier column of
+the model's mask, so every attention (``sdpa``, ``eager``) masks a padded row exactly as the row alone.
+
+Under ``attn_implementation="hf_kvcache"`` (``hf_kvcache.attention.interface``):
+
+- a step of several new tokens hands attention a ``KeyLayout``, its *band* ``[batch, n, num_keys]``: which key each
+  new token may see, itself and the ``window - 1`` before it plus the sinks. On a model's sliding layer the model's
+  mask says the same; on a full-attention layer, where the cache imposes the window and the model's mask is plainly
+  causal, the band makes prefill see exactly what decoding does;
+- a decode step whose rows hold enough tokens reads the pages in place, as growing rows do (``ReadPath``): the block
+  mask hides what lies outside each row's sinks and window.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import torch
+
+from hf_kvcache.attention.kernels import read_slots, slot_indices
+from hf_kvcache.attention.reads import KEY_LAYOUT, KeyLayout
+from hf_kvcache.layers.plan import StepPlan
+from hf_kvcache.layers.read_path import GATHER
+from hf_kvcache.layers.rows import PagedRows
+from hf_kvcache.memory.allocator import NULL_PAGE
+from hf_kvcache.memory.page_pool import PagePool
+from hf_kvcache.memory.storage import PoolStorage
 
 
 def band(
@@ -18,7 +62,7 @@ def band(
     """``[batch, num_new, n]``: may new token ``start + i`` of row ``b`` see token ``tokens[b, j]``?
 
     A row sees its window and its own sinks (its first ``sink_tokens`` real tokens), never padding; ``-1`` in
-    ``tokens`` marks a slot that holds no token. A padding query is left to the model's mask.
+    ``tokens`` marks a key that holds no token. A padding query is left to the model's mask.
 
     Args:
         tokens: ``[batch, n]`` the token each key holds.
@@ -43,6 +87,226 @@ def visible_span(start: int, num_new: int, window: int, sink_tokens: int) -> tup
     return sink_tokens, first
 
 
-def ring_num_slots(window: int, sink_tokens: int, page_size: int) -> int:
-    """Logical slots of one row of a ring: the sinks plus the window, rounded up to whole pages, plus a spare page."""
-    return page_size * (math.ceil((sink_tokens + window - 1) / page_size) + 1)
+def window_pages_per_row(window: int, sink_tokens: int, page_size: int) -> int:
+    """The most pages a row of a window holds after a prefill from token 0 or a step of at most ``page_size`` tokens:
+    the pages its sinks and its last ``window - 1 + page_size`` tokens may touch (``WindowRows``)."""
+    touched = lambda tokens: -(-(tokens - 1) // page_size) + 1 if tokens else 0  # noqa: E731  (pages they may touch)
+    return touched(sink_tokens) + touched(window - 1 + page_size)
+
+
+class WindowRows(PagedRows):
+    """Page table of one cache's window layers on one pool (one layer group).
+
+    Args:
+        pool: where the pages live.
+        window: tokens each query attends to, itself included (transformers' ``sliding_window``).
+        sink_tokens: first real tokens of a row kept for good (attention sinks).
+        residual_length / our_attention / process_group: as for ``PagedRows``.
+        is_sliding: the model's own mask applies the window (a sliding layer of the model): a step of several tokens
+            sees itself and the ``window - 1`` tokens before it, as with transformers' sliding layer, and the model's
+            mask decides among them; ``False`` where the cache imposes the window on a full-attention layer.
+    """
+
+    defers_codes = False  # a window's oldest pages leave: each token's value codes are written with it
+
+    def __init__(
+        self,
+        pool: PagePool,
+        window: int,
+        sink_tokens: int = 0,
+        residual_length: int = 0,
+        our_attention: Callable[[], bool] = lambda: False,
+        process_group: Any = None,
+        is_sliding: bool = False,
+    ) -> None:
+        super().__init__(pool, residual_length, True, our_attention, process_group=process_group)
+        if self.store.keys is not None and sink_tokens:
+            raise ValueError(
+                f"sink_tokens={sink_tokens}: a window with encoded keys keeps no sinks (its keys are read from its "
+                "first visible page on); use a pool without key_bits, or sink_tokens=0."
+            )
+        self.window, self.sink_tokens, self.is_sliding = window, sink_tokens, is_sliding
+        self.reach = window - 1 + pool.format.page_size  # tokens a row keeps behind its end (besides its sinks)
+        self.path.window = (window, sink_tokens)
+
+    # ----- pages -----------------------------------------------------------------------------
+
+    def _grow(self, batch: int, start: int, num_new: int, identical_rows: list[int] | None) -> None:
+        """Gives back the pages behind both what the step sees and its last ``reach`` tokens, then takes the step's:
+        none for its tokens behind its last ``reach`` (a step longer than that keeps only its tail)."""
+        end, page_size = start + num_new, self.pool.format.page_size
+        sink_ends = [pad + self.sink_tokens for pad in self._pad_list(batch)]
+
+        def sink(row: int, page: int) -> bool:
+            return self.sink_tokens > 0 and page * page_size < sink_ends[row]
+
+        low = min(start - self.window + 1, end - self.reach)  # the first token the step or a crop after it reads
+        if low >= page_size and self.table.num_rows:
+            self._apply(
+                lambda: self.table.drop(lambda row, page: (page + 1) * page_size <= low and not sink(row, page))
+            )
+        keeps = lambda row, page: sink(row, page) or (page + 1) * page_size > end - self.reach  # noqa: E731
+        self._apply(lambda: self.table.grow(batch, num_new, identical_rows, keeps))
+
+    def check_crop(self, num_tokens: int) -> None:
+        """Raises ``ValueError`` if cropping to ``num_tokens`` needs tokens whose pages were given back."""
+        needed = max(0, num_tokens - self.window + 1)  # the first token the step after the crop sees
+        page_size = self.pool.format.page_size
+        for row, skip in zip(self.table.rows, self.table.row_skips):
+            for page in range(needed // page_size, -(-num_tokens // page_size)):
+                if page >= skip and row[page - skip] == NULL_PAGE:
+                    raise ValueError(
+                        f"Cannot crop to {num_tokens} tokens: the window of {self.window} gave back the page of "
+                        f"token {page * page_size}, and token {needed} would be needed. Crop at most {page_size} "
+                        "tokens per step."
+                    )
+
+    def crop(self, num_tokens: int) -> None:
+        if not 0 <= num_tokens <= self.num_tokens:
+            raise ValueError(f"Cannot crop to {num_tokens} tokens: the cache holds {self.num_tokens}.")
+        self.check_crop(num_tokens)
+        super().crop(num_tokens)
+
+    # ----- an eager step's plan ------------------------------------------------------------------
+
+    def _plan_span(self, plan: StepPlan) -> None:
+        """The visible tokens (``visible_span``): ``num_keys`` of them, the first under the model's mask column of
+        token ``kv_offset``; the residual window's over those from ``first`` on."""
+        start, num_new = plan.start, plan.num_new
+        sinks, first = visible_span(start, num_new, self.window, self.sink_tokens)
+        plan.num_keys, plan.kv_offset = sinks + start + num_new - first, first - sinks
+        self.store.plan_window(plan, start, num_new, first, start + num_new, first - sinks)
+
+    def _plan_gather(self, plan: StepPlan) -> None:
+        """The visible tokens, each row's in time order, read slot by slot (``StepPlan.slots``, ``reads``); a step of
+        several tokens also hands attention its band (``StepPlan.layout``)."""
+        start, num_new = plan.start, plan.num_new
+        visible = self._visible(start, num_new)  # [batch, num_keys]
+        if num_new > 1:
+            pads = self._pad_tensor(visible.shape[0])
+            layout = band(visible, start, num_new, self.window, self.sink_tokens, pads, self.is_sliding)
+            plan.layout = KeyLayout(layout)
+        plan.slots = visible
+        pages, offsets = self._token_slots(visible)
+        fmt = self.pool.format
+        plan.reads = slot_indices(
+            pages[:, 0], offsets[:, 0], fmt.num_kv_heads, self.pool.storage.num_pages, fmt.page_size
+        )
+        plan.reads = plan.reads.view(-1)
+
+    def _first_key_page(self, start: int, num_new: int) -> int:
+        """Coded keys are read from the first visible token's page on (a window with coded keys has no sinks)."""
+        return visible_span(start, num_new, self.window, 0)[1] // self.pool.format.page_size
+
+    def _visible(self, start: int, num_new: int) -> torch.Tensor:
+        """``[batch, n]`` each row's tokens a step at ``start`` sees, in time order (``visible_span``): its own sinks,
+        or where its window still reaches them the tokens just before it, then the window."""
+        device, batch = self.pool.device, self.table.num_rows
+        sinks, first = visible_span(start, num_new, self.window, self.sink_tokens)
+        window = torch.arange(first, start + num_new, device=device).expand(batch, -1)  # [batch, end - first]
+        if not sinks:
+            return window
+        sink_start = self._pad_tensor(batch).clamp(max=first - sinks).unsqueeze(1)  # [batch, 1]
+        return torch.cat([sink_start + torch.arange(sinks, device=device), window], dim=1)
+
+    def _token_slots(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The page and the slot in it ``[batch, 1, n]`` of each row's tokens ``tokens [batch, n]`` (``-1``, or a
+        token whose page the row does not hold: the null page's first slot)."""
+        page_size, ids = self.pool.format.page_size, self._page_ids()
+        held = (tokens >= 0) & (tokens < ids.shape[1] * page_size)
+        pages = ids.gather(1, torch.where(held, tokens // page_size, 0)).masked_fill(~held, NULL_PAGE)
+        offsets = torch.where(held & (pages != NULL_PAGE), tokens % page_size, 0)
+        return pages.unsqueeze(1), offsets.unsqueeze(1)
+
+    # ----- reading -----------------------------------------------------------------------------
+
+    def read(
+        self,
+        plan: StepPlan,
+        layer_in_group: int,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        handoff: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``PagedRows.read``; a step of several tokens also hands attention its band (only ours reads it)."""
+        keys, values = super().read(plan, layer_in_group, key_states, value_states, handoff)
+        if plan.layout is not None and handoff is not None and self.path.our_attention():
+            handoff[KEY_LAYOUT] = plan.layout
+        return keys, values
+
+    def gather(
+        self,
+        layer_in_group: int,
+        num_tokens: int,
+        plan: StepPlan | None = None,
+        step: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's visible tokens ``[batch, heads, num_keys, head_dim]``, gathered in time order as ``plan`` reads
+        them (``_plan_gather``); a step of several tokens reads its own as given (``step``: a step longer than the
+        window writes some of them nowhere)."""
+        if plan.mode != GATHER:  # an in-place step's slow twin: plan its gather now
+            plan = dataclasses.replace(plan, mode=GATHER)
+            self._plan_gather(plan)
+        storage = self.pool.storage
+        shape = (plan.slots.shape[0], self.pool.format.num_kv_heads, plan.slots.shape[1])
+        gather = lambda tensor: read_slots(storage.slots(tensor, layer_in_group), plan.reads, shape)  # noqa: E731
+        keys = None
+        if self.store.keys is not None:
+            keys = self._window_keys(layer_in_group, storage, plan)
+        keys, values = self.store.read(layer_in_group, storage, gather, plan.window_reads, keys, step)
+        if step is not None and plan.num_new > self.reach:  # tokens the step kept nowhere: as given
+            for out, states, coded in ((keys, step[0], self.store.keys), (values, step[1], self.store.quant)):
+                if coded is None:  # (coded ones are, by SlotStore.read)
+                    out[:, :, -plan.num_new :] = states.detach()
+        return keys, values
+
+    def _window_keys(self, layer_in_group: int, storage: PoolStorage, plan: StepPlan) -> torch.Tensor:
+        """Coded keys of the visible tokens: the pages from the first visible one's, decoded, then each token's."""
+        page_size = self.pool.format.page_size
+        first_page = self._first_key_page(plan.start, plan.num_new)
+        ids = self._page_ids()[:, first_page:]
+        keys = self.store.keys.read(layer_in_group, storage, ids, self.pool.format.dtype, None, plan, first_page)
+        index = (plan.slots - first_page * page_size).clamp(min=0).view(plan.slots.shape[0], 1, -1, 1)
+        return keys.gather(2, index.expand(-1, keys.shape[1], -1, keys.shape[-1]))
+
+    # ----- planned (compiled) steps ----------------------------------------------------------
+
+    def _window_low(self, start: int) -> int:
+        return visible_span(start, 1, self.window, self.sink_tokens)[1]
+
+    def _key_window(self, start: int) -> tuple[int, int]:
+        page_size = self.pool.format.page_size
+        return self._first_key_page(start, 1), -(-self.window // page_size) + 1
+
+    def _planned_reads(
+        self, start: int, batch: int, capacity_pages: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int]:
+        """A planned step's visible tokens, each row's in time order as an eager step gathers them, read slot by
+        slot: ``sink_tokens + window`` keys whatever the step, so that one graph serves the window as it fills and
+        slides. Before the window has left the sinks behind, keys past the step's token read the null page (the
+        causal mask hides them) and the mask starts at token 0; after, every key holds a token."""
+        num_keys = self.sink_tokens + self.window
+        sinks, first = visible_span(start, 1, self.window, self.sink_tokens)
+        if first:  # the window has left the sinks behind
+            tokens = self._visible(start, 1)  # [batch, num_keys]
+        else:
+            tokens = torch.arange(num_keys, device=self.pool.device).expand(batch, -1)  # [batch, num_keys]
+            tokens = tokens.masked_fill(tokens > start, -1)
+        pages, offsets = self._token_slots(tokens)  # [batch, 1, num_keys] each
+        return pages, offsets, tokens, first - sinks
+
+    # ----- reused prefixes (hf_kvcache.caches.prefix) -------------------------------------------
+
+    def prefix_layout(self, num_pages: int) -> list[int | None]:
+        """Which token page each page of a row holds right after its first ``num_pages`` full token pages were
+        written in one step from token 0: its sink pages and those of its last ``reach`` tokens; holes between."""
+        page_size, end = self.pool.format.page_size, num_pages * self.pool.format.page_size
+        return [
+            page if page * page_size < self.sink_tokens or (page + 1) * page_size > end - self.reach else None
+            for page in range(num_pages)
+        ]
+
+    def token_page_position(self, token_page: int) -> int | None:
+        """Where a full token page lies in the rows' pages, or ``None`` once a row gave it back."""
+        held = all(token_page < len(row) and row[token_page] != NULL_PAGE for row in self.table.rows)
+        return token_page if held else None

@@ -15,9 +15,8 @@ blocks of ``extent_pages * page_size`` tokens (``hf_kvcache.attention.flex``). T
   it can, see ``extents_needed``) as a single page. Rows of growing layers grow this way: each holds its pages in
   runs of whole extents, and a new row never starts in an extent another row has begun, so rows of different
   requests interleave by whole extents only.
-- ``allocate(num)``: single pages, the highest free ids, handed out in ascending order. Rings and
-  copies take these: on a fresh pool (or one whose pages all came back) ``num`` pages taken at once are
-  consecutive, so a ring's rows, taken together, are one run of pages.
+- ``allocate(num)``: single pages, the highest free ids, handed out in ascending order (copies take these): on
+  a fresh pool (or one whose pages all came back) ``num`` pages taken at once are consecutive.
 
 Extents are claimed softly: the free pages after a row's last page stay free (counted free, usable by
 anyone) and are handed to another request only when nothing else is left, so a request fails only when

@@ -4,6 +4,9 @@ All rows of a table hold the same number of tokens (``generate`` pads batches on
 row ``r`` keeps token ``t`` in slot ``t % page_size`` of page ``rows[r][t // page_size - skips[r]]``: a row holds no
 page of padding alone, its ``skips[r] = pads[r] // page_size`` pages of leading padding are not taken (reads and
 writes go to the null page there, which the attention mask hides).
+A window's rows (``hf_kvcache.layers.window``) stay in token order too: a page that falls behind the window goes back
+to the pool and its entry becomes the null page (a *hole*), and a step longer than the window takes no page for the
+tokens it keeps nowhere (``grow``'s ``keeps``).
 Rows may share pages (beam search, ``num_return_sequences``); a row copies a shared page only
 when it writes into it (copy-on-write). Every change allocates all it needs first, so a
 ``PoolExhaustedError`` leaves the table exactly as it was.
@@ -12,7 +15,10 @@ when it writes into it (copy-on-write). Every change allocates all it needs firs
 import itertools
 import math
 from collections import Counter
+from collections.abc import Callable
 from typing import Protocol
+
+from hf_kvcache.memory.allocator import NULL_PAGE
 
 
 class Allocator(Protocol):
@@ -39,9 +45,7 @@ class PageTable:
         self.row_extents = row_extents
         self.rows: list[list[int]] = []
         self.num_tokens = 0
-        self.num_filled: int | None = None  # tokens written per row, where fewer than num_tokens (a ring's plan)
         self.pads: list[int] | None = None  # leading padding of each row (generate's left padding); None: none
-        self.pads_held = True  # the rows' pages hold their padding (but whole pages of it: skips); False: a ring's
         self.skips: list[int] | None = None  # pages of leading padding each row does not hold; None: none
         self.version = 0  # bumped whenever a page id in ``rows`` changes
 
@@ -50,13 +54,18 @@ class PageTable:
         return len(self.rows)
 
     def grow(
-        self, num_rows: int, num_new_tokens: int, identical_rows: list[int] | None = None
+        self,
+        num_rows: int,
+        num_new_tokens: int,
+        identical_rows: list[int] | None = None,
+        keeps: Callable[[int, int], bool] | None = None,
     ) -> list[tuple[int, int]]:
         """Makes room for ``num_new_tokens`` more tokens in every row.
 
         Shared pages the new tokens land in are copied first; then pages are appended. On an
         empty table, ``identical_rows[r]`` names the first row identical to row ``r``
         (``identical_rows[r] <= r``): identical rows share all their new pages, so they are stored once.
+        ``keeps(row, token_page)``: whether a row takes a page for a new token page (else a hole); ``None``: all.
 
         Returns:
             ``(src, dst)`` page pairs whose contents the caller must copy before writing.
@@ -80,43 +89,73 @@ class PageTable:
                 f"identical_rows must name, for each of {num_rows} rows, the first row identical to it: {firsts}."
             )
         if not self.num_tokens and not any(self.rows):  # empty rows take their skips from the pads
-            pads = self.pads if self.pads_held and self.pads is not None and len(self.pads) == num_rows else None
+            pads = self.pads if self.pads is not None and len(self.pads) == num_rows else None
             self.skips = [pad // self.page_size for pad in pads] if pads is not None and any(pads) else None
         skips = self.skips or [0] * num_rows
-        firsts = [first if skips[first] == skips[row] else row for row, first in enumerate(firsts)]
         rows = self.rows or [[] for _ in range(num_rows)]  # an empty table takes its rows only once pages are in
         end = self.num_tokens + num_new_tokens
+        num_slots = [max(0, math.ceil(end / self.page_size) - skips[row]) - len(rows[row]) for row in range(num_rows)]
+        new_pages_at = [  # the positions that take a page
+            [
+                i
+                for i in range(len(rows[row]), len(rows[row]) + num_slots[row])
+                if keeps is None or keeps(row, i + skips[row])
+            ]
+            for row in range(num_rows)
+        ]
+        num_new = [len(at) for at in new_pages_at]
+        firsts = [first if new_pages_at[first] == new_pages_at[row] else row for row, first in enumerate(firsts)]
         first_page = self.num_tokens // self.page_size
         touched = [
             (row, index) for row in range(num_rows) for index in range(max(0, first_page - skips[row]), len(rows[row]))
         ]
         leaders = [row for row in range(num_rows) if firsts[row] == row]  # rows that get pages of their own
-        num_new = [max(0, math.ceil(end / self.page_size) - skips[row]) - len(rows[row]) for row in range(num_rows)]
         copies, fresh = self._copy_on_write(touched, sum(num_new[row] for row in leaders))
         self.rows = rows
-        if fresh or copies or any(num_new):
+        if fresh or copies or any(num_slots):
             self.version += 1
         if self.row_extents:
             new_pages = {
-                row: self.allocator.extend(rows[row][-1] if rows[row] else None, num_new[row]) if num_new[row] else []
+                row: self.allocator.extend(self._last_page(rows[row]), num_new[row]) if num_new[row] else []
                 for row in leaders
             }
         else:
             ends = itertools.accumulate(num_new[row] for row in leaders)
             new_pages = {row: fresh[end - num_new[row] : end] for row, end in zip(leaders, ends)}
         for row in range(num_rows):
-            pages = new_pages[firsts[row]]
+            pages = iter(new_pages[firsts[row]])
             if firsts[row] != row:
-                self.allocator.share(pages)
-            self.rows[row].extend(pages)
+                self.allocator.share(new_pages[firsts[row]])
+            start, taken = len(self.rows[row]), set(new_pages_at[row])
+            self.rows[row].extend(
+                next(pages) if index in taken else NULL_PAGE for index in range(start, start + num_slots[row])
+            )
         self.num_tokens = end
         return copies
+
+    @staticmethod
+    def _last_page(row: list[int]) -> int | None:
+        """The last page a row holds (where ``Allocator.extend`` continues), ``None`` if it holds none."""
+        return next((page for page in reversed(row) if page != NULL_PAGE), None)
+
+    def drop(self, drops: Callable[[int, int], bool]) -> None:
+        """Gives back the pages of token pages ``drops(row, token_page)`` says a row no longer needs (a window's,
+        behind it): their entries become holes."""
+        freed = []
+        for row, (pages, skip) in enumerate(zip(self.rows, self.row_skips)):
+            for index, page in enumerate(pages):
+                if page != NULL_PAGE and drops(row, index + skip):
+                    freed.append(page)
+                    pages[index] = NULL_PAGE
+        if freed:
+            self.allocator.free(freed)
+            self.version += 1
 
     def attach(self, rows: list[list[int]], num_tokens: int) -> None:
         """Fills an empty table with pages the caller has already taken a reference to (a reused prefix).
 
         Args:
-            rows: each row's page ids, ``ceil(num_tokens / page_size)`` of them.
+            rows: each row's page ids, ``ceil(num_tokens / page_size)`` of them (holes: the null page).
             num_tokens: tokens each row holds.
         """
         if self.rows or self.num_tokens:
@@ -151,16 +190,16 @@ class PageTable:
         shared = []
         for row, index in cells:
             page = self.rows[row][index]
-            if self.allocator.refcount(page) - moved[page] > 1:
+            if page != NULL_PAGE and self.allocator.refcount(page) - moved[page] > 1:
                 moved[page] += 1
                 shared.append((row, index))
-        if not shared and not num_extra:  # the common case of a ring's step: nothing to copy or take
+        if not shared and not num_extra:  # the common case of a decode step: nothing to copy or take
             return [], []
         self.allocator.ensure_free(len(shared) + num_extra)  # all or nothing: nothing below can fail
         if self.row_extents:
             fresh = []
             for row, index in shared:
-                fresh += self.allocator.extend(self.rows[row][index - 1] if index else None, 1)
+                fresh += self.allocator.extend(self._last_page(self.rows[row][:index]), 1)
         else:
             fresh = self.allocator.allocate(len(shared) + num_extra)
         copies = []
@@ -180,7 +219,7 @@ class PageTable:
         if self.skips is not None:
             self.skips = [self.skips[index] for index in indices]
         for row in new_rows:
-            self.allocator.share(row)
+            self.allocator.share([page for page in row if page != NULL_PAGE])
         self.release_rows()
         self.rows = new_rows
         self.version += 1
@@ -192,7 +231,7 @@ class PageTable:
         keep = math.ceil(num_tokens / self.page_size)
         self.version += 1
         for row, skip in zip(self.rows, self.row_skips):
-            self.allocator.free(row[max(0, keep - skip) :])
+            self.allocator.free([page for page in row[max(0, keep - skip) :] if page != NULL_PAGE])
             del row[max(0, keep - skip) :]
         self.num_tokens = num_tokens
 
@@ -201,7 +240,8 @@ class PageTable:
         # used order in this order, so eviction takes a prompt's tail before its head (a chain is found from its
         # first page on, so a surviving head is still reused).
         depth = max((len(row) for row in self.rows), default=0)
-        self.allocator.free([row[d] for d in reversed(range(depth)) for row in self.rows if d < len(row)])
+        pages = [row[d] for d in reversed(range(depth)) for row in self.rows if d < len(row)]
+        self.allocator.free([page for page in pages if page != NULL_PAGE])
         self.rows = []
         self.version += 1
 
@@ -209,7 +249,6 @@ class PageTable:
         """Returns every page to the pool; the table is empty afterwards."""
         self.release_rows()
         self.num_tokens = 0
-        self.num_filled = None
         self.skips = None
 
     @property
@@ -220,24 +259,21 @@ class PageTable:
     def filled_slots(self) -> dict[int, int]:
         """Slots holding a token (not padding) of each distinct page this table holds (0 for a page taken ahead of
         its tokens or holding only padding)."""
-        written = self.num_tokens if self.num_filled is None else self.num_filled  # positions, padding included
         pads = self.pads if self.pads is not None and len(self.pads) == len(self.rows) else [0] * len(self.rows)
         page_size = self.page_size
         filled: dict[int, int] = {}
         for row, pad, skip in zip(self.rows, pads, self.row_skips, strict=True):
-            # the slots of the row's tokens: from its first token at its padded position, or from slot 0
-            first, end = (
-                (pad, min(written, self.num_tokens)) if self.pads_held else (0, min(written - pad, self.num_tokens))
-            )
             for index, page in enumerate(row, start=skip):
-                tokens = min(end, (index + 1) * page_size) - max(first, index * page_size)
+                if page == NULL_PAGE:
+                    continue
+                tokens = min(self.num_tokens, (index + 1) * page_size) - max(pad, index * page_size)
                 filled[page] = max(filled.get(page, 0), tokens, 0)
         return filled
 
     def check_integrity(self) -> None:
         """Raises ``AssertionError`` if a row has the wrong page count or holds a page the pool thinks free."""
         expected = math.ceil(self.num_tokens / self.page_size)
-        references = Counter(page for row in self.rows for page in row)
+        references = Counter(page for row in self.rows for page in row if page != NULL_PAGE)
         for row, skip in zip(self.rows, self.row_skips, strict=True):
             assert len(row) == max(0, expected - skip), f"row holds {len(row)} pages for {self.num_tokens} tokens"
         for page, count in references.items():

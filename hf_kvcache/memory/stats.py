@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from hf_kvcache.memory.allocator import PageAllocator
+from hf_kvcache.memory.allocator import NULL_PAGE, PageAllocator
 from hf_kvcache.memory.format import PageFormat
 from hf_kvcache.memory.page_table import PageTable
 from hf_kvcache.memory.storage import PoolStorage
@@ -35,11 +35,10 @@ def pool_stats(
     a request can take ``pages_free + pages_cached``). ``bytes_total`` is the memory of the opened pages, which
     is what the pool has committed where memory is committed where touched (the CPU): opened pages are zeroed,
     and the rest of the storage (``bytes_reserved``, made for the pool's cap) is never touched. On CUDA the whole
-    storage is committed when the pool is made. ``pages_unfilled`` counts pages held that no
-    token has been written to yet (a ring takes its planned pages at its first write); rows of growing layers
-    place their pages in extents but never hold one ahead. ``tokens_held`` counts the slots holding a token, not a
-    row's padding (a left-padded row of growing layers holds the padding that shares a page with its first token, no
-    page of padding alone: ``PageTable.skips``); ``utilization`` is the bytes of the
+    storage is committed when the pool is made. ``pages_unfilled`` counts pages held that no token has been written
+    to yet; rows place their pages in extents but never hold one ahead. ``tokens_held`` counts the slots holding a
+    token, not a row's padding (a left-padded row holds the padding that shares a page with its first token, no page
+    of padding alone: ``PageTable.skips``); ``utilization`` is the bytes of the
     tokens held divided by the bytes of the pages caches hold (1.0 when every held page is full of tokens; shared
     pages count once). ``live_tables`` counts the page tables of caches not yet garbage collected (0 again once
     every cache is gone). The prefix index's counts are in rows (one prompt each): ``prefix_lookups`` rows looked up,
@@ -145,7 +144,8 @@ def check_integrity(allocator: PageAllocator, tables: list[PageTable], storage: 
         table.check_integrity()
         for row in table.rows:
             for page in row:
-                references[page] = references.get(page, 0) + 1
+                if page != NULL_PAGE:  # a hole (a window's page given back)
+                    references[page] = references.get(page, 0) + 1
     index = allocator.index
     published = {page for page in references if index is not None and index.is_published(page)}
     for page, count in references.items():

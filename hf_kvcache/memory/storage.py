@@ -28,7 +28,6 @@ each with its own page table, so a page id serves one layer group)::
 
     slot            =   (layer_in_group, page id, offset < page_size): one token's key/value in one layer
     row r, token t  ->  slot t % page_size of page rows[r][t // page_size] of its layer group's page table
-                        (a ring maps token t to a logical slot first: hf_kvcache.layers.ring)
     slot index      =   (head * num_storage_pages + page id) * page_size + offset: a slot's position in one layer's
                         flattened view [heads * pages * page_size, last_dim] (``PoolStorage.slots``, ``kernels``)
     extent e        =   pages [e * extent_pages, (e + 1) * extent_pages): what attention reads in place as one
