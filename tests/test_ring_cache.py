@@ -491,7 +491,7 @@ def test_a_step_past_an_imposed_window_warns_where_the_model_hands_no_kwargs(tin
     once per cache, and not where the kwargs come."""
     config = with_attention(tiny_llama_model.config, ATTENTION_NAME)
     states = torch.randn(2, 1, config.num_key_value_heads, 20, config.head_dim)  # keys, values
-    with pytest.warns(UserWarning, match="reaches past the cache.s window=8, but the model's attention hands the cache"):
+    with pytest.warns(UserWarning, match="past the cache.s window=8, but the model's attention hands the cache"):
         SlidingRingCache(config, {"window": 8}).update(states[0], states[1], 0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

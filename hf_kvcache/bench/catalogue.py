@@ -45,6 +45,7 @@ from hf_kvcache.attention.interface import ATTENTION_NAME
 from hf_kvcache.caches import PagedConfig, SlidingRingCache, SlidingRingConfig
 from hf_kvcache.eval import CacheSpec, installed_quantized_backends, sliding_window_config
 from hf_kvcache.integration.registry import REGISTRY
+from hf_kvcache.layers.window import window_pages_per_row
 from hf_kvcache.memory.format import KV_BLOCK_TOKENS, PageFormat
 from hf_kvcache.memory.pool import KVPool
 
@@ -154,11 +155,11 @@ def ring_pool(
 ) -> KVPool:
     """A fixed pool for ``batch`` rows of a ``sliding_ring`` cache of ``window`` tokens (no sinks).
 
-    A ring row takes ``ceil((window - 1) / page_size) + 1`` pages (``hf_kvcache.layers.ring``); the budget,
-    ``ceil(window / page_size) + 1`` pages per row, is never less. The pool is full by design: no use alerts.
+    A row takes at most ``window_pages_per_row`` pages (``hf_kvcache.layers.window``). The pool is full by design:
+    no use alerts.
     """
     page_format = PageFormat.from_model_config(config, dtype, page_size)
-    pages_per_row = page_format.pages_for_tokens((math.ceil(window / page_size) + 1) * page_size)
+    pages_per_row = page_format.pages_for_tokens(window_pages_per_row(window, 0, page_size) * page_size)
     return KVPool(page_format, batch * pages_per_row + 1, device, alert_thresholds=())
 
 
