@@ -23,7 +23,7 @@ from hf_kvcache import KVPool, PagedCache, SlidingRingCache
 from hf_kvcache.attention import flex
 from hf_kvcache.attention.interface import ATTENTION_NAME, banded_sdpa_attention, model_attention
 from hf_kvcache.attention.reads import KEY_LAYOUT, PAGED_READ, KeyLayout
-from hf_kvcache.bench.catalogue import with_attention
+from hf_kvcache.bench.catalogue import ring_pool, with_attention
 from hf_kvcache.caches.base import ATTENTION_LAYER_TYPES
 from hf_kvcache.layers import PagedLayer, WindowLayer
 from hf_kvcache.layers.window import window_pages_per_row
@@ -172,6 +172,23 @@ def test_generate_reads_window_pages_in_place(tiny_llama_model):
         slow = run(tiny_llama_model, ids, mask, **settings)
         assert slow.cache.read_counts() == {"gather": 40 * 2, "run": 0, "in place": 0}
     assert_same_generation(slow, fast)
+
+
+@IN_PLACE
+def test_windows_read_in_place_on_a_pool_they_fill(tiny_llama_model, monkeypatch):
+    """A pool sized for the rows' windows alone: they take pages in the first extent too, beside the null page (which
+    holds what padding and holes write: finite, hidden by the block mask), and still read in place."""
+    read_path(monkeypatch, "in place")
+    pool = ring_pool(tiny_llama_model.config, 64, 8, 16, torch.float32, torch.device("cpu"))
+    cache = SlidingRingCache(tiny_llama_model.config, {"window": 64, "pool": pool})
+    ids = random_ids(8, 300)
+    with banded_attention(tiny_llama_model), torch.no_grad():
+        tiny_llama_model(ids, cache=cache)
+        calls = flex.call_count()
+        for token in range(20):
+            tiny_llama_model(ids[:, token : token + 1], cache=cache)
+    assert flex.call_count() - calls == 20 * 2  # every decode step, both layers
+    pool.check_integrity()
 
 
 def test_window_rows_hold_the_pages_of_what_they_see(tiny_llama_model):

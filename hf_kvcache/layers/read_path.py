@@ -95,7 +95,7 @@ class ReadPath:
         if self._fresh and self.mask.batch == batch:
             self.mask.advance(num_tokens)
         else:
-            held = {page for row in self.table.rows for page in row if page != NULL_PAGE}  # holes: none
+            held = {NULL_PAGE, *(page for row in self.table.rows for page in row)}  # the null page: finite, hidden
             num_pages = block_mask.view_pages(1 + max(held), fmt.extent_pages, pool.storage.num_pages)
             if self.mask is None or self.mask.batch != batch or self.mask.num_pages < num_pages:
                 self.mask = block_mask.PagedBlockMask(
