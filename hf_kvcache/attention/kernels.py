@@ -34,8 +34,10 @@ def page_rows(page_ids: torch.Tensor, num_kv_heads: int, num_pages: int) -> torc
     return (heads * num_pages + page_ids.unsqueeze(1)).view(-1)
 
 
-def read_pages(pages: torch.Tensor, rows: torch.Tensor, shape: tuple[int, int, int, int]) -> torch.Tensor:
-    """Gathers whole pages of one layer: the first ``num_tokens`` tokens of each row.
+def read_pages(
+    pages: torch.Tensor, rows: torch.Tensor, shape: tuple[int, int, int, int], first: int = 0
+) -> torch.Tensor:
+    """Gathers whole pages of one layer: ``num_tokens`` tokens of each row, from token ``first`` of its first page.
 
     Args:
         pages: one layer's keys (or values) as ``[heads * num_pages, page_size * last_dim]``
@@ -49,7 +51,8 @@ def read_pages(pages: torch.Tensor, rows: torch.Tensor, shape: tuple[int, int, i
     """
     batch, heads, _, last_dim = shape
     row_numbers = rows.numel() // (batch * heads) * pages.shape[1]  # a row's pages, per head
-    return pages.index_select(0, rows).as_strided(shape, (heads * row_numbers, row_numbers, last_dim, 1))
+    strides = (heads * row_numbers, row_numbers, last_dim, 1)
+    return pages.index_select(0, rows).as_strided(shape, strides, first * last_dim)
 
 
 def run_view(storage: torch.Tensor, layer_idx: int, first_page: int, num_tokens: int) -> torch.Tensor:

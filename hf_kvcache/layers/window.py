@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from hf_kvcache.attention.kernels import read_slots, slot_indices
+from hf_kvcache.attention.kernels import page_rows, read_pages, read_slots, slot_indices
 from hf_kvcache.attention.reads import KEY_LAYOUT, KeyLayout
 from hf_kvcache.layers.plan import StepPlan
 from hf_kvcache.layers.read_path import GATHER
@@ -178,8 +178,10 @@ class WindowRows(PagedRows):
         self.store.plan_window(plan, start, num_new, first, start + num_new, first - sinks)
 
     def _plan_gather(self, plan: StepPlan) -> None:
-        """The visible tokens, each row's in time order, read slot by slot (``StepPlan.slots``, ``reads``); a step of
-        several tokens also hands attention its band (``StepPlan.layout``)."""
+        """The visible tokens, each row's in time order (``StepPlan.slots``), and what reads them (``reads``): whole
+        pages from the first visible token's, cut at it (``kernels.read_pages``: a page_size times smaller index),
+        or with sinks, which differ per row, slot by slot; a step of several tokens also hands attention its band
+        (``StepPlan.layout``)."""
         start, num_new = plan.start, plan.num_new
         visible = self._visible(start, num_new)  # [batch, num_keys]
         if num_new > 1:
@@ -187,12 +189,17 @@ class WindowRows(PagedRows):
             layout = band(visible, start, num_new, self.window, self.sink_tokens, pads, self.is_sliding)
             plan.layout = KeyLayout(layout)
         plan.slots = visible
-        pages, offsets = self._token_slots(visible)
         fmt = self.pool.format
+        if not self.sink_tokens:  # every row sees tokens [first, end): the same pages of each row's table
+            first_page, end_page = plan.kv_offset // fmt.page_size, -(-(start + num_new) // fmt.page_size)
+            plan.reads = page_rows(
+                self._page_ids()[:, first_page:end_page], fmt.num_kv_heads, self.pool.storage.num_pages
+            )
+            return
+        pages, offsets = self._token_slots(visible)
         plan.reads = slot_indices(
             pages[:, 0], offsets[:, 0], fmt.num_kv_heads, self.pool.storage.num_pages, fmt.page_size
-        )
-        plan.reads = plan.reads.view(-1)
+        ).view(-1)
 
     def _first_key_page(self, start: int, num_new: int) -> int:
         """Coded keys are read from the first visible token's page on (a window with coded keys has no sinks)."""
@@ -247,9 +254,15 @@ class WindowRows(PagedRows):
         if plan.mode != GATHER:  # an in-place step's slow twin: plan its gather now
             plan = dataclasses.replace(plan, mode=GATHER)
             self._plan_gather(plan)
-        storage = self.pool.storage
+        storage, page_size = self.pool.storage, self.pool.format.page_size
         shape = (plan.slots.shape[0], self.pool.format.num_kv_heads, plan.slots.shape[1])
-        gather = lambda tensor: read_slots(storage.slots(tensor, layer_in_group), plan.reads, shape)  # noqa: E731
+
+        def gather(tensor: torch.Tensor) -> torch.Tensor:
+            if self.sink_tokens:
+                return read_slots(storage.slots(tensor, layer_in_group), plan.reads, shape)
+            pages = storage.slots(tensor, layer_in_group, page_size)
+            return read_pages(pages, plan.reads, (*shape, tensor.shape[-1]), plan.kv_offset % page_size)
+
         keys = None
         if self.store.keys is not None:
             keys = self._window_keys(layer_in_group, storage, plan)
