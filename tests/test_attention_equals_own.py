@@ -12,10 +12,9 @@ modeling file of transformers 5.25:
   window ModernBERT's decoder applies inside its own eager function (``sliding_window``);
 - top-k sparse attention (``indices``: DeepSeek's lightning indexer, DSA): DeepSeek-V3.2, GLM-MoE-DSA, A.X K2,
   Hunyuan-V4, Dots3. Our caches refuse their indexed layers by name; under our attention with ``DynamicCache`` the
-  indexer's choice is lost (``DSA_MODELS``, xfail strict: the test flips when it is applied);
+  indexer's choice is folded into the mask as the model does under sdpa (``DSA_MODELS``);
 - block-sparse attention (``block_indices``: MiniMax-M3's indexer): our caches keep its sparse layer's own cache
-  layer and page the full-attention one, equal under ``"sdpa"``; under our attention every cache, ``DynamicCache``
-  too, loses the indexer's blocks (xfail strict).
+  layer and page the full-attention one; under either attention, every cache equals ``DynamicCache``.
 
 Each model is tiny (``hf_kvcache.testing.tiny_causal_lm``) with the feature set where a tiny prompt feels it (a
 window of 4, a softcap of 0.5, sinks far from zero); a left-padded batch of two rows, 8 greedy tokens; the reference
@@ -131,8 +130,8 @@ def test_our_attention_equals_the_models_own_reading_in_place(model_type, monkey
 DSA_MODELS = ["axk2", "deepseek_v32", "dots3_note_text", "glm_moe_dsa", "hy_v4"]
 """Models whose attention layers keep only the keys their indexer picks (``index_topk`` of them): under ``"eager"``
 and ``"sdpa"`` the model folds the pick into the mask; under any other attention it passes ``indices=`` for the
-attention function to apply, which ``attention.interface.banded_sdpa_attention`` (and the model's own
-``eager_attention_forward`` it runs for Hunyuan-V4) ignores: every key is attended."""
+attention function to apply, which ``attention.interface.banded_sdpa_attention`` folds into the mask as the model
+does (``_sparse_mask``)."""
 
 
 def _prefill_logits(model, attention: str | None) -> torch.Tensor:
@@ -148,13 +147,10 @@ def test_sparse_attention_keeps_every_key_while_the_indexer_picks_all(model_type
     torch.testing.assert_close(_prefill_logits(model, ATTENTION_NAME), _prefill_logits(model, None))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attn_implementation='hf_kvcache' ignores the indices= kwarg of DSA models (the indexer's top-k keys): "
-    "the model folds them into the mask only under 'eager' and 'sdpa'; logits 0.008-0.31 of the largest off",
-)
 @pytest.mark.parametrize("model_type", DSA_MODELS)
 def test_sparse_attention_keeps_the_keys_its_indexer_picks(model_type):
+    """The model folds its indexer's pick into the mask only under "eager" and "sdpa"; ours folds the ``indices=`` it
+    passes any other attention (before, every key was attended: logits 0.008-0.31 of the largest off)."""
     model = tiny_causal_lm(model_type, **MODEL_SETTINGS[model_type])  # the indexer keeps 4 keys
     torch.testing.assert_close(_prefill_logits(model, ATTENTION_NAME), _prefill_logits(model, None))
 
@@ -181,13 +177,9 @@ def test_block_sparse_layers_keep_their_own_cache_layer_under_the_models_attenti
     assert_same_generation(reference, actual)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attn_implementation='hf_kvcache' ignores the block_indices= kwarg of MiniMax-M3's block-sparse layers: "
-    "the model folds them into the mask only under 'eager' and 'sdpa'; every cache, DynamicCache too: other tokens, "
-    "logits 0.81 off",
-)
 @pytest.mark.parametrize("cache", SPARSE_CACHES, ids=lambda cache: cache or "dynamic")
 def test_block_sparse_layers_under_our_attention(cache):
+    """Ours folds the ``block_indices=`` MiniMax-M3's block-sparse layers pass (before: ignored, other tokens, logits
+    0.81 off)."""
     model, reference = minimax_m3_sparse()
     assert_same_generation(reference, generation(model, ATTENTION_NAME, cache))

@@ -89,17 +89,21 @@ def banded_sdpa_attention(
     own = own_attention(module, kwargs)  # the model's own attention function where sdpa cannot compute it
     plans = kwargs.pop(PLANNED_READS, None)
     plan = plans[module.layer_idx] if plans is not None else None
+    sparse = {name: kwargs.pop(name) for name in SPARSE_KWARGS if kwargs.get(name) is not None}
     if plan is not None:  # the keys and values are the pool's storage, read through the step's plan
-        if own is None and not module.training:
+        if own is None and not module.training and not sparse:
             output = flex.planned_attention(query, key, value, plan.mask, plan.pages, kwargs.get("scaling"))
             return output.transpose(1, 2).contiguous(), None
         key, value = read_planned_view(key, plan), read_planned_view(value, plan)  # the model's mask applies
     read, layout = kwargs.pop(PAGED_READ, None), kwargs.pop(KEY_LAYOUT, None)  # what the layer handed over
     if read is not None:
-        output = None if own is not None else paged_attention(module, query, key, value, read, attention_mask, kwargs)
-        if output is not None:
-            return output, None
+        if own is None and not sparse:
+            output = paged_attention(module, query, key, value, read, attention_mask, kwargs)
+            if output is not None:
+                return output, None
         key, value = read.gather()
+    if sparse:  # the keys the model's indexer picked, as the model itself folds them into an eager or sdpa mask
+        attention_mask = _sparse_mask(module, query, key, attention_mask, layout, read, kwargs, **sparse)
     if layout is None:
         if own is not None:
             return own(module, query, key, value, _additive_mask(module, attention_mask, query, key), **kwargs)
@@ -180,6 +184,55 @@ def paged_attention(
         return None
     flex.log_path("in_place", f"compiled FlexAttention, KV blocks of {read.mask.block_tokens} tokens")
     return output.transpose(1, 2).contiguous()
+
+
+SPARSE_KWARGS = ("indices", "block_indices")
+"""The attention kwargs of sparse attention: the keys (DeepSeek-V3.2's lightning indexer, ``[batch, q, top-k]``) or
+blocks of keys (MiniMax-M3's, ``[batch, index heads, q, blocks]``) each query keeps, which a model folds into its
+mask itself only under ``"eager"`` and ``"sdpa"``; ``_sparse_mask`` folds them here the same way."""
+
+
+def _sparse_mask(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    layout: Any,
+    read: PagedRead | None,
+    kwargs: dict,
+    indices: torch.Tensor | None = None,
+    block_indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The model's mask with only the keys its indexer picked seen, as its modeling file builds it for ``"sdpa"``.
+
+    Raises:
+        IncompatibleModelError: the keys are a window's (not every token from the first): the indexer's picks count
+            from token 0.
+    """
+    if layout is not None or (read is not None and read.kv_offset):
+        raise IncompatibleModelError(
+            f"{type(module).__name__} keeps the keys its indexer picks, counted from the first token, but the cache "
+            "hands it a window's keys: serve it with paged_pool or a quantized cache, or without a window."
+        )
+    batch, num_new, num_keys = query.shape[0], query.shape[2], key.shape[2]
+    if indices is not None:  # [batch, q, top-k]: True where a key is not picked
+        hidden = torch.ones(batch, num_new, num_keys, dtype=torch.bool, device=query.device)
+        hidden = hidden.scatter(-1, indices.long(), False).unsqueeze(1)  # [batch, 1, q, keys]
+        if attention_mask is None:
+            attention_mask = ~hidden
+        elif attention_mask.dtype == torch.bool:
+            attention_mask = attention_mask[..., :num_keys] & ~hidden
+        else:
+            attention_mask = attention_mask[..., :num_keys].masked_fill(hidden, torch.finfo(query.dtype).min)
+    if block_indices is not None:
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = torch.arange(num_keys - num_new, num_keys, device=query.device)
+        positions = (positions if positions.ndim > 1 else positions.unsqueeze(0)).expand(batch, -1)
+        attention_mask = module.indexer.build_block_mask(
+            block_indices, attention_mask, num_keys, query.dtype, query.device, positions
+        )
+    return attention_mask
 
 
 NOT_APPLIED_BY_SDPA = ("softcap", "s_aux", "sinks", "position_bias")
