@@ -90,16 +90,6 @@ KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
     # quantized rings on Kolibri's sliding layers (window 8): one decode step 17% off with int8 values (0.4% with a
     # window of 64, 0.1% on Mistral's window 8; exact with residual_length covering the window)
     **{("kolibri1", attention, cache): "differs" for attention in matrix.ATTENTIONS for cache in matrix.LOSSY},
-    # the keys quantized_kv returns are a view the model's attention cannot .view()
-    **{("gpt_neox_japanese", attention, "quantized_kv"): "crash" for attention in matrix.ATTENTIONS},
-    # sparse attention (matrix.MODEL_SETTINGS): the models fold their indexer's keys (indices=) or blocks
-    # (block_indices=) into the mask only under "eager" and "sdpa"; attn_implementation="hf_kvcache" ignores both
-    # (tests/test_attention_equals_own.py)
-    **{
-        (model_type, matrix.ATTENTION_NAME, matrix.DYNAMIC): "differs"
-        for model_type in ("axk2", "deepseek_v32", "dots3_note_text", "glm_moe_dsa", "hy_v4", "minimax_m3_vl_text")
-    },
-    **{("minimax_m3_vl_text", matrix.ATTENTION_NAME, cache): "differs" for cache in matrix.REGISTRY},
 }
 """Runs that still fail, each with its status (open bugs: the test fails when one changes, fixed or not)."""
 

@@ -11,6 +11,7 @@ import torch
 import torch._dynamo.utils
 from transformers import PreTrainedConfig
 
+from hf_kvcache.attention.interface import hands_states_to_attention_only
 from hf_kvcache.caches.config import PagedConfig
 from hf_kvcache.caches.policy import RowPolicy, uses_our_attention
 from hf_kvcache.caches.prefix import PrefixTracker, log_once
@@ -109,6 +110,7 @@ class PoolBinder:
             kv_heads = getattr(config, "num_key_value_heads", None) or heads
             queries_per_kv_head = max(1, heads // kv_heads)  # rank-invariant
             rows = policy.make_rows(pool.pages, our_attention, queries_per_kv_head, self.placement.process_group)
+            rows.contiguous_keys = not hands_states_to_attention_only(config)  # the model's own code may .view() them
             self.rows[(device, layer_group_idx)] = rows
             rows.set_plan(self.pad_lengths)
         return rows

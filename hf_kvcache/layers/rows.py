@@ -90,6 +90,7 @@ class PagedRows(PlannedRows):
         self._layers: tuple[torch.Tensor, ...] = ()  # StepPlan.layers
         self._shared_prefill: tuple[int, list[int]] | None = None  # (num_tokens, identical_rows) of a prefill
         self.window: int | None = None  # tokens a query sees (WindowRows); None: the rows keep every token
+        self.contiguous_keys = False  # coded keys come contiguous (the model's own code reads them, not just attention)
         self.step_plan: StepPlan | None = None  # the step's plan (plan_step; a compiled step's: plan_decode)
         self._step_key: tuple[int, ...] | None = None  # what the step plan was made for, where it can be kept
         self._planned_values: torch.Tensor | None = None  # StepPlan.value_buffer
@@ -219,7 +220,8 @@ class PagedRows(PlannedRows):
         """Encoded keys: every slot of the rows' pages decoded, ``[batch, heads, pages * page_size, head_dim]`` (the
         first ``num_tokens``)."""
         dtype = self.pool.format.dtype
-        return self.store.keys.read(layer_in_group, storage, self._page_ids(), dtype, num_tokens, plan)
+        keys = self.store.keys.read(layer_in_group, storage, self._page_ids(), dtype, num_tokens, plan)
+        return keys.contiguous() if self.contiguous_keys else keys  # else a strided view of the decode buffer
 
     def end_step(self, layer_in_group: int, end: int) -> None:
         """A layer has written the step's tokens up to ``end``: once the layer group's last layer has, every
