@@ -127,7 +127,13 @@ def test_gpt_oss_sinks_apply_through_our_caches(gpt_oss, cache_implementation):
 
 @pytest.mark.parametrize("model_type", ["gemma2", "vaultgemma"])
 def test_softcapped_attention_applies_its_softcap(model_type):
-    model = tiny(model_type, "eager", sliding_window=4, attn_logit_softcapping=0.5)
+    """A softcap of 1.0 over weights large enough for scores past it (at the default init a cap of 0.5 moved the
+    logits by 1e-6: the test could not fail); first, that the cap moves the model's own logits."""
+    model = tiny(model_type, "eager", sliding_window=4, attn_logit_softcapping=1.0, initializer_range=0.5)
+    uncapped = tiny(model_type, "eager", sliding_window=4, attn_logit_softcapping=1e9, initializer_range=0.5)
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    moved = teacher_forced(model, "eager", ids, [12]) - teacher_forced(uncapped, "eager", ids, [12])
+    assert moved.abs().max() > 0.1
     assert_equals_own(model, "eager", [5, 11])
     assert_equals_own(model, "eager", [5, 11], "paged_pool")
 
