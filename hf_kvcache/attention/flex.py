@@ -55,6 +55,10 @@ Q_BLOCK = 128
 MIN_IN_PLACE_TOKENS = 2048
 """Decode steps with fewer tokens than this over all rows (``batch x tokens``) gather instead: a compiled call has
 a fixed cost over sdpa, which the copy it saves repays only past about 1-2k tokens (docs/attention.md)."""
+WINDOW_IN_PLACE_FACTOR = 8
+"""A window's decode step reads in place only past ``WINDOW_IN_PLACE_FACTOR x MIN_IN_PLACE_TOKENS`` tokens over all
+rows: its gather copies the window alone, which FlexAttention's fixed cost does not repay sooner on the CPU
+(docs/benchmarks.md)."""
 
 
 class FlexUnavailable(RuntimeError):

@@ -75,8 +75,10 @@ class ReadPath:
         if self.window is None and self.is_one_run():
             flex.log_path("in_place:run", "a single row on consecutive pages: sdpa over a view of them")
             return RUN
-        num_keys = num_tokens if self.window is None else min(num_tokens, sum(self.window))
-        if num_new != 1 or batch * num_keys < flex.MIN_IN_PLACE_TOKENS:
+        num_keys, least = num_tokens, flex.MIN_IN_PLACE_TOKENS
+        if self.window is not None:
+            num_keys, least = min(num_tokens, sum(self.window)), least * flex.WINDOW_IN_PLACE_FACTOR
+        if num_new != 1 or batch * num_keys < least:
             return GATHER  # prefill (compute-bound), or a step whose compiled call would cost more than the copy
         reason = flex.unavailable(pool.device)
         if reason is not None:
