@@ -19,6 +19,8 @@ from hf_kvcache.integration.registry import REGISTRY
 ROOT = Path(__file__).parents[1]
 ATTENTIONS = ("sdpa", "hf_kvcache")
 ATTENTION_LAYERS = 2  # tiny_hybrid's 4 layers: linear attention, full attention, twice
+OP_BOUNDS = {"paged_pool": 1.1, "sliding_ring": 1.1, "quantized_values": 1.5, "quantized_kv": 1.5}
+"""The most ops an eager decode step of each cache may dispatch against DynamicCache's (issue 44)."""
 
 
 @pytest.fixture(autouse=True)
@@ -53,14 +55,17 @@ def test_no_step_reads_the_device_from_the_host(op_rows):
     assert all(row.host_reads == 0 and row.planning_host_reads == 0 for row in op_rows)
 
 
-def test_an_eager_step_reads_the_attention_layers_only_and_costs_at_most_half_more_ops(op_rows):
-    """One read per attention layer (the linear-attention layers are transformers' own), and the quantized caches'
-    bound on a step's ops against DynamicCache (1.5x) holds on a hybrid too."""
+def test_an_eager_step_reads_the_attention_layers_only_within_its_op_bound(op_rows):
+    """One read per attention layer (the linear-attention layers are transformers' own), and the bounds on a step's
+    ops against DynamicCache hold on a hybrid too: 1.1x for the lossless caches, 1.5x for the quantized ones (a step,
+    and a page of steps, where a page's fill encodes keys)."""
     for row in op_rows[1:]:
         if row.step == "eager":
             paths = {path: count for path, count in row.reads.items() if path != "flex"}
             assert sum(paths.values()) == ATTENTION_LAYERS, row
-            assert 1.0 <= row.ops_vs_dynamic <= 1.5 and row.page_ops_vs_dynamic <= 1.5, row
+            bound = OP_BOUNDS[row.cache]
+            assert row.ops_vs_dynamic <= bound, row
+            assert row.page_ops_vs_dynamic <= bound, row
         else:
             assert row.page_ops is None and row.planning_ops > 0, row
     ring = next(
