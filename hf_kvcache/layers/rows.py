@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from hf_kvcache.attention.kernels import page_rows, read_pages, run_view, write_planned
-from hf_kvcache.attention.reads import PAGED_READ, PagedRead
+from hf_kvcache.attention.reads import KEY_LAYOUT, PAGED_READ, PagedRead
 from hf_kvcache.layers.identical import find_identical_rows
 from hf_kvcache.layers.plan import StepPlan
 from hf_kvcache.layers.planned import PlannedRows
@@ -254,6 +254,8 @@ class PagedRows(PlannedRows):
         step = (key_states, value_states) if plan.num_new > 1 else None
         self.path.reads[plan.mode] += 1
         if plan.mode == GATHER:
+            if plan.layout is not None and handoff is not None and self.path.our_attention():
+                handoff[KEY_LAYOUT] = plan.layout  # a window's band (only our attention reads it)
             return self.gather(layer_in_group, num_tokens, plan, step)
         storage = self.pool.storage
         if plan.mode == RUN:

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from hf_kvcache.attention.kernels import page_rows, read_pages, read_slots, slot_indices
-from hf_kvcache.attention.reads import KEY_LAYOUT, KeyLayout
+from hf_kvcache.attention.reads import KeyLayout
 from hf_kvcache.layers.plan import StepPlan
 from hf_kvcache.layers.read_path import GATHER
 from hf_kvcache.layers.rows import PagedRows
@@ -226,20 +226,6 @@ class WindowRows(PagedRows):
         return pages.unsqueeze(1), offsets.unsqueeze(1)
 
     # ----- reading -----------------------------------------------------------------------------
-
-    def read(
-        self,
-        plan: StepPlan,
-        layer_in_group: int,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        handoff: dict[str, Any] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As ``PagedRows.read``; a step of several tokens also hands attention its band (only ours reads it)."""
-        keys, values = super().read(plan, layer_in_group, key_states, value_states, handoff)
-        if plan.layout is not None and handoff is not None and self.path.our_attention():
-            handoff[KEY_LAYOUT] = plan.layout
-        return keys, values
 
     def gather(
         self,
