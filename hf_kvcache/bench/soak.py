@@ -1,13 +1,13 @@
 """The soak: what a serving user does, for a while, in threads sharing pools; every output is checked against the
 same request run alone, and memory stays flat.
 
-Requests are drawn at random (seeded). Each names a registered cache (run with its entry's ``soak_config``), brings
-1 to ``max_batch`` left-padded prompts, each one of a few shared prefixes (system prompts, so that prompt reuse hits)
-followed by a random tail, a ``max_new_tokens``, and a decoding mode: greedy, beam search (2 beams, 2 returned
-sequences) or sampling (through transformers' sampler with ``top_k=1``, so that its output can be checked). Some
-requests are oversized (64 beams of many tokens, whose worst case exceeds the whole pool: admission must refuse them
-before any forward pass), and some get a failure injected at a random step (a logits processor raises
-mid-generation).
+Requests are drawn at random (seeded). Each names a registered cache (run with its entry's ``soak_config``), brings one
+prompt (half of them) or 2 to ``max_batch`` left-padded ones, most starting with one of a few shared prefixes (system
+prompts, which single prompts reuse) followed by a random tail, a ``max_new_tokens``, and a decoding mode: greedy, beam
+search (2 beams, 2 returned sequences) or sampling (through transformers' sampler with ``top_k=1``, so that its output
+can be checked). Some requests are oversized (64 beams of many tokens, whose worst case exceeds the whole pool:
+admission must refuse them before any forward pass), and some get a failure injected at a random step (a logits
+processor raises mid-generation).
 
 ``num_threads`` threads run the requests on one pool per page format, with prefix caching on, under the model's own
 attention or ``attention="hf_kvcache"``. Each request that ran to its end is compared with its reference, the same
@@ -166,7 +166,9 @@ def draw_requests(
     requests = []
     for index in range(num_requests):
         rows = []
-        for _ in range(rng.randint(1, max_batch)):
+        # Half the requests are a single prompt, as a chat server sees most: a left-padded batch reuses no prefix
+        # (its padded rows' tokens do not start at a page), so only those and batches of one length can hit.
+        for _ in range(1 if max_batch == 1 or rng.random() < 0.5 else rng.randint(2, max_batch)):
             tail = torch.randint(3, vocab_size, (rng.randint(1, 2 * page_size),), generator=generator)
             rows.append(torch.cat([rng.choice(prefixes), tail]) if rng.random() < 0.7 else tail)
         width = max(len(row) for row in rows)
