@@ -1,6 +1,7 @@
 """The shared prefix store on a real Redis Cluster (``prefix_store="redis+cluster://host:port,..."``): two processes
 share a prompt through it with its pages on every node, a slot migrated between nodes mid-run is followed (``ASK``,
-then ``MOVED``), and a node killed or frozen mid-run never fails a request while the other nodes still serve theirs.
+then ``MOVED``), and a node killed or frozen mid-run, or the whole cluster down (``CLUSTERDOWN``), never
+fails a request, the other nodes still serving their pages where they can.
 
 Each test starts its own cluster: three ``redis-server --cluster-enabled yes`` masters on loopback ports, the slots
 split evenly (``CLUSTER ADDSLOTSRANGE``) and joined by ``CLUSTER MEET``. The tests skip only where the binary cannot
@@ -60,7 +61,7 @@ class ClusterNode:
         command += ["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.client = redis.Redis(port=self.port, socket_timeout=2)
-        wait_for(self.client.ping, lambda: self.process.poll() is None, f"redis-server on port {self.port}")
+        wait_for(self.client.ping, f"redis-server on port {self.port}", alive=lambda: self.process.poll() is None)
 
     def command(self, *args: object) -> object:
         """A command's raw reply (``CLUSTER`` and its subcommand as two words: no reply parsing)."""
@@ -104,7 +105,7 @@ class RedisCluster:
                     return False
             return True
 
-        wait_for(lambda: joined() or None, lambda: True, "the cluster to join")
+        wait_for(joined, "the cluster to join")
 
     def node(self, port: int) -> ClusterNode:
         return next(node for node in self.nodes if node.port == port)
@@ -124,14 +125,14 @@ class RedisCluster:
             node.command("CLUSTER", "SETSLOT", slot, "NODE", self.ids[target.port])
 
 
-def wait_for(check, alive, what: str, seconds: float = 20) -> None:
-    """Calls ``check`` until it returns something other than ``None`` without raising a connection error."""
+def wait_for(check, what: str, alive=lambda: True, seconds: float = 20) -> None:
+    """Calls ``check`` until it returns true without raising a connection error (or ``alive()`` turns false)."""
     import redis
 
     deadline = time.monotonic() + seconds
     while True:
         try:
-            if check() is not None:
+            if check():
                 return
         except redis.ConnectionError:
             pass
@@ -310,6 +311,27 @@ def test_a_frozen_node_times_out_and_the_others_still_serve(cluster, caplog):
         assert [value is not None for value in values] == [key not in by_port[frozen.port] for key in everything]
     finally:
         os.kill(frozen.process.pid, signal.SIGCONT)
+
+
+def test_a_cluster_that_goes_down_fails_open(cluster, caplog):
+    """Under the default ``cluster-require-full-coverage yes`` a master lost without a replica takes the cluster
+    down: every node answers CLUSTERDOWN, which is counted and logged once, and requests go on without the store."""
+    for node in cluster.nodes:
+        node.command("CONFIG", "SET", "cluster-require-full-coverage", "yes")
+    model = tiny_llama()
+    ids = random_ids(1, PROMPT, seed=26)
+    published(model, ids, cluster.url)
+    pool = store_pool(model, cluster.url)
+    greedy(model, random_ids(1, PROMPT, seed=27), pool)  # the slot map read while the cluster is up
+    lost, survivors = cluster.nodes[2], cluster.nodes[:2]
+    lost.kill()
+    wait_for(lambda: all(b"cluster_state:fail" in node.command("CLUSTER", "INFO") for node in survivors), "it to fail")
+    with caplog.at_level(logging.WARNING, logger="hf_kvcache"):
+        assert_same(fresh(model, ids), greedy(model, ids, pool))
+    stats = pool.stats()
+    assert stats["prefix_hits_store"] == 0 and stats["prefix_store_errors"] >= len(survivors)
+    assert set(logged_kinds(caplog.records).values()) == {1}
+    assert any("CLUSTERDOWN" in record.message for record in caplog.records)
 
 
 def test_a_cluster_node_named_as_a_single_server_says_how_to_name_the_cluster(cluster, caplog):
