@@ -67,19 +67,10 @@ REFUSED: dict[str, str] = {
 """Model types each of our caches refuses (``IncompatibleModelError``) under either attention: a piece of the reason
 (``DynamicCache`` under our attention must still equal the model's own)."""
 
-REFUSED_QUANTIZED: dict[str, str] = {
-    **dict.fromkeys(
-        [
-            *("axk1", "bailing_hybrid", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "kimi_linear", "minicpm3"),
-            *("sarvam_mla", "youtu"),
-        ],
-        "are stored in full precision only",
-    ),
-    "gemma3n_text": "shares KV between layers",
-}
-"""Model types the quantized caches (``matrix.LOSSY``) refuse, the others serve: multi-head latent attention, which
-caches its latent as keys and its narrower rope key as values; layers that read another layer's keys and values
-(Gemma 3n's ``kv_sharing_modes``)."""
+REFUSED_QUANTIZED: dict[str, str] = {}
+"""Model types the quantized caches (``matrix.LOSSY``) refuse, the others serve: none (multi-head latent attention,
+whose values are narrower than its keys, is coded at each width; Gemma 3n's layers that read another layer's keys and
+values read them from the last layer of its layer group, which no later layer overwrites)."""
 
 KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
     # CPM-Ant builds its attention mask and position bias itself from the 2D mask: quantized_kv on its padded batch

@@ -1,7 +1,5 @@
 """QuantizedValueCache: equal to its pure-torch spec, bytes per token, hybrid models, greedy on SmolLM2."""
 
-import copy
-
 import pytest
 import torch
 from helpers import padded_batch, random_ids, run, teacher_forced_logits
@@ -12,7 +10,7 @@ from hf_kvcache import IncompatibleModelError, KVPool, PagedCache, QuantizedValu
 from hf_kvcache.layers import WindowLayer
 from hf_kvcache.layers.rows import PagedRows
 from hf_kvcache.memory.quant import QuantFormat, dequantize, quantize
-from hf_kvcache.testing import tiny_llama
+from hf_kvcache.testing import tiny_causal_lm, tiny_llama
 from hf_kvcache.transformers_internals import DummyLayer
 
 
@@ -160,13 +158,39 @@ def test_pool_must_match_the_value_format(tiny_llama_model):
     assert out.cache.pool is int4
 
 
-def test_models_that_reuse_another_layers_kv_are_refused(tiny_llama_model):
-    """Their reusing layers would read values from the buffer the next layer overwrites."""
-    config = copy.deepcopy(tiny_llama_model.config)
-    config.kv_sharing_modes = ["store", "reuse"]
-    with pytest.raises(IncompatibleModelError, match="kv_sharing_modes has 'reuse'.*paged_pool or sliding_ring"):
+@pytest.mark.parametrize("bits,residual_length", [(8, 0), (4, 3)])
+def test_layers_that_reuse_another_layers_kv_read_its_values_as_the_spec(bits, residual_length):
+    """Gemma 3n's last layers read the keys and values of the last layer of each type before them (kv_sharing_modes
+    "store" and "reuse"): those come back decoded in the buffers of their layer group, which the group's next layer
+    would overwrite; each stores its group's last layer, so the reusing layers read them intact, as the spec's.
+    Layers [sliding, full] x 3, the last two reusing: groups [0, 2] and [1, 3], each storing layer 2 and 3."""
+    model = tiny_causal_lm(
+        "gemma3n_text",
+        num_hidden_layers=6,
+        num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 3,
+    )
+    assert model.config.kv_sharing_modes == [None, None, "store", "store", "reuse", "reuse"]
+    ids = random_ids(2, 30, seed=bits, vocab=256)
+    settings = {"bits": bits, "group_size": 8, "residual_length": residual_length}
+    expected = teacher_forced_logits(model, ids, QuantDequantValues(model.config, **settings), [12, 1])
+    cache = QuantizedValueCache(model.config, settings)
+    actual = teacher_forced_logits(model, ids, cache, [12, 1])
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    assert [type(layer) for layer in cache.layers[4:]] == [DummyLayer, DummyLayer]
+
+
+@pytest.mark.parametrize(
+    "modes,found", [(["store", None, "reuse"], "layer 0's by layer 1"), ([None, None, "reuse"], "no layer is marked")]
+)
+def test_layers_that_reuse_kv_a_later_layer_of_its_group_overwrites_are_refused(modes, found):
+    """A layer whose keys and values later layers read, followed by another layer of its layer group, would hand
+    them the next layer's (or none is marked as storing them): refused by name; the paged cache serves both."""
+    config = tiny_llama(num_hidden_layers=3).config
+    config.kv_sharing_modes = modes
+    with pytest.raises(IncompatibleModelError, match=f"shares KV between layers.*{found}.*paged_pool or sliding"):
         QuantizedValueCache(config, {"group_size": 16})
-    assert isinstance(PagedCache(config).layers[1], DummyLayer)  # the paged cache serves it
+    assert isinstance(PagedCache(config).layers[2], DummyLayer)
 
 
 @pytest.mark.parametrize("crop_to", [37, 48, 20])

@@ -71,11 +71,6 @@ class PoolCache(PlannedDecoding):
         placement: Placement | None = None,
     ) -> None:
         config = config.get_text_config(decoder=True)
-        if not self.supports_kv_reuse and "reuse" in (getattr(config, "kv_sharing_modes", None) or ()):
-            raise IncompatibleModelError(
-                f"{type(config).__name__} shares KV between layers (kv_sharing_modes has 'reuse'); "
-                f"{type(self).__name__} does not support it yet. Use paged_pool or sliding_ring for this model."
-            )
         layer_types, layer_kwargs = layer_types_and_kwargs(config)
         self.cache_config = cache_config = self.config_class.parse(cache_config)
         groups = layer_groups(layer_types)
@@ -90,6 +85,8 @@ class PoolCache(PlannedDecoding):
             )
         placement = placement or Placement()
         groups, group_devices = self._place_layer_groups(layer_types, groups, placement)
+        if self.reuses_read_buffers:
+            self._check_kv_sharing(config, groups)
         policies = []
         for members in groups:
             found = {self._row_policy(layer_types[idx], layer_kwargs[idx]) for idx in members}
@@ -118,9 +115,27 @@ class PoolCache(PlannedDecoding):
                 self._binder.bind(placed, dtype)
 
     config_class = PagedConfig
-    supports_kv_reuse = True
-    """Whether a layer may read an earlier layer's keys and values (``kv_sharing_modes`` "reuse"): a quantized cache
-    returns them in buffers the next layer overwrites."""
+    reuses_read_buffers = False
+    """Whether a layer returns its keys and values in buffers that the next layer of its layer group to update
+    overwrites (decoded codes: the quantized caches). A layer whose states later layers read (``kv_sharing_modes``
+    "store") must then be the last of its layer group (``_check_kv_sharing``)."""
+
+    @staticmethod
+    def _check_kv_sharing(config: PreTrainedConfig, groups: list[list[int]]) -> None:
+        """Refuses a model whose layers read another layer's keys and values (``kv_sharing_modes`` "reuse") where
+        those could be overwritten before they are read: the layer that stores them is not the last layer of its
+        layer group (Gemma 3n's stores are: the last layer of each type before the layers that reuse them), or no
+        layer is named as storing them."""
+        modes = list(getattr(config, "kv_sharing_modes", None) or ())
+        stores = [idx for idx, mode in enumerate(modes) if mode == "store"]
+        overwritten = [(idx, group[group.index(idx) + 1]) for group in groups for idx in stores if idx in group[:-1]]
+        if overwritten or ("reuse" in modes and not stores):
+            found = ", ".join(f"layer {idx}'s by layer {by}" for idx, by in overwritten) or "no layer is marked 'store'"
+            raise IncompatibleModelError(
+                f"{type(config).__name__} shares KV between layers (kv_sharing_modes), and the quantized caches return "
+                f"a layer's keys and values in buffers the next layer of its layer group overwrites before the layers "
+                f"that reuse them read them ({found}). Use paged_pool or sliding_ring for this model."
+            )
 
     @staticmethod
     def _place_layer_groups(

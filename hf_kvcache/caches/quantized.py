@@ -24,8 +24,8 @@ class QuantizedValueConfig(PagedConfig):
 
     Attributes:
         bits: bits per stored value, 8 or 4.
-        group_size: value channels sharing one scale and zero; divides the model's head_dim (default: 64,
-            or the whole head where head_dim is not a multiple of 64).
+        group_size: value channels sharing one scale and zero; divides the model's value width, its head_dim
+            unless values are of another (default: 64, or the whole value where its width is not a multiple of 64).
         residual_length: newest tokens whose values attention gets in full precision.
     """
 
@@ -39,8 +39,7 @@ class QuantizedValueConfig(PagedConfig):
 
     def page_format(self, config: Any, dtype: torch.dtype) -> PageFormat:
         base = super().page_format(config, dtype)
-        group_size = group_size_for(self.group_size, base.head_dim)
-        return dataclasses.replace(base, value_bits=self.bits, value_group_size=group_size)
+        return dataclasses.replace(base, value_bits=self.bits, value_group_size=value_group_size(self.group_size, base))
 
 
 def check_quant_options(options: PagedConfig, bit_names: tuple[str, ...]) -> None:
@@ -58,19 +57,26 @@ def check_quant_options(options: PagedConfig, bit_names: tuple[str, ...]) -> Non
     check_count("residual_length", options.residual_length, 0)
 
 
-def group_size_for(group_size: int | None, head_dim: int) -> int:
-    """The scale group size of a ``cache_config``'s ``group_size`` on a model's head_dim (default: 64, or the head).
+def group_size_for(group_size: int | None, width: int, name: str = "head_dim") -> int:
+    """The scale group size of a ``cache_config``'s ``group_size`` on vectors of ``width`` channels, the model's
+    ``name`` (its head_dim, or its value width where values are of another: default 64, or the whole vector).
 
     Raises:
-        ValueError: ``group_size`` does not divide the head_dim (naming the ones that do).
+        ValueError: ``group_size`` does not divide the width (naming the ones that do).
     """
-    group_size = group_size or (DEFAULT_GROUP_SIZE if head_dim % DEFAULT_GROUP_SIZE == 0 else head_dim)
-    if head_dim % group_size:
-        divisors = [size for size in range(1, head_dim + 1) if head_dim % size == 0]
+    group_size = group_size or (DEFAULT_GROUP_SIZE if width % DEFAULT_GROUP_SIZE == 0 else width)
+    if width % group_size:
+        divisors = [size for size in range(1, width + 1) if width % size == 0]
         raise ValueError(
-            f"group_size={group_size} does not divide the model's head_dim={head_dim}; choose one of {divisors}."
+            f"group_size={group_size} does not divide the model's {name}={width}; choose one of {divisors}."
         )
     return group_size
+
+
+def value_group_size(group_size: int | None, page_format: PageFormat) -> int:
+    """``group_size_for`` the values of ``page_format`` (as wide as its keys, or of their own width)."""
+    name = "head_dim" if page_format.value_head_dim is None else "value width"
+    return group_size_for(group_size, page_format.value_dim, name)
 
 
 def residual_row_policy(
@@ -99,7 +105,7 @@ class QuantizedValueCache(PoolCache):
     """
 
     config_class = QuantizedValueConfig
-    supports_kv_reuse = False
+    reuses_read_buffers = True
 
     def _row_policy(self, layer_type: str, layer_kwargs: dict[str, Any]) -> RowPolicy:
         return residual_row_policy(layer_type, layer_kwargs, self.cache_config.residual_length)

@@ -20,6 +20,7 @@ from hf_kvcache.caches.quantized import (
     check_quant_options,
     group_size_for,
     residual_row_policy,
+    value_group_size,
 )
 from hf_kvcache.memory.format import PageFormat
 
@@ -40,8 +41,9 @@ class QuantizedKVConfig(PagedConfig):
     Attributes:
         key_bits: 8 (per token, per scale group of ``group_size`` channels) or 4 (per channel over each page's tokens).
         value_bits: 8 or 4, per token and scale group.
-        group_size: channels sharing one scale and zero (values, and int8 keys); divides the model's head_dim
-            (default: 64, or the whole head where head_dim is not a multiple of 64).
+        group_size: channels sharing one scale and zero (values, and int8 keys); divides the model's head_dim and
+            its value width where values are of another (default: 64, or the whole vector where its width is not a
+            multiple of 64).
         residual_length: newest tokens whose values attention gets in full precision (the keys of a row's page
             still filling are always exact).
         sink_tokens: first tokens of a row whose keys and values attention gets in full precision (attention sinks,
@@ -66,13 +68,12 @@ class QuantizedKVConfig(PagedConfig):
 
     def page_format(self, config: Any, dtype: torch.dtype) -> PageFormat:
         base = super().page_format(config, dtype)
-        group_size = group_size_for(self.group_size, base.head_dim)
         return dataclasses.replace(
             base,
             value_bits=self.value_bits,
-            value_group_size=group_size,
+            value_group_size=value_group_size(self.group_size, base),
             key_bits=self.key_bits,
-            key_group_size=group_size,
+            key_group_size=group_size_for(self.group_size, base.head_dim),
             scale_dtype=scale_dtype_for(dtype),
         )
 
@@ -94,7 +95,7 @@ class QuantizedKVCache(PoolCache):
     """
 
     config_class = QuantizedKVConfig
-    supports_kv_reuse = False
+    reuses_read_buffers = True
 
     def _row_policy(self, layer_type: str, layer_kwargs: dict[str, Any]) -> RowPolicy:
         return residual_row_policy(

@@ -177,7 +177,7 @@ class PlannedRows:
         """``StepPlan.value_buffer`` for the current mask's view, kept while the view stays; zeros where no step
         wrote (a gather of the null page's slots, hidden by the mask, must not read NaN: 0 x NaN is NaN)."""
         fmt = self.pool.format
-        shape = (fmt.num_kv_heads, self.path.mask.num_pages * fmt.page_size, fmt.head_dim)
+        shape = (fmt.num_kv_heads, self.path.mask.num_pages * fmt.page_size, fmt.value_dim)
         if self._planned_values is None or self._planned_values.shape != shape:
             self._planned_values = torch.zeros(shape, dtype=self.pool.storage.keys.dtype, device=self.pool.device)
             torch._dynamo.mark_static_address(self._planned_values)

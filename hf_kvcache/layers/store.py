@@ -254,9 +254,9 @@ class SlotStore:
         return buffer.unsqueeze(0)
 
     def in_place_buffer(self, num_pages: int) -> torch.Tensor:
-        """An eager step's ``StepPlan.value_buffer``: ``[heads, num_pages * page_size, head_dim]``, reused."""
+        """An eager step's ``StepPlan.value_buffer``: ``[heads, num_pages * page_size, value_dim]``, reused."""
         fmt = self.pool.format
-        return self._buffer("in_place", (fmt.num_kv_heads, num_pages * fmt.page_size, fmt.head_dim), fmt.dtype)
+        return self._buffer("in_place", (fmt.num_kv_heads, num_pages * fmt.page_size, fmt.value_dim), fmt.dtype)
 
     def _dequantized(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Values ``[..., head_dim]`` of ``codes`` and their joined ``scales``: in a reused buffer, or where a graph is

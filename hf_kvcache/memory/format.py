@@ -95,8 +95,9 @@ class PageFormat:
       (``QuantFormat.compact_params``: the float32 math's grid to within 1/10 of a step).
 
     Scales (and float zeros) are stored in ``scale_dtype``, by default ``dtype``. Values are ``value_head_dim``
-    wide where it is set (``value_dim``; ``None``: ``head_dim``, as keys): another width is stored in full precision
-    only (multi-head latent attention caches its latent as keys and its narrower rope key as values).
+    wide where it is set (``value_dim``; ``None``: ``head_dim``, as keys): multi-head latent attention caches its
+    latent as keys and its narrower rope key as values. Values are coded at their own width (``value_group_size``
+    divides ``value_dim``), keys at theirs.
     """
 
     num_layers: int
@@ -117,11 +118,6 @@ class PageFormat:
         for name in ("num_layers", "num_kv_heads", "head_dim", "num_layer_groups", "value_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PageFormat.{name} must be >= 1, got {getattr(self, name)}.")
-        if self.value_dim != self.head_dim and self.encodes:
-            raise IncompatibleModelError(
-                f"Keys of width {self.head_dim} and values of width {self.value_dim} are stored in full precision "
-                "only: the quantized caches code both at one width. Use paged_pool or sliding_ring for this model."
-            )
         if not self.dtype.is_floating_point:
             raise ValueError(f"PageFormat.dtype must be a floating dtype, got {self.dtype}.")
         if self.key_bits is not None and self.key_bits not in (8, 4):
@@ -142,10 +138,10 @@ class PageFormat:
 
     @property
     def value_format(self) -> QuantFormat | None:
-        """How values are quantized; ``None`` when they are stored in ``dtype``."""
+        """How values are quantized (``value_dim`` channels a token); ``None`` when they are stored in ``dtype``."""
         if self.value_bits is None:
             return None
-        return QuantFormat(self.value_bits, self.value_group_size, self.head_dim, self.scale_dtype)
+        return QuantFormat(self.value_bits, self.value_group_size, self.value_dim, self.scale_dtype)
 
     @property
     def key_format(self) -> QuantFormat | None:

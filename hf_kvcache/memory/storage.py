@@ -7,9 +7,10 @@ each with its own page table, so a page id serves one layer group)::
 
     keys:   [num_layers, num_kv_heads, num_storage_pages, page_size, head_dim]
     values: [num_layers, num_kv_heads, num_storage_pages, page_size, value_dim]   (head_dim unless the model's
-            values are of another width, format.value_head_dim: full precision only)
+            values are of another width, format.value_head_dim)
 
-    quantized values (format.value_bits set) instead, per *scale group* of value_group_size channels:
+    quantized values (format.value_bits set) instead, per *scale group* of value_group_size of their value_dim
+    channels (code_dim: value_dim bytes at int8, half at int4):
     values:       [num_layers, num_kv_heads, num_storage_pages, page_size, code_dim]             uint8 codes
     value_scales: [num_layers, num_kv_heads, num_storage_pages, page_size, 2 * num_scale_groups]  scales, zeros
 
