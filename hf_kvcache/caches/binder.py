@@ -244,7 +244,7 @@ class PoolBinder:
         for rows in self.rows.values():
             rows.end_planning()
         if self.prefix is not None:
-            self.prefix.publish(self.layer_group_rows(self.prefix.pool.device))
+            self.prefix.publish(self.layer_group_rows(self.prefix.pool.device), final=True)
             self.prefix.reset()
         for rows in self.rows.values():
             rows.release()

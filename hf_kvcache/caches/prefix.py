@@ -17,11 +17,19 @@ What a page holds must not depend on how the tokens before it were split into fo
 publishes pages a plain prefill would compute alike (up to float rounding) and refuses what it cannot make exact
 (docs/prefix-caching.md lists each case): rows with padding or custom position ids, inputs other than token ids,
 4-D attention masks, offloaded weights; caches with layers whose state lives outside the pool (a hybrid model's
-linear attention or convolution layers: ``StateLayers.refusal``); caches that store codes (a plain prefill reads
-the prompt's own keys and values exact, a reused prompt would read codes); windows imposed on full-attention layers
-under an attention other than ``hf_kvcache``. Other windows are rebuilt from their sink pages and the pages of the
-last tokens of the prefix (all their window sees), published while the window held them (``WindowRows.prefix_layout``;
-holes between).
+linear attention or convolution layers: ``StateLayers.refusal``); windows imposed on full-attention layers under an
+attention other than ``hf_kvcache``. Other windows are rebuilt from their sink pages and the pages of the last tokens
+of the prefix (all their window sees), published while the window held them (``WindowRows.prefix_layout``; holes
+between).
+
+Caches that store codes reuse a prefix as a continuation: the rows then hold what the rows that wrote it held when
+they had written exactly that prefix, so the call gives what that cache, passed on, would have given (not what a
+fresh prefill gives: a prefill reads the prompt's own keys and values exact). Pages hold every token as codes; what
+the rows held besides them in full precision (the residual window's newest values, the exact sink's first tokens)
+is an ``ExactTail``, kept beside the index entry of the prefix's last page (``PrefixIndex.add_tail``) for the
+boundaries a later call is likely to start from: where a prompt's whole pages end, where it parts from what the
+index held (so that the next prompt with the same head finds one), and the last boundary the rows wrote before they
+were let go (a next turn's). A lookup reuses the longest prefix whose pages and tails it finds.
 
 The index is keyed on what computes the keys and values (``model_fingerprint``, recomputed at every call: the
 model's class, config, dtype, adapters and a sample of its weights and buffers), the cache's ``prefix_namespace``,
@@ -181,26 +189,35 @@ class PrefixTracker:
         """
         num_rows, length = input_ids.shape
         self._record(0, input_ids)
-        num_pages = max(0, length - 1) // self.page_size
-        if not all(self._clean) or not num_pages:
-            self.pool.record_prefix_lookup(num_rows, 0, length)
-            return 0
-        self._extend_chains(num_pages)
+        lookup = max(0, length - 1) // self.page_size
+        num_pages = found = 0
+        if all(self._clean) and lookup:
+            self._extend_chains(lookup)
+            num_pages, found = self._lookup(rows_of, lookup)
+        if all(self._clean):  # the prompt's whole pages, and where it parts from what the index holds
+            self._capture(rows_of, [lookup, length // self.page_size, found], num_pages)
+        reused = num_pages * self.page_size
+        self.pool.record_prefix_lookup(num_rows, reused, length)
+        self._published = dict.fromkeys(rows_of, num_pages)
+        return reused
+
+    def _lookup(self, rows_of: "dict[int, PagedRows]", num_pages: int) -> tuple[int, int]:
+        """Attaches the longest prefix (at most ``num_pages`` token pages) the index and the tiers hold for every row
+        and layer group, with the rows' ``ExactTail`` where they need one; returns the token pages attached and
+        those found."""
         fetched: dict[PageKey, tuple[str, PageData]] = {}
         if self.pool.tiers is not None:
             num_pages, fetched = self._fetch(rows_of, num_pages)
         with self.pool.held():  # found pages are taken before anything can evict them
             taken = self.pool.restore(list(self._keys(rows_of, num_pages)), fetched) if fetched else []
-            num_pages = self._longest(rows_of, num_pages)
+            found = self._longest(rows_of, num_pages)
+            num_pages, tails = self._with_tails(rows_of, found)
             if num_pages:
-                self._attach(rows_of, num_pages)
+                self._attach(rows_of, num_pages, tails)
             self.pool.free(taken)  # the rows hold what they attached; the rest is cached again
         tiers = {key: tier for key, (tier, _) in fetched.items()}
         self.pool.record_tier_hits([tiers.get(key, "device") for key in self._keys(rows_of, num_pages).elements()])
-        reused = num_pages * self.page_size
-        self.pool.record_prefix_lookup(num_rows, reused, length)
-        self._published = dict.fromkeys(rows_of, num_pages)
-        return reused
+        return num_pages, found
 
     def record(self, start: int, fed_ids: torch.Tensor | None, rows_of: "dict[int, PagedRows]") -> None:
         """Records the ids a forward pass is about to write at ``start`` and publishes the pages written so far.
@@ -216,8 +233,9 @@ class PrefixTracker:
         self._record(start, fed_ids)
         self.publish(rows_of)
 
-    def publish(self, rows_of: "dict[int, PagedRows]") -> None:
-        """Publishes every full page each clean row holds that every layer has written and that is not yet."""
+    def publish(self, rows_of: "dict[int, PagedRows]", final: bool = False) -> None:
+        """Publishes every full page each clean row holds that every layer has written and that is not yet, and the
+        ``ExactTail`` the rows kept (``final``, as the cache lets its rows go: the newest one's too)."""
         if self.active and self.epoch != self.pool.prefix_epoch:  # reset since: what the rows hold may be stale
             self.active = False
         if not self.active or self.root is None:
@@ -240,6 +258,18 @@ class PrefixTracker:
             self._published[layer_group] = last
         if pages:
             self.pool.publish(pages)
+        tails = []
+        for layer_group, rows in rows_of.items():
+            for row_tails in rows.store.take_tails(final) if rows.table.num_rows == len(self._clean) else []:
+                token_page = row_tails[0].end // page_size - 1
+                self._extend_chains(token_page + 1)
+                tails += [
+                    ((chain[token_page], layer_group), tail)
+                    for chain, clean, tail in zip(self._chains, self._clean, row_tails)
+                    if clean and token_page < len(chain)
+                ]
+        if tails:
+            self.pool.publish_tails(tails)
 
     # ----- row changes ------------------------------------------------------------------------
 
@@ -274,11 +304,6 @@ class PrefixTracker:
         """Why this call cannot take part (``None``: it can)."""
         if inputs.get("inputs_embeds") is not None:
             return "the prompt comes as inputs_embeds, not token ids."
-        if self.pool.format.encodes:
-            return (
-                "keys or values are stored as codes: a prefill reads the prompt's own keys and values exact, where a "
-                "reused prompt would read its pages as codes and give other logits than a fresh run, so none is reused."
-            )
         mask = inputs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.ndim != 2:
             return f"the call brings a {mask.ndim}-D attention mask, whose pattern the prefix index cannot key on."
@@ -407,8 +432,39 @@ class PrefixTracker:
             num_pages -= 1
         return num_pages
 
-    def _attach(self, rows_of: "dict[int, PagedRows]", num_pages: int) -> None:
-        """Takes the prefix's pages and attaches them (a window's holes: the null page)."""
+    def _capture(self, rows_of: "dict[int, PagedRows]", token_pages: list[int], reused: int = 0) -> None:
+        """Has the rows that keep tokens in full precision beside their codes (``SlotStore.keeps_exact``) keep their
+        ``ExactTail`` at the end of each of ``token_pages`` past ``reused`` that the prompt's prefill writes, where the
+        index has none yet (published with the pages: ``publish``)."""
+        page_size = self.page_size
+        self._extend_chains(max(token_pages, default=0))
+        for layer_group, rows in rows_of.items():
+            if not rows.store.keeps_exact:
+                continue
+            rows.store.keeps_newest = True  # where the rows end: the prefix a later turn of theirs starts with
+            for pages in set(token_pages):
+                if reused < pages <= len(self._chains[0]) and not all(self._tails(rows, layer_group, pages)):
+                    rows.store.captures.append(pages * page_size)
+
+    def _with_tails(self, rows_of: "dict[int, PagedRows]", num_pages: int) -> tuple[int, dict[int, list[Any]]]:
+        """The most token pages (at most ``num_pages``) at whose end every row of every layer group that keeps tokens
+        in full precision beside its codes finds an ``ExactTail`` of its lengths, and those tails (layer group ->
+        one per row). Hold the pool's lock."""
+        exact = {layer_group: rows for layer_group, rows in rows_of.items() if rows.store.keeps_exact}
+        for pages in range(num_pages, 0, -1):
+            tails = {layer_group: self._tails(rows, layer_group, pages) for layer_group, rows in exact.items()}
+            found = all(all(row_tails) for row_tails in tails.values())
+            if found and (pages == num_pages or self._longest(rows_of, pages) == pages):  # a window's other pages
+                return pages, tails
+        return 0, {}
+
+    def _tails(self, rows: PagedRows, layer_group: int, num_pages: int) -> list[Any]:
+        """Each row's ``ExactTail`` at the end of token page ``num_pages - 1`` that serves ``rows`` (``None``: none)."""
+        tails = [self.pool.tail((chain[num_pages - 1], layer_group)) for chain in self._chains]
+        return [tail if tail is not None and tail.covers(*rows.store.exact_lengths) else None for tail in tails]
+
+    def _attach(self, rows_of: "dict[int, PagedRows]", num_pages: int, tails: dict[int, list[Any]]) -> None:
+        """Takes the prefix's pages and attaches them (a window's holes: the null page), with the rows' ``tails``."""
         pool = self.pool
         layouts = {layer_group: rows.prefix_layout(num_pages) for layer_group, rows in rows_of.items()}
         pages = {
@@ -420,4 +476,4 @@ class PrefixTracker:
         }
         pool.share([page for table in pages.values() for row in table for page in row if page != NULL_PAGE])
         for layer_group, table in pages.items():
-            rows_of[layer_group].attach(table, num_pages * self.page_size)
+            rows_of[layer_group].attach(table, num_pages * self.page_size, tails.get(layer_group))

@@ -1,9 +1,71 @@
 """Tokens a quantized pool's layers keep in full precision beside their codes: the newest values
-(``ResidualValues``, the residual window) and the first tokens' keys and values (``ExactSink``, attention sinks)."""
+(``ResidualValues``, the residual window) and the first tokens' keys and values (``ExactSink``, attention sinks).
 
+At a page boundary the pool's pages hold every token as codes; what a layer group holds besides them there, one row's
+share, is an ``ExactTail``: kept beside the prefix index's entry of the boundary's page, so that rows reusing that
+prefix continue as the rows that wrote it would have (``hf_kvcache.caches.prefix``).
+"""
+
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+Tensors = dict[int, torch.Tensor]
+"""layer_in_group -> a tensor."""
+
+
+@dataclass(frozen=True, eq=False)
+class ExactTail:
+    """What one row of a layer group holds in full precision once its first ``end`` tokens (whole pages) are written.
+
+    Attributes:
+        end: the tokens written.
+        values: each layer's residual window, the values of tokens ``[end - r, end)``, ``[heads, r, head_dim]``
+            (``r = min(end, residual_length)``; empty without a residual window).
+        sink_keys / sink_values: each layer's exact sink, tokens ``[0, s)``, ``[heads, s, head_dim]`` (``s = min(end,
+            sink length)``; empty without a sink).
+    """
+
+    end: int
+    values: Tensors
+    sink_keys: Tensors
+    sink_values: Tensors
+
+    def covers(self, residual_length: int, sink_length: int) -> bool:
+        """Whether it holds what rows of this residual window and sink hold at ``end`` (a longer one serves too)."""
+        return all(
+            not min(self.end, length) or bool(held) and all(t.shape[1] >= min(self.end, length) for t in held.values())
+            for held, length in ((self.values, residual_length), (self.sink_keys, sink_length))
+        )
+
+
+def split_tail(end: int, values: Tensors, sink_keys: Tensors, sink_values: Tensors) -> list[ExactTail]:
+    """Each row's ``ExactTail`` of a batch's ``[batch, heads, n, head_dim]`` tensors (copies: a row's outlives the
+    others)."""
+    batch = next(iter((*values.values(), *sink_keys.values()))).shape[0]
+
+    def row_of(held: Tensors, row: int) -> Tensors:
+        return {layer: tensor[row].clone() for layer, tensor in held.items()}
+
+    return [
+        ExactTail(end, row_of(values, row), row_of(sink_keys, row), row_of(sink_values, row)) for row in range(batch)
+    ]
+
+
+def stack_tails(tails: list[ExactTail], residual_length: int, sink_length: int) -> tuple[Tensors, Tensors, Tensors]:
+    """The rows' ``tails`` (one per row, each ``covers`` these lengths) as a batch: ``(values, sink_keys,
+    sink_values)``, ``[batch, heads, n, head_dim]`` each, the last ``min(end, residual_length)`` values and the first
+    ``min(end, sink_length)`` sink tokens."""
+    end = tails[0].end
+    count, sinks = min(end, residual_length), min(end, sink_length)
+
+    def stacked(name: str, cut: slice) -> Tensors:
+        layers = getattr(tails[0], name)
+        return {layer: torch.stack([getattr(tail, name)[layer][:, cut] for tail in tails]) for layer in layers}
+
+    values = stacked("values", slice(-count, None)) if count else {}
+    return values, *((stacked(name, slice(0, sinks)) if sinks else {}) for name in ("sink_keys", "sink_values"))
 
 
 class ResidualValues:
@@ -66,6 +128,28 @@ class ResidualValues:
         if buffer is not None:
             values.index_copy_(2, reads[1], buffer.index_select(2, reads[0]).to(values.dtype))  # autocast may widen
 
+    def capture(self, layer_in_group: int, start: int, value_states: torch.Tensor, end: int) -> torch.Tensor:
+        """The values of tokens ``[end - r, end)`` (``r = min(end, length)``) once a step writing ``value_states
+        [batch, heads, n, head_dim]`` at ``start`` (``start < end <= start + n``) has, before it writes them: those
+        before ``start`` from the window, the rest from the step. ``[batch, heads, r, head_dim]``, a copy."""
+        low = end - min(end, self.length)
+        step = value_states[:, :, max(low, start) - start : end - start]
+        if low >= start:
+            return step.clone()
+        slots = torch.tensor([token % self.length for token in range(low, start)], device=value_states.device)
+        return torch.cat([self.buffers[layer_in_group].index_select(2, slots).to(step.dtype), step], dim=2)
+
+    def restore(self, end: int, values: dict[int, torch.Tensor]) -> None:
+        """Holds what rows that wrote their first ``end`` tokens hold: ``values`` ``[batch, heads, r, head_dim]`` of
+        tokens ``[end - r, end)`` for each layer (``r = min(end, length)``; ``capture``)."""
+        low = end - min(end, self.length)
+        for layer_in_group, held in values.items():
+            batch, heads, _, head_dim = held.shape
+            buffer = self.buffers[layer_in_group] = held.new_zeros(batch, heads, self.length, head_dim)
+            slots = torch.tensor([token % self.length for token in range(low, end)], device=held.device)
+            buffer.index_copy_(2, slots, held)
+        self.first = low
+
     def take_all(self, slots: torch.Tensor) -> tuple[list[int], torch.Tensor]:
         """Every layer's tokens held in ``slots`` at once: ``(layers, [layers, batch, heads, n, head_dim])``, three
         ops for the layer group."""
@@ -122,10 +206,27 @@ class ExactSink:
                 count = min(self.length, out.shape[2])
                 out[:, :, :count] = held[layer_in_group][:, :, :count]
 
+    def capture(self, layer_in_group: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of tokens ``[0, min(end, length))`` held, ``[batch, heads, s, head_dim]`` copies."""
+        count = min(end, self.length)
+        return self.keys[layer_in_group][:, :, :count].clone(), self.values[layer_in_group][:, :, :count].clone()
+
+    def restore(self, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor]) -> None:
+        """Holds the first tokens' ``keys`` and ``values`` ``[batch, heads, s, head_dim]`` of each layer (``capture``:
+        rows that wrote ``s`` tokens or more)."""
+        self.release()
+        for layer_in_group, held_keys in keys.items():
+            held_values = values[layer_in_group]
+            batch, heads, count, head_dim = held_keys.shape
+            self.keys[layer_in_group] = held_keys.new_zeros(batch, heads, self.length, head_dim)
+            self.values[layer_in_group] = held_values.new_zeros(batch, heads, self.length, held_values.shape[-1])
+            self.keys[layer_in_group][:, :, :count] = held_keys
+            self.values[layer_in_group][:, :, :count] = held_values
+
     def plan(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Before a planned step at ``start``: ``(sink_write [1], sink_writes [1, 1, 1, 1])``, where the step's token
         goes in the sink and whether it is one of the first ``length`` (``StepPlan``). The rows' first step wrote
-        the sink (a prefix reused from the index, whose first tokens are codes only, is refused to quantized keys)."""
+        the sink, or their reused prefix brought it (``restore``)."""
         if not self.keys:
             raise RuntimeError("A planned step needs the exact sink its rows' first step wrote; this cache has none.")
         write = torch.tensor([min(start, self.length - 1)], device=next(iter(self.keys.values())).device)

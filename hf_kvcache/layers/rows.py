@@ -31,6 +31,7 @@ import torch
 
 from hf_kvcache.attention.kernels import page_rows, read_pages, run_view, write_planned
 from hf_kvcache.attention.reads import KEY_LAYOUT, PAGED_READ, PagedRead
+from hf_kvcache.layers.exact import ExactTail
 from hf_kvcache.layers.identical import find_identical_rows
 from hf_kvcache.layers.plan import StepPlan
 from hf_kvcache.layers.planned import PlannedRows
@@ -407,12 +408,13 @@ class PagedRows(PlannedRows):
         """Where in a row's pages a full token page written earlier lies (``None``: no longer held)."""
         return token_page
 
-    def attach(self, pages: list[list[int]], num_tokens: int) -> None:
+    def attach(self, pages: list[list[int]], num_tokens: int, tails: list[ExactTail] | None = None) -> None:
         """Starts the empty rows from a reused prefix: ``pages`` (laid out as ``prefix_layout`` says, already taken
-        from the pool) hold each row's first ``num_tokens`` tokens, in every layer of the layer group."""
+        from the pool) hold each row's first ``num_tokens`` tokens, in every layer of the layer group; ``tails``, what
+        each row holds beside them in full precision (``SlotStore.keeps_exact``)."""
         self._apply(lambda: self.table.attach(pages, num_tokens))
         self.written = num_tokens
-        self.store.attach(num_tokens)
+        self.store.attach(num_tokens, tails)
 
     def _apply(self, change: Callable[[], list[tuple[int, int]] | None]) -> None:
         """Runs a table change holding the pool (``PagePool.held``), copies the pages it asks for, drops cached

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hf_kvcache.layers.exact import ExactSink, ResidualValues
+from hf_kvcache.layers.exact import ExactSink, ExactTail, ResidualValues, split_tail, stack_tails
 from hf_kvcache.layers.keys import KeyPages
 from hf_kvcache.memory.dequant import dequantize_joined_into, spread_bytes
 from hf_kvcache.memory.page_pool import PagePool
@@ -76,6 +76,10 @@ class SlotStore:
         self._spread_bytes: tuple[torch.Tensor, torch.Size, torch.Tensor] | None = None  # (spread, shape, as bytes)
         self.keys = KeyPages(pool.format, self._buffer) if pool.format.key_format is not None else None
         self.sink = ExactSink(exact_tokens) if exact_tokens and pool.format.encodes else None
+        self.captures: list[int] = []  # page boundaries whose ExactTail the eager steps crossing them keep
+        self.keeps_newest = False  # and the newest page boundary an eager step crosses (taken at the end only)
+        self._newest: int | None = None
+        self._captured: dict[int, tuple[dict, dict, dict]] = {}  # boundary -> (values, sink keys, sink values)
 
     def write(
         self,
@@ -174,10 +178,29 @@ class SlotStore:
         """Keeps the full-precision values of a step's tokens for the residual window (``StepPlan.window_write``),
         and with ``key_states`` (an eager step of rows that keep every page) the first tokens' keys and values for the
         exact sink."""
+        ends = self._capturing(plan.start, value_states.shape[2]) if key_states is not None else []  # eager steps
+        captured = [self._captured.setdefault(end, ({}, {}, {})) for end in ends]
+        for end, (values, _, _) in zip(ends, captured):
+            if self.residual is not None:  # before the step's values overwrite the window's oldest
+                values[layer_in_group] = self.residual.capture(layer_in_group, plan.start, _detached(value_states), end)
         if self.residual is not None:
             self.residual.write(layer_in_group, _detached(value_states), plan.window_write)
         if self.sink is not None and key_states is not None:
             self.sink.write(layer_in_group, plan.start, _detached(key_states), _detached(value_states))
+            for end, (_, sink_keys, sink_values) in zip(ends, captured):
+                sink_keys[layer_in_group], sink_values[layer_in_group] = self.sink.capture(layer_in_group, end)
+
+    def _capturing(self, start: int, num_new: int) -> list[int]:
+        """The page boundaries whose ``ExactTail`` a step writing tokens ``[start, start + n)`` keeps."""
+        end, page_size = start + num_new, self.pool.format.page_size
+        ends = [boundary for boundary in self.captures if start < boundary <= end]
+        newest = end // page_size * page_size
+        if self.keeps_newest and newest > start:
+            if self._newest not in (newest, *self.captures):  # the step's first layer: the one before goes
+                self._captured.pop(self._newest, None)
+            self._newest = newest
+            ends += [] if newest in ends else [newest]
+        return ends
 
     def read(
         self,
@@ -296,6 +319,8 @@ class SlotStore:
         return view
 
     def select_rows(self, indices: list[int]) -> None:
+        for end, parts in self._captured.items():
+            self._captured[end] = tuple({layer: tensor[indices] for layer, tensor in held.items()} for held in parts)
         if self.residual is not None:
             self.residual.select_rows(indices)
         if self.keys is not None:
@@ -304,19 +329,44 @@ class SlotStore:
             self.sink.select_rows(indices)
 
     def crop(self, num_tokens: int) -> None:
+        self._captured = {end: parts for end, parts in self._captured.items() if end <= num_tokens}
+        self._newest = self._newest if self._newest in self._captured else None
         if self.residual is not None:
             self.residual.crop(num_tokens)
 
-    def attach(self, num_tokens: int) -> None:
-        """The rows start from a reused prefix of ``num_tokens`` tokens, whose values are codes only."""
-        if self.residual is not None:
-            self.residual.first = num_tokens
+    @property
+    def keeps_exact(self) -> bool:
+        """Whether the rows hold tokens in full precision beside their codes (a residual window, an exact sink): what
+        a reused prefix must bring (``ExactTail``)."""
+        return self.residual is not None or self.sink is not None
+
+    @property
+    def exact_lengths(self) -> tuple[int, int]:
+        """``(residual window, exact sink)`` lengths in tokens (0: none)."""
+        return self.residual.length if self.residual else 0, self.sink.length if self.sink else 0
+
+    def take_tails(self, final: bool = False) -> list[list[ExactTail]]:
+        """The ``ExactTail`` of each row at each boundary of ``captures`` the rows' steps crossed since the last call
+        (every layer wrote them), with ``final`` the newest boundary's too (``keeps_newest``), and forgets them."""
+        taken = [end for end in self._captured if final or end in self.captures]
+        self.captures = [end for end in self.captures if end not in taken]
+        return [split_tail(end, *self._captured.pop(end)) for end in taken]
+
+    def attach(self, num_tokens: int, tails: list[ExactTail] | None = None) -> None:
+        """The rows start from a reused prefix of ``num_tokens`` tokens (whole pages of codes), and hold what rows
+        that wrote them hold in full precision: each row's ``tails`` (needed where ``keeps_exact``)."""
         if self.keys is not None:  # whole pages, encoded
             self.keys.attach()
-        if self.sink is not None:  # the reused first tokens are codes only
-            self.sink.release()
+        if not self.keeps_exact:
+            return
+        values, sink_keys, sink_values = stack_tails(tails, *self.exact_lengths)
+        if self.residual is not None:
+            self.residual.restore(num_tokens, values)
+        if self.sink is not None:
+            self.sink.restore(sink_keys, sink_values)
 
     def release(self) -> None:
+        self.captures, self.keeps_newest, self._newest, self._captured = [], False, None, {}
         if self.residual is not None:
             self.residual.release()
         if self.keys is not None:

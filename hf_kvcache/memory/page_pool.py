@@ -322,6 +322,16 @@ class PagePool:
                 self.tiers.publish(list(zip(keys, self._read_pages(list(ids)))))
             return len(new)
 
+    def publish_tails(self, tails: list[tuple[PageKey, Any]]) -> None:
+        """Keeps each ``(key, tail)`` beside the page published under ``key`` (``PrefixIndex.add_tail``)."""
+        with self.lock:
+            for key, tail in tails:
+                self._allocator.index.add_tail(key, tail)
+
+    def tail(self, key: PageKey) -> Any:
+        """The tail kept beside the page published under ``key``, if any; hold ``lock`` as for ``lookup``."""
+        return self._allocator.index.tail(key)
+
     def configure_tiers(self, settings: TierSettings | None) -> None:
         """Gives the pool's prefix index the tiers of ``settings`` (a no-op for ``None``, settings that enable none,
         or the settings the pool has).

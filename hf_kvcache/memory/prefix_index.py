@@ -17,12 +17,17 @@ published page whose only reference is the index's is *cached*: the index keeps 
 recently used order, and the allocator evicts them (oldest first) only when it needs pages. ``PageAllocator``
 drives the transitions; this module only keeps the maps and the order. The index remembers what it evicted
 (``take_evicted``) until the pool has copied those pages to its tiers (``hf_kvcache.memory.tiers``).
+
+Beside a published page the index may keep a *tail* (an object it never reads): what a cache holds besides its
+pages once it has written every token up to that page's end (a quantized cache's full-precision tokens:
+``hf_kvcache.layers.exact.ExactTail``). A tail lives as long as its page is published under its key.
 """
 
 import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 KEY_BYTES = 16
 PageKey = tuple[bytes, int]
@@ -66,6 +71,7 @@ class PrefixIndex:
         self._key_of: dict[int, PageKey] = {}
         self._cached: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._evicted: list[tuple[PageKey, int]] = []  # evicted since the last take_evicted, oldest first
+        self._tails: dict[PageKey, Any] = {}  # beside published pages (their keys)
         self.lookups = self.hits = self.tokens_reused = self.tokens_queried = 0
 
     def __len__(self) -> int:
@@ -89,6 +95,17 @@ class PrefixIndex:
         self._page_of[key] = page
         self._key_of[page] = key
 
+    def add_tail(self, key: PageKey, tail: Any) -> bool:
+        """Keeps ``tail`` beside the page published under ``key``; False (nothing kept) if none is, or it has one."""
+        if key not in self._page_of or key in self._tails:
+            return False
+        self._tails[key] = tail
+        return True
+
+    def tail(self, key: PageKey) -> Any:
+        """The tail kept beside the page published under ``key``, if any."""
+        return self._tails.get(key)
+
     def mark_cached(self, page: int) -> None:
         """``page`` is now held by the index alone: the most recently used cached page."""
         self._cached[page] = None
@@ -102,6 +119,7 @@ class PrefixIndex:
         page, _ = self._cached.popitem(last=False)
         key = self._key_of.pop(page)
         del self._page_of[key]
+        self._tails.pop(key, None)
         self._evicted.append((key, page))
         return page
 
@@ -117,6 +135,7 @@ class PrefixIndex:
         self._page_of.clear()
         self._key_of.clear()
         self._cached.clear()
+        self._tails.clear()
         return pages
 
     def record_lookup(self, num_rows: int, tokens_reused_per_row: int, tokens_per_row: int) -> None:
@@ -136,3 +155,4 @@ class PrefixIndex:
                 f"page {page}: refcount {refcounts[page]} but cached={page in self._cached}"
             )
         assert all(page in self._key_of for page in self._cached), "a cached page is not published"
+        assert all(key in self._page_of for key in self._tails), "a tail is kept beside no published page"

@@ -1,0 +1,227 @@
+"""Quantized caches reuse prompts with the semantics of continuing a cache (``hf_kvcache.caches.prefix``).
+
+The reference is not a fresh prefill but the same cache passed on: one cache is given the reused prefix (a prefill),
+then the later prompt is fed on that cache object. A prefix of whole pages reused from the index must give that
+call the same tokens and, to float rounding, the same logits: the pages hold every token as codes, and what the
+rows held beside them in full precision (the residual window's newest values, the exact sink's first tokens: an
+``ExactTail``) comes with them. Each case is checked against a fresh prefill too, which gives other logits: the
+comparison could not pass by recomputing."""
+
+import pytest
+import torch
+
+from hf_kvcache.integration.seams import build_cache
+from hf_kvcache.testing import tiny_gemma3
+from tests.helpers import random_ids
+from tests.test_prefix_caching import PAGE_SIZE, assert_same_tokens_close_logits, greedy, prefix_pool
+from tests.test_prefix_tiers import tiered_pool
+
+# Residual windows of 10 tokens: not a multiple of the 4-token pages, and longer than what each test feeds after the
+# reused prefix (a step of as many tokens as the window or more holds its own tokens only there).
+CONFIGS = {
+    "values": ("quantized_values", {"bits": 4, "group_size": 16, "residual_length": 10}),
+    "kv": ("quantized_kv", {"key_bits": 4, "value_bits": 4, "group_size": 16, "residual_length": 10, "sink_tokens": 3}),
+    "kv-k8": ("quantized_kv", {"key_bits": 8, "value_bits": 4, "group_size": 16, "residual_length": 10}),
+    "values-r0": ("quantized_values", {"bits": 4, "group_size": 16, "residual_length": 0}),
+    "kv-r0": ("quantized_kv", {"key_bits": 4, "value_bits": 4, "group_size": 16, "residual_length": 0}),
+}
+KEYS = sorted(CONFIGS)
+
+
+def settings(key: str) -> tuple[str, dict]:
+    name, config = CONFIGS[key]
+    return name, {**config, "page_size": PAGE_SIZE}
+
+
+def continued(model, prefix, prompt, name: str, config: dict, max_new_tokens: int = 6, decode_steps: int = 0):
+    """The reference: a cache (on a pool of its own) given ``prefix`` by a prefill and ``decode_steps`` greedy steps,
+    then ``prompt`` (which starts with what it holds) generated on that same cache object."""
+    cache = build_cache(name, model, config)
+    held = model.generate(prefix, cache=cache, do_sample=False, max_new_tokens=1 + decode_steps)
+    assert cache.get_seq_length() == prefix.shape[1] + decode_steps
+    assert torch.equal(held[:, : cache.get_seq_length()], prompt[:, : cache.get_seq_length()])
+    return model.generate(
+        prompt,
+        cache=cache,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+
+
+def reused_by(pool, model, ids, name: str, config: dict, **kwargs):
+    """Generates on ``pool``; returns the output and the prompt tokens that call reused."""
+    before = pool.stats()["prefix_tokens_reused"]
+    out = greedy(model, ids, name, {**config, "pool": pool}, **kwargs)
+    return out, pool.stats()["prefix_tokens_reused"] - before
+
+
+def fill(model, pool, seeds, name: str, config: dict) -> None:
+    """Generates a 36-token prompt per seed on ``pool`` (a 64-token one): later prompts evict earlier ones."""
+    for seed in seeds:
+        greedy(model, random_ids(1, 36, seed=seed), name, {**config, "pool": pool}, max_new_tokens=2).cache.release()
+
+
+def assert_not_fresh(model, ids, name: str, config: dict, candidate) -> None:
+    """A fresh prefill's logits differ from the candidate's: the candidate continued what it reused."""
+    fresh = greedy(model, ids, name, config)
+    assert max((a - b).abs().max().item() for a, b in zip(fresh.logits, candidate.logits)) > 1e-3
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_a_reused_prompt_continues_as_the_cache_that_wrote_it(tiny_llama_model, key):
+    model = tiny_llama_model
+    name, config = settings(key)
+    pool = prefix_pool(model, name, cache_config=config)
+    first = random_ids(1, 24, seed=1)  # 6 whole pages
+    second = torch.cat([first, random_ids(1, 7, seed=2)], dim=1)  # [1, 31]
+    greedy(model, first, name, {**config, "pool": pool}, max_new_tokens=1).cache.release()
+    reference = continued(model, first, second, name, config)
+    candidate, reused = reused_by(pool, model, second, name, config)
+    assert reused == 24
+    assert_same_tokens_close_logits(reference, candidate)
+    assert_not_fresh(model, second, name, config, candidate)
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize("key", ["values", "kv"])
+def test_a_second_turn_continues_where_the_first_turn_ended(tiny_llama_model, key):
+    """A cache letting its rows go keeps the tail at the last page boundary it wrote, in the answer: the next turn
+    reuses the prompt and the answer's whole pages, as if the first turn's cache (when it held them) were passed on."""
+    model = tiny_llama_model
+    name, config = settings(key)
+    pool = prefix_pool(model, name, cache_config=config)
+    first = random_ids(1, 22, seed=17)
+    answer = greedy(model, first, name, {**config, "pool": pool}, max_new_tokens=8)  # writes 29 tokens
+    answer.cache.release()
+    second = torch.cat([answer.sequences, random_ids(1, 5, seed=18)], dim=1)  # [1, 35]
+    candidate, reused = reused_by(pool, model, second, name, config)
+    assert reused == 28
+    assert_same_tokens_close_logits(continued(model, first, second, name, config, decode_steps=6), candidate)
+    assert_not_fresh(model, second, name, config, candidate)
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize("key", ["values", "kv"])
+def test_a_prompt_reused_while_the_first_request_still_holds_its_pages(tiny_llama_model, key):
+    """The first request keeps generating on the shared pages (copy-on-write) while a second one reuses them."""
+    model = tiny_llama_model
+    name, config = settings(key)
+    pool = prefix_pool(model, name, cache_config=config)
+    first = random_ids(1, 24, seed=3)
+    second = torch.cat([first, random_ids(1, 5, seed=4)], dim=1)
+    running = greedy(model, first, name, {**config, "pool": pool}, max_new_tokens=3)  # its cache is held
+    candidate, reused = reused_by(pool, model, second, name, config)
+    assert reused == 24
+    assert_same_tokens_close_logits(continued(model, first, second, name, config), candidate)
+    more = torch.cat([running.sequences, random_ids(1, 2, seed=5)], dim=1)
+    after = model.generate(more, cache=running.cache, do_sample=False, max_new_tokens=3)
+    reference = continued(model, first, more, name, config, max_new_tokens=3)
+    assert torch.equal(after, reference.sequences)  # the first request went on undisturbed
+    running.cache.release()
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize("key", ["values", "kv"])
+def test_a_batch_reuses_each_rows_prefix_with_its_own_tail(tiny_llama_model, key):
+    model = tiny_llama_model
+    name, config = settings(key)
+    pool = prefix_pool(model, name, cache_config=config)
+    first = random_ids(2, 20, seed=6)
+    second = torch.cat([first, random_ids(2, 7, seed=7)], dim=1)
+    greedy(model, first, name, {**config, "pool": pool}, max_new_tokens=1).cache.release()
+    candidate, reused = reused_by(pool, model, second, name, config)
+    assert reused == 2 * 20
+    assert_same_tokens_close_logits(continued(model, first, second, name, config), candidate)
+    assert_not_fresh(model, second, name, config, candidate)
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize("key", ["values", "kv"])
+def test_prompts_sharing_a_head_reuse_it_from_where_they_part(tiny_llama_model, key):
+    """The first prompt keeps its tail where it ends; the second parts from it inside: it finds the pages but no
+    tail there, recomputes and keeps one where they part; the third reuses that."""
+    model = tiny_llama_model
+    name, config = settings(key)
+    pool = prefix_pool(model, name, cache_config=config)
+    head = random_ids(1, 22, seed=8)  # 5 whole pages
+    prompts = [torch.cat([head, random_ids(1, 6, seed=seed)], dim=1) for seed in (9, 10, 11)]
+    reused = [reused_by(pool, model, prompt, name, config)[1] for prompt in prompts[:2]]
+    assert reused == [0, 0]  # no tail at token 20 yet
+    candidate, reused = reused_by(pool, model, prompts[2], name, config)
+    assert reused == 20
+    assert_same_tokens_close_logits(continued(model, head[:, :20], prompts[2], name, config), candidate)
+    pool.check_integrity()
+
+
+def test_a_hybrid_model_with_sliding_layers_continues_its_windows(banded_gemma3):
+    model = banded_gemma3
+    name, config = settings("values")
+    pool = prefix_pool(model, name, cache_config=config)
+    first = random_ids(2, 24, seed=12)
+    second = torch.cat([first, random_ids(2, 7, seed=13)], dim=1)
+    greedy(model, first, name, {**config, "pool": pool}, max_new_tokens=1).cache.release()
+    candidate, reused = reused_by(pool, model, second, name, config)
+    assert reused == 2 * 24
+    assert_same_tokens_close_logits(continued(model, first, second, name, config), candidate)
+    pool.check_integrity()
+
+
+@pytest.fixture
+def banded_gemma3():
+    model = tiny_gemma3()
+    model.set_attn_implementation("hf_kvcache")
+    return model
+
+
+def test_a_tail_lives_as_long_as_its_page(tiny_llama_model):
+    """Evicting the page at a prefix's end drops its tail: the prompt is then reused up to the next tail kept."""
+    model = tiny_llama_model
+    name, config = settings("values")
+    pool = prefix_pool(model, name, cache_config=config, max_tokens=120)
+    first = random_ids(1, 24, seed=14)
+    greedy(model, first, name, {**config, "pool": pool}, max_new_tokens=1).cache.release()  # tails at 20 and 24
+    other = random_ids(1, (pool.stats()["pages_free"] + 1) * PAGE_SIZE - 1, seed=15)  # evicts first's last page
+    greedy(model, other, name, {**config, "pool": pool}, max_new_tokens=1).cache.release()
+    pool.check_integrity()  # every tail kept lies beside a published page
+    second = torch.cat([first, random_ids(1, 5, seed=16)], dim=1)
+    candidate, reused = reused_by(pool, model, second, name, config)
+    assert reused == 20
+    assert_same_tokens_close_logits(continued(model, first[:, :20], second, name, config), candidate)
+
+
+def test_a_reused_prefix_of_pages_from_host_memory_continues_the_cache(tiny_llama_model):
+    """Without a residual window or sink, a quantized cache's pages are all it holds: from the host tier they give
+    the continuation too (a tail stays with the pool's index only)."""
+    model = tiny_llama_model
+    name, config = settings("values-r0")
+    pool = tiered_pool(model, name=name, config=config, prefix_host_bytes=1 << 20)
+    first = random_ids(1, 36, seed=0)
+    fill(model, pool, range(4), name, config)
+    second = torch.cat([first, random_ids(1, 5, seed=16)], dim=1)
+    before = pool.stats()
+    candidate, reused = reused_by(pool, model, second, name, config)
+    assert reused == 36 and pool.stats()["prefix_hits_host"] > before["prefix_hits_host"]
+    assert_same_tokens_close_logits(continued(model, first, second, name, config), candidate)
+    pool.check_integrity()
+
+
+def test_quantized_and_full_precision_pools_never_serve_each_others_pages(tiny_llama_model, tmp_path):
+    """Pools of other page formats on one directory key their pages apart: none is served across."""
+    model = tiny_llama_model
+    name, config = settings("values-r0")
+    tiers = {"prefix_disk_dir": str(tmp_path), "prefix_disk_bytes": 1 << 24}
+    ids = random_ids(1, 36, seed=0)
+    for first, second in (((name, config), ("paged_pool", {})), (("paged_pool", {}), (name, config))):
+        for path in tmp_path.glob("*.page"):
+            path.unlink()
+        writer = tiered_pool(model, name=first[0], config=first[1], **tiers)
+        fill(model, writer, range(4), *first)
+        assert writer.pages.flush_tiers() and writer.stats()["prefix_disk_pages"] > 0
+        reader = tiered_pool(model, name=second[0], config=second[1], **tiers)
+        out, reused = reused_by(reader, model, ids, second[0], second[1])
+        assert reused == 0 and reader.stats()["prefix_hits_disk"] == 0
+        assert_same_tokens_close_logits(greedy(model, ids, second[0], second[1]), out)
+        same = tiered_pool(model, name=first[0], config=first[1], **tiers)  # the writer's format finds them
+        assert reused_by(same, model, ids, first[0], first[1])[1] == 32
