@@ -7,6 +7,8 @@ rows held beside them in full precision (the residual window's newest values, th
 ``ExactTail``) comes with them. Each case is checked against a fresh prefill too, which gives other logits: the
 comparison could not pass by recomputing."""
 
+import threading
+
 import pytest
 import torch
 
@@ -166,6 +168,54 @@ def test_a_hybrid_model_with_sliding_layers_continues_its_windows(banded_gemma3)
     assert reused == 2 * 24
     assert_same_tokens_close_logits(continued(model, first, second, name, config), candidate)
     pool.check_integrity()
+
+
+@pytest.mark.parametrize("key", ["values", "kv"])
+def test_threads_racing_on_one_prefix_each_continue_their_own(tiny_llama_model, key):
+    """Four threads prefill prompts with one head at once (the first copy of each shared page wins), then ask again:
+    each reuses its own prompt's whole pages with its own tail, as its first call's cache continued."""
+    model = tiny_llama_model
+    name, config = settings(key)
+    pool = prefix_pool(model, name, cache_config=config, max_tokens=1024)
+    head = random_ids(1, 32, seed=19)
+    prompts = [torch.cat([head, random_ids(1, 6, seed=20 + i)], dim=1) for i in range(4)]  # [1, 38]: 9 whole pages
+    barrier, errors, results = threading.Barrier(4), [], {}
+
+    def work(i: int) -> None:
+        try:
+            barrier.wait()
+            results[i] = [greedy(model, prompts[i], name, {**config, "pool": pool}) for _ in range(2)]
+            pool.check_integrity()
+        except BaseException as error:  # noqa: BLE001  (re-raised in the main thread)
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert pool.stats()["prefix_tokens_reused"] == 4 * 36  # no tail where the head ends: the first calls reuse none
+    for i, prompt in enumerate(prompts):
+        assert_same_tokens_close_logits(greedy(model, prompt, name, config), results[i][0])
+        assert_same_tokens_close_logits(continued(model, prompt[:, :36], prompt, name, config), results[i][1])
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize("key", ["values", "kv"])
+def test_compiled_decoding_continues_a_reused_prefix_as_eager_does(tiny_llama_model, compile_config, key):
+    """Planned decode steps read the restored residual window and sink as eager steps do."""
+    model = tiny_llama_model
+    name, config = settings(key)
+    pool = prefix_pool(model, name, cache_config=config)
+    first = random_ids(1, 24, seed=21)
+    second = torch.cat([first, random_ids(1, 7, seed=22)], dim=1)
+    greedy(model, first, name, {**config, "pool": pool}, max_new_tokens=1).cache.release()
+    before = pool.stats()["prefix_tokens_reused"]
+    compiled = greedy(model, second, name, {**config, "pool": pool}, max_new_tokens=8, compile_config=compile_config)
+    assert pool.stats()["prefix_tokens_reused"] - before == 24
+    reference = continued(model, first, second, name, config, max_new_tokens=8)
+    assert torch.equal(compiled.sequences, reference.sequences)
 
 
 @pytest.fixture

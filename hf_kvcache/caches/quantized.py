@@ -117,5 +117,7 @@ ENTRY = CacheEntry(
     example_config={"bits": 4, "group_size": 16},
     eval_presets={"values-int8": {"bits": 8}, "values-int4": {"bits": 4}},
     bench_presets={"values-int8": {"bits": 8}, "values-int4": {"bits": 4}},
-    soak_config={"bits": 4},  # group_size: the default for the model's head_dim
+    # group_size: the default for the model's head_dim. The soak compares each request with itself run alone, which a
+    # reused prompt does not equal (it continues the cache that wrote it: tests/test_prefix_quantized.py)
+    soak_config={"bits": 4, "prefix_caching": False},
 )

@@ -109,5 +109,6 @@ ENTRY = CacheEntry(
     example_config={"key_bits": 4, "value_bits": 4, "group_size": 16},
     eval_presets={"kv-k8v4": {"key_bits": 8, "value_bits": 4}, "kv-k4v4": {"key_bits": 4, "value_bits": 4}},
     bench_presets={"kv-k8v4": {"key_bits": 8, "value_bits": 4}, "kv-k4v4": {"key_bits": 4, "value_bits": 4}},
-    soak_config={"key_bits": 4, "value_bits": 4},  # group_size: the default for the model's head_dim
+    # group_size: the default for the model's head_dim; no prompt reuse, as for quantized_values
+    soak_config={"key_bits": 4, "value_bits": 4, "prefix_caching": False},
 )
