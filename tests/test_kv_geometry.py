@@ -156,17 +156,6 @@ def test_a_decoder_is_cut_for_the_heads_it_writes(model_type, overrides, geometr
     assert_generates_as_dynamic_cache(model, "paged_pool")
 
 
-def test_layers_of_different_geometries_are_refused_by_name_before_any_page(cache_name, fresh_default_pools):
-    """MiMo-V2-Flash's sliding layers hold twice the KV heads of its full-attention layers: no one pool holds both."""
-    model = tiny_causal_lm("mimo_v2_flash", num_hidden_layers=2, layer_types=["full_attention", "sliding_attention"])
-    with pytest.raises(IncompatibleModelError, match=r"different geometries \(\[\(2, 24, 16\), \(4, 24, 16\)\]"):
-        PagedCache(model.config)
-    ids, mask = padded_batch(PROMPT, vocab=256)
-    with pytest.raises(IncompatibleModelError, match="DynamicCache"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=2, cache_implementation=cache_name)
-    assert KVPool.drop_defaults() == 0  # no pool was made, so no page was taken
-
-
 def test_a_given_pool_of_another_geometry_keeps_its_error(starcoder):
     pool = KVPool.for_model(tiny_llama(), PagedConfig(), max_tokens=64)  # 2 KV heads
     cache = PagedCache(starcoder.config, {"pool": pool})

@@ -53,20 +53,14 @@ transformers cannot generate with ``DynamicCache``: the start of the error."""
 
 _NOTHING_TO_PAGE = "this model has none to page"
 _OWN_CACHE = "keeps a cache of its own, not a DynamicCache"
-_GEOMETRIES = "write keys and values of different geometries"
 REFUSED: dict[str, str] = {
     # no layer to page: state-space models, layers that carry a state and keys (hybrid), indexed (sparse) attention
     **dict.fromkeys(["falcon_mamba", "mamba", "mamba2", "falcon_h1", "zaya", "inkling_text"], _NOTHING_TO_PAGE),
     **dict.fromkeys(
         ["axk2", "deepseek_v32", "deepseek_v4", "dots3_note_text", "glm_moe_dsa", "hy_v4"], _NOTHING_TO_PAGE
     ),
-    # layers of different head geometries (Gemma 4's wider full-attention heads, MiMo's sliding layers with twice the
-    # KV heads): one pool holds pages of one geometry
-    **dict.fromkeys(["gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text", "mimo_v2_flash"], _GEOMETRIES),
     # models that take no DynamicCache from transformers either
     **dict.fromkeys(["minimax", "reformer", "rwkv", "xlnet"], _OWN_CACHE),
-    # cross-attention layers over the image's keys
-    "mllama": "attend to an image's or encoder's keys (cross_attention_layers)",
 }
 """Model types each of our caches refuses (``IncompatibleModelError``) under either attention: a piece of the reason
 (``DynamicCache`` under our attention must still equal the model's own)."""
@@ -87,6 +81,14 @@ KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
     # lie 0.0006 apart, once int8 values move its first layer's attention output by ~0.5%; the logits (all below 1)
     # then move 0.17.
     **{("kolibri1", attention, cache): "differs" for attention in matrix.ATTENTIONS for cache in matrix.LOSSY},
+    # The codes' own error (the spec's logits, through a pool per geometry): int4 keys per channel on Gemma 4
+    # unified's global layers of 512 channels move the logits 0.21 (int8 keys: 0.016); as far with every layer 512
+    # wide on one pool (0.50 / 0.11 / 0.22 over seeds 0-2): the width.
+    **{
+        (model_type, attention, "quantized_kv"): "differs"
+        for model_type in ("gemma4_unified", "gemma4_unified_text")
+        for attention in matrix.ATTENTIONS
+    },
 }
 """Runs that still fail, each with its status (the test fails when one changes, fixed or not)."""
 
@@ -145,7 +147,11 @@ SPECS = {
 
 
 @pytest.mark.parametrize(
-    "model_type,cache", [("cpmant", "quantized_kv"), ("kolibri1", "quantized_values"), ("kolibri1", "quantized_kv")]
+    "model_type,cache",
+    [
+        *(("cpmant", "quantized_kv"), ("kolibri1", "quantized_values"), ("kolibri1", "quantized_kv")),
+        *(("gemma4_unified", "quantized_kv"), ("gemma4_unified_text", "quantized_kv")),
+    ],
 )
 def test_the_known_differences_are_the_codes_own_error(model_type, cache):
     """The quantized runs ``KNOWN_FAILURES`` lists give their spec's logits on the matrix's batch (a DynamicCache that

@@ -22,7 +22,15 @@ from hf_kvcache.caches.state_layers import StateLayers
 from hf_kvcache.errors import IncompatibleModelError, PoolExhaustedError
 from hf_kvcache.layers import GATHER, IN_PLACE, RUN, PagedLayer, WindowLayer
 from hf_kvcache.memory.allocator import NULL_PAGE
-from hf_kvcache.memory.format import PAGED_LAYER_TYPES, PageFormat, layer_groups, no_paged_layers
+from hf_kvcache.memory.format import (
+    PAGED_LAYER_TYPES,
+    PageFormat,
+    layer_geometries,
+    layer_groups,
+    no_paged_layers,
+    with_cross_attention,
+)
+from hf_kvcache.memory.page_pool import PagePool
 from hf_kvcache.memory.placement import Placement, agree, normalize_device
 from hf_kvcache.memory.pool import KVPool
 from hf_kvcache.transformers_internals import DummyLayer, layer_types_and_kwargs
@@ -72,19 +80,24 @@ class PoolCache(PlannedDecoding):
     ) -> None:
         config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = layer_types_and_kwargs(config)
+        layer_types = with_cross_attention(config, layer_types)
         self.cache_config = cache_config = self.config_class.parse(cache_config)
-        groups = layer_groups(layer_types)
-        if not groups:
+        if not layer_groups(layer_types):
             raise IncompatibleModelError(no_paged_layers(config, layer_types))
         self._state_layers = StateLayers(config, layer_types)
+        geometries = layer_geometries(config, layer_types)
+        groups = layer_groups(layer_types, geometries)
         page_format = PageFormat.from_model_config(config, torch.float32)
-        if (page_format.num_layers, page_format.num_layer_groups) != (len(groups[0]), len(groups)):
+        num_groups = sum(
+            part.num_layer_groups for part in page_format.for_geometries([geometries[g[0]] for g in groups])
+        )
+        if (page_format.num_layers, num_groups) != (len(groups[0]), len(groups)):
             raise IncompatibleModelError(
                 f"{type(config).__name__}: transformers and hf_kvcache infer different layer types; "
                 "set config.layer_types explicitly."
             )
         placement = placement or Placement()
-        groups, group_devices = self._place_layer_groups(layer_types, groups, placement)
+        groups, group_devices = self._place_layer_groups(layer_types, geometries, groups, placement)
         if self.reuses_read_buffers:
             self._check_kv_sharing(config, groups)
         policies = []
@@ -93,7 +106,8 @@ class PoolCache(PlannedDecoding):
             if len(found) > 1:
                 raise IncompatibleModelError(f"Layers {members} share pages but keep different tokens: {found}.")
             policies.append(found.pop())
-        self._binder = PoolBinder(config, cache_config, policies, placement, groups, group_devices)
+        group_geometries = [geometries[members[0]] for members in groups]
+        self._binder = PoolBinder(config, cache_config, policies, placement, groups, group_devices, group_geometries)
         layers: list[CacheLayerMixin] = [DummyLayer() for _ in layer_types]
         for layer_group_idx, members in enumerate(groups):
             bind = functools.partial(self._binder.rows_for, layer_group_idx)
@@ -139,7 +153,7 @@ class PoolCache(PlannedDecoding):
 
     @staticmethod
     def _place_layer_groups(
-        layer_types: list[str], groups: list[list[int]], placement: Placement
+        layer_types: list[str], geometries: list[Any], groups: list[list[int]], placement: Placement
     ) -> tuple[list[list[int]], list[torch.device | None]]:
         """The layer groups and the device each is placed on: the model's (on no device in particular), or those
         of the layers of each device of a split model, in the order of the devices."""
@@ -151,7 +165,8 @@ class PoolCache(PlannedDecoding):
         placed_groups: list[list[int]] = []
         group_devices: list[torch.device | None] = []
         for device in placement.devices:
-            on_device = layer_groups([kind if at == device else "dummy" for kind, at in zip(layer_types, devices)])
+            on_device = [kind if at == device else "dummy" for kind, at in zip(layer_types, devices)]
+            on_device = layer_groups(on_device, geometries)
             placed_groups += on_device
             group_devices += [device] * len(on_device)
         return placed_groups, group_devices
@@ -197,7 +212,11 @@ class PoolCache(PlannedDecoding):
         """
         binder = self._binder
         groups = range(len(binder.policies)) if device is None else binder.layer_groups_on(normalize_device(device))
-        return num_rows * sum(binder.policies[idx].max_pages_per_row(num_tokens, page_size) for idx in groups)
+        return self._worst_pages(groups, num_rows, num_tokens, page_size)
+
+    def _worst_pages(self, groups: Any, num_rows: int, num_tokens: int, page_size: int) -> int:
+        """``worst_case_pages`` of the layer groups ``groups``."""
+        return num_rows * sum(self._binder.policies[idx].max_pages_per_row(num_tokens, page_size) for idx in groups)
 
     def check_admission(self, num_rows: int, num_tokens: int, device: torch.device, dtype: torch.dtype) -> None:
         """Refuses, before any compute, a request that could not fit in the pool in the worst case.
@@ -230,26 +249,40 @@ class PoolCache(PlannedDecoding):
                 "Load the model with a device_map (from_pretrained(..., device_map=...)) or pass admission_check=False."
             )
         for placed in placed_devices:
-            pool = binder.bind(placed, dtype)
-            page_size = pool.format.page_size
-            worst = self.worst_case_pages(num_rows, num_tokens, page_size, placed)
-            held = sum(1 for held_device, _ in self._held_pages() if held_device == placed)
-            requested = worst - held
-            available = agree([pool.pages.num_available_pages], binder.placement.process_group, placed)[0]
-            if requested > available:
-                capacity = pool.capacity_pages
-                retry = "" if requested > capacity else "Retry once requests in flight have given pages back, or: "
-                raise PoolExhaustedError(
-                    requested,
-                    available,
-                    capacity,
-                    f"admission_check refused the request before any compute: {num_rows} rows of up to "
-                    f"{num_tokens} tokens need up to {worst} pages of {page_size} tokens in "
-                    f"{len(binder.layer_groups_on(placed))} layer group(s) on {placed}. {retry}lower the batch "
-                    "size, num_beams/num_return_sequences or max_new_tokens, or give the pool more room "
-                    "(KVPool.for_model(..., max_tokens=...) or cache_config max_tokens); admission_check=False lets "
-                    "the request start and fail when a page it needs is not free.",
-                )
+            binder.bind(placed, dtype)
+            for pool, groups in self._groups_by_part(placed).items():
+                self._admit(pool, groups, num_rows, num_tokens, placed)
+
+    def _groups_by_part(self, device: torch.device) -> dict[KVPool, list[int]]:
+        """The layer groups on ``device`` that draw from each part of its pool (one part but for a model of several
+        geometries)."""
+        parts: dict[KVPool, list[int]] = {}
+        for idx in self._binder.layer_groups_on(device):
+            parts.setdefault(self._binder.part_of(idx, device), []).append(idx)
+        return parts
+
+    def _admit(self, pool: KVPool, groups: list[int], num_rows: int, num_tokens: int, placed: torch.device) -> None:
+        """``check_admission`` on one pool (a part of a ``KVPoolSet``), for the layer groups drawing from it."""
+        binder = self._binder
+        page_size = pool.format.page_size
+        worst = self._worst_pages(groups, num_rows, num_tokens, page_size)
+        held = sum(1 for held_pool, _ in self._held_pages() if held_pool is pool.pages)
+        requested = worst - held
+        available = agree([pool.pages.num_available_pages], binder.placement.process_group, placed)[0]
+        if requested > available:
+            capacity = pool.capacity_pages
+            retry = "" if requested > capacity else "Retry once requests in flight have given pages back, or: "
+            raise PoolExhaustedError(
+                requested,
+                available,
+                capacity,
+                f"admission_check refused the request before any compute: {num_rows} rows of up to "
+                f"{num_tokens} tokens need up to {worst} pages of {page_size} tokens in "
+                f"{len(groups)} layer group(s) on {placed}. {retry}lower the batch "
+                "size, num_beams/num_return_sequences or max_new_tokens, or give the pool more room "
+                "(KVPool.for_model(..., max_tokens=...) or cache_config max_tokens); admission_check=False lets "
+                "the request start and fail when a page it needs is not free.",
+            )
 
     def bind_pools(self, device: torch.device, dtype: torch.dtype) -> None:
         """Resolves the pool of each device the cache's layers live on (``device`` where they are not placed)."""
@@ -290,14 +323,13 @@ class PoolCache(PlannedDecoding):
         unfilled = sum(
             1 for rows in self._binder.rows.values() for count in rows.table.filled_slots().values() if count == 0
         )
-        page_bytes = {device: pool.format.page_bytes for device, pool in self._binder.pools.items()}
         num_rows = max((rows.table.num_rows for rows in self._binder.rows.values()), default=0)
         residual_bytes = sum(rows.store.residual_bytes for rows in self._binder.rows.values())
         state_bytes = self._state_layers.state_bytes()
         return {
             "pages_held": len(pages),
             "pages_unfilled": unfilled,
-            "bytes_held": sum(page_bytes[device] for device, _ in pages) + residual_bytes + state_bytes,
+            "bytes_held": sum(pool.format.page_bytes for pool, _ in pages) + residual_bytes + state_bytes,
             "residual_bytes": residual_bytes,
             "state_bytes": state_bytes,
             "num_rows": num_rows,
@@ -315,11 +347,12 @@ class PoolCache(PlannedDecoding):
                 counts[path] += count
         return counts
 
-    def _held_pages(self) -> set[tuple[torch.device, int]]:
-        """``(device, page id)`` of every page this cache's rows hold, shared ones once."""
-        bound = self._binder.rows.items()
-        pages = {(device, page) for (device, _), rows in bound for row in rows.table.rows for page in row}
-        return {(device, page) for device, page in pages if page != NULL_PAGE}  # holes: none
+    def _held_pages(self) -> set[tuple[PagePool, int]]:
+        """``(pool, page id)`` of every page this cache's rows hold (``pool``: the ``PagePool`` behind the part
+        its layer group draws from), shared ones once."""
+        bound = self._binder.rows.values()
+        pages = {(rows.pool, page) for rows in bound for row in rows.table.rows for page in row}
+        return {(pool, page) for pool, page in pages if page != NULL_PAGE}  # holes: none
 
     def _row_layers(self) -> list[PagedLayer]:
         """The layers on the pool (not transformers' own, not ``DummyLayer``)."""

@@ -21,6 +21,11 @@ from hf_kvcache.memory.device_memory import check_fits
 from hf_kvcache.memory.format import PageFormat
 from hf_kvcache.memory.placement import Placement
 from hf_kvcache.memory.pool import KVPool
+from hf_kvcache.memory.pools import KVPoolSet, pool_parts
+
+FORMAT_FIELDS = ("num_layers", "num_layer_groups", "num_kv_heads", "head_dim", "value_head_dim", "dtype")
+FORMAT_FIELDS += ("value_bits", "value_group_size", "key_bits", "key_group_size", "scale_dtype")
+"""The ``PageFormat`` fields a pool given to a cache must share with the model's format."""
 
 
 class PoolBinder:
@@ -37,6 +42,9 @@ class PoolBinder:
         layer_groups: the layers of each layer group (``config.layer_groups``, per device for a split model).
         layer_group_devices: the device each layer group's layers are placed on; ``None``: learnt at the first
             write, and the pool of every device the cache writes on is cut for all layer groups.
+        layer_group_geometries: the ``(num_kv_heads, head_dim, value_head_dim)`` each layer group writes
+            (``geometry_groups``): the layer groups of each geometry draw from a pool of their own page format, the
+            parts of a ``KVPoolSet`` where there are several.
     """
 
     def __init__(
@@ -47,6 +55,7 @@ class PoolBinder:
         placement: Placement,
         layer_groups: list[list[int]],
         layer_group_devices: list[torch.device | None],
+        layer_group_geometries: list[tuple[int, int, int]],
     ) -> None:
         self.config = config
         self.cache_config = cache_config
@@ -54,7 +63,8 @@ class PoolBinder:
         self.placement = placement
         self.layer_groups = layer_groups
         self.layer_group_devices = layer_group_devices
-        self.pools: dict[torch.device, KVPool] = {}
+        self.layer_group_geometries = layer_group_geometries
+        self.pools: dict[torch.device, KVPool | KVPoolSet] = {}
         self.rows: dict[tuple[torch.device, int], PagedRows] = {}
         self.planned_tokens = 0  # see PoolCache.plan
         self.pad_lengths: list[int] | None = None  # see PoolCache.plan
@@ -66,6 +76,15 @@ class PoolBinder:
         """The layer groups whose pages live on ``device``: those placed there, or all when none is placed."""
         placed = [idx for idx, at in enumerate(self.layer_group_devices) if at == device]
         return placed or [idx for idx, at in enumerate(self.layer_group_devices) if at is None]
+
+    def geometries_on(self, device: torch.device) -> list[tuple[int, int, int]]:
+        """The geometries of the layer groups on ``device``, in order: one part of its pool each."""
+        return list(dict.fromkeys(self.layer_group_geometries[idx] for idx in self.layer_groups_on(device)))
+
+    def part_of(self, layer_group_idx: int, device: torch.device) -> KVPool:
+        """The pool (the part of a ``KVPoolSet``) on ``device`` that layer group ``layer_group_idx`` draws from."""
+        geometry = self.geometries_on(device).index(self.layer_group_geometries[layer_group_idx])
+        return pool_parts(self.pools[device])[geometry]
 
     def rows_for(self, layer_group_idx: int, key_states: torch.Tensor) -> PagedRows:
         """The rows of layer group ``layer_group_idx`` on the device of ``key_states`` (made on first use).
@@ -84,16 +103,18 @@ class PoolBinder:
                     f"hf_device_map) but write their states on {device}. Build the cache for the model as it runs: "
                     "generate(cache_implementation=...) reads the placement when generate starts."
                 )
-            pool = self.bind(device, key_states.dtype)
+            self.bind(device, key_states.dtype)
+            pool = self.part_of(layer_group_idx, device)
             seen = (key_states.shape[1], key_states.shape[-1])  # [batch, heads, n, head_dim]
             if seen != (pool.format.num_kv_heads, pool.format.head_dim):
                 source = "the tensor-parallel plan" if self.placement.num_kv_heads is not None else "the config"
                 raise IncompatibleModelError(
                     f"The model writes {seen[0]} KV heads of size {seen[1]}, but the pool on {device} holds "
-                    f"{pool.format.num_kv_heads} of size {pool.format.head_dim} (from {source}). A tensor-parallel "
+                    f"{pool.format.num_kv_heads} of size {pool.format.head_dim} (from {source}, for layers "
+                    f"{self.layer_groups[layer_group_idx]}). A tensor-parallel "
                     "rank holds its share of the heads: let generate build the cache (cache_implementation=...), or "
                     "build it with placement=hf_kvcache.integration.seams.placement_of(model) and its pool with "
-                    "KVPool.for_model(model, ...). Mixed layer geometries are not supported."
+                    "KVPool.for_model(model, ...)."
                 )
             rows = self.rows_on(layer_group_idx, device, key_states.dtype)
         return rows
@@ -102,7 +123,8 @@ class PoolBinder:
         """The rows of layer group ``layer_group_idx`` on ``device`` (made on first use, binding the pool)."""
         rows = self.rows.get((device, layer_group_idx))
         if rows is None:
-            pool = self.bind(device, dtype)
+            self.bind(device, dtype)
+            pool = self.part_of(layer_group_idx, device)
             our_attention = functools.partial(uses_our_attention, self.config)  # not a method: rows must not hold self
             policy = self.policies[layer_group_idx]
             config = self.config
@@ -115,25 +137,33 @@ class PoolBinder:
             rows.set_plan(self.pad_lengths)
         return rows
 
-    def page_format(self, device: torch.device, dtype: torch.dtype) -> PageFormat:
-        """The format of the pool on ``device``: the config's, cut for the heads this rank holds and the layers
-        placed on ``device``.
+    def page_formats(self, device: torch.device, dtype: torch.dtype) -> list[PageFormat]:
+        """The formats of the pool on ``device``, one per geometry of its layers (``geometries_on``): the config's,
+        cut for the heads this rank holds and the layers placed on ``device``.
 
         Raises:
-            IncompatibleModelError: no layer is placed on ``device``.
+            IncompatibleModelError: no layer is placed on ``device``, or a tensor-parallel model's layers write
+                several geometries.
         """
         layer_groups = [self.layer_groups[idx] for idx in self.layer_groups_on(device)]
         if not layer_groups:
             raise IncompatibleModelError(
                 f"No layer of this cache is placed on {device}; its layers are on {self.placement.devices}."
             )
-        page_format = self.cache_config.page_format(self.config, dtype)
-        return dataclasses.replace(
-            page_format,
-            num_kv_heads=self.placement.num_kv_heads or page_format.num_kv_heads,
-            num_layers=len(layer_groups[0]),
-            num_layer_groups=len(layer_groups),
+        geometries = [self.layer_group_geometries[idx] for idx in self.layer_groups_on(device)]
+        if self.placement.num_kv_heads is not None and len(set(geometries)) > 1:
+            raise IncompatibleModelError(
+                f"{type(self.config).__name__}'s layers write keys and values of several geometries "
+                f"({sorted(set(geometries))}), which hf_kvcache caches do not split over tensor-parallel ranks. "
+                "Load the model without tp_plan, or serve it with transformers' own caches."
+            )
+        page_format = dataclasses.replace(
+            self.cache_config.page_format(self.config, dtype), num_layers=len(layer_groups[0])
         )
+        return [
+            dataclasses.replace(part, num_kv_heads=self.placement.num_kv_heads or part.num_kv_heads)
+            for part in page_format.for_geometries(geometries)
+        ]
 
     def bind(self, device: torch.device, dtype: torch.dtype) -> KVPool:
         """The pool on ``device``, resolved on first use.
@@ -144,7 +174,7 @@ class PoolBinder:
         pool = self.pools.get(device)
         if pool is not None:
             return pool
-        pool = self._pool_for(self.page_format(device, dtype), device)
+        pool = self._pool_for(self.page_formats(device, dtype), device)
         if self.pools and self.prefix is not None:
             log_once("the cache spans several devices; prompts are reused on a cache with one pool.")
             self.prefix.active = False
@@ -186,49 +216,70 @@ class PoolBinder:
         """The rows of each layer group on ``device`` (those made so far, or all of them with ``create``)."""
         if create:
             pool = self.pools[device]
-            return {idx: self.rows_on(idx, device, pool.format.dtype) for idx in range(len(self.policies))}
+            dtype = pool_parts(pool)[0].format.dtype
+            return {idx: self.rows_on(idx, device, dtype) for idx in range(len(self.policies))}
         return {idx: rows for (rows_device, idx), rows in self.rows.items() if rows_device == device}
 
-    def _pool_for(self, page_format: PageFormat, device: torch.device) -> KVPool:
-        max_tokens = self.cache_config.max_tokens
+    def _pool_for(self, formats: list[PageFormat], device: torch.device) -> KVPool | KVPoolSet:
+        """The pool of ``formats`` on ``device``: the one given to the cache (checked against them), else a part per
+        format (the default pools, or fixed ones of ``max_tokens``), a ``KVPoolSet`` where there are several."""
         prefix_caching = bool(self.cache_config.prefix_caching)
+        if prefix_caching and len(formats) > 1:
+            log_once(
+                f"the model's layers write keys and values of {len(formats)} geometries, each on a pool of its own; "
+                "prompts are reused on a pool of one geometry."
+            )
+            prefix_caching = False
         if prefix_caching:
             self._check_prefix_placement()
+        if self.pool is not None and self.cache_config.max_tokens is None:
+            return self._checked(self.pool, formats, device, prefix_caching)
+        parts = [self._new_part(page_format, device, prefix_caching) for page_format in formats]
+        return parts[0] if len(parts) == 1 else KVPoolSet(parts)
+
+    def _new_part(self, page_format: PageFormat, device: torch.device, prefix_caching: bool) -> KVPool:
+        """A pool of ``page_format``: of ``max_tokens`` tokens where the cache config says so, else the default."""
+        max_tokens = self.cache_config.max_tokens
         if max_tokens is not None:
             if prefix_caching:  # kept for the process, so that its index outlives the call
                 return KVPool.default(page_format, device, max_tokens=max_tokens)
             num_pages = page_format.pages_for_tokens(max_tokens) + 1
             check_fits(f"max_tokens={max_tokens}", num_pages * page_format.page_bytes, device)
             return KVPool(page_format, num_pages, device)
-        pool = self.pool
-        if pool is None:
-            pool = KVPool.default(page_format, device, self.placement.process_group)
-            if prefix_caching:
-                pool.pages.enable_prefix_caching()
-            return pool
+        pool = KVPool.default(page_format, device, self.placement.process_group)
+        if prefix_caching:
+            pool.pages.enable_prefix_caching()
+        return pool
+
+    def _checked(
+        self, pool: KVPool | KVPoolSet, formats: list[PageFormat], device: torch.device, prefix_caching: bool
+    ) -> KVPool | KVPoolSet:
+        """The pool given to the cache, if it holds a part of each of ``formats`` on ``device``.
+
+        Raises:
+            IncompatibleModelError: it was built for another model or placement (naming each difference).
+            ValueError: ``prefix_caching`` is asked of a pool without a prefix index.
+        """
         if prefix_caching and not pool.prefix_caching:
             raise ValueError(
                 "cache_config prefix_caching=True, but the given pool keeps no prefix index: build it with "
                 "KVPool.for_model(model, ..., prefix_caching=True), or leave prefix_caching unset."
             )
-        theirs, ours = pool.format, page_format
-        mismatches = [
-            f"{name} {getattr(theirs, name)} vs {getattr(ours, name)}"
-            for name in (
-                "num_layers",
-                "num_layer_groups",
-                "num_kv_heads",
-                "head_dim",
-                "value_head_dim",
-                "dtype",
-                "value_bits",
-                "value_group_size",
-                "key_bits",
-                "key_group_size",
-                "scale_dtype",
+        mismatches = []
+        parts = pool_parts(pool)
+        if len(parts) != len(formats):
+            mismatches.append(
+                f"pages of {len(parts)} geometries vs {len(formats)} "
+                f"({[(ours.num_kv_heads, ours.head_dim, ours.value_dim) for ours in formats]} as (KV heads, key "
+                "width, value width))"
             )
-            if getattr(theirs, name) != getattr(ours, name)
-        ]
+        for geometry, (theirs, ours) in enumerate(zip((part.format for part in parts), formats)):
+            where = f" of geometry {geometry}" if len(formats) > 1 else ""
+            mismatches += [
+                f"{name}{where} {getattr(theirs, name)} vs {getattr(ours, name)}"
+                for name in FORMAT_FIELDS
+                if getattr(theirs, name) != getattr(ours, name)
+            ]
         if pool.device != device:
             mismatches.append(f"device {pool.device} vs {device}")
         if mismatches:

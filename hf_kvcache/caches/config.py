@@ -12,6 +12,7 @@ import torch
 
 from hf_kvcache.memory.format import DEFAULT_PAGE_SIZE, PageFormat, check_page_size
 from hf_kvcache.memory.pool import KVPool
+from hf_kvcache.memory.pools import KVPoolSet
 from hf_kvcache.memory.tiers import TierSettings
 
 
@@ -38,7 +39,8 @@ class PagedConfig:
 
     Attributes:
         page_size: token slots per page (of a pool the cache makes, and of ``KVPool.for_model(model, config)``).
-        pool: a ``KVPool``, or the name of one, to draw pages from; ``None`` for the default pool.
+        pool: a ``KVPool`` (a ``KVPoolSet`` for a model of several geometries), or the name of one, to draw pages
+            from; ``None`` for the default pool.
         max_tokens: give this cache a fixed-budget pool of its own holding this many tokens.
         admission_check: before any compute, ``generate`` refuses a request whose worst-case page need
             (rows x pages for prompt + ``max_new_tokens``) exceeds what the pool has free or can still grow
@@ -66,7 +68,7 @@ class PagedConfig:
     """
 
     page_size: int = DEFAULT_PAGE_SIZE
-    pool: KVPool | str | None = None
+    pool: KVPool | KVPoolSet | str | None = None
     max_tokens: int | None = None
     admission_check: bool | None = None
     prefix_caching: bool | None = None
@@ -78,7 +80,7 @@ class PagedConfig:
 
     def __post_init__(self) -> None:
         check_page_size(self.page_size)
-        if self.pool is not None and not isinstance(self.pool, (KVPool, str)):
+        if self.pool is not None and not isinstance(self.pool, (KVPool, KVPoolSet, str)):
             raise TypeError(f"pool must be a KVPool or a pool's name, got {self.pool!r} ({type(self.pool).__name__}).")
         check_count("max_tokens", self.max_tokens, 1, optional=True)
         if self.max_tokens is not None and self.pool is not None:

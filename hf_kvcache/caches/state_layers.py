@@ -1,13 +1,15 @@
 """The layers of a cache that hold no attention KV we page keep transformers' own cache layers (``StateLayers``):
 linear attention's recurrent and convolution states, state-space and short-convolution states, indexer keys, layers
-that carry both a state and keys. Each is the object ``DynamicCache`` makes for its layer type (same class, same
-construction), held outside the pool; the model reads and writes it through ``Cache``'s own methods
-(``update_conv_state``, ``update_recurrent_state``, ...), which find it in ``cache.layers``.
+that carry both a state and keys, and cross-attention layers' keys of an image or encoder output (``CROSS_ATTENTION``:
+Mllama). Each is the object ``DynamicCache`` makes for its layer (same class, same construction), held outside the
+pool; the model reads and writes it through ``Cache``'s own methods (``update``, ``update_conv_state``, ...) or its
+``keys``, which find it in ``cache.layers``.
 
 A recurrent state exists only at the end of the tokens it has seen: it moves with its rows (beams, returned
 sequences), but it cannot be cut back to a page boundary, so a cache with such layers does not reuse prompts
 (``refusal``), and it can be cropped only where transformers' layer records its past (``activate_past_recording``,
-as assisted decoding does)."""
+as assisted decoding does). An image's keys are not a function of the prompt's tokens a prefix is keyed on: no
+reuse either; a crop of the prompt's tokens leaves them whole."""
 
 from typing import Any
 
@@ -15,7 +17,7 @@ import torch
 from transformers import DynamicCache, PreTrainedConfig
 
 from hf_kvcache.errors import IncompatibleModelError
-from hf_kvcache.memory.format import PAGED_LAYER_TYPES
+from hf_kvcache.memory.format import CROSS_ATTENTION, PAGED_LAYER_TYPES
 from hf_kvcache.transformers_internals import cache_layer_state
 
 
@@ -25,7 +27,8 @@ class StateLayers:
 
     Args:
         config: the model's decoder config.
-        layer_types: each layer's type, as transformers' caches read them (``layer_types_and_kwargs``).
+        layer_types: each layer's type, as transformers' caches read them (``layer_types_and_kwargs``), with
+            cross-attention layers typed ``CROSS_ATTENTION`` (``with_cross_attention``).
 
     Raises:
         IncompatibleModelError: a layer type has no layer class in transformers' ``DynamicCache`` (its modeling module
@@ -72,14 +75,24 @@ class StateLayers:
 
     def refusal(self) -> str | None:
         """Why a cache with these layers does not reuse prompts (``None``: it has none)."""
-        if not self.types:
+        cross = [idx for idx, kind in self.types.items() if kind == CROSS_ATTENTION]
+        states = [idx for idx in self.types if idx not in cross]
+        kinds = sorted({self.types[idx] for idx in states})
+        reasons = []
+        if states:
+            reasons.append(
+                f"layers {states} ({', '.join(kinds)}) keep a recurrent or convolution state (or keys of their own) "
+                "outside the pool, which exists only at the end of the tokens it has seen, not at a page of the prompt"
+            )
+        if cross:
+            reasons.append(
+                f"cross-attention layers {cross} hold the keys of an image or encoder output, which the prompt's "
+                "tokens a cached prefix is keyed on do not determine"
+            )
+        if not reasons:
             return None
-        kinds = sorted(set(self.types.values()))
-        return (
-            f"layers {sorted(self.types)} ({', '.join(kinds)}) keep a recurrent or convolution state (or keys of "
-            "their own) outside the pool, which exists only at the end of the tokens it has seen, not at a page of "
-            "the prompt: a cached prefix could not restore it, so prompts are neither reused nor published."
-        )
+        ending = ": a cached prefix could not restore them, so prompts are neither reused nor published."
+        return "; ".join(reasons) + ending
 
     def select_rows(self, indices: list[int]) -> None:
         """Row ``i`` becomes old row ``indices[i]`` in every state (beams, repeats, kept rows): each layer's own
@@ -104,9 +117,10 @@ class StateLayers:
 
     def crop(self, tokens_to_remove: int) -> None:
         """Crops every layer that can (``check_crop`` first); ``crop(0)`` shrinks recorded states back to their
-        working size, as in transformers."""
-        for layer in self.layers.values():
-            if getattr(layer, "record_past", True):
+        working size, as in transformers. A cross-attention layer's keys are the image's, not the prompt's tokens:
+        kept whole."""
+        for idx, layer in self.layers.items():
+            if getattr(layer, "record_past", True) and self.types[idx] != CROSS_ATTENTION:
                 layer.crop(tokens_to_remove)
 
     def state_bytes(self) -> int:

@@ -35,6 +35,9 @@ class PagedLayer(CacheLayerMixin):
         self.planned = False  # the next update is the step PoolCache.plan_decode planned (its rows' step_plan)
         self.rows: PagedRows | None = None
         self._bind = bind
+        # The keys live in the pool: models that ask a layer whether it holds keys (Mllama asks every layer whether
+        # it holds an image's) see none, where transformers' mixin leaves None.
+        self.keys = self.values = torch.empty(0)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(layer_idx={self.layer_idx}, num_tokens={self.num_tokens})"

@@ -2,6 +2,7 @@
 itself on construction and names the setting to change.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Self
@@ -51,20 +52,35 @@ def layer_types(config: Any) -> list[str]:
             kind = "full_attention"
         types = [kind] * config.num_hidden_layers
     modes = getattr(config, "kv_sharing_modes", None) or [None] * len(types)
-    return ["dummy" if kind in ("moe", "mlp") or mode == "reuse" else kind for kind, mode in zip(types, modes)]
+    types = ["dummy" if kind in ("moe", "mlp") or mode == "reuse" else kind for kind, mode in zip(types, modes)]
+    return with_cross_attention(config, types)
 
 
-def layer_groups(types: list[str]) -> list[list[int]]:
-    """Splits the paged layers into equal *layer groups* of one attention type each (layers of a type not in
-    ``PAGED_LAYER_TYPES``, ``dummy`` ones included, left out).
+CROSS_ATTENTION = "cross_attention"
+"""The type we give a layer that attends to an image's or encoder's keys (``config.cross_attention_layers``:
+Mllama), which transformers' caches count as ``full_attention``: its keys are not the prompt's tokens, so it keeps
+transformers' own cache layer, outside the pool."""
+
+
+def with_cross_attention(config: Any, types: list[str]) -> list[str]:
+    """``types`` with the layers of ``config.cross_attention_layers`` typed ``CROSS_ATTENTION``."""
+    cross = set(getattr(config, "cross_attention_layers", None) or ())
+    return [CROSS_ATTENTION if idx in cross else kind for idx, kind in enumerate(types)]
+
+
+def layer_groups(types: list[str], geometries: list[Any] | None = None) -> list[list[int]]:
+    """Splits the paged layers into equal *layer groups* of one attention type (and one geometry, where
+    ``geometries`` gives each layer's: ``geometry_groups``) each (layers of a type not in ``PAGED_LAYER_TYPES``,
+    ``dummy`` ones included, left out).
 
     A page spans the layers of one layer group, and each layer group has its own page table, so layers
     that keep different tokens (a full layer keeps all, a sliding layer only its window) never share a
     page. The layer group size is the greatest common divisor of the layer counts of each type: a model of
     one type is one layer group of all its layers; Gemma 3 (25 sliding + 5 full layers) is 6 groups of 5.
     """
-    kinds = [kind for kind in dict.fromkeys(types) if kind in PAGED_LAYER_TYPES]
-    members = {kind: [idx for idx, other in enumerate(types) if other == kind] for kind in kinds}
+    keys = list(zip(types, geometries or [None] * len(types)))
+    kinds = [key for key in dict.fromkeys(keys) if key[0] in PAGED_LAYER_TYPES]
+    members = {kind: [idx for idx, other in enumerate(keys) if other == kind] for kind in kinds}
     size = math.gcd(*(len(layers) for layers in members.values()))
     return [layers[i : i + size] for layers in members.values() for i in range(0, len(layers), size)]
 
@@ -218,43 +234,57 @@ class PageFormat:
                 f"{type(config).__name__} has no num_attention_heads/num_hidden_layers: not an attention model. "
                 "Serve it with transformers' own caches (leave cache_implementation unset)."
             )
-        cross = getattr(config, "cross_attention_layers", None)
-        if cross:
-            raise IncompatibleModelError(
-                f"{type(config).__name__}'s layers {list(cross)} attend to an image's or encoder's keys "
-                "(cross_attention_layers), which hf_kvcache caches do not hold. Serve it with transformers' own caches "
-                "(DynamicCache: leave cache_implementation unset)."
-            )
-        num_kv_heads, head_dim, value_dim = kv_geometry(config, [idx for group in groups for idx in group])
+        groups, geometries = geometry_groups(config, types)
+        num_kv_heads, head_dim, value_dim = geometries[0]
         value_head_dim = None if value_dim == head_dim else value_dim
-        return cls(len(groups[0]), num_kv_heads, head_dim, dtype, page_size, len(groups), value_head_dim=value_head_dim)
+        num_groups = geometries.count(geometries[0])
+        return cls(len(groups[0]), num_kv_heads, head_dim, dtype, page_size, num_groups, value_head_dim=value_head_dim)
+
+    def for_geometries(self, geometries: list[tuple[int, int, int]]) -> list[Self]:
+        """The formats of a model whose layer groups write the ``geometries`` (``geometry_groups``; this format is
+        the first's, ``from_model_config``): one per geometry, in their order, each with its layer groups, and this
+        format's page size, dtypes and codes (scale groups included: a cache config chooses them for the first
+        geometry; they must divide the others' widths).
+
+        Raises:
+            ValueError: a scale group does not divide another geometry's width.
+        """
+        distinct = list(dict.fromkeys(geometries))
+        return [
+            dataclasses.replace(
+                self,
+                num_kv_heads=heads,
+                head_dim=head_dim,
+                value_head_dim=None if value_dim == head_dim else value_dim,
+                num_layer_groups=geometries.count((heads, head_dim, value_dim)),
+            )
+            for heads, head_dim, value_dim in distinct
+        ]
 
 
-def kv_geometry(config: Any, layers: list[int]) -> tuple[int, int, int]:
-    """``(num_kv_heads, head_dim, value_head_dim)`` of the keys and values the paged ``layers`` of a (decoder) config
-    write: the config's (``layer_geometry``), or each layer's own where the config is heterogeneous
-    (``per_layer_config``: Gemma 4) or the model's sliding layers hold more heads (MiMo-V2-Flash: twice
-    ``num_key_value_heads``), which must agree.
-
-    Raises:
-        IncompatibleModelError: layers write keys and values of different geometries (one pool holds pages of one
-            geometry).
-    """
+def layer_geometries(config: Any, types: list[str]) -> list[tuple[int, int, int] | None]:
+    """The ``(num_kv_heads, head_dim, value_head_dim)`` each paged layer of a (decoder) config writes (``None``: a
+    layer not paged): the config's (``layer_geometry``), or each layer's own where the config is heterogeneous
+    (``per_layer_config``: Gemma 4's wider global layers) or the model's sliding layers hold more heads
+    (MiMo-V2-Flash: twice ``num_key_value_heads``). Layers of different geometries never share a page: each geometry
+    has pools of its own page format (``PageFormat.for_geometries``)."""
+    paged = [kind in PAGED_LAYER_TYPES for kind in types]
     if getattr(config, "is_heterogeneous", False):
-        found = {layer_geometry(config.per_layer_config[idx]) for idx in layers}
-    elif getattr(config, "model_type", None) == "mimo_v2_flash":  # its sliding layers hold twice the KV heads
-        heads, head_dim, value_head_dim = layer_geometry(config)
-        kinds = {getattr(config, "layer_types", None)[idx] for idx in layers}
-        found = {(heads * (2 if kind == "sliding_attention" else 1), head_dim, value_head_dim) for kind in kinds}
-    else:
-        return layer_geometry(config)
-    if len(found) > 1:
-        raise IncompatibleModelError(
-            f"{type(config).__name__}'s attention layers write keys and values of different geometries "
-            f"({sorted(found)} as (KV heads, key width, value width), per layer): a pool holds pages of one "
-            "geometry. Serve it with transformers' own caches (DynamicCache: leave cache_implementation unset)."
-        )
-    return found.pop()
+        return [layer_geometry(config.per_layer_config[idx]) if paged[idx] else None for idx in range(len(types))]
+    heads, head_dim, value_head_dim = layer_geometry(config)
+    more = 2 if getattr(config, "model_type", None) == "mimo_v2_flash" else 1  # its sliding layers' KV heads
+    return [
+        (heads * (more if kind == "sliding_attention" else 1), head_dim, value_head_dim) if is_paged else None
+        for kind, is_paged in zip(types, paged)
+    ]
+
+
+def geometry_groups(config: Any, types: list[str]) -> tuple[list[list[int]], list[tuple[int, int, int]]]:
+    """The layer groups of a (decoder) config's paged layers (``layer_groups``: one attention type and one geometry
+    each) and the geometry each writes (``layer_geometries``)."""
+    found = layer_geometries(config, types)
+    groups = layer_groups(types, found)
+    return groups, [found[members[0]] for members in groups]
 
 
 def layer_geometry(config: Any) -> tuple[int, int, int]:

@@ -7,13 +7,14 @@ import dataclasses
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any, Protocol, Self
 
 import torch
 
 from hf_kvcache.memory import device_memory
 from hf_kvcache.memory.device_memory import MemoryBudget
-from hf_kvcache.memory.format import PageFormat
+from hf_kvcache.memory.format import PageFormat, geometry_groups, layer_types
 from hf_kvcache.memory.placement import agree, kv_heads_per_rank, normalize_device
 from hf_kvcache.memory.tiers import TierSettings
 
@@ -48,6 +49,26 @@ def register_name(name: str, pool: "Any") -> None:
         _NAMED_POOLS[name] = pool
 
 
+def _num_pages(
+    page_format: PageFormat, device: torch.device, max_tokens: int | None, max_bytes: int | None, share: float
+) -> int:
+    """Page ids (the null page included) of a pool of ``page_format`` holding ``max_tokens`` tokens, or ``share`` of
+    ``max_bytes`` (a model of several geometries: each part its share of the bytes, so that they hold as many
+    tokens)."""
+    if max_tokens is not None:
+        num_pages = page_format.pages_for_tokens(max_tokens) + 1
+        device_memory.check_fits(f"max_tokens={max_tokens}", num_pages * page_format.page_bytes, device)
+        return num_pages
+    num_pages = int(max_bytes * share) // page_format.page_bytes
+    device_memory.check_fits(f"max_bytes={max_bytes}", num_pages * page_format.page_bytes, device)
+    if num_pages < 2:
+        raise ValueError(
+            f"max_bytes={max_bytes} holds fewer than 2 pages of {page_format.page_bytes} bytes "
+            f"({page_format.num_kv_heads} KV heads of width {page_format.head_dim}); raise it."
+        )
+    return num_pages
+
+
 class PoolFactories:
     """``KVPool``'s constructors beyond ``__init__``: each makes or finds a ``cls`` (the pool class)."""
 
@@ -69,8 +90,13 @@ class PoolFactories:
         prefix_disk_dir: str | None = None,
         prefix_disk_bytes: int | None = None,
         prefix_store: str | None = None,
-    ) -> Self:
+    ) -> "Self | KVPoolSet":
         """A fixed-budget pool for ``model``, sized by exactly one of the three budgets.
+
+        A model whose attention layers write keys and values of different geometries (Gemma 4, MiMo-V2-Flash) gets a
+        ``KVPoolSet``: a pool per geometry, each holding ``max_tokens`` tokens of its layers, or a share of
+        ``max_bytes`` / ``memory_fraction`` in proportion to a token's bytes in its layers (so that each holds as many
+        tokens), without a prefix index.
 
         On a tensor-parallel model (``from_pretrained(..., tp_plan="auto")`` under ``torchrun``), the pool is this
         rank's: cut for the KV heads it holds (``model.tp_plan`` and ``model.tp_size``, ``kv_heads_per_rank``).
@@ -105,34 +131,40 @@ class PoolFactories:
                 f"cache_config={cache_config!r}: give the config of the caches that will use the pool, such as "
                 "hf_kvcache.PagedConfig(page_size=16) or hf_kvcache.QuantizedValueConfig(bits=4), or None."
             )
+        text_config = model.config.get_text_config(decoder=True)
+        formats = page_format.for_geometries(geometry_groups(text_config, layer_types(text_config))[1])
         tp_size = getattr(model, "tp_size", None) or 1  # transformers' public properties, set on every model
-        num_kv_heads = kv_heads_per_rank(page_format.num_kv_heads, getattr(model, "tp_plan", None), tp_size)
-        page_format = dataclasses.replace(page_format, num_kv_heads=num_kv_heads)
-        if max_tokens is not None:
-            if max_tokens < 1:
-                raise ValueError(f"max_tokens must be >= 1, got {max_tokens}.")
-            num_pages = page_format.pages_for_tokens(max_tokens) + 1
-            device_memory.check_fits(f"max_tokens={max_tokens}", num_pages * page_format.page_bytes, device)
-        else:
-            if memory_fraction is not None:
-                if device.type != "cuda":
-                    raise ValueError(f"memory_fraction sizes a CUDA pool; device is {device}. Use max_bytes instead.")
-                if not 0 < memory_fraction <= 1:
-                    raise ValueError(f"memory_fraction must lie in (0, 1], got {memory_fraction}.")
-                max_bytes = int(torch.cuda.mem_get_info(device)[0] * memory_fraction)
-            num_pages = max_bytes // page_format.page_bytes
-            device_memory.check_fits(f"max_bytes={max_bytes}", num_pages * page_format.page_bytes, device)
-            if num_pages < 2:
-                raise ValueError(
-                    f"max_bytes={max_bytes} holds fewer than 2 pages of {page_format.page_bytes} bytes; raise it."
-                )
-        return cls(
-            *(page_format, num_pages, device),
-            name=name,
-            alert_thresholds=alert_thresholds,
-            prefix_caching=prefix_caching or tiers.enabled,
-            prefix_tiers=tiers,
-        )
+        tp_plan = getattr(model, "tp_plan", None)
+        formats = [
+            dataclasses.replace(part, num_kv_heads=kv_heads_per_rank(part.num_kv_heads, tp_plan, tp_size))
+            for part in formats
+        ]
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}.")
+        if memory_fraction is not None:
+            if device.type != "cuda":
+                raise ValueError(f"memory_fraction sizes a CUDA pool; device is {device}. Use max_bytes instead.")
+            if not 0 < memory_fraction <= 1:
+                raise ValueError(f"memory_fraction must lie in (0, 1], got {memory_fraction}.")
+            max_bytes = int(torch.cuda.mem_get_info(device)[0] * memory_fraction)
+        if len(formats) > 1 and (prefix_caching or tiers.enabled):
+            raise ValueError(
+                f"{type(text_config).__name__}'s layers write keys and values of {len(formats)} geometries, whose "
+                "pools keep no prefix index (prompts are reused on a pool of one geometry): leave prefix_caching "
+                "and the prefix tiers unset."
+            )
+        token_bytes = sum(part.token_bytes for part in formats)
+        parts = [
+            cls(
+                *(part, _num_pages(part, device, max_tokens, max_bytes, part.token_bytes / token_bytes), device),
+                name=name if len(formats) == 1 else None,
+                alert_thresholds=alert_thresholds,
+                prefix_caching=prefix_caching or tiers.enabled,
+                prefix_tiers=tiers,
+            )
+            for part in formats
+        ]
+        return parts[0] if len(parts) == 1 else KVPoolSet(parts, name)
 
     @classmethod
     def named(cls, name: str) -> Self:
@@ -243,3 +275,77 @@ class PoolFactories:
                 pool = cls(page_format, num_pages, device, prefix_caching=True)
                 _BUDGET_POOLS[(page_format, device, num_pages)] = pool
             return pool
+
+
+def pool_parts(pool: Any) -> tuple[Any, ...]:
+    """The ``KVPool`` of each geometry ``pool`` serves: a ``KVPoolSet``'s parts, or the pool itself."""
+    return pool.parts if isinstance(pool, KVPoolSet) else (pool,)
+
+
+SUMMED_STATS = ("pages_total", "pages_unfilled", "pages_used", "pages_free", "pages_cached", "max_pages")
+SUMMED_STATS += ("high_water_pages", "bytes_total", "bytes_reserved", "bytes_used", "tokens_held", "live_tables")
+
+
+class KVPoolSet:
+    """The pool of a model whose attention layers write keys and values of different geometries (Gemma 4's sliding
+    and global layers, MiMo-V2-Flash's): one ``KVPool`` per geometry (``parts``, in the order of
+    ``PageFormat.for_geometries``), on one device, built, sized and reported together. ``KVPool.for_model`` makes one
+    for such a model; a cache's layers of each geometry draw from their part.
+
+    Args:
+        parts: a pool per geometry, each of its own page format.
+        name: register the set under this name so a ``cache_config`` can say ``{"pool": name}``.
+    """
+
+    def __init__(self, parts: list[Any], name: str | None = None) -> None:
+        self.parts = tuple(parts)
+        self.device = self.parts[0].device
+        self.name = name
+        if name is not None:
+            register_name(name, self)
+
+    def __repr__(self) -> str:
+        return f"KVPoolSet(name={self.name!r}, {', '.join(repr(part) for part in self.parts)})"
+
+    def __copy__(self) -> "KVPoolSet":
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "KVPoolSet":
+        return self
+
+    @property
+    def formats(self) -> tuple[PageFormat, ...]:
+        """The page format of each part."""
+        return tuple(part.format for part in self.parts)
+
+    @property
+    def capacity_pages(self) -> int:
+        """Usable pages the parts hold or could still grow to, together."""
+        return sum(part.capacity_pages for part in self.parts)
+
+    @property
+    def prefix_caching(self) -> bool:
+        """``False``: prompts are reused on a pool of one geometry only."""
+        return False
+
+    def reset_prefix_index(self) -> int:
+        return 0
+
+    def stats(self) -> dict[str, Any]:
+        """The parts' counts of pages, bytes, tokens and tables summed, with each part's own statistics under
+        ``"geometries"`` (page sizes in bytes, utilization and the rest per part)."""
+        parts = [part.stats() for part in self.parts]
+        stats: dict[str, Any] = {key: sum(part[key] for part in parts) for key in SUMMED_STATS}
+        stats.update(device=parts[0]["device"], dtype=parts[0]["dtype"], page_size=parts[0]["page_size"])
+        stats.update(prefix_caching=False, geometries=parts)
+        return stats
+
+    def add_alert_callback(self, callback: Callable[[float, dict[str, Any]], None]) -> None:
+        """Calls ``callback(threshold, stats)`` each time a part's use crosses an alert threshold upwards."""
+        for part in self.parts:
+            part.add_alert_callback(callback)
+
+    def check_integrity(self) -> None:
+        """``KVPool.check_integrity`` of every part."""
+        for part in self.parts:
+            part.check_integrity()
