@@ -1,14 +1,15 @@
-"""Cross-attention layers (Mllama's, which attend to an image's keys): they keep transformers' own cache layers inside
-our caches, as ``DynamicCache`` makes them; the self-attention layers of the same model live on the pool.
+"""Cross-attention layers (Mllama's, which attend to an image's keys): they keep transformers' own cache layer inside
+our caches (the ``StaticLayer`` its ``StaticCache`` makes for them, sized by the image); the self-attention layers of
+the same model live on the pool.
 
-A tiny random-init Mllama (a vision encoder of 2 layers, a text decoder of 4 with layer 1 cross-attending) generates
-from a prompt and an image, against ``DynamicCache``."""
+A tiny random-init Mllama (a vision encoder of 2 layers, a text decoder of 4 with layer 1 cross-attending, its gates
+opened) generates from a prompt and an image, against ``DynamicCache``."""
 
 import logging
 
 import pytest
 import torch
-from transformers import DynamicCache, MllamaConfig, MllamaForConditionalGeneration
+from transformers import MllamaConfig, MllamaForCausalLM, MllamaForConditionalGeneration, StaticLayer
 
 from hf_kvcache import KVPool, PagedCache, PagedConfig
 from hf_kvcache.caches import prefix as prefix_module
@@ -49,6 +50,10 @@ VISION = {
 
 @pytest.fixture(scope="module")
 def mllama():
+    return tiny_mllama()
+
+
+def tiny_mllama() -> MllamaForConditionalGeneration:
     torch.manual_seed(0)
     config = MllamaConfig(text_config=TEXT, vision_config=VISION, image_token_index=127)
     model = MllamaForConditionalGeneration(config).eval()
@@ -70,15 +75,11 @@ def image_inputs(rows: int, length: int, seed: int = 0) -> dict[str, torch.Tenso
     }
 
 
-def test_cross_attention_layers_are_the_layers_dynamic_cache_makes(mllama, cache_name):
-    text_config = mllama.config.get_text_config(decoder=True)
+def test_cross_attention_layers_are_static_layers_the_self_attention_ones_on_the_pool(mllama, cache_name):
     cache = REGISTRY[cache_name].cache_class(mllama.config, exact_config(cache_name, LENGTH))
-    theirs = DynamicCache(config=text_config).layers
-    for idx, (ours, reference) in enumerate(zip(cache.layers, theirs, strict=True)):
-        if idx in CROSS:
-            assert type(ours) is type(reference)
-        else:
-            assert isinstance(ours, PagedLayer)
+    for idx, ours in enumerate(cache.layers):
+        assert isinstance(ours, StaticLayer if idx in CROSS else PagedLayer)
+    assert cache.is_compileable
     page_format = PageFormat.from_model_config(mllama.config, torch.float32)
     assert (page_format.num_layers, page_format.num_kv_heads, page_format.head_dim) == (3, 2, 16)
 
@@ -92,6 +93,17 @@ def test_greedy_generation_with_an_image_equals_dynamic_cache(mllama, cache_name
     actual = run(
         mllama, ids, mask, max_new_tokens=NEW_TOKENS, cache_implementation=cache_name, cache_config=config, **images
     )
+    assert_same_generation(expected, actual)
+
+
+def test_a_text_model_handed_the_image_states_at_every_step_equals_dynamic_cache(mllama):
+    """``MllamaForCausalLM`` takes ``cross_attention_states`` at every step, each written again (appended)."""
+    model = MllamaForCausalLM(mllama.config.text_config).eval()
+    model.model.load_state_dict(mllama.model.language_model.state_dict())
+    ids, mask = padded_batch(PROMPT)
+    states = {"cross_attention_states": torch.randn(len(PROMPT), 10, TEXT["hidden_size"])}
+    expected = run(model, ids, mask, max_new_tokens=4, **states)
+    actual = run(model, ids, mask, max_new_tokens=4, cache_implementation="paged_pool", **states)
     assert_same_generation(expected, actual)
 
 

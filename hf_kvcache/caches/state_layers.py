@@ -1,9 +1,11 @@
 """The layers of a cache that hold no attention KV we page keep transformers' own cache layers (``StateLayers``):
 linear attention's recurrent and convolution states, state-space and short-convolution states, indexer keys, layers
 that carry both a state and keys, and cross-attention layers' keys of an image or encoder output (``CROSS_ATTENTION``:
-Mllama). Each is the object ``DynamicCache`` makes for its layer (same class, same construction), held outside the
-pool; the model reads and writes it through ``Cache``'s own methods (``update``, ``update_conv_state``, ...) or its
-``keys``, which find it in ``cache.layers``.
+Mllama). Each is the object ``DynamicCache`` makes for its layer (same class, same construction), but a
+cross-attention layer's, which is the ``StaticLayer`` transformers' ``StaticCache`` makes for Mllama, sized by the
+image's keys when they are written (``ImageKeysLayer``: written once, read at every step, so decoding compiles);
+all held outside the pool; the model reads and writes them through ``Cache``'s own methods (``update``,
+``update_conv_state``, ...) or their ``keys``, which find them in ``cache.layers``.
 
 A recurrent state exists only at the end of the tokens it has seen: it moves with its rows (beams, returned
 sequences), but it cannot be cut back to a page boundary, so a cache with such layers does not reuse prompts
@@ -14,11 +16,37 @@ reuse either; a crop of the prompt's tokens leaves them whole."""
 from typing import Any
 
 import torch
-from transformers import DynamicCache, PreTrainedConfig
+from transformers import DynamicCache, PreTrainedConfig, StaticLayer
 
 from hf_kvcache.errors import IncompatibleModelError
 from hf_kvcache.memory.format import CROSS_ATTENTION, PAGED_LAYER_TYPES
 from hf_kvcache.transformers_internals import cache_layer_state
+
+
+class ImageKeysLayer(StaticLayer):
+    """A cross-attention layer's keys and values (an image's, an encoder output's): transformers' ``StaticLayer``,
+    as its ``StaticCache`` makes for Mllama's cross-attention layers, sized by its first write (the prefill's image)
+    instead of from the vision config: a fixed address, read at every decode step, which a compiled step can read."""
+
+    def __init__(self) -> None:
+        super().__init__(max_cache_len=0)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.max_cache_len = key_states.shape[-2]
+        super().lazy_initialization(key_states, value_states)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first write fills the layer; a later one (another image, or a model handed the states at every step:
+        ``MllamaForCausalLM``) is appended, as ``DynamicLayer`` appends it."""
+        if not self.is_initialized:
+            return super().update(key_states, value_states, *args, **kwargs)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.max_cache_len = self.keys.shape[-2]
+        self.cumulative_length.add_(key_states.shape[-2])
+        return self.keys, self.values
 
 
 class StateLayers:
@@ -54,7 +82,7 @@ class StateLayers:
                 f"{type(self.config).__name__} has a layer of type {error} for which transformers' DynamicCache has no "
                 "cache layer: import the model (its modeling module registers the layer type) before the cache."
             ) from error
-        return {idx: made[idx] for idx in self.types}
+        return {idx: ImageKeysLayer() if kind == CROSS_ATTENTION else made[idx] for idx, kind in self.types.items()}
 
     def place(self, cache_layers: list[Any]) -> None:
         """Puts these layers in their places of a cache's ``layers``."""
