@@ -18,10 +18,12 @@ from hf_kvcache.integration.seams import is_registered, register, unregister
 from hf_kvcache.integration.warmup import WarmedShape, warmup
 from hf_kvcache.memory.format import PageFormat
 from hf_kvcache.memory.pool import KVPool
+from hf_kvcache.memory.pools import KVPoolSet
 
 __all__ = [
     "IncompatibleModelError",
     "KVPool",
+    "KVPoolSet",
     "MissingExtraError",
     "PageFormat",
     "PagedCache",

@@ -9,12 +9,11 @@ import logging
 import pytest
 import torch
 
-from hf_kvcache import IncompatibleModelError, KVPool, PagedCache, PagedConfig, PoolExhaustedError
+from hf_kvcache import IncompatibleModelError, KVPool, KVPoolSet, PagedCache, PagedConfig, PoolExhaustedError
 from hf_kvcache.bench import model_matrix as matrix
 from hf_kvcache.caches import prefix as prefix_module
 from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.memory.format import PageFormat, geometry_groups, layer_types
-from hf_kvcache.memory.pools import KVPoolSet
 from hf_kvcache.testing import tiny_causal_lm, tiny_llama
 from tests.helpers import assert_same_generation, exact_config, padded_batch, run
 
