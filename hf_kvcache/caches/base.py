@@ -33,6 +33,7 @@ from hf_kvcache.memory.format import (
 from hf_kvcache.memory.page_pool import PagePool
 from hf_kvcache.memory.placement import Placement, agree, normalize_device
 from hf_kvcache.memory.pool import KVPool
+from hf_kvcache.memory.pools import KVPoolSet
 from hf_kvcache.transformers_internals import DummyLayer, layer_types_and_kwargs
 
 ATTENTION_LAYER_TYPES = PAGED_LAYER_TYPES
@@ -186,12 +187,13 @@ class PoolCache(PlannedDecoding):
         return WindowLayer(layer_idx, layer_in_group, bind, policy.window, policy.sink_tokens, policy.is_sliding)
 
     @property
-    def pools(self) -> dict[torch.device, KVPool]:
-        """The pool of each device this cache has written to (or was bound to)."""
+    def pools(self) -> dict[torch.device, KVPool | KVPoolSet]:
+        """The pool of each device this cache has written to (or was bound to): a ``KVPoolSet`` where the model's
+        layers write several geometries."""
         return dict(self._binder.pools)
 
     @property
-    def pool(self) -> KVPool | None:
+    def pool(self) -> KVPool | KVPoolSet | None:
         """The pool this cache draws from; ``None`` before its first write unless one was given."""
         pools = list(self.pools.values())
         if len(pools) > 1:
