@@ -4,8 +4,8 @@
 (``PoolCache.plan_decode``): a compiled one into tensors kept from step to step (``PagedRows.plan_decode``), an eager
 one as its layers' first would (``PagedRows.plan_eager_step``). Other steps (a prefill, several tokens, a direct
 ``model(...)`` call) are planned by each layer group's first layer (``PagedRows.plan_step``). The layers write with
-one kernel (``kernels.write_planned``) and gather with ``kernels.read_pages`` (eager) or ``kernels.read_planned``
-(compiled).
+one kernel (``kernels.write_planned``) and gather with another (``kernels.read_pages``, a window's slots
+``kernels.read_slots``), eager and compiled alike.
 """
 
 from dataclasses import dataclass
@@ -20,14 +20,12 @@ class StepPlan:
     by ``PagedRows.plan_decode``) keeps its tensors from step to step, refilled in place, so that a compiled step
     (and a CUDA graph replay) reads them without a recompile while the batch and the number of keys stay; an eager
     step's (``PagedRows.plan_step``, ``plan_eager_step``) are made for it. Index tensors broadcast to ``[batch,
-    heads, ...]`` over the storage's ``[layers, heads, pages, page_size, head_dim]`` (``kernels.read_planned`` and
-    ``kernels.write_planned``).
+    heads, ...]`` over the storage's ``[layers, heads, pages, page_size, head_dim]`` (``kernels.write_planned``).
 
     Attributes:
-        pages: ``[batch, 1, reads]`` what each row reads, in the order attention gets it: whole pages (a row's pages,
-            then the null page up to a capacity bucket: ``capacity_bucket``), or with ``offsets`` one slot per read (a
-            window's visible tokens in time order, the null page's first slot where a key holds none).
-        offsets: ``[batch, 1, reads]`` the slot of each read in its page; ``None``: whole pages are read.
+        pages: a planned step's ``[batch, 1, pages]``: the pages each row reads (a row's pages, then the null page up
+            to a capacity bucket: ``capacity_bucket``; a window's, from its first visible token's), which coded keys
+            decode and attention gathers where it cannot read in place.
         write_pages / write_offsets: ``[batch, 1, n]`` the page and the slot in it of each row's new tokens.
         heads: ``[1, heads, 1]`` the KV heads.
         layers: ``[1, 1, 1]`` each layer's index (kept, so that a step makes none).
@@ -48,9 +46,12 @@ class StepPlan:
             fills it (then it is read through its encoding). Every row counts tokens from 0 (``KeyPages``).
         mask: a ``PagedBlockMask`` where attention reads the pages in place (FlexAttention over the storage, in
             the graph), refilled before each step; ``None``: the step gathers ``pages``.
-        reads: an eager step's gather: ``[batch * heads * pages]`` the rows' pages, as rows of a layer's storage
-            viewed as ``[heads * pages, page_size * last_dim]`` (``kernels.page_rows``), or a window's ``[batch * heads
-            * num_keys]`` slot indices (``kernels.slot_indices``); ``None`` where the step does not gather.
+        reads: what a step gathers: ``[batch * heads * pages]`` the rows' pages, as rows of a layer's storage viewed
+            as ``[heads * pages, page_size * last_dim]`` (``kernels.page_rows``), cut at token ``kv_offset`` of the
+            first page, or with ``slot_reads`` ``[batch * heads * num_keys]`` slot indices (``kernels.slot_indices``: a
+            window's visible tokens in time order, the null page's first slot where a key holds none); ``None`` where
+            the step does not gather.
+        slot_reads: ``reads`` names slots, not pages.
         start / num_new: an eager step's first token and its number of new tokens.
         version: the page table's version an eager plan was made for (a shared prefill's rows that turn out to
             differ change it mid-step).
@@ -78,7 +79,6 @@ class StepPlan:
     """
 
     pages: torch.Tensor | None
-    offsets: torch.Tensor | None
     write_pages: torch.Tensor
     write_offsets: torch.Tensor
     heads: torch.Tensor
@@ -105,6 +105,7 @@ class StepPlan:
     sink_write: torch.Tensor | None = None
     sink_writes: torch.Tensor | None = None
     reads: torch.Tensor | None = None
+    slot_reads: bool = False
     start: int = 0
     num_new: int = 1
     version: int = -1

@@ -9,7 +9,7 @@ tensors of a ``StepPlan``; inside the graph a layer only writes at the planned s
 import torch
 
 from hf_kvcache.attention import block_mask, flex
-from hf_kvcache.attention.kernels import read_planned, write_planned
+from hf_kvcache.attention.kernels import page_rows, slot_indices, write_planned
 from hf_kvcache.layers.plan import StepPlan
 from hf_kvcache.memory.allocator import NULL_PAGE
 
@@ -69,6 +69,11 @@ class PlannedRows:
             return plan
         self._step_key = step_key
         pages, offsets, tokens, kv_offset = self._planned_reads(start, batch, capacity_pages)
+        fmt, num_pages = self.pool.format, self.pool.storage.num_pages
+        if offsets is None:
+            reads = page_rows(pages[:, 0], fmt.num_kv_heads, num_pages)
+        else:
+            reads = slot_indices(pages[:, 0], offsets[:, 0], fmt.num_kv_heads, num_pages, fmt.page_size).view(-1)
         write_pages, write_offsets = self._write_slots(start, 1)
         window = self.store.plan_window_ahead(start, self._window_low(start), kv_offset)
         keys_read = (None,) * 4
@@ -86,8 +91,8 @@ class PlannedRows:
         fresh = (
             plan is None
             or not plan.ahead
-            or plan.pages.shape != pages.shape
-            or (plan.offsets is None) != (offsets is None)
+            or plan.reads.shape != reads.shape
+            or plan.slot_reads != (offsets is not None)
         )
         fresh = fresh or _shapes(plan.in_place_values) != _shapes(in_place_values)
         fresh = fresh or _shapes(plan.keys_read) != _shapes(keys_read) or _shapes(plan.sink) != _shapes(sink)
@@ -95,7 +100,6 @@ class PlannedRows:
             device = pages.device
             self.step_plan = plan = StepPlan(
                 _fresh_copy(pages),
-                _fresh_copy(offsets),
                 _fresh_copy(write_pages),
                 _fresh_copy(write_offsets),
                 *self._constants(),
@@ -107,8 +111,8 @@ class PlannedRows:
             )
             plan.value_extents, plan.window_pages, plan.window_offsets = map(_fresh_copy, in_place_values)
             plan.sink_write, plan.sink_writes = map(_fresh_copy, sink)
-            plan.ahead = True
-            kept = (plan.pages, plan.offsets, plan.write_pages, plan.write_offsets, *plan.window)
+            plan.reads, plan.slot_reads, plan.ahead = _fresh_copy(reads), offsets is not None, True
+            kept = (plan.pages, plan.reads, plan.write_pages, plan.write_offsets, *plan.window)
             kept = (*kept, *plan.keys_read, *plan.in_place_values, *plan.sink)
             held = self.store.residual.buffers.values() if self.store.residual is not None else ()
             if self.store.sink is not None:
@@ -117,17 +121,8 @@ class PlannedRows:
                 if tensor is not None:
                     torch._dynamo.mark_static_address(tensor)  # CUDA graphs read them where they lie
         else:
-            planned = (
-                pages,
-                offsets,
-                write_pages,
-                write_offsets,
-                *window,
-                *keys_read,
-                *in_place_values,
-                *sink,
-            )
-            kept = (plan.pages, plan.offsets, plan.write_pages, plan.write_offsets, *plan.window)
+            planned = (pages, reads, write_pages, write_offsets, *window, *keys_read, *in_place_values, *sink)
+            kept = (plan.pages, plan.reads, plan.write_pages, plan.write_offsets, *plan.window)
             kept = (*kept, *plan.keys_read, *plan.in_place_values, *plan.sink)
             for into, tensor in zip(kept, planned):
                 if into is not None:
@@ -225,15 +220,15 @@ class PlannedRows:
         if self.store.sink is not None:
             self.store.sink.write_planned(layer_in_group, plan, key_states.detach(), value_states.detach())
 
-    def _read_ahead(self, plan: StepPlan, layer_in_group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """A planned step's keys and values, ``[batch, heads, num_keys, head_dim]`` each (``StepPlan``): the rows'
-        tokens in order, then the null page's slots (hidden by the model's mask, as ``StaticCache``'s empty slots)."""
+    def _read_ahead(self, plan: StepPlan, layer_in_group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A planned step's keys and values, ``[batch, heads, num_keys, head_dim]`` each (``StepPlan``): gathered as
+        an eager step's (the rows' tokens in order, then the null page's slots, hidden by the model's mask as
+        ``StaticCache``'s empty slots), or in place: the storage's first pages, which attention reads through the
+        mask."""
+        if plan.mask is None:
+            return self.gather(layer_in_group, plan.num_keys, plan)
         storage = self.pool.storage
-        if plan.mask is not None:  # in place: the storage's first pages, which attention reads through the mask
-            keys = self._storage_view(storage.keys, layer_in_group)
-            if self.store.quant is None:
-                return keys, self._storage_view(storage.values, layer_in_group)
-            return keys, self.store.values_in_place(layer_in_group, storage, plan)
-        keys = None if self.store.keys is None else self.store.keys.read_planned(layer_in_group, storage, plan, dtype)
-        gather = lambda tensor: read_planned(tensor, plan, layer_in_group)  # noqa: E731
-        return self.store.read(layer_in_group, storage, gather, plan.window_reads, keys)
+        keys = self._storage_view(storage.keys, layer_in_group)
+        if self.store.quant is None:
+            return keys, self._storage_view(storage.values, layer_in_group)
+        return keys, self.store.values_in_place(layer_in_group, storage, plan)

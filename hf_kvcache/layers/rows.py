@@ -23,13 +23,14 @@ Attention gets a layer's keys and values in one of three ways (the plan's ``mode
   keys are read in place.
 """
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from hf_kvcache.attention.kernels import page_rows, read_pages, run_view, write_planned
+from hf_kvcache.attention.kernels import page_rows, read_pages, read_slots, run_view, write_planned
 from hf_kvcache.attention.reads import KEY_LAYOUT, PAGED_READ, PagedRead
 from hf_kvcache.layers.exact import ExactTail
 from hf_kvcache.layers.identical import find_identical_rows
@@ -91,6 +92,7 @@ class PagedRows(PlannedRows):
         self._layers: tuple[torch.Tensor, ...] = ()  # StepPlan.layers
         self._shared_prefill: tuple[int, list[int]] | None = None  # (num_tokens, identical_rows) of a prefill
         self.window: int | None = None  # tokens a query sees (WindowRows); None: the rows keep every token
+        self.reach = 0  # a window's tokens a row keeps behind its end, besides its sinks (WindowRows)
         self.contiguous_keys = False  # coded keys come contiguous (the model's own code reads them, not just attention)
         self.step_plan: StepPlan | None = None  # the step's plan (plan_step; a compiled step's: plan_decode)
         self._step_key: tuple[int, ...] | None = None  # what the step plan was made for, where it can be kept
@@ -136,7 +138,7 @@ class PagedRows(PlannedRows):
         ``end`` keys), as a view of one run of pages, or in place through the path's block mask."""
         end = start + num_new
         mode = self.path.choose(end, num_new, self.store.keys is not None, hands_over, self.mask_inputs)
-        plan = StepPlan(None, None, *self._write_slots(start, num_new), *self._constants(), end)
+        plan = StepPlan(None, *self._write_slots(start, num_new), *self._constants(), end)
         plan.start, plan.num_new, plan.version, plan.mode = start, num_new, self.table.version, mode
         self._plan_span(plan)
         self._plan_keys(plan)
@@ -215,14 +217,20 @@ class PagedRows(PlannedRows):
         if self.store.keys is not None:
             self.store.keys.write(layer_in_group, storage, plan.start, key_states, self._page_ids(), plan)
 
-    def _read_keys(
-        self, layer_in_group: int, storage: PoolStorage, num_tokens: int | None = None, plan: StepPlan | None = None
-    ) -> torch.Tensor:
-        """Encoded keys: every slot of the rows' pages decoded, ``[batch, heads, pages * page_size, head_dim]`` (the
-        first ``num_tokens``)."""
+    def _read_keys(self, layer_in_group: int, storage: PoolStorage, plan: StepPlan) -> torch.Tensor:
+        """Encoded keys, decoded: the ``[batch, heads, num_keys, head_dim]`` keys ``plan`` reads."""
         dtype = self.pool.format.dtype
-        keys = self.store.keys.read(layer_in_group, storage, self._page_ids(), dtype, num_tokens, plan)
+        if plan.ahead:
+            keys = self.store.keys.read_planned(layer_in_group, storage, plan, dtype)
+        else:
+            keys = self._decode_keys(layer_in_group, storage, plan, dtype)
         return keys.contiguous() if self.contiguous_keys else keys  # else a strided view of the decode buffer
+
+    def _decode_keys(
+        self, layer_in_group: int, storage: PoolStorage, plan: StepPlan, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """An eager step's encoded keys: every slot of the rows' pages decoded, the first ``num_keys``."""
+        return self.store.keys.read(layer_in_group, storage, self._page_ids(), dtype, plan.num_keys, plan)
 
     def end_step(self, layer_in_group: int, end: int) -> None:
         """A layer has written the step's tokens up to ``end``: once the layer group's last layer has, every
@@ -250,7 +258,7 @@ class PagedRows(PlannedRows):
             pages * page_size, head_dim]`` views of the storage (in place).
         """
         if plan.ahead:
-            return self._read_ahead(plan, layer_in_group, key_states.dtype)
+            return self._read_ahead(plan, layer_in_group)
         num_tokens = plan.num_keys
         step = (key_states, value_states) if plan.num_new > 1 else None
         self.path.reads[plan.mode] += 1
@@ -287,35 +295,44 @@ class PagedRows(PlannedRows):
         plan: StepPlan | None = None,
         step: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[batch, heads, num_tokens, head_dim]`` of one layer, gathered for attention as the step's
-        ``plan`` says (its ``reads``, ``window_reads`` and keys: ``_plan_eager``), or without one, as worked out here.
+        """Keys and values ``[batch, heads, num_keys, head_dim]`` of one layer, gathered for attention as the step's
+        ``plan`` says (its ``reads``, ``window_reads`` and keys), eager and planned steps alike; a gather of its own
+        where the plan has none (without a plan, the slow twin: the rows' first ``num_tokens``; a step that reads in
+        place).
 
         Args:
             step: as for ``SlotStore.read``.
         """
-        storage = self.pool.storage
-        reads = plan.reads if plan is not None else None
-        window = plan.window_reads if plan is not None else None
-        if reads is None:
-            pages = self._page_ids()[:, : -(-num_tokens // self.pool.format.page_size)]
-            reads = page_rows(pages, self.pool.format.num_kv_heads, storage.num_pages)
-        if plan is None and self.store.residual is not None:
-            window = self.store.residual.reads(num_tokens, 0, num_tokens, 0, self.pool.device)
-        shape = (self.table.num_rows, self.pool.format.num_kv_heads, num_tokens)
-        page_size = self.pool.format.page_size
-        keys = None
-        if self.store.keys is not None:
-            keys = self._read_keys(layer_in_group, storage, num_tokens, plan)
-        return self.store.read(
-            layer_in_group,
-            storage,
-            lambda tensor: read_pages(
-                storage.slots(tensor, layer_in_group, page_size), reads, (*shape, tensor.shape[-1])
-            ),
-            window,
-            keys=keys,
-            step=step,
-        )
+        if plan is None or plan.reads is None:
+            plan = self._gather_plan(num_tokens, plan)
+        storage, fmt = self.pool.storage, self.pool.format
+        shape = (self.table.num_rows, fmt.num_kv_heads, plan.num_keys)
+
+        def gather(tensor: torch.Tensor) -> torch.Tensor:
+            if plan.slot_reads:
+                return read_slots(storage.slots(tensor, layer_in_group), plan.reads, shape)
+            pages = storage.slots(tensor, layer_in_group, fmt.page_size)
+            return read_pages(pages, plan.reads, (*shape, tensor.shape[-1]), plan.kv_offset % fmt.page_size)
+
+        keys = None if self.store.keys is None else self._read_keys(layer_in_group, storage, plan)
+        keys, values = self.store.read(layer_in_group, storage, gather, plan.window_reads, keys, step)
+        if step is not None and self.window is not None and plan.num_new > self.reach:
+            for out, states, coded in ((keys, step[0], self.store.keys), (values, step[1], self.store.quant)):
+                if coded is None:  # a window's tokens the step kept nowhere: as given (coded ones are, by read)
+                    out[:, :, -plan.num_new :] = states.detach()
+        return keys, values
+
+    def _gather_plan(self, num_tokens: int, plan: StepPlan | None) -> StepPlan:
+        """The gather of a step that reads in place (``plan``), or without a plan the rows' first ``num_tokens``."""
+        if plan is None:
+            plan = StepPlan(None, None, None, *self._constants(), num_tokens)
+            if self.store.residual is not None:
+                window = self.store.residual.reads(num_tokens, 0, num_tokens, 0, self.pool.device)
+                plan.window_sources, plan.window_positions = window or (None, None)
+        else:
+            plan = dataclasses.replace(plan, mode=GATHER)
+        self._plan_gather(plan)
+        return plan
 
     def begin_step(self, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Makes room for tokens ``[start, start + n)``: the first layer of a step grows the table.

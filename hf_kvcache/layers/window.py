@@ -34,16 +34,14 @@ Under ``attn_implementation="hf_kvcache"`` (``hf_kvcache.attention.interface``):
   mask hides what lies outside each row's sinks and window.
 """
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from hf_kvcache.attention.kernels import page_rows, read_pages, read_slots, slot_indices
+from hf_kvcache.attention.kernels import page_rows, slot_indices
 from hf_kvcache.attention.reads import KeyLayout
 from hf_kvcache.layers.plan import StepPlan
-from hf_kvcache.layers.read_path import GATHER
 from hf_kvcache.layers.rows import PagedRows
 from hf_kvcache.memory.allocator import NULL_PAGE
 from hf_kvcache.memory.page_pool import PagePool
@@ -180,15 +178,15 @@ class WindowRows(PagedRows):
     def _plan_gather(self, plan: StepPlan) -> None:
         """The visible tokens, each row's in time order (``StepPlan.slots``), and what reads them (``reads``): whole
         pages from the first visible token's, cut at it (``kernels.read_pages``: a page_size times smaller index),
-        or with sinks, which differ per row, slot by slot; a step of several tokens also hands attention its band
-        (``StepPlan.layout``)."""
+        or with sinks, which differ per row, slot by slot (``slot_reads``); a step of several tokens also hands
+        attention its band (``StepPlan.layout``)."""
         start, num_new = plan.start, plan.num_new
         visible = self._visible(start, num_new)  # [batch, num_keys]
         if num_new > 1:
             pads = self._pad_tensor(visible.shape[0])
             layout = band(visible, start, num_new, self.window, self.sink_tokens, pads, self.is_sliding)
             plan.layout = KeyLayout(layout)
-        plan.slots = visible
+        plan.slots, plan.slot_reads = visible, bool(self.sink_tokens)
         fmt = self.pool.format
         if not self.sink_tokens:  # every row sees tokens [first, end): the same pages of each row's table
             first_page, end_page = plan.kv_offset // fmt.page_size, -(-(start + num_new) // fmt.page_size)
@@ -227,44 +225,14 @@ class WindowRows(PagedRows):
 
     # ----- reading -----------------------------------------------------------------------------
 
-    def gather(
-        self,
-        layer_in_group: int,
-        num_tokens: int,
-        plan: StepPlan | None = None,
-        step: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's visible tokens ``[batch, heads, num_keys, head_dim]``, gathered in time order as ``plan`` reads
-        them (``_plan_gather``); a step of several tokens reads its own as given (``step``: a step longer than the
-        window writes some of them nowhere)."""
-        if plan.mode != GATHER:  # an in-place step's slow twin: plan its gather now
-            plan = dataclasses.replace(plan, mode=GATHER)
-            self._plan_gather(plan)
-        storage, page_size = self.pool.storage, self.pool.format.page_size
-        shape = (plan.slots.shape[0], self.pool.format.num_kv_heads, plan.slots.shape[1])
-
-        def gather(tensor: torch.Tensor) -> torch.Tensor:
-            if self.sink_tokens:
-                return read_slots(storage.slots(tensor, layer_in_group), plan.reads, shape)
-            pages = storage.slots(tensor, layer_in_group, page_size)
-            return read_pages(pages, plan.reads, (*shape, tensor.shape[-1]), plan.kv_offset % page_size)
-
-        keys = None
-        if self.store.keys is not None:
-            keys = self._window_keys(layer_in_group, storage, plan)
-        keys, values = self.store.read(layer_in_group, storage, gather, plan.window_reads, keys, step)
-        if step is not None and plan.num_new > self.reach:  # tokens the step kept nowhere: as given
-            for out, states, coded in ((keys, step[0], self.store.keys), (values, step[1], self.store.quant)):
-                if coded is None:  # (coded ones are, by SlotStore.read)
-                    out[:, :, -plan.num_new :] = states.detach()
-        return keys, values
-
-    def _window_keys(self, layer_in_group: int, storage: PoolStorage, plan: StepPlan) -> torch.Tensor:
+    def _decode_keys(
+        self, layer_in_group: int, storage: PoolStorage, plan: StepPlan, dtype: torch.dtype
+    ) -> torch.Tensor:
         """Coded keys of the visible tokens: the pages from the first visible one's, decoded, then each token's."""
         page_size = self.pool.format.page_size
         first_page = self._first_key_page(plan.start, plan.num_new)
         ids = self._page_ids()[:, first_page:]
-        keys = self.store.keys.read(layer_in_group, storage, ids, self.pool.format.dtype, None, plan, first_page)
+        keys = self.store.keys.read(layer_in_group, storage, ids, dtype, None, plan, first_page)
         index = (plan.slots - first_page * page_size).clamp(min=0).view(plan.slots.shape[0], 1, -1, 1)
         return keys.gather(2, index.expand(-1, keys.shape[1], -1, keys.shape[-1]))
 

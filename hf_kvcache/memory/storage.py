@@ -101,7 +101,9 @@ class PoolStorage:
         """One layer of ``tensor`` (one of ``tensors``) as ``[heads * pages * page_size / slots_per_row, slots_per_row
         * last_dim]``: slots (the view ``kernels.read_slots`` indexes with
         ``kernels.slot_indices``), or with ``slots_per_row=page_size`` whole pages (``kernels.read_pages``); kept, so
-        that a step's layers dispatch no op to make it."""
+        that a step's layers dispatch no op to make it (a compiled step makes it in its graph, where it costs none)."""
+        if torch.compiler.is_compiling():
+            return tensor[layer_idx].view(-1, slots_per_row * tensor.shape[-1])
         key = (id(tensor), layer_idx, torch.is_inference_mode_enabled(), slots_per_row)
         view = self._slot_views.get(key)
         if view is None:
