@@ -49,10 +49,11 @@ import torch
 from hf_kvcache.attention.interface import ATTENTION_NAME
 from hf_kvcache.caches.policy import RowPolicy
 from hf_kvcache.layers import PagedRows
+from hf_kvcache.layers.exact import ExactTail
 from hf_kvcache.memory.allocator import NULL_PAGE
 from hf_kvcache.memory.page_bytes import PageData
 from hf_kvcache.memory.page_pool import PagePool
-from hf_kvcache.memory.prefix_index import PageKey, chain_keys, root_key
+from hf_kvcache.memory.prefix_index import PageKey, chain_keys, root_key, tail_key
 from hf_kvcache.transformers_internals import attn_implementation
 
 logger = logging.getLogger("hf_kvcache")
@@ -206,14 +207,17 @@ class PrefixTracker:
         and layer group, with the rows' ``ExactTail`` where they need one; returns the token pages attached and
         those found."""
         fetched: dict[PageKey, tuple[str, PageData]] = {}
+        tails: dict[PageKey, ExactTail] = {}
         if self.pool.tiers is not None:
             num_pages, fetched = self._fetch(rows_of, num_pages)
+            tails = self._fetch_tails(rows_of, num_pages)
         with self.pool.held():  # found pages are taken before anything can evict them
             taken = self.pool.restore(list(self._keys(rows_of, num_pages)), fetched) if fetched else []
+            self.pool.publish_tails(list(tails.items()))  # beside the pages the index holds now
             found = self._longest(rows_of, num_pages)
-            num_pages, tails = self._with_tails(rows_of, found)
+            num_pages, row_tails = self._with_tails(rows_of, found)
             if num_pages:
-                self._attach(rows_of, num_pages, tails)
+                self._attach(rows_of, num_pages, row_tails)
             self.pool.free(taken)  # the rows hold what they attached; the rest is cached again
         tiers = {key: tier for key, (tier, _) in fetched.items()}
         self.pool.record_tier_hits([tiers.get(key, "device") for key in self._keys(rows_of, num_pages).elements()])
@@ -268,8 +272,9 @@ class PrefixTracker:
                     for chain, clean, tail in zip(self._chains, self._clean, row_tails)
                     if clean and token_page < len(chain)
                 ]
-        if tails:
-            self.pool.publish_tails(tails)
+        kept = self.pool.publish_tails(tails) if tails else []
+        if kept and self.pool.tiers is not None:
+            self.pool.tiers.publish_tails([(tail_key(key), PageData(tail.to_tensors())) for key, tail in kept])
 
     # ----- row changes ------------------------------------------------------------------------
 
@@ -408,6 +413,26 @@ class PrefixTracker:
                         shorter = min([shorter, *(d for d in range(num_pages) if (chain[d], layer_group) in missing)])
             num_pages = shorter
         return num_pages, fetched
+
+    def _fetch_tails(self, rows_of: "dict[int, PagedRows]", num_pages: int) -> dict[PageKey, ExactTail]:
+        """Outside the pool's lock: the tails the pool's tiers hold at the ends of the rows' first ``num_pages`` token
+        pages that its index lacks, for the layer groups that need one (``SlotStore.keeps_exact``)."""
+        wanted = [
+            (chain[d], layer_group)
+            for layer_group, rows in rows_of.items()
+            if rows.store.keeps_exact
+            for chain in self._chains
+            for d in range(num_pages)
+        ]
+        with self.pool.held():
+            wanted = [key for key in dict.fromkeys(wanted) if self.pool.tail(key) is None]
+        found = self.pool.tiers.fetch([tail_key(key) for key in wanted], tails=True) if wanted else {}
+        tails = {
+            key: ExactTail.from_tensors(found[tail_key(key)][1].tensors, self.pool.device)
+            for key in wanted
+            if tail_key(key) in found
+        }
+        return {key: tail for key, tail in tails.items() if tail is not None}
 
     def _longest(self, rows_of: "dict[int, PagedRows]", num_pages: int) -> int:
         """The most token pages (at most ``num_pages``) whose pages every row finds for every layer group."""

@@ -39,6 +39,28 @@ class ExactTail:
             for held, length in ((self.values, residual_length), (self.sink_keys, sink_length))
         )
 
+    def to_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tail as host tensors, to travel to a pool's tiers (``from_tensors``): a header (``end``, the counts
+        and ids of the layers of values and of the sink), then the values, the sink's keys and its values."""
+        header = torch.tensor([self.end, len(self.values), len(self.sink_keys), *self.values, *self.sink_keys])
+        held = (*self.values.values(), *self.sink_keys.values(), *self.sink_values.values())
+        return header, *(tensor.cpu() for tensor in held)
+
+    @classmethod
+    def from_tensors(cls, tensors: tuple[torch.Tensor, ...], device: torch.device) -> "ExactTail | None":
+        """The tail ``to_tensors`` gave, on ``device``; ``None`` if the tensors are not one."""
+        header = tensors[0].tolist() if tensors and tensors[0].ndim == 1 and tensors[0].numel() >= 3 else [0, -1, 0]
+        end, num_values, num_sinks = header[:3]
+        layers = header[3:]
+        if num_values < 0 or num_sinks < 0 or len(layers) != num_values + num_sinks:
+            return None
+        if len(tensors) != 1 + num_values + 2 * num_sinks or any(tensor.ndim != 3 for tensor in tensors[1:]):
+            return None
+        held = [tensor.to(device) for tensor in tensors[1:]]
+        values = dict(zip(layers[:num_values], held[:num_values]))
+        sink_keys = dict(zip(layers[num_values:], held[num_values : num_values + num_sinks]))
+        return cls(end, values, sink_keys, dict(zip(layers[num_values:], held[num_values + num_sinks :])))
+
 
 def split_tail(end: int, values: Tensors, sink_keys: Tensors, sink_values: Tensors) -> list[ExactTail]:
     """Each row's ``ExactTail`` of a batch's ``[batch, heads, n, head_dim]`` tensors (copies: a row's outlives the

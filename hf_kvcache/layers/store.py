@@ -191,11 +191,13 @@ class SlotStore:
                 sink_keys[layer_in_group], sink_values[layer_in_group] = self.sink.capture(layer_in_group, end)
 
     def _capturing(self, start: int, num_new: int) -> list[int]:
-        """The page boundaries whose ``ExactTail`` a step writing tokens ``[start, start + n)`` keeps."""
+        """The page boundaries whose ``ExactTail`` a step writing tokens ``[start, start + n)`` keeps: its end, or
+        inside the rows' first step (a later step's tokens read earlier ones through the residual window as it
+        stands at the step's end, so what they hold depends on where the step ends)."""
         end, page_size = start + num_new, self.pool.format.page_size
-        ends = [boundary for boundary in self.captures if start < boundary <= end]
+        ends = [boundary for boundary in self.captures if start < boundary <= end and (not start or boundary == end)]
         newest = end // page_size * page_size
-        if self.keeps_newest and newest > start:
+        if self.keeps_newest and newest > start and (not start or newest == end):
             if self._newest not in (newest, *self.captures):  # the step's first layer: the one before goes
                 self._captured.pop(self._newest, None)
             self._newest = newest

@@ -83,8 +83,9 @@ def encode_page(digest: bytes, key: PageKey, data: PageData) -> bytes:
     return body + hashlib.blake2b(body, digest_size=KEY_BYTES).digest()
 
 
-def decode_page(blob: bytes, digest: bytes, key: PageKey, specs: list[TensorSpec]) -> PageData:
-    """The page ``key`` from its bytes, whose tensors must be ``specs`` (shape, dtype).
+def decode_page(blob: bytes, digest: bytes, key: PageKey, specs: list[TensorSpec] | None) -> PageData:
+    """The page ``key`` from its bytes, whose tensors must be ``specs`` (shape, dtype; ``None``: any, as a tail's,
+    whose reader checks them).
 
     Raises:
         CorruptPage: the bytes are damaged, of another page, or of another page format.
@@ -106,12 +107,12 @@ def decode_page(blob: bytes, digest: bytes, key: PageKey, specs: list[TensorSpec
     at += size + 4
     count = int.from_bytes(body[at : at + 4], "little")
     at += 4
-    if count != len(specs):
+    if specs is not None and count != len(specs):
         raise CorruptPage(f"{count} tensors where the pool has {len(specs)}")
     buffer = bytearray(body)  # one copy, writable: the tensors are views of it
     tensors = []
     try:
-        for shape, dtype in specs:
+        for index in range(count):
             name_len = buffer[at]
             name = buffer[at + 1 : at + 1 + name_len].decode()
             at += 1 + name_len
@@ -120,6 +121,7 @@ def decode_page(blob: bytes, digest: bytes, key: PageKey, specs: list[TensorSpec
             at += 1 + 8 * ndim
             (num_bytes,) = struct.unpack_from("<Q", buffer, at)
             at += 8
+            shape, dtype = specs[index] if specs is not None else (tuple(found), getattr(torch, name, None))
             if name != str(dtype).removeprefix("torch.") or tuple(found) != tuple(shape) or at + num_bytes > len(body):
                 raise CorruptPage(f"a tensor of {name} {tuple(found)} where the pool has {dtype} {tuple(shape)}")
             raw = torch.frombuffer(buffer, dtype=torch.uint8, count=num_bytes, offset=at) if num_bytes else None

@@ -322,11 +322,11 @@ class PagePool:
                 self.tiers.publish(list(zip(keys, self._read_pages(list(ids)))))
             return len(new)
 
-    def publish_tails(self, tails: list[tuple[PageKey, Any]]) -> None:
-        """Keeps each ``(key, tail)`` beside the page published under ``key`` (``PrefixIndex.add_tail``)."""
+    def publish_tails(self, tails: list[tuple[PageKey, Any]]) -> list[tuple[PageKey, Any]]:
+        """Keeps each ``(key, tail)`` beside the page published under ``key`` (``PrefixIndex.add_tail``); returns
+        those kept (the others' pages are not published, or have one)."""
         with self.lock:
-            for key, tail in tails:
-                self._allocator.index.add_tail(key, tail)
+            return [(key, tail) for key, tail in tails if self._allocator.index.add_tail(key, tail)]
 
     def tail(self, key: PageKey) -> Any:
         """The tail kept beside the page published under ``key``, if any; hold ``lock`` as for ``lookup``."""

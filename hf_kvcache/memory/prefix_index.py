@@ -59,6 +59,11 @@ def chain_keys(parent: bytes, token_ids: Sequence[int], page_size: int) -> list[
     return keys
 
 
+def tail_key(key: PageKey) -> PageKey:
+    """The key the tail kept beside page ``key`` travels under to the pool's tiers (apart from the page's own)."""
+    return root_key(key[0], "tail"), key[1]
+
+
 class PrefixIndex:
     """Page key -> page id for published pages, and the cached ones in least recently used order.
 

@@ -13,6 +13,10 @@ Host memory keeps a page's contents as tensors (``hf_kvcache.memory.page_bytes.P
 store keep its checked bytes (``encode_page``), and a page whose bytes fail a check is counted (``rejected``) and read
 as a miss.
 
+A page's tail (what a quantized cache holds beside its pages in full precision: ``prefix_index``) travels the same
+way under a key of its own (``tail_key``): kept as an evicted page is and published to the store when the index
+publishes it, fetched with the prefix's pages.
+
 Writes to the directory and the store run on one background thread (``flush`` waits for them, and so does a process
 that exits, ``FLUSH_AT_EXIT_S`` at most), within ``MAX_PENDING_BYTES``; past that a write is dropped (counted).
 Lookups read synchronously, outside the pool's lock.
@@ -260,6 +264,17 @@ class PageTiers:
         memory) to the directory."""
         with self._lock:
             self.counts["spilled"] += len(pages)
+        self._keep(pages)
+
+    def publish_tails(self, tails: list[tuple[PageKey, PageData]]) -> None:
+        """Tails the index keeps beside published pages (``prefix_index.tail_key``; their tensors as they are), kept
+        as evicted pages are and published to the store: they outlive their page in the pool."""
+        self._keep(tails)
+        self.publish(tails)
+
+    def _keep(self, pages: list[tuple[PageKey, PageData]]) -> None:
+        """Into host memory, and what that pushes out (or everything, without host memory) to the directory."""
+        with self._lock:
             host = self.host
             pushed = pages if host is None else [out for key, data in pages for out in host.put(key, data)]
         if self.disk is not None:
@@ -274,9 +289,10 @@ class PageTiers:
 
     # ----- pages out -------------------------------------------------------------------------
 
-    def fetch(self, keys: list[PageKey]) -> dict[PageKey, tuple[str, PageData]]:
-        """The pages of ``keys`` the tiers hold, with the tier each came from (fastest first: host, disk, store).
-        Damaged or foreign bytes are counted (``rejected``) and left out."""
+    def fetch(self, keys: list[PageKey], tails: bool = False) -> dict[PageKey, tuple[str, PageData]]:
+        """The pages of ``keys`` the tiers hold (``tails``: the tails, their tensors unchecked), with the tier each
+        came from (fastest first: host, disk, store). Damaged or foreign bytes are counted (``rejected``) and left
+        out."""
         found: dict[PageKey, tuple[str, PageData]] = {}
         if self.host is not None:
             with self._lock:
@@ -288,7 +304,7 @@ class PageTiers:
         if self.disk is not None and rest:
             for key in rest:
                 blob = self.disk.read(store_key(self.digest, key))
-                data = self._decode("disk", key, blob) if blob is not None else None
+                data = self._decode("disk", key, blob, tails) if blob is not None else None
                 if data is not None:
                     found[key] = ("disk", data)
             rest = [key for key in rest if key not in found]
@@ -299,7 +315,7 @@ class PageTiers:
             with self._lock:
                 self.counts["store_bytes_read"] += sum(len(blob) for blob in blobs if blob is not None)
             for key, name, blob in zip(rest, names, blobs):
-                data = self._decode("store", key, blob) if blob is not None else None
+                data = self._decode("store", key, blob, tails) if blob is not None else None
                 if data is not None:
                     found[key] = ("store", data)
                 elif blob is not None:
@@ -352,9 +368,9 @@ class PageTiers:
 
     # ----- internals ---------------------------------------------------------------------------
 
-    def _decode(self, tier: str, key: PageKey, blob: bytes) -> PageData | None:
+    def _decode(self, tier: str, key: PageKey, blob: bytes, tails: bool = False) -> PageData | None:
         try:
-            return decode_page(blob, self.digest, key, self.specs)
+            return decode_page(blob, self.digest, key, None if tails else self.specs)
         except CorruptPage as error:
             with self._lock:
                 self.counts["rejected"] += 1
