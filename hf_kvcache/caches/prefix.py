@@ -26,10 +26,11 @@ Caches that store codes reuse a prefix as a continuation: the rows then hold wha
 they had written exactly that prefix, so the call gives what that cache, passed on, would have given (not what a
 fresh prefill gives: a prefill reads the prompt's own keys and values exact). Pages hold every token as codes; what
 the rows held besides them in full precision (the residual window's newest values, the exact sink's first tokens)
-is an ``ExactTail``, kept beside the index entry of the prefix's last page (``PrefixIndex.add_tail``) for the
-boundaries a later call is likely to start from: where a prompt's whole pages end, where it parts from what the
-index held (so that the next prompt with the same head finds one), and the last boundary the rows wrote before they
-were let go (a next turn's). A lookup reuses the longest prefix whose pages and tails it finds.
+is an ``ExactTail``, kept beside the index entry of the prefix's last page (``PrefixIndex.add_tail``; and in the
+pool's tiers, under ``tail_key``) for the boundaries a later call is likely to start from: where a prompt's whole
+pages end, where it parts from what the index held (so that the next prompt with the same head finds one), and the
+last boundary the rows wrote before they were let go (a next turn's); only at the end of a forward pass or inside
+the rows' first one (``SlotStore._capturing``). A lookup reuses the longest prefix whose pages and tails it finds.
 
 The index is keyed on what computes the keys and values (``model_fingerprint``, recomputed at every call: the
 model's class, config, dtype, adapters and a sample of its weights and buffers), the cache's ``prefix_namespace``,
