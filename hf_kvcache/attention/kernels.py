@@ -96,20 +96,10 @@ def write_planned(storage: torch.Tensor, plan: "Any", layer_idx: int, states: to
 
 
 def read_planned_view(view: torch.Tensor, plan: "Any") -> torch.Tensor:
-    """``read_planned`` from one layer's storage viewed as ``[1, heads, pages * page_size, last_dim]`` (a step that
-    reads in place: ``StepPlan.mask``), for attention that must gather after all: ``[batch, heads, num_keys,
-    last_dim]``."""
+    """A planned step's whole pages (``StepPlan.pages``) from one layer's storage viewed as ``[1, heads, pages *
+    page_size, last_dim]`` (a step that reads in place: ``StepPlan.mask``), for attention that must gather after all:
+    ``[batch, heads, num_keys, last_dim]``."""
     _, heads, _, last_dim = view.shape
     page_size = plan.mask.page_size
     pages = view.view(heads, -1, page_size, last_dim)[plan.heads, plan.pages]  # [batch, heads, capacity, page, last]
     return pages.view(pages.shape[0], heads, -1, last_dim)
-
-
-def read_planned(storage: torch.Tensor, plan: "Any", layer_idx: int) -> torch.Tensor:
-    """A planned step's keys (or values) of one layer, ``[batch, heads, plan.num_keys, last_dim]``: one gather of
-    whole pages (``StepPlan.pages``), or of single slots where the plan has ``offsets``, then a view."""
-    if plan.offsets is not None:
-        return storage[plan.layers[layer_idx], plan.heads, plan.pages, plan.offsets]  # [batch, heads, keys, last]
-    gathered = storage[plan.layers[layer_idx], plan.heads, plan.pages]  # [batch, heads, capacity, page_size, last]
-    batch, heads, capacity, page_size, last_dim = gathered.shape
-    return gathered.view(batch, heads, capacity * page_size, last_dim)

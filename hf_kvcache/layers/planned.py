@@ -3,7 +3,8 @@
 Before a compiled decode step (``PoolCache.plan_decode``, in the seam that sees every forward pass), the rows grow
 their table, encode what filled, and write where the step's token goes and what it reads into the persistent
 tensors of a ``StepPlan``; inside the graph a layer only writes at the planned slots and reads the planned pages
-(``write_planned``, ``read_planned``): tensor operations, no host read, nothing dynamo specializes on.
+(``write_planned``, and the gather of eager steps: ``PagedRows.gather``): tensor operations, no host read, nothing
+dynamo specializes on.
 """
 
 import torch
