@@ -274,6 +274,26 @@ def test_a_tail_lives_as_long_as_its_page(tiny_llama_model):
     assert_same_tokens_close_logits(continued(model, first[:, :20], second, name, config), candidate)
 
 
+def test_stats_count_the_tails_kept_beside_published_pages(tiny_llama_model):
+    """``prefix_tails`` / ``prefix_tail_bytes``: a residual window's values per tail, gone with their pages."""
+    model = tiny_llama_model
+    name, config = settings("values")
+    pool = prefix_pool(model, name, cache_config=config, max_tokens=120)
+    assert (pool.stats()["prefix_tails"], pool.stats()["prefix_tail_bytes"]) == (0, 0)
+    first = random_ids(1, 24, seed=14)
+    greedy(model, first, name, {**config, "pool": pool}, max_new_tokens=1).cache.release()  # tails at 20 and 24
+    text = model.config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    per_tail = text.num_hidden_layers * text.num_key_value_heads * 10 * head_dim * model.dtype.itemsize  # 10 values
+    assert (pool.stats()["prefix_tails"], pool.stats()["prefix_tail_bytes"]) == (2, 2 * per_tail)
+    other = random_ids(1, (pool.stats()["pages_free"] + 1) * PAGE_SIZE - 1, seed=15)  # evicts first's last page
+    greedy(model, other, name, {**config, "pool": pool}, max_new_tokens=1).cache.release()
+    kept = pool.stats()["prefix_tails"]
+    assert kept >= 1 and pool.stats()["prefix_tail_bytes"] == kept * per_tail  # 24's went with its page; 20's stays
+    pool.reset_prefix_index()
+    assert (pool.stats()["prefix_tails"], pool.stats()["prefix_tail_bytes"]) == (0, 0)
+
+
 @pytest.mark.parametrize("key", ["values", "kv", "values-r0"])
 def test_a_prefix_evicted_to_host_memory_continues_the_cache(tiny_llama_model, key):
     """Pages the index evicts go to host memory; the tails went there when they were published: both come back."""

@@ -39,6 +39,12 @@ class ExactTail:
             for held, length in ((self.values, residual_length), (self.sink_keys, sink_length))
         )
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes it holds (``stats()``'s ``prefix_tail_bytes``)."""
+        held = (*self.values.values(), *self.sink_keys.values(), *self.sink_values.values())
+        return sum(tensor.numel() * tensor.element_size() for tensor in held)
+
     def to_tensors(self) -> tuple[torch.Tensor, ...]:
         """The tail as host tensors, to travel to a pool's tiers (``from_tensors``): a header (``end``, the counts
         and ids of the layers of values and of the sink), then the values, the sink's keys and its values."""

@@ -111,6 +111,15 @@ class PrefixIndex:
         """The tail kept beside the page published under ``key``, if any."""
         return self._tails.get(key)
 
+    @property
+    def num_tails(self) -> int:
+        return len(self._tails)
+
+    @property
+    def tail_bytes(self) -> int:
+        """The bytes of the tails kept (each tail's ``nbytes``)."""
+        return sum(tail.nbytes for tail in self._tails.values())
+
     def mark_cached(self, page: int) -> None:
         """``page`` is now held by the index alone: the most recently used cached page."""
         self._cached[page] = None

@@ -43,7 +43,9 @@ def pool_stats(
     pages count once). ``live_tables`` counts the page tables of caches not yet garbage collected (0 again once
     every cache is gone). The prefix index's counts are in rows (one prompt each): ``prefix_lookups`` rows looked up,
     ``prefix_hits`` rows that reused at least a page, ``prefix_tokens_reused`` prompt tokens not prefilled,
-    ``prefix_hit_rate`` the share of looked-up prompt tokens that were reused.
+    ``prefix_hit_rate`` the share of looked-up prompt tokens that were reused; ``prefix_tails`` / ``prefix_tail_bytes``
+    what quantized caches keep beside published pages in full precision (``hf_kvcache.layers.exact.ExactTail``: the
+    residual window's values and the exact sink where a prompt's pages end), outside ``bytes_total``.
     """
     filled: dict[int, int] = {}
     for table in tables:
@@ -77,6 +79,8 @@ def pool_stats(
         "prefix_hits": index.hits if index is not None else 0,
         "prefix_tokens_reused": index.tokens_reused if index is not None else 0,
         "prefix_hit_rate": index.tokens_reused / queried if queried else 0.0,
+        "prefix_tails": index.num_tails if index is not None else 0,
+        "prefix_tail_bytes": index.tail_bytes if index is not None else 0,
     }
 
 
