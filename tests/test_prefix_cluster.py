@@ -251,6 +251,7 @@ def test_a_slot_migrated_mid_run_is_followed(cluster):
     assert reused_again() == 8
     assert store.redirections["MOVED"] == 1  # the map was read again at once: the other slots moved are known
     assert pool.stats()["prefix_store_errors"] == 0
+    assert pool.stats()["prefix_store_redirections"] == sum(store.redirections.values()) >= 2
 
 
 def test_a_node_killed_mid_generate_never_fails_a_request(cluster, quick_retry, caplog):

@@ -93,7 +93,8 @@ def tier_stats(stats: dict[str, Any], hits: dict[str, int], tiers: PageTiers | N
     ``prefix_disk_pages`` / ``prefix_disk_bytes`` in the directory; ``prefix_pages_spilled``: pages the index evicted
     into the tiers; ``prefix_pages_dropped``: writes to the directory or store given up (the writer too far behind,
     or the directory failing); ``prefix_store`` the store's URL, ``prefix_store_writes`` pages it took,
-    ``prefix_store_errors`` its calls that failed (down, slow, an error); ``prefix_pages_rejected`` pages read from
+    ``prefix_store_errors`` its calls that failed (down, slow, an error), ``prefix_store_redirections`` the ``MOVED``
+    and ``ASK`` answers of a Redis Cluster it followed; ``prefix_pages_rejected`` pages read from
     the directory or the store that failed their checks (damaged, of another page format, model or tokens) and were
     recomputed instead; ``prefix_store_bytes_read`` the bytes of the values read from the store,
     ``prefix_bytes_restored`` the bytes written back into the pool from any tier.

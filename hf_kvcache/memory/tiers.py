@@ -61,7 +61,7 @@ NO_TIER_STATS: dict[str, Any] = {
     **dict.fromkeys(("prefix_disk_pages", "prefix_disk_bytes", "prefix_pages_spilled", "prefix_pages_dropped"), 0),
     "prefix_store": None,
     **dict.fromkeys(("prefix_store_writes", "prefix_store_errors", "prefix_pages_rejected"), 0),
-    **dict.fromkeys(("prefix_store_bytes_read", "prefix_bytes_restored"), 0),
+    **dict.fromkeys(("prefix_store_bytes_read", "prefix_bytes_restored", "prefix_store_redirections"), 0),
 }
 """``PageTiers.stats`` of a pool without tiers."""
 
@@ -361,6 +361,7 @@ class PageTiers:
                 "prefix_store": self.store.url if self.store is not None else None,
                 "prefix_store_writes": counts["store_writes"],
                 "prefix_store_errors": self.store.errors if self.store is not None else 0,
+                "prefix_store_redirections": sum(self.store.redirections.values()) if self.store is not None else 0,
                 "prefix_pages_rejected": counts["rejected"],
                 "prefix_store_bytes_read": counts["store_bytes_read"],
                 "prefix_bytes_restored": counts["bytes_restored"],
