@@ -18,11 +18,12 @@ from hf_kvcache.caches.config import PagedConfig
 from hf_kvcache.caches.planned import PlannedDecoding
 from hf_kvcache.caches.policy import RowPolicy
 from hf_kvcache.caches.prefix import PrefixTracker
-from hf_kvcache.caches.state_layers import StateLayers
+from hf_kvcache.caches.state_layers import IndexedLayer, IndexedWindowLayer, StateLayers
 from hf_kvcache.errors import IncompatibleModelError, PoolExhaustedError
 from hf_kvcache.layers import GATHER, IN_PLACE, RUN, PagedLayer, WindowLayer
 from hf_kvcache.memory.allocator import NULL_PAGE
 from hf_kvcache.memory.format import (
+    INDEXED_ATTENTION,
     PAGED_LAYER_TYPES,
     PageFormat,
     layer_geometries,
@@ -182,9 +183,11 @@ class PoolCache(PlannedDecoding):
         raise NotImplementedError
 
     def _make_layer(self, layer_idx: int, layer_in_group: int, bind, policy: RowPolicy) -> CacheLayerMixin:
+        indexed = self._state_layers.types.get(layer_idx) == INDEXED_ATTENTION  # its indexer's keys beside
         if policy.window is None:
-            return PagedLayer(layer_idx, layer_in_group, bind)
-        return WindowLayer(layer_idx, layer_in_group, bind, policy.window, policy.sink_tokens, policy.is_sliding)
+            return (IndexedLayer if indexed else PagedLayer)(layer_idx, layer_in_group, bind)
+        window = IndexedWindowLayer if indexed else WindowLayer
+        return window(layer_idx, layer_in_group, bind, policy.window, policy.sink_tokens, policy.is_sliding)
 
     @property
     def pools(self) -> dict[torch.device, KVPool | KVPoolSet]:

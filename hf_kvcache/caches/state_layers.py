@@ -1,17 +1,20 @@
 """The layers of a cache that hold no attention KV we page keep transformers' own cache layers (``StateLayers``):
-linear attention's recurrent and convolution states, state-space and short-convolution states, indexer keys, layers
-that carry both a state and keys, and cross-attention layers' keys of an image or encoder output (``CROSS_ATTENTION``:
-Mllama). Each is the object ``DynamicCache`` makes for its layer (same class, same construction), but a
-cross-attention layer's, which is the ``StaticLayer`` transformers' ``StaticCache`` makes for Mllama, sized by the
-image's keys when they are written (``ImageKeysLayer``: written once, read at every step, so decoding compiles);
-all held outside the pool; the model reads and writes them through ``Cache``'s own methods (``update``,
-``update_conv_state``, ...) or their ``keys``, which find them in ``cache.layers``.
+linear attention's recurrent and convolution states, state-space and short-convolution states, layers that carry
+both a state and keys, the keys of an indexed-attention layer's lightning indexer (``IndexerKeys``: the layer's own
+keys and values are on the pool), and cross-attention layers' keys of an image or encoder output
+(``CROSS_ATTENTION``: Mllama). Each is the object ``DynamicCache`` makes for its layer (same class, same
+construction), but a cross-attention layer's, which is the ``StaticLayer`` transformers' ``StaticCache`` makes for
+Mllama, sized by the image's keys when they are written (``ImageKeysLayer``: written once, read at every step, so
+decoding compiles); all held outside the pool; the model reads and writes them through ``Cache``'s own methods
+(``update``, ``update_conv_state``, ``update_indexer``, ...) or their ``keys``, which find them in ``cache.layers``.
 
 A recurrent state exists only at the end of the tokens it has seen: it moves with its rows (beams, returned
 sequences), but it cannot be cut back to a page boundary, so a cache with such layers does not reuse prompts
-(``refusal``), and it can be cropped only where transformers' layer records its past (``activate_past_recording``,
-as assisted decoding does). An image's keys are not a function of the prompt's tokens a prefix is keyed on: no
-reuse either; a crop of the prompt's tokens leaves them whole."""
+(``refusal``; nor does one with an indexer's keys, which a cached prefix's pages do not hold), and it can be cropped
+only where transformers' layer records its past (``activate_past_recording``, as assisted decoding does). An image's
+keys are not a function of the prompt's tokens a prefix is keyed on: no reuse either; a crop of the prompt's tokens
+leaves them whole. An indexer's keys grow by concatenation, as in transformers' ``DynamicIndexedLayer``: a cache with
+them does not compile its decode steps (``is_compileable``)."""
 
 from typing import Any
 
@@ -19,8 +22,55 @@ import torch
 from transformers import DynamicCache, PreTrainedConfig, StaticLayer
 
 from hf_kvcache.errors import IncompatibleModelError
-from hf_kvcache.memory.format import CROSS_ATTENTION, PAGED_LAYER_TYPES
+from hf_kvcache.layers import PagedLayer, WindowLayer
+from hf_kvcache.layers.window import visible_span
+from hf_kvcache.memory.format import CROSS_ATTENTION, INDEXED_ATTENTION, PAGED_LAYER_TYPES
 from hf_kvcache.transformers_internals import cache_layer_state
+
+
+class IndexerKeys:
+    """An indexed-attention layer on the pool (``IndexedLayer``, ``IndexedWindowLayer``): its keys and values in pages,
+    its lightning indexer's keys ``[batch, tokens, index_head_dim]`` in transformers' own ``DynamicIndexedLayer``
+    (``indexer``, held by ``StateLayers``, which moves and crops it with the rows and counts its bytes), which the model
+    writes and reads through ``cache.update_indexer``. The indexer scores the keys attention reads and its picks
+    index them, so a window hands it the same tokens: ``[first, end)`` of the window's ``visible_span``, and keeps
+    only its last ``reach`` tokens, as the window's pages do."""
+
+    indexer: Any = None  # placed by StateLayers.place
+
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        """Appends ``[batch, n, index_head_dim]`` indexer keys (after the step's ``update``); returns those of the
+        tokens attention reads this step."""
+        keys = self.indexer.update_indexer(indexer_key_states)
+        window = getattr(self, "window", None)
+        if window is None:
+            return keys
+        num_new = indexer_key_states.shape[1]
+        _, first = visible_span(self.num_tokens - num_new, num_new, window, 0)
+        visible = keys[:, first - self.num_tokens + keys.shape[1] :]
+        self.indexer.indexer_keys = keys[:, -self.rows.reach :]  # what the next step (or a crop of a page) needs
+        return visible
+
+
+class IndexedLayer(IndexerKeys, PagedLayer):
+    """An indexed-attention layer keeping every token (``IndexerKeys``)."""
+
+
+class IndexedWindowLayer(IndexerKeys, WindowLayer):
+    """An indexed-attention layer keeping a window imposed by the cache (``IndexerKeys``).
+
+    Raises:
+        IncompatibleModelError: the window keeps sinks, which a padded row keeps at its own first real tokens: the
+            indexer's keys do not follow them.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.sink_tokens:
+            raise IncompatibleModelError(
+                f"Layer {self.layer_idx} is an indexed-attention layer, whose indexer's keys a window keeps without "
+                f"sinks: sink_tokens={self.sink_tokens} is not served on it. Set cache_config sink_tokens=0."
+            )
 
 
 class ImageKeysLayer(StaticLayer):
@@ -51,7 +101,8 @@ class ImageKeysLayer(StaticLayer):
 
 class StateLayers:
     """transformers' own layers of one cache, by model layer index: every layer whose type is neither paged
-    (``PAGED_LAYER_TYPES``) nor ``dummy``.
+    (``PAGED_LAYER_TYPES``) nor ``dummy``, and the indexer keys of each indexed-attention layer (``IndexerKeys``:
+    transformers' ``DynamicIndexedLayer``, whose keys and values stay unused; the cache's layer is on the pool).
 
     Args:
         config: the model's decoder config.
@@ -65,7 +116,8 @@ class StateLayers:
 
     def __init__(self, config: PreTrainedConfig, layer_types: list[str]) -> None:
         self.config = config
-        self.types = {idx: kind for idx, kind in enumerate(layer_types) if kind not in (*PAGED_LAYER_TYPES, "dummy")}
+        held = lambda kind: kind not in (*PAGED_LAYER_TYPES, "dummy") or kind == INDEXED_ATTENTION  # noqa: E731
+        self.types = {idx: kind for idx, kind in enumerate(layer_types) if held(kind)}
         self.layers: dict[int, Any] = self._made()
 
     def __bool__(self) -> bool:
@@ -85,9 +137,13 @@ class StateLayers:
         return {idx: ImageKeysLayer() if kind == CROSS_ATTENTION else made[idx] for idx, kind in self.types.items()}
 
     def place(self, cache_layers: list[Any]) -> None:
-        """Puts these layers in their places of a cache's ``layers``."""
+        """Puts these layers in their places of a cache's ``layers``; an indexer's keys beside its layer's keys and
+        values (``IndexerKeys.indexer``)."""
         for idx, layer in self.layers.items():
-            cache_layers[idx] = layer
+            if self.types[idx] == INDEXED_ATTENTION:
+                cache_layers[idx].indexer = layer
+            else:
+                cache_layers[idx] = layer
 
     def release(self, cache_layers: list[Any]) -> None:
         """Drops the states and their memory: fresh layers take their places in ``cache_layers`` (a reset layer would
@@ -104,13 +160,19 @@ class StateLayers:
     def refusal(self) -> str | None:
         """Why a cache with these layers does not reuse prompts (``None``: it has none)."""
         cross = [idx for idx, kind in self.types.items() if kind == CROSS_ATTENTION]
-        states = [idx for idx in self.types if idx not in cross]
+        indexed = [idx for idx, kind in self.types.items() if kind == INDEXED_ATTENTION]
+        states = [idx for idx in self.types if idx not in cross + indexed]
         kinds = sorted({self.types[idx] for idx in states})
         reasons = []
         if states:
             reasons.append(
                 f"layers {states} ({', '.join(kinds)}) keep a recurrent or convolution state (or keys of their own) "
                 "outside the pool, which exists only at the end of the tokens it has seen, not at a page of the prompt"
+            )
+        if indexed:
+            reasons.append(
+                f"indexed-attention layers {indexed} keep their indexer's keys beside the pool, which a cached "
+                "prefix's pages do not hold"
             )
         if cross:
             reasons.append(

@@ -29,10 +29,15 @@ def check_page_size(page_size: int) -> int:
     return page_size
 
 
-PAGED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+INDEXED_ATTENTION = "indexed_attention"
+"""Sparse attention with a lightning indexer (DeepSeek-V3.2, GLM-MoE-DSA, ...): its keys and values are paged as a full
+attention layer's, and its indexer's keys, which pick the keys each query reads, are kept beside them
+(``caches.state_layers.IndexerKeys``)."""
+
+PAGED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", INDEXED_ATTENTION)
 """Layer types whose keys and values live in pool pages. Layers of other types (linear attention, convolution and
-state-space states, indexer keys, layers that carry both a state and keys) hold no pages: the caches keep
-transformers' own cache layers for them, outside the pool."""
+state-space states, layers that carry both a state and keys) hold no pages: the caches keep transformers' own cache
+layers for them, outside the pool."""
 
 
 def layer_types(config: Any) -> list[str]:
