@@ -30,6 +30,7 @@ from hf_kvcache.errors import PoolExhaustedError
 from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.layers.plan import capacity_bucket
 from hf_kvcache.memory.page_pool import PagePool
+from hf_kvcache.memory.pools import pool_parts
 
 logger = logging.getLogger("hf_kvcache")
 
@@ -179,8 +180,8 @@ def warmup(
             release_deferred()  # the pages of the cache the compile traced, before the next shape or request
             shapes.append(shape)
             if shape.in_place_calls and not views_done and _shares_pool(cache_config) and pool is not None:
-                # The first shape read in place: the same in each larger view of the pool's storage.
-                shapes += _warm_views(run, pool.pages, batch_size, prompt, length)
+                # The first shape read in place: the same in each larger view of each part's storage.
+                shapes += _warm_views(run, [part.pages for part in pool_parts(pool)], batch_size, prompt, length)
                 views_done = True
     if compile_config is None and not any(shape.in_place_calls for shape in shapes):
         raise ValueError(
@@ -199,23 +200,38 @@ def _shares_pool(cache_config: PagedConfig) -> bool:
     return cache_config.max_tokens is None or bool(cache_config.prefix_caching)
 
 
-def _warm_views(run: Callable, pool: PagePool, batch_size: int, prompt: int, length: int) -> list[WarmedShape]:
+def _warm_views(run: Callable, pools: list[PagePool], batch_size: int, prompt: int, length: int) -> list[WarmedShape]:
     """Runs a generation of ``batch_size`` rows of ``length`` tokens whose pages lie in each larger view of the
-    pool's storage that in-place attention may read (``block_mask.view_pages``: powers of two extents from
-    ``MIN_VIEW_EXTENTS``, up to the whole storage), the pages below held as other requests would hold them."""
+    storage that in-place attention may read (``block_mask.view_pages``: powers of two extents from
+    ``MIN_VIEW_EXTENTS``, up to the whole storage), the pages below held as other requests would hold them.
+
+    ``pools``: the pool of each geometry the model's layers write (``KVPoolSet.parts``; one for most models). Their
+    views grow together, as other requests' pages fill every part alike; a part whose views are all run stays in its
+    largest one while the others go on.
+    """
+    starts = [_view_starts(pool) for pool in pools]
     shapes = []
-    view = pool.format.extent_pages * block_mask.MIN_VIEW_EXTENTS
-    while view < pool.storage.num_pages:
-        held = _hold_extents_below(pool, view)
+    for step in range(max(map(len, starts))):
+        firsts = [views[min(step, len(views) - 1)] if views else None for views in starts]
+        held = [[] if first is None else _hold_extents_below(pool, first) for pool, first in zip(pools, firsts)]
         try:
-            shape, out = run(batch_size, prompt, length, held_pages=len(held))
+            shape, out = run(batch_size, prompt, length, held_pages=sum(map(len, held)))
             del out
         finally:
-            pool.free(held)
+            for pool, pages in zip(pools, held):
+                pool.free(pages)
         release_deferred()
         shapes.append(shape)
-        view *= 2
     return shapes
+
+
+def _view_starts(pool: PagePool) -> list[int]:
+    """The first page of each view of ``pool``'s storage larger than the smallest (``block_mask.view_pages``)."""
+    starts, view = [], pool.format.extent_pages * block_mask.MIN_VIEW_EXTENTS
+    while view < pool.storage.num_pages:
+        starts.append(view)
+        view *= 2
+    return starts
 
 
 def _hold_extents_below(pool: PagePool, first_page: int) -> list[int]:
