@@ -311,9 +311,18 @@ class PoolCache(PlannedDecoding):
         if attention_mask is not None:
             leading = (torch.as_tensor(attention_mask).long().cumsum(-1) == 0).sum(-1)  # [rows]
             pad_lengths = leading.tolist() if bool(leading.any()) else None
-        self._binder.planned_tokens, self._binder.pad_lengths = num_tokens, pad_lengths
+        self._binder.planned_tokens, self._binder.pad_lengths, self._binder.fed_tokens = num_tokens, pad_lengths, None
         for rows in self._binder.rows.values():
-            rows.set_plan(pad_lengths)
+            rows.set_plan(pad_lengths, None)
+
+    def feeds(self, num_tokens: int | None) -> None:
+        """The tokens ``generate``'s first forward pass feeds (``None``: not known): the padding ``plan`` was told
+        is where the rows hold it only if the model writes as many. A model that writes others (CPM-Ant puts prompt
+        tokens of its own in front of the input) holds its first tokens where the mask shows padding, so its rows
+        then skip no page and hide no token (``PagedRows.begin_step``)."""
+        self._binder.fed_tokens = num_tokens
+        for rows in self._binder.rows.values():
+            rows.set_plan(self._binder.pad_lengths, num_tokens)
 
     def memory_stats(self) -> dict[str, int]:
         """Pages this cache holds (shared pages once), the bytes it holds, and the tokens per row.

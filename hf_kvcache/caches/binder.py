@@ -68,6 +68,7 @@ class PoolBinder:
         self.rows: dict[tuple[torch.device, int], PagedRows] = {}
         self.planned_tokens = 0  # see PoolCache.plan
         self.pad_lengths: list[int] | None = None  # see PoolCache.plan
+        self.fed_tokens: int | None = None  # see PoolCache.feeds
         self.prefix: PrefixTracker | None = None  # made when the pool is bound, if the cache reuses prompts
         pool = cache_config.pool
         self.pool = KVPool.named(pool) if isinstance(pool, str) else pool
@@ -134,7 +135,7 @@ class PoolBinder:
             rows = policy.make_rows(pool.pages, our_attention, queries_per_kv_head, self.placement.process_group)
             rows.contiguous_keys = not hands_states_to_attention_only(config)  # the model's own code may .view() them
             self.rows[(device, layer_group_idx)] = rows
-            rows.set_plan(self.pad_lengths)
+            rows.set_plan(self.pad_lengths, self.fed_tokens)
         return rows
 
     def page_formats(self, device: torch.device, dtype: torch.dtype) -> list[PageFormat]:

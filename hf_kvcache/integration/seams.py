@@ -269,9 +269,22 @@ def _prepare_inputs_for_generation(
     else:  # before the inputs: preparing them may build the mask, whose size the plan sets
         cache.plan_decode(input_ids.shape[0], next_sequence_length, kwargs.get("attention_mask"))
     inputs = _original_inputs(self, input_ids, next_sequence_length=next_sequence_length, cache=cache, **kwargs)
+    if kwargs.get("is_first_iteration"):
+        cache.feeds(_num_fed(inputs))
     cache.record_inputs(inputs.get("input_ids"))
     cache.start_planned(inputs)
     return inputs
+
+
+def _num_fed(inputs: dict[str, Any]) -> int | None:
+    """The tokens a forward pass's prepared ``inputs`` feed: ``input_ids [rows, n]`` or ``inputs_embeds [rows, n,
+    hidden]`` (``None``: neither)."""
+    ids, embeds = inputs.get("input_ids"), inputs.get("inputs_embeds")
+    if isinstance(ids, torch.Tensor) and ids.ndim == 2:
+        return ids.shape[-1]
+    if isinstance(embeds, torch.Tensor) and embeds.ndim == 3:
+        return embeds.shape[-2]
+    return None
 
 
 def register() -> None:

@@ -84,6 +84,7 @@ class PagedRows(PlannedRows):
         self._last_layer = pool.format.num_layers - 1
         self.pad_lengths: list[int] | None = None  # leading padding of each row (``PoolCache.plan``); None: none
         self._pads: torch.Tensor | None = None  # ``pad_lengths`` as a [batch] tensor, see _pad_tensor
+        self.fed_tokens: int | None = None  # tokens the first forward pass feeds (``set_plan``); None: not known
         # How attention reads a step's pages, and the block mask in place uses
         self.path = ReadPath(pool, self.table, our_attention, queries_per_kv_head)
         self._version = -1  # table version the cached indices below were built for
@@ -354,6 +355,10 @@ class PagedRows(PlannedRows):
         if end > self.num_tokens:
             if start != self.num_tokens:
                 raise RuntimeError(f"A layer writes from token {start}; the cache holds {self.num_tokens}.")
+            if start == 0 and self.pad_lengths is not None and self.fed_tokens not in (None, num_new):
+                # The model writes other tokens than it was fed (CPM-Ant puts prompt tokens of its own in front): the
+                # padding its mask shows is not where the rows hold it, so they skip no page and hide no token.
+                self.set_plan(None, None)
             identical_rows = find_identical_rows(key_states, value_states) if start == 0 else None
             if start == 0 and batch > 1 and self.process_group is not None:
                 identical_rows = self._agreed_identical_rows(identical_rows, batch)
@@ -365,9 +370,10 @@ class PagedRows(PlannedRows):
     def _grow(self, batch: int, start: int, num_new: int, identical_rows: list[int] | None) -> None:
         self._apply(lambda: self.table.grow(batch, num_new, identical_rows))
 
-    def set_plan(self, pad_lengths: list[int] | None) -> None:
-        """Each row's leading padding (``PoolCache.plan``)."""
-        self.pad_lengths, self._pads = pad_lengths, None
+    def set_plan(self, pad_lengths: list[int] | None, fed_tokens: int | None) -> None:
+        """Each row's leading padding, and the tokens the first forward pass feeds (``PoolCache.plan``,
+        ``PoolCache.feeds``; ``None``: not known)."""
+        self.pad_lengths, self._pads, self.fed_tokens = pad_lengths, None, fed_tokens
         self.table.pads = list(pad_lengths) if pad_lengths is not None else None
         self.path.stale()
 
