@@ -11,8 +11,8 @@ modeling file of transformers 5.25:
 - windows: sliding layers beside full ones (Gemma 2, Gemma 3, GPT-OSS, Cohere 2), chunked attention (Llama 4), a
   window ModernBERT's decoder applies inside its own eager function (``sliding_window``);
 - top-k sparse attention (``indices``: DeepSeek's lightning indexer, DSA): DeepSeek-V3.2, GLM-MoE-DSA, A.X K2,
-  Hunyuan-V4, Dots3. Our caches refuse their indexed layers by name; under our attention with ``DynamicCache`` the
-  indexer's choice is folded into the mask as the model does under sdpa (``DSA_MODELS``);
+  Hunyuan-V4, Dots3. Under our attention the indexer's choice is folded into the mask as the model does under sdpa
+  (``DSA_MODELS``, with ``DynamicCache``; our caches page their indexed layers: tests/test_indexed_attention.py);
 - block-sparse attention (``block_indices``: MiniMax-M3's indexer): our caches keep its sparse layer's own cache
   layer and page the full-attention one; under either attention, every cache equals ``DynamicCache``.
 
