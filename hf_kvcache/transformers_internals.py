@@ -3,7 +3,8 @@
 The rest of hf_kvcache imports only names of the top-level ``transformers`` package (``tests/test_layering.py``
 checks it); what transformers offers only through a submodule, a private attribute or an attribute it does
 not document is reached here, by one small function each (each says what it reaches), or re-exported by name:
-``DummyLayer`` (the layer a cache keeps for a layer that caches nothing), ``sdpa_attention_forward`` and
+``DummyLayer`` (the layer a cache keeps for a layer that caches nothing), ``LinearAttentionLayer`` (the convolution
+and recurrent states a layer that fuses attention with a state-space block keeps), ``sdpa_attention_forward`` and
 ``sdpa_mask`` (sdpa's attention function and mask builder), ``check_python_requirements`` (the check transformers
 runs on a ``custom_generate/requirements.txt``). ``tests/test_transformers_internals.py`` pins each of them against
 the installed release, so that an upgrade that moves one fails there first.
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from transformers import AttentionInterface, AttentionMaskInterface, GenerationMixin, PreTrainedConfig
-from transformers.cache_utils import DummyLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import DummyLayer, LinearAttentionLayer, get_layer_types_and_kwargs
 from transformers.dynamic_module_utils import check_python_requirements
 from transformers.generation import configuration_utils
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -25,6 +26,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 __all__ = [
     "DummyLayer",
+    "LinearAttentionLayer",
     "attn_implementation",
     "cache_implementations",
     "cache_layer_state",

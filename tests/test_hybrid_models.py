@@ -228,16 +228,11 @@ def test_is_compileable_follows_transformers_layers(qwen):
 
 
 MAMBA = {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "state_size": 4}
-FALCON_H1 = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 16}
 
 
 @pytest.mark.parametrize(
     "model_type,sizes,types",
-    [
-        ("mamba", MAMBA, r"\['linear_attention'\]"),
-        ("falcon_mamba", MAMBA, r"\['linear_attention'\]"),
-        ("falcon_h1", FALCON_H1, r"\['hybrid'\]"),
-    ],
+    [("mamba", MAMBA, r"\['linear_attention'\]"), ("falcon_mamba", MAMBA, r"\['linear_attention'\]")],
 )
 def test_models_without_an_attention_layer_to_page_are_refused_by_name(model_type, sizes, types):
     config = AutoConfig.for_model(model_type, **sizes)

@@ -26,6 +26,7 @@ from hf_kvcache.memory.format import (
     INDEXED_ATTENTION,
     PAGED_LAYER_TYPES,
     PageFormat,
+    attention_halves,
     layer_geometries,
     layer_groups,
     no_paged_layers,
@@ -84,9 +85,10 @@ class PoolCache(PlannedDecoding):
         layer_types, layer_kwargs = layer_types_and_kwargs(config)
         layer_types = with_cross_attention(config, layer_types)
         self.cache_config = cache_config = self.config_class.parse(cache_config)
+        self._state_layers = StateLayers(config, layer_types)
+        layer_types = attention_halves(layer_types)  # a layer of keys and a state: its keys paged, its state above
         if not layer_groups(layer_types):
             raise IncompatibleModelError(no_paged_layers(config, layer_types))
-        self._state_layers = StateLayers(config, layer_types)
         geometries = layer_geometries(config, layer_types)
         groups = layer_groups(layer_types, geometries)
         page_format = PageFormat.from_model_config(config, torch.float32)
@@ -183,10 +185,13 @@ class PoolCache(PlannedDecoding):
         raise NotImplementedError
 
     def _make_layer(self, layer_idx: int, layer_in_group: int, bind, policy: RowPolicy) -> CacheLayerMixin:
+        """A layer on the pool, with its indexer's keys beside (``IndexerKeys``) or a state half
+        (``StateLayers.layer_class``) where it carries either."""
         indexed = self._state_layers.types.get(layer_idx) == INDEXED_ATTENTION  # its indexer's keys beside
         if policy.window is None:
-            return (IndexedLayer if indexed else PagedLayer)(layer_idx, layer_in_group, bind)
-        window = IndexedWindowLayer if indexed else WindowLayer
+            paged = self._state_layers.layer_class(layer_idx, IndexedLayer if indexed else PagedLayer)
+            return paged(layer_idx, layer_in_group, bind)
+        window = self._state_layers.layer_class(layer_idx, IndexedWindowLayer if indexed else WindowLayer)
         return window(layer_idx, layer_in_group, bind, policy.window, policy.sink_tokens, policy.is_sliding)
 
     @property

@@ -1,12 +1,14 @@
 """The layers of a cache that hold no attention KV we page keep transformers' own cache layers (``StateLayers``):
-linear attention's recurrent and convolution states, state-space and short-convolution states, layers that carry
-both a state and keys, the keys of an indexed-attention layer's lightning indexer (``IndexerKeys``: the layer's own
-keys and values are on the pool), and cross-attention layers' keys of an image or encoder output
-(``CROSS_ATTENTION``: Mllama). Each is the object ``DynamicCache`` makes for its layer (same class, same
-construction), but a cross-attention layer's, which is the ``StaticLayer`` transformers' ``StaticCache`` makes for
-Mllama, sized by the image's keys when they are written (``ImageKeysLayer``: written once, read at every step, so
-decoding compiles); all held outside the pool; the model reads and writes them through ``Cache``'s own methods
-(``update``, ``update_conv_state``, ``update_indexer``, ...) or their ``keys``, which find them in ``cache.layers``.
+linear attention's recurrent and convolution states, state-space and short-convolution states, the keys of an
+indexed-attention layer's lightning indexer (``IndexerKeys``: the layer's own keys and values are on the pool), and
+cross-attention layers' keys of an image or encoder output (``CROSS_ATTENTION``: Mllama). Each is the object
+``DynamicCache`` makes for its layer (same class, same construction), but a cross-attention layer's, which is the
+``StaticLayer`` transformers' ``StaticCache`` makes for Mllama, sized by the image's keys when they are written
+(``ImageKeysLayer``: written once, read at every step, so decoding compiles); all held outside the pool. A layer
+that fuses attention with a state-space block (``FUSED_LAYER_TYPES``: Falcon-H1, Zaya, Inkling) is one of our layers
+on the pool with the state half of transformers' ``LinearAttentionLayer`` mixed in (``with_state``), kept here for
+its states. The model reads and writes them through ``Cache``'s own methods (``update``, ``update_conv_state``,
+``update_indexer``, ...) or their ``keys``, which find them in ``cache.layers``.
 
 A recurrent state exists only at the end of the tokens it has seen: it moves with its rows (beams, returned
 sequences), but it cannot be cut back to a page boundary, so a cache with such layers does not reuse prompts
@@ -16,6 +18,7 @@ keys are not a function of the prompt's tokens a prefix is keyed on: no reuse ei
 leaves them whole. An indexer's keys grow by concatenation, as in transformers' ``DynamicIndexedLayer``: a cache with
 them does not compile its decode steps (``is_compileable``)."""
 
+import functools
 from typing import Any
 
 import torch
@@ -24,8 +27,8 @@ from transformers import DynamicCache, PreTrainedConfig, StaticLayer
 from hf_kvcache.errors import IncompatibleModelError
 from hf_kvcache.layers import PagedLayer, WindowLayer
 from hf_kvcache.layers.window import visible_span
-from hf_kvcache.memory.format import CROSS_ATTENTION, INDEXED_ATTENTION, PAGED_LAYER_TYPES
-from hf_kvcache.transformers_internals import cache_layer_state
+from hf_kvcache.memory.format import CROSS_ATTENTION, FUSED_LAYER_TYPES, INDEXED_ATTENTION, PAGED_LAYER_TYPES
+from hf_kvcache.transformers_internals import LinearAttentionLayer, cache_layer_state
 
 
 class IndexerKeys:
@@ -99,10 +102,53 @@ class ImageKeysLayer(StaticLayer):
         return self.keys, self.values
 
 
+class StateHalf:
+    """The state half of a layer that carries both keys and a state (``FUSED_LAYER_TYPES``: Falcon-H1, Zaya, Inkling),
+    mixed into one of our paged layer classes with transformers' ``LinearAttentionLayer`` (``with_state``), as
+    transformers mixes it into ``DynamicLayer`` (``LinearAttentionAndFullAttentionLayer``): the model writes the keys
+    through ``update`` (to the pool) and the states through ``update_conv_state`` / ``update_recurrent_state``, all
+    on the one layer ``Cache``'s methods find at its index. Row changes move the pages once per layer group (the
+    cache's rows) and the states here (``reorder_cache``)."""
+
+    def __init__(self, *args: Any, number_of_states: int = 1, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+    def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
+        """A state's first write comes by keywords (``conv_states=`` / ``recurrent_states=``), keys' by position."""
+        if kwargs:
+            LinearAttentionLayer.lazy_initialization(self, **kwargs)
+        else:
+            super().lazy_initialization(*args)
+
+    @property
+    def is_compileable(self) -> bool:
+        """transformers' rule for the state: static addresses, updated in place, unless it records its past."""
+        return not self.record_past
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        LinearAttentionLayer.reorder_cache(self, beam_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        LinearAttentionLayer.crop(self, tokens_to_remove)
+        super().crop(tokens_to_remove)
+
+    def fresh_state(self) -> None:
+        """Drops the states and their memory (``StateLayers.release``): as the layer was made."""
+        LinearAttentionLayer.__init__(self, number_of_states=self.number_of_states)
+
+
+@functools.cache
+def with_state(layer_class: type[PagedLayer]) -> type[PagedLayer]:
+    """``layer_class`` (``PagedLayer``, ``WindowLayer``) with a state half (``StateHalf``)."""
+    return type(f"{layer_class.__name__}WithState", (StateHalf, layer_class, LinearAttentionLayer), {})
+
+
 class StateLayers:
     """transformers' own layers of one cache, by model layer index: every layer whose type is neither paged
     (``PAGED_LAYER_TYPES``) nor ``dummy``, and the indexer keys of each indexed-attention layer (``IndexerKeys``:
-    transformers' ``DynamicIndexedLayer``, whose keys and values stay unused; the cache's layer is on the pool).
+    transformers' ``DynamicIndexedLayer``, whose keys and values stay unused; the cache's layer is on the pool), and
+    the cache's own layers that carry keys and a state (``FUSED_LAYER_TYPES``), for their states.
 
     Args:
         config: the model's decoder config.
@@ -118,7 +164,17 @@ class StateLayers:
         self.config = config
         held = lambda kind: kind not in (*PAGED_LAYER_TYPES, "dummy") or kind == INDEXED_ATTENTION  # noqa: E731
         self.types = {idx: kind for idx, kind in enumerate(layer_types) if held(kind)}
+        self.fused = [idx for idx, kind in self.types.items() if kind in FUSED_LAYER_TYPES]
         self.layers: dict[int, Any] = self._made()
+
+    def layer_class(self, layer_idx: int, paged_class: type[PagedLayer]) -> Any:
+        """What makes layer ``layer_idx`` on the pool: ``paged_class``, with a state half (``with_state``) and
+        ``DynamicCache``'s number of states where the layer carries both keys and a state (the cache's own layer,
+        which ``place`` then keeps for its states)."""
+        if layer_idx not in self.fused:
+            return paged_class
+        states = DynamicCache(config=self.config).layers[layer_idx].number_of_states
+        return functools.partial(with_state(paged_class), number_of_states=states)
 
     def __bool__(self) -> bool:
         return bool(self.types)
@@ -134,20 +190,24 @@ class StateLayers:
                 f"{type(self.config).__name__} has a layer of type {error} for which transformers' DynamicCache has no "
                 "cache layer: import the model (its modeling module registers the layer type) before the cache."
             ) from error
-        return {idx: ImageKeysLayer() if kind == CROSS_ATTENTION else made[idx] for idx, kind in self.types.items()}
+        layers = {idx: ImageKeysLayer() if kind == CROSS_ATTENTION else made[idx] for idx, kind in self.types.items()}
+        return {idx: layer for idx, layer in layers.items() if idx not in self.fused}
 
     def place(self, cache_layers: list[Any]) -> None:
         """Puts these layers in their places of a cache's ``layers``; an indexer's keys beside its layer's keys and
-        values (``IndexerKeys.indexer``)."""
+        values (``IndexerKeys.indexer``); keeps the cache's layers that carry keys and a state (``layer_class``)."""
         for idx, layer in self.layers.items():
             if self.types[idx] == INDEXED_ATTENTION:
                 cache_layers[idx].indexer = layer
             else:
                 cache_layers[idx] = layer
+        self.layers.update({idx: cache_layers[idx] for idx in self.fused})
 
     def release(self, cache_layers: list[Any]) -> None:
         """Drops the states and their memory: fresh layers take their places in ``cache_layers`` (a reset layer would
-        keep its tensors, whose batch size the next prompt may not share)."""
+        keep its tensors, whose batch size the next prompt may not share), fresh states those of fused layers."""
+        for idx in self.fused:
+            cache_layers[idx].fresh_state()
         self.layers = self._made()
         self.place(cache_layers)
 

@@ -36,8 +36,18 @@ attention layer's, and its indexer's keys, which pick the keys each query reads,
 
 PAGED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", INDEXED_ATTENTION)
 """Layer types whose keys and values live in pool pages. Layers of other types (linear attention, convolution and
-state-space states, layers that carry both a state and keys) hold no pages: the caches keep transformers' own cache
-layers for them, outside the pool."""
+state-space states) hold no pages: the caches keep transformers' own cache layers for them, outside the pool; layers
+that carry both keys and a state page their keys (``FUSED_LAYER_TYPES``)."""
+
+FUSED_LAYER_TYPES = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
+"""Layer types that carry both keys and a state (attention fused with a state-space block: Falcon-H1, Zaya, Inkling),
+by the attention type their keys and values are paged as; their convolution and recurrent states stay in the state
+half of transformers' own layer (``hf_kvcache.caches.state_layers.with_state``)."""
+
+
+def attention_halves(types: list[str]) -> list[str]:
+    """``types`` with each fused layer typed as its attention half (``FUSED_LAYER_TYPES``)."""
+    return [FUSED_LAYER_TYPES.get(kind, kind) for kind in types]
 
 
 def layer_types(config: Any) -> list[str]:
@@ -58,7 +68,7 @@ def layer_types(config: Any) -> list[str]:
         types = [kind] * config.num_hidden_layers
     modes = getattr(config, "kv_sharing_modes", None) or [None] * len(types)
     types = ["dummy" if kind in ("moe", "mlp") or mode == "reuse" else kind for kind, mode in zip(types, modes)]
-    return with_cross_attention(config, types)
+    return with_cross_attention(config, attention_halves(types))
 
 
 CROSS_ATTENTION = "cross_attention"
@@ -270,16 +280,20 @@ class PageFormat:
 def layer_geometries(config: Any, types: list[str]) -> list[tuple[int, int, int] | None]:
     """The ``(num_kv_heads, head_dim, value_head_dim)`` each paged layer of a (decoder) config writes (``None``: a
     layer not paged): the config's (``layer_geometry``), or each layer's own where the config is heterogeneous
-    (``per_layer_config``: Gemma 4's wider global layers) or the model's sliding layers hold more heads
-    (MiMo-V2-Flash: twice ``num_key_value_heads``). Layers of different geometries never share a page: each geometry
-    has pools of its own page format (``PageFormat.for_geometries``)."""
+    (``per_layer_config``: Gemma 4's wider global layers) or the model's sliding layers hold other heads
+    (MiMo-V2-Flash: twice ``num_key_value_heads``; Inkling: ``swa_num_key_value_heads`` of ``swa_head_dim``). Layers
+    of different geometries never share a page: each geometry has pools of its own page format
+    (``PageFormat.for_geometries``)."""
     paged = [kind in PAGED_LAYER_TYPES for kind in types]
     if getattr(config, "is_heterogeneous", False):
         return [layer_geometry(config.per_layer_config[idx]) if paged[idx] else None for idx in range(len(types))]
     heads, head_dim, value_head_dim = layer_geometry(config)
     more = 2 if getattr(config, "model_type", None) == "mimo_v2_flash" else 1  # its sliding layers' KV heads
+    sliding = (heads * more, head_dim, value_head_dim)
+    if getattr(config, "swa_head_dim", None) is not None:  # Inkling's sliding layers: heads of their own
+        sliding = (config.swa_num_key_value_heads, config.swa_head_dim, config.swa_head_dim)
     return [
-        (heads * (more if kind == "sliding_attention" else 1), head_dim, value_head_dim) if is_paged else None
+        (sliding if kind == "sliding_attention" else (heads, head_dim, value_head_dim)) if is_paged else None
         for kind, is_paged in zip(types, paged)
     ]
 
