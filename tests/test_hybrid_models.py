@@ -112,7 +112,7 @@ def reference_logits(model, ids: torch.Tensor, next_ids: torch.Tensor) -> torch.
     return model(next_ids, cache=cache).logits[:, -1]
 
 
-@pytest.mark.parametrize(
+ROW_CHANGES = pytest.mark.parametrize(
     "change,rows",
     [
         (lambda cache: cache.reorder_cache(torch.tensor([2, 2, 0])), [2, 2, 0]),
@@ -122,6 +122,10 @@ def reference_logits(model, ids: torch.Tensor, next_ids: torch.Tensor) -> torch.
     ],
     ids=["reorder", "select", "select-mask", "repeat"],
 )
+"""A row change of a cache holding rows 0, 1, 2, and the rows it leaves."""
+
+
+@ROW_CHANGES
 def test_row_changes_move_the_states_with_the_pages(hybrid, change, rows):
     """After a row change the next step's logits are those of the changed rows fed from the start."""
     ids = random_ids(3, 7, seed=2)

@@ -19,6 +19,7 @@ from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.layers import PagedLayer
 from hf_kvcache.testing import random_padded_batch, tiny_causal_lm
 from tests.helpers import assert_same_generation, exact_config, padded_batch, random_ids, run
+from tests.test_hybrid_models import ROW_CHANGES, reference_logits
 from tests.test_quantized_cache import QuantDequantValues
 from tests.test_quantized_kv_cache import EncodedKVSpec
 
@@ -125,23 +126,7 @@ def test_beam_search_and_sampling_equal_dynamic_cache(deepseek, cache_name):
     assert torch.equal(expected, actual)
 
 
-def reference_logits(model, ids: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
-    """Last logits ``[rows, vocab]`` of feeding ``next_ids [rows, 1]`` after ``ids`` through a ``DynamicCache``."""
-    cache = DynamicCache(config=model.config)
-    model(ids, cache=cache)
-    return model(next_ids, cache=cache).logits[:, -1]
-
-
-@pytest.mark.parametrize(
-    "change,rows",
-    [
-        (lambda cache: cache.reorder_cache(torch.tensor([2, 2, 0])), [2, 2, 0]),
-        (lambda cache: cache.batch_select_indices(torch.tensor([2, 0])), [2, 0]),
-        (lambda cache: cache.batch_select_indices(torch.tensor([True, False, True])), [0, 2]),
-        (lambda cache: cache.batch_repeat_interleave(2), [0, 0, 1, 1, 2, 2]),
-    ],
-    ids=["reorder", "select", "select-mask", "repeat"],
-)
+@ROW_CHANGES
 def test_row_changes_move_the_indexer_keys_with_the_pages(deepseek, change, rows):
     """After a row change the next step's logits are those of the changed rows fed from the start."""
     ids = random_ids(3, 7, seed=2)
