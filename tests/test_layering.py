@@ -39,6 +39,7 @@ INSIDE = {
         "binder",
         "planned",
         "state_layers",
+        "compressed",
         "base",
         "entry",
         "paged",

@@ -54,9 +54,8 @@ transformers cannot generate with ``DynamicCache``: the start of the error."""
 _NOTHING_TO_PAGE = "this model has none to page"
 _OWN_CACHE = "keeps a cache of its own, not a DynamicCache"
 REFUSED: dict[str, str] = {
-    # no layer to page: state-space models, compressed attention
+    # no layer to page: state-space models
     **dict.fromkeys(["falcon_mamba", "mamba", "mamba2"], _NOTHING_TO_PAGE),
-    "deepseek_v4": _NOTHING_TO_PAGE,
     # models that take no DynamicCache from transformers either
     **dict.fromkeys(["minimax", "reformer", "rwkv", "xlnet"], _OWN_CACHE),
 }

@@ -52,6 +52,13 @@ MATRIX_CONFIGS: dict[str, dict[str, Any]] = {
 MODEL_SETTINGS: dict[str, dict[str, Any]] = {
     # sparse attention the generic tiny config leaves dense: the indexer keeps 4 of a prompt's keys
     **{name: {"index_topk": 4} for name in ("axk2", "deepseek_v32", "dots3_note_text", "glm_moe_dsa", "hy_v4")},
+    # DeepSeek-V4's compressed sparse and heavily compressed layers, compressing every 4 and 8 tokens (128 by default:
+    # never within the matrix's 16 tokens), the indexer keeping 2 compressed entries a query
+    "deepseek_v4": {
+        "layer_types": ["compressed_sparse_attention", "heavily_compressed_attention"],
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        "index_topk": 2,
+    },
     # MiniMax-M3's block-sparse layer (the top block of 2 keys and the local one) beside a full-attention layer
     "minimax_m3_vl_text": {
         "layer_types": ["minimax_m3_sparse", "full_attention"],

@@ -5,6 +5,8 @@
 - ``binder``: the pool a cache's layers write to, found once per device, and its pages returned (``PoolBinder``);
 - ``planned``: compiled decoding, each decode step planned before the forward pass (``PlannedDecoding``);
 - ``state_layers``: the layers that hold no attention KV we page keep transformers' own layers (``StateLayers``);
+- ``compressed``: a compressed-attention layer's window on the pool, its compressor's state beside it
+  (``CompressedLayer``);
 - ``base``: ``PoolCache``, a cache whose layers draw pages from a pool;
 - ``entry``: what the registry knows of a cache (``CacheEntry``; collected in ``hf_kvcache.integration.registry``);
 - ``paged``, ``quantized``, ``quantized_kv``, ``ring``: the four caches, each with its ``ENTRY``.

@@ -14,6 +14,7 @@ import torch
 from transformers import CacheLayerMixin, PreTrainedConfig
 
 from hf_kvcache.caches.binder import PoolBinder, release_deferred, release_when_safe
+from hf_kvcache.caches.compressed import CompressedLayer
 from hf_kvcache.caches.config import PagedConfig
 from hf_kvcache.caches.planned import PlannedDecoding
 from hf_kvcache.caches.policy import RowPolicy
@@ -23,6 +24,7 @@ from hf_kvcache.errors import IncompatibleModelError, PoolExhaustedError
 from hf_kvcache.layers import GATHER, IN_PLACE, RUN, PagedLayer, WindowLayer
 from hf_kvcache.memory.allocator import NULL_PAGE
 from hf_kvcache.memory.format import (
+    COMPRESSED_LAYER_TYPES,
     INDEXED_ATTENTION,
     PAGED_LAYER_TYPES,
     PageFormat,
@@ -83,6 +85,10 @@ class PoolCache(PlannedDecoding):
     ) -> None:
         config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = layer_types_and_kwargs(config)
+        layer_kwargs = [  # a compressed layer's window is the model's sliding window
+            {"sliding_window": config.sliding_window} if kind in COMPRESSED_LAYER_TYPES else kwargs
+            for kind, kwargs in zip(layer_types, layer_kwargs)
+        ]
         layer_types = with_cross_attention(config, layer_types)
         self.cache_config = cache_config = self.config_class.parse(cache_config)
         self._state_layers = StateLayers(config, layer_types)
@@ -185,13 +191,15 @@ class PoolCache(PlannedDecoding):
         raise NotImplementedError
 
     def _make_layer(self, layer_idx: int, layer_in_group: int, bind, policy: RowPolicy) -> CacheLayerMixin:
-        """A layer on the pool, with its indexer's keys beside (``IndexerKeys``) or a state half
-        (``StateLayers.layer_class``) where it carries either."""
-        indexed = self._state_layers.types.get(layer_idx) == INDEXED_ATTENTION  # its indexer's keys beside
+        """A layer on the pool, with its indexer's keys (``IndexerKeys``) or its compressor's state
+        (``CompressedLayer``: a window) beside, or a state half (``StateLayers.layer_class``) where it carries one."""
+        kind = self._state_layers.types.get(layer_idx)
+        indexed = kind == INDEXED_ATTENTION  # its indexer's keys beside
         if policy.window is None:
             paged = self._state_layers.layer_class(layer_idx, IndexedLayer if indexed else PagedLayer)
             return paged(layer_idx, layer_in_group, bind)
-        window = self._state_layers.layer_class(layer_idx, IndexedWindowLayer if indexed else WindowLayer)
+        window_class = CompressedLayer if kind in COMPRESSED_LAYER_TYPES else WindowLayer
+        window = self._state_layers.layer_class(layer_idx, IndexedWindowLayer if indexed else window_class)
         return window(layer_idx, layer_in_group, bind, policy.window, policy.sink_tokens, policy.is_sliding)
 
     @property

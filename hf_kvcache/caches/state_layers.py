@@ -1,6 +1,7 @@
 """The layers of a cache that hold no attention KV we page keep transformers' own cache layers (``StateLayers``):
 linear attention's recurrent and convolution states, state-space and short-convolution states, the keys of an
-indexed-attention layer's lightning indexer (``IndexerKeys``: the layer's own keys and values are on the pool), and
+indexed-attention layer's lightning indexer (``IndexerKeys``: the layer's own keys and values are on the pool), a
+compressed-attention layer's compressor state (``hf_kvcache.caches.compressed``: its window is on the pool), and
 cross-attention layers' keys of an image or encoder output (``CROSS_ATTENTION``: Mllama). Each is the object
 ``DynamicCache`` makes for its layer (same class, same construction), but a cross-attention layer's, which is the
 ``StaticLayer`` transformers' ``StaticCache`` makes for Mllama, sized by the image's keys when they are written
@@ -27,7 +28,13 @@ from transformers import DynamicCache, PreTrainedConfig, StaticLayer
 from hf_kvcache.errors import IncompatibleModelError
 from hf_kvcache.layers import PagedLayer, WindowLayer
 from hf_kvcache.layers.window import visible_span
-from hf_kvcache.memory.format import CROSS_ATTENTION, FUSED_LAYER_TYPES, INDEXED_ATTENTION, PAGED_LAYER_TYPES
+from hf_kvcache.memory.format import (
+    COMPRESSED_LAYER_TYPES,
+    CROSS_ATTENTION,
+    FUSED_LAYER_TYPES,
+    INDEXED_ATTENTION,
+    PAGED_LAYER_TYPES,
+)
 from hf_kvcache.transformers_internals import LinearAttentionLayer, cache_layer_state
 
 
@@ -195,10 +202,13 @@ class StateLayers:
 
     def place(self, cache_layers: list[Any]) -> None:
         """Puts these layers in their places of a cache's ``layers``; an indexer's keys beside its layer's keys and
-        values (``IndexerKeys.indexer``); keeps the cache's layers that carry keys and a state (``layer_class``)."""
+        values (``IndexerKeys.indexer``), a compressor's state beside its window (``CompressedLayer.compressor``);
+        keeps the cache's layers that carry keys and a state (``layer_class``)."""
         for idx, layer in self.layers.items():
             if self.types[idx] == INDEXED_ATTENTION:
                 cache_layers[idx].indexer = layer
+            elif self.types[idx] in COMPRESSED_LAYER_TYPES:
+                cache_layers[idx].compressor = layer
             else:
                 cache_layers[idx] = layer
         self.layers.update({idx: cache_layers[idx] for idx in self.fused})
@@ -221,7 +231,8 @@ class StateLayers:
         """Why a cache with these layers does not reuse prompts (``None``: it has none)."""
         cross = [idx for idx, kind in self.types.items() if kind == CROSS_ATTENTION]
         indexed = [idx for idx, kind in self.types.items() if kind == INDEXED_ATTENTION]
-        states = [idx for idx in self.types if idx not in cross + indexed]
+        compressed = self._compressed()
+        states = [idx for idx in self.types if idx not in cross + indexed + compressed]
         kinds = sorted({self.types[idx] for idx in states})
         reasons = []
         if states:
@@ -234,6 +245,12 @@ class StateLayers:
                 f"indexed-attention layers {indexed} keep their indexer's keys beside the pool, which a cached "
                 "prefix's pages do not hold"
             )
+        if compressed:
+            reasons.append(
+                f"compressed-attention layers {compressed} keep their compressor's state (the tokens of a compression "
+                "window not yet closed, the compressed entries) beside the pool, which a cached prefix's pages do not "
+                "hold"
+            )
         if cross:
             reasons.append(
                 f"cross-attention layers {cross} hold the keys of an image or encoder output, which the prompt's "
@@ -243,6 +260,10 @@ class StateLayers:
             return None
         ending = ": a cached prefix could not restore them, so prompts are neither reused nor published."
         return "; ".join(reasons) + ending
+
+    def _compressed(self) -> list[int]:
+        """The compressed-attention layers (``COMPRESSED_LAYER_TYPES``)."""
+        return [idx for idx, kind in self.types.items() if kind in COMPRESSED_LAYER_TYPES]
 
     def select_rows(self, indices: list[int]) -> None:
         """Row ``i`` becomes old row ``indices[i]`` in every state (beams, repeats, kept rows): each layer's own
@@ -255,8 +276,17 @@ class StateLayers:
         """Refuses a crop a layer cannot make, before anything is cropped.
 
         Raises:
-            ValueError: a layer keeps a recurrent state that does not record its past.
+            ValueError: a layer keeps a compressor's state (never croppable, as in transformers), or a recurrent state
+                that does not record its past.
         """
+        compressed = self._compressed()
+        if tokens_to_remove < 0 and compressed:
+            raise ValueError(
+                f"Cannot crop {-tokens_to_remove} tokens: layers {compressed} ({self.types[compressed[0]]}) compress "
+                "the tokens they have seen, and their compressor's state cannot be cut back (transformers' layer "
+                "says is_croppable=False too). Do not crop a cache of this model: assisted decoding and prompt lookup "
+                "cannot run with it."
+            )
         fixed = [idx for idx, layer in self.layers.items() if getattr(layer, "record_past", True) is False]
         if tokens_to_remove < 0 and fixed:
             raise ValueError(

@@ -44,10 +44,18 @@ FUSED_LAYER_TYPES = {"hybrid": "full_attention", "hybrid_sliding": "sliding_atte
 by the attention type their keys and values are paged as; their convolution and recurrent states stay in the state
 half of transformers' own layer (``hf_kvcache.caches.state_layers.with_state``)."""
 
+COMPRESSED_LAYER_TYPES = ("compressed_sparse_attention", "heavily_compressed_attention")
+"""Compressed attention (DeepSeek-V4's CSA and HCA layers): a sliding window of the model's ``sliding_window`` over one
+shared key-and-value head, paged as a ``sliding_attention`` layer's, beside a compressor's state (buffered tokens,
+compressed entries) kept in transformers' own cache layer (``hf_kvcache.caches.compressed``)."""
+
 
 def attention_halves(types: list[str]) -> list[str]:
-    """``types`` with each fused layer typed as its attention half (``FUSED_LAYER_TYPES``)."""
-    return [FUSED_LAYER_TYPES.get(kind, kind) for kind in types]
+    """``types`` with each fused layer typed as its attention half (``FUSED_LAYER_TYPES``) and each compressed layer as
+    the sliding layer its window is (``COMPRESSED_LAYER_TYPES``)."""
+    return [
+        "sliding_attention" if kind in COMPRESSED_LAYER_TYPES else FUSED_LAYER_TYPES.get(kind, kind) for kind in types
+    ]
 
 
 def layer_types(config: Any) -> list[str]:
@@ -317,11 +325,14 @@ def layer_geometry(config: Any) -> tuple[int, int, int]:
     else ``num_attention_heads``, each ``head_dim`` (or ``dim_head``: CPM-Ant) wide, else ``hidden_size`` over the
     heads; values ``v_head_dim`` wide where the config says so (MiMo-V2-Flash), else as wide as the keys. Multi-head
     latent attention (``kv_lora_rank`` and ``qk_rope_head_dim``: DeepSeek-V2/V3, Kimi, ...) writes one head: its
-    compressed latent as the keys, its rope key as the values.
+    compressed latent as the keys, its rope key as the values. Compressed attention (``compress_rates``: DeepSeek-V4)
+    writes one head of ``head_dim``, the same tensor as keys and as values (shared-KV multi-query attention).
     """
     latent, rope = getattr(config, "kv_lora_rank", None), getattr(config, "qk_rope_head_dim", None)
     if latent is not None and rope is not None:  # latent attention caches its latent and rope key as one head
         return 1, latent, rope
+    if getattr(config, "compress_rates", None) is not None:  # compressed attention: one head, keys and values alike
+        return 1, config.head_dim, config.head_dim
     decoder_heads = getattr(config, "decoder_attention_heads", None)
     decoder_heads = decoder_heads or getattr(config, "num_decoder_attention_heads", None)
     if decoder_heads is not None:  # a decoder beside an encoder: its num_key_value_heads may be the encoder's

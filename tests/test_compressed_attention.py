@@ -1,0 +1,232 @@
+"""Compressed attention (DeepSeek-V4's compressed sparse and heavily compressed layers): each such layer's sliding
+window of shared keys and values sits on the pool as a window (``CompressedLayer``), its compressor's state (tokens
+of a compression window not yet closed, compressed entries, overlap, the indexer's entries) beside it in the cache
+layer transformers makes for it, which moves with the rows and counts in the cache's memory.
+
+A tiny random-init DeepSeek-V4 (``hf_kvcache.testing.tiny_causal_lm``) with a sliding, a compressed sparse and a
+heavily compressed layer, a window of 8, compression every 4 and 8 tokens and an indexer keeping 2 compressed entries
+a query, so that prompts of 3 to 21 tokens feel the window, both compressions and the sparsity; each cache against
+``DynamicCache``, under the model's own attention (``eager``: it refuses sdpa) and ours."""
+
+import logging
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_kvcache import KVPool, PagedCache, PagedConfig
+from hf_kvcache.attention.interface import model_attention
+from hf_kvcache.bench import model_matrix as matrix
+from hf_kvcache.caches import prefix as prefix_module
+from hf_kvcache.caches.compressed import CompressedLayer
+from hf_kvcache.integration.registry import REGISTRY
+from hf_kvcache.layers import WindowLayer
+from hf_kvcache.layers.window import window_pages_per_row
+from hf_kvcache.testing import random_padded_batch, tiny_causal_lm
+from tests.helpers import assert_same_generation, exact_config, padded_batch, random_ids, run, teacher_forced_logits
+from tests.test_hybrid_models import ROW_CHANGES, reference_logits
+from tests.test_quantized_cache import QuantDequantValues
+from tests.test_quantized_kv_cache import EncodedKVSpec
+
+LAYER_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}
+WINDOW = 8  # the tiny config's sliding_window
+NEW_TOKENS = 12
+PROMPTS = {"shorter": [3, 5], "longer": [6, 19]}
+"""Left-padded batches of two rows: shorter than the window and the rates (but a row past the sparse rate), and
+longer than all of them."""
+COMPRESSOR_STATES = ("buffer_kv", "buffer_gate", "compressed_kv", "overlap_kv", "overlap_gate")
+"""The tensors (by entry name) of transformers' ``DeepseekV4HCACache`` / ``DeepseekV4CSACache`` beside the window."""
+
+
+@pytest.fixture(scope="module")
+def model():
+    built = tiny_causal_lm(
+        "deepseek_v4", num_hidden_layers=3, layer_types=LAYER_TYPES, compress_rates=RATES, index_topk=2
+    )
+    assert built.config.sliding_window == WINDOW and built.config._attn_implementation == "eager"
+    return built
+
+
+def lossless_config(cache_name: str, length: int = 40) -> dict:
+    """``exact_config`` with the quantized caches' scale groups as wide as a head (16 channels)."""
+    config = exact_config(cache_name, length)
+    return {**config, "group_size": 16} if "group_size" in config else config
+
+
+def compressor_bytes(cache: DynamicCache) -> int:
+    """Bytes of the compressor states of ``DynamicCache``'s compressed layers (their windows' keys aside)."""
+    states = [getattr(layer, name, {}) for layer in cache.layers for name in COMPRESSOR_STATES]
+    return sum(tensor.nbytes for state in states for tensor in state.values() if tensor is not None)
+
+
+def test_compressed_layers_keep_a_window_on_the_pool_and_their_compressor_beside(model, cache_name):
+    cache = REGISTRY[cache_name].cache_class(model.config, lossless_config(cache_name))
+    for layer_type, layer in zip(LAYER_TYPES, cache.layers, strict=True):
+        assert isinstance(layer, WindowLayer) and layer.window == WINDOW
+        if layer_type == "sliding_attention":
+            assert not isinstance(layer, CompressedLayer)
+        else:
+            assert isinstance(layer, CompressedLayer) and type(layer.compressor).__name__ == (
+                "DeepseekV4CSACache" if layer_type == "compressed_sparse_attention" else "DeepseekV4HCACache"
+            )
+
+
+@pytest.mark.parametrize("attention", ["eager", "hf_kvcache"])
+@pytest.mark.parametrize("prompt", sorted(PROMPTS))
+def test_greedy_generation_equals_dynamic_cache(model, cache_name, prompt, attention):
+    """Every cache keeping every value exactly gives DynamicCache's tokens and logits on a left-padded batch, under
+    the model's own attention and ours."""
+    ids, mask = padded_batch(PROMPTS[prompt], vocab=model.config.vocab_size)
+    expected = run(model, ids, mask, max_new_tokens=NEW_TOKENS)
+    config = lossless_config(cache_name)
+    with model_attention(model, attention):
+        actual = run(model, ids, mask, max_new_tokens=NEW_TOKENS, cache_implementation=cache_name, cache_config=config)
+    assert_same_generation(expected, actual)
+
+
+def test_prefill_in_chunks_then_decoding_equals_dynamic_cache(model):
+    """Steps of several tokens after the first (a chunked prefill) and decode steps continue the compressor's
+    buffer and entries as DynamicCache's do."""
+    ids = random_ids(2, 23, seed=4, vocab=model.config.vocab_size)
+    with torch.no_grad():
+        expected = teacher_forced_logits(model, ids, DynamicCache(config=model.config), [5, 6, 3, 1])
+        cache = PagedCache(model.config, {"page_size": 4})
+        actual = teacher_forced_logits(model, ids, cache, [5, 6, 3, 1])
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    cache.release()
+
+
+SPECS = {
+    "quantized_values": lambda config: QuantDequantValues(config, bits=8, group_size=16, residual_length=2),
+    "quantized_kv": lambda config: EncodedKVSpec(
+        config, key_bits=4, value_bits=8, group_size=16, residual_length=2, page_size=4
+    ),
+}
+"""The pure-torch spec of each quantized cache under the model matrix's settings (``matrix.MATRIX_CONFIGS``)."""
+
+
+@pytest.mark.parametrize("cache", sorted(SPECS))
+@pytest.mark.parametrize("prompt", sorted(PROMPTS))
+def test_quantized_caches_give_their_specs_logits_within_the_matrix_bound(model, cache, prompt):
+    """With codes read (the model matrix's settings) a quantized cache gives its spec's logits, within
+    ``matrix.QUANTIZED_BOUND`` of DynamicCache's. The model reads the keys a layer returns as its values too, so
+    ``quantized_values``, whose keys are exact, gives DynamicCache's; ``quantized_kv``'s int4 keys move them."""
+    ids, mask = random_padded_batch(PROMPTS[prompt], model.config.vocab_size, torch.Generator().manual_seed(0), low=3)
+    reference = run(model, ids, mask, max_new_tokens=NEW_TOKENS)
+    settings = {"max_new_tokens": NEW_TOKENS, "cache_implementation": cache}
+    ours = run(model, ids, mask, **settings, cache_config=dict(matrix.MATRIX_CONFIGS[cache]))
+    spec = run(model, ids, mask, max_new_tokens=NEW_TOKENS, cache=SPECS[cache](model.config))
+    assert_same_generation(spec, ours)
+    outcome = matrix.compare("deepseek_v4", matrix.OWN, cache, reference, ours)
+    assert outcome.status == "close"
+    assert (outcome.difference == 0) == (cache == "quantized_values"), outcome
+
+
+def test_beam_search_and_sampling_equal_dynamic_cache(model, cache_name):
+    """Beams and returned sequences move the compressor's state with the pages."""
+    ids, mask = padded_batch(PROMPTS["longer"], vocab=model.config.vocab_size, seed=1)
+    config = lossless_config(cache_name)
+    beams = {"num_beams": 3, "max_new_tokens": 8}
+    assert torch.equal(
+        model.generate(ids, attention_mask=mask, **beams),
+        model.generate(ids, attention_mask=mask, cache_implementation=cache_name, cache_config=config, **beams),
+    )
+    sampling = {"do_sample": True, "num_return_sequences": 2, "max_new_tokens": 8}
+    torch.manual_seed(0)
+    expected = model.generate(ids, attention_mask=mask, **sampling)
+    torch.manual_seed(0)
+    actual = model.generate(ids, attention_mask=mask, cache_implementation=cache_name, cache_config=config, **sampling)
+    assert torch.equal(expected, actual)
+
+
+@ROW_CHANGES
+def test_row_changes_move_the_compressor_state_with_the_pages(model, change, rows):
+    """After a row change the next step's logits are those of the changed rows fed from the start (13 tokens: past
+    the window, entries and buffered tokens in both compressors)."""
+    ids = random_ids(3, 13, seed=2, vocab=model.config.vocab_size)
+    cache = PagedCache(model.config)
+    with torch.no_grad():
+        model(ids, cache=cache)
+        change(cache)
+        next_ids = random_ids(len(rows), 1, seed=3, vocab=model.config.vocab_size)
+        actual = model(next_ids, cache=cache).logits[:, -1]
+        expected = reference_logits(model, ids[rows], next_ids)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    cache.release()
+
+
+def test_a_crop_is_refused_by_name_and_crops_nothing(model, cache_name):
+    """transformers cannot cut a compressor's state back (``is_croppable`` is false on its layers): neither do we,
+    before anything is cropped; prompt lookup refuses the cache as it refuses DynamicCache."""
+    ids = random_ids(2, 11, seed=7, vocab=model.config.vocab_size)
+    cache = REGISTRY[cache_name].cache_class(model.config, lossless_config(cache_name))
+    assert not cache.is_croppable and not DynamicCache(config=model.config).is_croppable
+    with torch.no_grad():
+        model(ids, cache=cache)
+        with pytest.raises(ValueError, match=r"layers \[1, 2\] \(compressed_sparse_attention\).*cannot be cut back"):
+            cache.crop(-3)
+        assert cache.get_seq_length() == 11
+        next_ids = random_ids(2, 1, seed=8, vocab=model.config.vocab_size)
+        actual = model(next_ids, cache=cache).logits[:, -1]
+    torch.testing.assert_close(actual, reference_logits(model, ids, next_ids), rtol=1e-5, atol=1e-5)
+    cache.release()
+    lookup = {"max_new_tokens": 6, "prompt_lookup_num_tokens": 3}
+    repeating = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]])
+    for settings in ({}, {"cache_implementation": cache_name, "cache_config": lossless_config(cache_name)}):
+        with pytest.raises(ValueError, match="cache that can be cropped"):
+            model.generate(repeating, **lookup, **settings)
+
+
+def test_the_cache_counts_the_window_pages_and_the_compressor_state(model):
+    """Pages hold the window's keys and values (the model's one tensor stored as both: values as wide as keys) and
+    go back behind the window; ``state_bytes`` is what DynamicCache's compressors hold, fed the same tokens; all of
+    it is given back on release."""
+    pool = KVPool.for_model(model, PagedConfig(page_size=4), max_tokens=256)
+    fmt = pool.format
+    assert (fmt.num_layers, fmt.num_layer_groups, fmt.num_kv_heads, fmt.head_dim, fmt.value_dim) == (3, 1, 1, 16, 16)
+    assert fmt.page_bytes == 3 * 2 * 16 * 4 * 4  # layers x (keys, values) x head_dim x fp32 x page_size
+    cache = PagedCache(model.config, {"pool": pool})
+    reference = DynamicCache(config=model.config)
+    ids = random_ids(2, 21, seed=5, vocab=model.config.vocab_size)
+    with torch.no_grad():
+        model(ids, cache=cache)
+        model(ids, cache=reference)
+        for step in range(9):  # decoding past another heavy compression window: pages behind the window go back
+            next_ids = random_ids(2, 1, seed=6 + step, vocab=model.config.vocab_size)
+            model(next_ids, cache=cache)
+            model(next_ids, cache=reference)
+    expected = compressor_bytes(reference)
+    entries = 2 * 16 * 4 * (30 // 4 + 30 // 8) + 2 * 128 * 4 * (30 // 4)  # rows x width x fp32 x entries
+    assert expected > entries  # the compressed entries and the tokens buffered, the overlap
+    stats = cache.memory_stats()
+    assert stats["pages_held"] == 2 * window_pages_per_row(WINDOW, 0, 4) == 2 * 4 and stats["tokens_per_row"] == 30
+    assert stats["state_bytes"] == expected
+    assert stats["bytes_held"] == stats["pages_held"] * fmt.page_bytes + expected
+    cache.release()
+    assert pool.stats()["pages_used"] == 0 and cache.memory_stats()["state_bytes"] == 0
+
+
+def test_prefix_caching_is_refused_once_with_its_reason(model, caplog, monkeypatch):
+    """The compressor's state lives outside the pool's pages a cached prefix restores: prompts are not reused."""
+    monkeypatch.setattr(prefix_module, "_logged", set())
+    pool = KVPool.for_model(model, PagedConfig(page_size=4), max_tokens=512, prefix_caching=True)
+    ids = random_ids(1, 18, seed=9, vocab=model.config.vocab_size)
+    expected = run(model, ids, None, max_new_tokens=4)
+    with caplog.at_level(logging.WARNING, logger="hf_kvcache"):
+        for _ in range(2):
+            actual = run(
+                model, ids, None, max_new_tokens=4, cache_implementation="paged_pool", cache_config={"pool": pool}
+            )
+            assert_same_generation(expected, actual)
+    refusals = [record.message for record in caplog.records if "Prefix caching is off" in record.message]
+    assert len(refusals) == 1 and "compressed-attention layers [1, 2]" in refusals[0], refusals
+    stats = pool.stats()
+    assert stats["prefix_lookups"] == 0 and stats["pages_cached"] == 0
+
+
+def test_decoding_is_not_compiled(model, cache_name):
+    """transformers compiles neither the model (``_can_compile_fullgraph`` is false) nor its compressed layers'
+    cache: generate runs eager."""
+    assert not type(model)._can_compile_fullgraph
+    assert not REGISTRY[cache_name].cache_class(model.config, lossless_config(cache_name)).is_compileable
