@@ -205,6 +205,13 @@ def test_the_cache_counts_the_window_pages_and_the_compressor_state(model):
     assert stats["bytes_held"] == stats["pages_held"] * fmt.page_bytes + expected
     cache.release()
     assert pool.stats()["pages_used"] == 0 and cache.memory_stats()["state_bytes"] == 0
+    second = random_ids(3, 13, seed=20, vocab=model.config.vocab_size)
+    next_ids = random_ids(3, 1, seed=21, vocab=model.config.vocab_size)
+    with torch.no_grad():  # a released cache serves the next prompt (another batch size) as a fresh one
+        model(second, cache=cache)
+        actual = model(next_ids, cache=cache).logits[:, -1]
+    torch.testing.assert_close(actual, reference_logits(model, second, next_ids), rtol=1e-5, atol=1e-5)
+    cache.release()
 
 
 def test_prefix_caching_is_refused_once_with_its_reason(model, caplog, monkeypatch):
