@@ -62,7 +62,7 @@ class PlannedRows:
             # The same pages, read and written, as the step before: the slot of the new token moves, and a quantized
             # cache's residual window and whether the step fills the keys' page still filling.
             plan.write_offsets.fill_(start % page_size)
-            store.plan_window_ahead(start, 0, 0, plan)
+            store.plan_window(plan, start, 1)
             if store.keys is not None:
                 store.keys.replan_decode(plan, start)
             # Quantized values read in place plan anew (value_buffer): these gathered, as the step before
@@ -76,7 +76,6 @@ class PlannedRows:
         else:
             reads = slot_indices(pages[:, 0], offsets[:, 0], fmt.num_kv_heads, num_pages, fmt.page_size).view(-1)
         write_pages, write_offsets = self._write_slots(start, 1)
-        window = self.store.plan_window_ahead(start, self._window_low(start), kv_offset)
         keys_read = (None,) * 4
         if self.store.keys is not None:
             with self.pool.held() as storage:
@@ -107,9 +106,9 @@ class PlannedRows:
                 tokens.shape[-1],
                 kv_offset,
                 torch.arange(batch, device=device).view(-1, 1, 1),
-                *(_fresh_copy(tensor) for tensor in window),
-                *(_fresh_copy(tensor) for tensor in keys_read),
             )
+            plan.key_pages, plan.key_slots, plan.filling_page, plan.filling_coded = map(_fresh_copy, keys_read)
+            self.store.plan_window(plan, start, 1, self._window_low(start), kv_offset)
             plan.value_extents, plan.window_pages, plan.window_offsets = map(_fresh_copy, in_place_values)
             plan.sink_write, plan.sink_writes = map(_fresh_copy, sink)
             plan.reads, plan.slot_reads, plan.ahead = _fresh_copy(reads), offsets is not None, True
@@ -122,8 +121,9 @@ class PlannedRows:
                 if tensor is not None:
                     torch._dynamo.mark_static_address(tensor)  # CUDA graphs read them where they lie
         else:
-            planned = (pages, reads, write_pages, write_offsets, *window, *keys_read, *in_place_values, *sink)
-            kept = (plan.pages, plan.reads, plan.write_pages, plan.write_offsets, *plan.window)
+            self.store.plan_window(plan, start, 1, self._window_low(start), kv_offset)
+            planned = (pages, reads, write_pages, write_offsets, *keys_read, *in_place_values, *sink)
+            kept = (plan.pages, plan.reads, plan.write_pages, plan.write_offsets)
             kept = (*kept, *plan.keys_read, *plan.in_place_values, *plan.sink)
             for into, tensor in zip(kept, planned):
                 if into is not None:

@@ -118,42 +118,25 @@ class SlotStore:
         for tensor, part in ((storage.values, codes), (storage.value_scales, join_scales(scale, zero))):
             tensor.index_put_(where, part if part.dtype == tensor.dtype else part.to(tensor.dtype))
 
-    # ----- planned decode steps (compiled): tensor operations only ------------------------------
-
-    def plan_window(
-        self, plan: "Any", start: int, num_new: int, low: int = 0, high: int | None = None, offset: int = 0
-    ) -> None:
-        """An eager step's residual window (quantized values): the slots its tokens ``[start, start + n)`` go to
-        (``StepPlan.window_write``), and where attention gets the window's tokens from ``low`` to before ``high``
-        (default: the step's end), position ``p`` of what it reads holding token ``p + offset``
-        (``StepPlan.window_reads``)."""
+    def plan_window(self, plan: "Any", start: int, num_new: int, low: int = 0, offset: int = 0) -> None:
+        """A step's residual window (quantized values), eager and planned steps alike: ``StepPlan.window``, the slots
+        its tokens ``[start, start + n)`` go to, and where attention gets the window's tokens from ``low`` on,
+        position ``p`` of what it reads holding token ``p + offset``: a fixed count (a slot holding none of them
+        repeats the step's newest token), so one graph serves every step. A planned step's tensors, once made, are
+        refilled in place (a graph reads them where they lie)."""
         residual = self.residual
         if residual is None:
             return
         end, device = start + num_new, self.pool.device
         residual.first = max(residual.first if start else 0, end - residual.length)  # the step overwrites older ones
-        plan.window_write = residual.slots(start, end, device)
-        reads = residual.reads(end, low, end if high is None else high, offset, device)
-        plan.window_sources, plan.window_positions = (None, None) if reads is None else reads
-
-    def plan_window_ahead(
-        self, start: int, low: int, offset: int, plan: "Any" = None
-    ) -> tuple[torch.Tensor | None, ...]:
-        """A planned step's ``StepPlan.window`` (``plan_window``) for its token ``start``: a fixed count of reads (a
-        slot holding no token the step reads repeats the step's own), so one graph serves every step. With ``plan``,
-        a plan of the step before refilled in place."""
-        residual = self.residual
-        if residual is None:
-            return None, None, None
-        residual.first = max(residual.first, start + 1 - residual.length)  # the step overwrites the oldest token
-        device, slot = self.pool.device, start % residual.length
-        sources, positions = residual.reads(start + 1, low, start + 1, offset, device, fallback=start)
-        if plan is None:
-            return torch.tensor([slot], device=device), sources, positions
-        plan.window_write.fill_(slot)
+        sources, positions = residual.reads(end, low, end, offset, device)
+        if not plan.ahead or plan.window_write is None:
+            plan.window_write, plan.window_sources = residual.slots(start, end, device), sources
+            plan.window_positions = positions
+            return
+        plan.window_write.fill_(start % residual.length)
         plan.window_sources.copy_(sources)
         plan.window_positions.copy_(positions)
-        return plan.window
 
     def _window_over_slots(self, layer_in_group: int, slots: torch.Tensor, plan: "Any") -> None:
         """The residual window's values over their slots of ``slots`` ``[heads, pages * page_size, head_dim]``, a

@@ -173,7 +173,7 @@ class WindowRows(PagedRows):
         start, num_new = plan.start, plan.num_new
         sinks, first = visible_span(start, num_new, self.window, self.sink_tokens)
         plan.num_keys, plan.kv_offset = sinks + start + num_new - first, first - sinks
-        self.store.plan_window(plan, start, num_new, first, start + num_new, first - sinks)
+        self.store.plan_window(plan, start, num_new, first, first - sinks)
 
     def _plan_gather(self, plan: StepPlan) -> None:
         """The visible tokens, each row's in time order (``StepPlan.slots``), and what reads them (``reads``): whole
