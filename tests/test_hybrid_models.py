@@ -6,14 +6,11 @@ Tiny random-init models built from ``AutoConfig.for_model`` (``hf_kvcache.testin
 DeltaNet linear attention beside full attention) and LFM2 (short convolutions beside full attention), each against
 ``DynamicCache``."""
 
-import logging
-
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from hf_kvcache import IncompatibleModelError, KVPool, PagedCache, PagedConfig, QuantizedKVCache, QuantizedValueCache
-from hf_kvcache.caches import prefix as prefix_module
 from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.layers import PagedLayer
 from hf_kvcache.memory.format import PageFormat
@@ -203,25 +200,6 @@ def test_prompt_lookup_crops_recorded_states_as_dynamic_cache_does(hybrid):
     assert torch.equal(hybrid.generate(ids, prompt_lookup_num_tokens=3, **settings), expected)
     actual = hybrid.generate(ids, prompt_lookup_num_tokens=3, cache_implementation="paged_pool", **settings)
     assert torch.equal(actual, expected)
-
-
-def test_prefix_caching_is_refused_once_with_its_reason(hybrid, caplog, monkeypatch):
-    """A recurrent state exists only at the end of what it has seen: no cached prefix can restore it."""
-    monkeypatch.setattr(prefix_module, "_logged", set())
-    pool = KVPool.for_model(hybrid, PagedConfig(page_size=4), max_tokens=512, prefix_caching=True)
-    ids = random_ids(1, 18, seed=9)
-    expected = run(hybrid, ids, None, max_new_tokens=4)
-    with caplog.at_level(logging.WARNING, logger="hf_kvcache"):
-        for _ in range(2):
-            actual = run(
-                hybrid, ids, None, max_new_tokens=4, cache_implementation="paged_pool", cache_config={"pool": pool}
-            )
-            assert_same_generation(expected, actual)
-    refusals = [record.message for record in caplog.records if "Prefix caching is off" in record.message]
-    assert len(refusals) == 1 and "recurrent" in refusals[0], refusals
-    stats = pool.stats()
-    assert stats["prefix_lookups"] == 0 and stats["pages_cached"] == 0  # nothing looked up, nothing published
-    pool.check_integrity()
 
 
 def test_is_compileable_follows_transformers_layers(qwen):

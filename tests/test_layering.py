@@ -35,6 +35,8 @@ INSIDE = {
     "caches": [
         "config",
         "policy",
+        "fingerprint",
+        "state_tails",
         "prefix",
         "binder",
         "planned",

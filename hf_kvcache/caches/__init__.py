@@ -2,6 +2,9 @@
 
 - ``config``: the settings every cache takes (``PagedConfig``; each cache's config extends it);
 - ``policy``: which tokens a layer group keeps (``RowPolicy``); ``prefix``: a cache's side of prompt reuse;
+- ``fingerprint``: what computes a model's keys and values, as the prefix index keys it (``model_fingerprint``);
+- ``state_tails``: a hybrid model's linear-attention and convolution states kept at page boundaries for prompt reuse
+  (``StateTail``);
 - ``binder``: the pool a cache's layers write to, found once per device, and its pages returned (``PoolBinder``);
 - ``planned``: compiled decoding, each decode step planned before the forward pass (``PlannedDecoding``);
 - ``state_layers``: the layers that hold no attention KV we page keep transformers' own layers (``StateLayers``);

@@ -433,6 +433,7 @@ class PoolCache(PlannedDecoding):
         tracker = self._binder.prefix
         if tracker is None or not tracker.begin_call(model, input_ids, inputs, self._state_layers.refusal()):
             return next_sequence_length
+        tracker.states = self._state_layers.tails
         if next_sequence_length is None or self.get_seq_length():
             return next_sequence_length
         rows_of = self._binder.layer_group_rows(tracker.pool.device, create=True)
@@ -440,6 +441,12 @@ class PoolCache(PlannedDecoding):
         for layer in self._row_layers():
             layer.num_tokens = reused
         return next_sequence_length - reused
+
+    @property
+    def splits_prefill(self) -> bool:
+        """Whether a prefill runs as passes ending where the state layers keep their states for prompt reuse
+        (``PrefixTracker.pass_ends``): the cache reuses prompts and has such layers."""
+        return self._binder.prefix is not None and self._state_layers.tails is not None
 
     def record_inputs(self, fed_ids: torch.Tensor | None) -> None:
         """The ids ``[rows, n]`` a forward pass is about to feed (``None``: embeddings), written after the tokens the

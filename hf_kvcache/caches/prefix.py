@@ -16,11 +16,12 @@ feeds. A ``PrefixTracker`` keeps them (``[rows, tokens]``, CPU) with each row's 
 What a page holds must not depend on how the tokens before it were split into forward passes, so a tracker only
 publishes pages a plain prefill would compute alike (up to float rounding) and refuses what it cannot make exact
 (docs/prefix-caching.md lists each case): rows with padding or custom position ids, inputs other than token ids,
-4-D attention masks, offloaded weights; caches with layers whose state lives outside the pool (a hybrid model's
-linear attention or convolution layers: ``StateLayers.refusal``); windows imposed on full-attention layers under an
-attention other than ``hf_kvcache``. Other windows are rebuilt from their sink pages and the pages of the last tokens
-of the prefix (all their window sees), published while the window held them (``WindowRows.prefix_layout``; holes
-between).
+4-D attention masks, offloaded weights; caches with layers whose state lives outside the pool and cannot be kept at a
+page boundary (``StateLayers.refusal``); windows imposed on full-attention layers under an attention other than
+``hf_kvcache``. Other windows are rebuilt from their sink pages and the pages of the last tokens of the prefix (all
+their window sees), published while the window held them (``WindowRows.prefix_layout``; holes between). A hybrid
+model's linear-attention and convolution states are kept at page boundaries as tails (``states``:
+``hf_kvcache.caches.state_tails``), for which a prefill ends its forward passes there (``pass_ends``).
 
 Caches that store codes reuse a prefix as a continuation: the rows then hold what the rows that wrote it held when
 they had written exactly that prefix, so the call gives what that cache, passed on, would have given (not what a
@@ -40,7 +41,6 @@ pages. ``KVPool.reset_prefix_index`` drops the index at once (weights updated in
 held pages across a reset publishes nothing more (``epoch``).
 """
 
-import json
 import logging
 from collections import Counter
 from typing import Any
@@ -48,13 +48,15 @@ from typing import Any
 import torch
 
 from hf_kvcache.attention.interface import ATTENTION_NAME
+from hf_kvcache.caches.fingerprint import UnreadableWeights, model_fingerprint
 from hf_kvcache.caches.policy import RowPolicy
+from hf_kvcache.caches.state_tails import StateTail, StateTails
 from hf_kvcache.layers import PagedRows
 from hf_kvcache.layers.exact import ExactTail
 from hf_kvcache.memory.allocator import NULL_PAGE
 from hf_kvcache.memory.page_bytes import PageData
 from hf_kvcache.memory.page_pool import PagePool
-from hf_kvcache.memory.prefix_index import PageKey, chain_keys, root_key, tail_key
+from hf_kvcache.memory.prefix_index import STATE_GROUP, PageKey, chain_keys, root_key, tail_key
 from hf_kvcache.transformers_internals import attn_implementation
 
 logger = logging.getLogger("hf_kvcache")
@@ -62,63 +64,10 @@ logger = logging.getLogger("hf_kvcache")
 TOKEN_INPUTS = ("attention_mask", "position_ids")
 """Tensor inputs a call may bring besides its token ids and still take part (any other, e.g. ``pixel_values``,
 conditions the keys and values on something the token ids do not say)."""
-FINGERPRINT_VALUES = 16
-"""Values sampled from each weight tensor for a model's fingerprint."""
-
 MAX_TIER_ASKS = 4
 """Times one lookup asks the pool's tiers (each a round trip to a store) for the pages of a shorter prefix."""
 
 _logged: set[str] = set()
-VOLATILE_CONFIG_KEYS = frozenset(
-    {"use_cache", "output_attentions", "output_hidden_states", "return_dict", "transformers_version", "_commit_hash"}
-)
-"""Config keys that do not change what the model computes for a token (left out of its fingerprint)."""
-
-
-class UnreadableWeights(Exception):
-    """A model's weights cannot be read where they are (offloaded: on the meta device)."""
-
-
-def model_fingerprint(model: torch.nn.Module) -> bytes:
-    """Identifies what computes a model's keys and values, recomputed at every call (weights written in place keep
-    their pointers and version counters, so nothing cheaper can tell): its class, its config (``to_dict()`` less
-    ``VOLATILE_CONFIG_KEYS``), its dtype, the state of every adapter layer (PEFT's active, disabled and merged
-    adapters), and ``FINGERPRINT_VALUES`` evenly spaced values of every parameter and buffer (a sample: a write that
-    misses every sampled value goes unseen; ``KVPool.reset_prefix_index`` drops the index after such writes).
-
-    Raises:
-        UnreadableWeights: a parameter or buffer is on the meta device (offloaded by accelerate).
-    """
-    tensors = [*model.parameters(), *model.buffers()]
-    if any(tensor.is_meta for tensor in tensors):
-        raise UnreadableWeights(
-            "the model has weights offloaded (on the meta device, e.g. accelerate's disk or CPU offload), which the "
-            "prefix index cannot fingerprint without loading them; load the model without offloading to reuse prompts."
-        )
-    with torch.no_grad():
-        sample = torch.cat(
-            [
-                tensor.detach()
-                .reshape(-1)[:: max(1, tensor.numel() // FINGERPRINT_VALUES)][:FINGERPRINT_VALUES]
-                .to(device=tensors[0].device, dtype=torch.float32)
-                for tensor in tensors
-            ]
-        )  # [num_tensors * FINGERPRINT_VALUES] at most
-    config = getattr(model, "config", None)
-    settings = config.to_dict() if hasattr(config, "to_dict") else {}
-    settings = {key: value for key, value in settings.items() if key not in VOLATILE_CONFIG_KEYS}
-    adapters = [
-        (name, module.disable_adapters, tuple(module.active_adapters), tuple(getattr(module, "merged_adapters", ())))
-        for name, module in model.named_modules()
-        if isinstance(getattr(module, "disable_adapters", None), bool)  # PEFT's tuner layers (a model's is a method)
-    ]
-    return root_key(
-        type(model).__name__,
-        json.dumps(settings, sort_keys=True, default=str),
-        str(getattr(model, "dtype", "")),
-        repr(adapters),
-        sample.cpu().numpy().tobytes(),
-    )
 
 
 def log_once(reason: str) -> None:
@@ -150,6 +99,7 @@ class PrefixTracker:
         self._clean: list[bool] = []  # rows without padding, at the positions of their tokens
         self._chains: list[list[bytes]] = []  # each row's chain keys, token page by token page
         self._published: dict[int, int] = {}  # layer group -> token pages published (or past publishing)
+        self.states: StateTails | None = None  # the cache's state layers' tails (a hybrid model's), set per call
 
     # ----- a generate call --------------------------------------------------------------------
 
@@ -236,6 +186,8 @@ class PrefixTracker:
             self.active = False
             return
         self._record(start, fed_ids)
+        if self.states is not None and all(self._clean):  # the states hold the first `start` tokens
+            self.states.capture(start, self.page_size)
         self.publish(rows_of)
 
     def publish(self, rows_of: "dict[int, PagedRows]", final: bool = False) -> None:
@@ -264,8 +216,10 @@ class PrefixTracker:
         if pages:
             self.pool.publish(pages)
         tails = []
-        for layer_group, rows in rows_of.items():
-            for row_tails in rows.store.take_tails(final) if rows.table.num_rows == len(self._clean) else []:
+        for layer_group, holder in self._holders(rows_of).items():
+            for row_tails in holder.take_tails(final):
+                if len(row_tails) != len(self._clean):
+                    continue
                 token_page = row_tails[0].end // page_size - 1
                 self._extend_chains(token_page + 1)
                 tails += [
@@ -415,13 +369,12 @@ class PrefixTracker:
             num_pages = shorter
         return num_pages, fetched
 
-    def _fetch_tails(self, rows_of: "dict[int, PagedRows]", num_pages: int) -> dict[PageKey, ExactTail]:
+    def _fetch_tails(self, rows_of: "dict[int, PagedRows]", num_pages: int) -> dict[PageKey, Any]:
         """Outside the pool's lock: the tails the pool's tiers hold at the ends of the rows' first ``num_pages`` token
-        pages that its index lacks, for the layer groups that need one (``SlotStore.keeps_exact``)."""
+        pages that its index lacks, for what needs one (``_holders``)."""
         wanted = [
             (chain[d], layer_group)
-            for layer_group, rows in rows_of.items()
-            if rows.store.keeps_exact
+            for layer_group in self._holders(rows_of)
             for chain in self._chains
             for d in range(num_pages)
         ]
@@ -429,7 +382,9 @@ class PrefixTracker:
             wanted = [key for key in dict.fromkeys(wanted) if self.pool.tail(key) is None]
         found = self.pool.tiers.fetch([tail_key(key) for key in wanted], tails=True) if wanted else {}
         tails = {
-            key: ExactTail.from_tensors(found[tail_key(key)][1].tensors, self.pool.device)
+            key: (StateTail if key[1] == STATE_GROUP else ExactTail).from_tensors(
+                found[tail_key(key)][1].tensors, self.pool.device
+            )
             for key in wanted
             if tail_key(key) in found
         }
@@ -458,36 +413,45 @@ class PrefixTracker:
             num_pages -= 1
         return num_pages
 
+    def _holders(self, rows_of: "dict[int, PagedRows]") -> dict[int, Any]:
+        """What keeps a tail beside the pages, by the layer group it is kept under: the rows that keep tokens in full
+        precision beside their codes (``SlotStore.keeps_exact``), and the state layers (``STATE_GROUP``)."""
+        holders = {layer_group: rows.store for layer_group, rows in rows_of.items() if rows.store.keeps_exact}
+        return holders | ({STATE_GROUP: self.states} if self.states is not None else {})
+
     def _capture(self, rows_of: "dict[int, PagedRows]", token_pages: list[int], reused: int = 0) -> None:
-        """Has the rows that keep tokens in full precision beside their codes (``SlotStore.keeps_exact``) keep their
-        ``ExactTail`` at the end of each of ``token_pages`` past ``reused`` that the prompt's prefill writes, where the
-        index has none yet (published with the pages: ``publish``)."""
+        """Has each tail holder (``_holders``) keep its tail at the end of each of ``token_pages`` past ``reused``
+        that the prompt's prefill writes, where the index has none yet (published with the pages: ``publish``)."""
         page_size = self.page_size
         self._extend_chains(max(token_pages, default=0))
-        for layer_group, rows in rows_of.items():
-            if not rows.store.keeps_exact:
-                continue
-            rows.store.keeps_newest = True  # where the rows end: the prefix a later turn of theirs starts with
+        for layer_group, holder in self._holders(rows_of).items():
+            holder.keeps_newest = True  # where the rows end: the prefix a later turn of theirs starts with
             for pages in set(token_pages):
-                if reused < pages <= len(self._chains[0]) and not all(self._tails(rows, layer_group, pages)):
-                    rows.store.captures.append(pages * page_size)
+                if reused < pages <= len(self._chains[0]) and not all(self._tails(holder, layer_group, pages)):
+                    holder.captures.append(pages * page_size)
+
+    def pass_ends(self, start: int, length: int) -> list[int]:
+        """Where the forward passes of a prefill of tokens ``[start, length)`` end: at each page boundary whose states
+        the state layers keep (a state exists only where a pass ends), then at ``length``."""
+        captures = self.states.captures if self.states is not None and self.active else []
+        return sorted({end for end in captures if start < end < length} | {length})
 
     def _with_tails(self, rows_of: "dict[int, PagedRows]", num_pages: int) -> tuple[int, dict[int, list[Any]]]:
-        """The most token pages (at most ``num_pages``) at whose end every row of every layer group that keeps tokens
-        in full precision beside its codes finds an ``ExactTail`` of its lengths, and those tails (layer group ->
-        one per row). Hold the pool's lock."""
-        exact = {layer_group: rows for layer_group, rows in rows_of.items() if rows.store.keeps_exact}
+        """The most token pages (at most ``num_pages``) at whose end every row finds a tail for every tail holder
+        (``_holders``: an ``ExactTail`` of its lengths, the state layers' ``StateTail``), and those tails (layer group
+        -> one per row). Hold the pool's lock."""
+        holders = self._holders(rows_of)
         for pages in range(num_pages, 0, -1):
-            tails = {layer_group: self._tails(rows, layer_group, pages) for layer_group, rows in exact.items()}
+            tails = {layer_group: self._tails(holder, layer_group, pages) for layer_group, holder in holders.items()}
             found = all(all(row_tails) for row_tails in tails.values())
             if found and (pages == num_pages or self._longest(rows_of, pages) == pages):  # a window's other pages
                 return pages, tails
         return 0, {}
 
-    def _tails(self, rows: PagedRows, layer_group: int, num_pages: int) -> list[Any]:
-        """Each row's ``ExactTail`` at the end of token page ``num_pages - 1`` that serves ``rows`` (``None``: none)."""
+    def _tails(self, holder: Any, layer_group: int, num_pages: int) -> list[Any]:
+        """Each row's tail at the end of token page ``num_pages - 1`` that serves ``holder`` (``None``: none)."""
         tails = [self.pool.tail((chain[num_pages - 1], layer_group)) for chain in self._chains]
-        return [tail if tail is not None and tail.covers(*rows.store.exact_lengths) else None for tail in tails]
+        return [tail if tail is not None and tail.covers(*holder.exact_lengths) else None for tail in tails]
 
     def _attach(self, rows_of: "dict[int, PagedRows]", num_pages: int, tails: dict[int, list[Any]]) -> None:
         """Takes the prefix's pages and attaches them (a window's holes: the null page), with the rows' ``tails``."""
@@ -503,3 +467,5 @@ class PrefixTracker:
         pool.share([page for table in pages.values() for row in table for page in row if page != NULL_PAGE])
         for layer_group, table in pages.items():
             rows_of[layer_group].attach(table, num_pages * self.page_size, tails.get(layer_group))
+        if STATE_GROUP in tails:
+            self.states.attach(num_pages * self.page_size, tails[STATE_GROUP])

@@ -12,11 +12,13 @@ its states. The model reads and writes them through ``Cache``'s own methods (``u
 ``update_indexer``, ...) or their ``keys``, which find them in ``cache.layers``.
 
 A recurrent state exists only at the end of the tokens it has seen: it moves with its rows (beams, returned
-sequences), but it cannot be cut back to a page boundary, so a cache with such layers does not reuse prompts
-(``refusal``; nor does one with an indexer's keys, which a cached prefix's pages do not hold), and it can be cropped
-only where transformers' layer records its past (``activate_past_recording``, as assisted decoding does). An image's
-keys are not a function of the prompt's tokens a prefix is keyed on: no reuse either; a crop of the prompt's tokens
-leaves them whole. An indexer's keys grow by concatenation, as in transformers' ``DynamicIndexedLayer``: a cache with
+sequences), but it cannot be cut back to a page boundary. Linear-attention and convolution layers
+(``SNAPSHOT_LAYER_TYPES``) keep copies of their states at the page boundaries a later call may start from
+(``tails``: ``hf_kvcache.caches.state_tails``) and so take part in prompt reuse; other state layers (those of layers
+fused with attention, of types a model registers) do not (``refusal``; nor does one with an indexer's keys, which a
+cached prefix's pages do not hold). A state can be cropped only where transformers' layer records its past
+(``activate_past_recording``, as assisted decoding does). An image's keys are not a function of the prompt's tokens a
+prefix is keyed on: no reuse either; a crop of the prompt's tokens leaves them whole. An indexer's keys grow by concatenation, as in transformers' ``DynamicIndexedLayer``: a cache with
 them does not compile its decode steps (``is_compileable``)."""
 
 import functools
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedConfig, StaticLayer
 
+from hf_kvcache.caches.state_tails import StateTails
 from hf_kvcache.errors import IncompatibleModelError
 from hf_kvcache.layers import PagedLayer, WindowLayer
 from hf_kvcache.layers.window import visible_span
@@ -36,6 +39,9 @@ from hf_kvcache.memory.format import (
     PAGED_LAYER_TYPES,
 )
 from hf_kvcache.transformers_internals import LinearAttentionLayer, cache_layer_state
+
+SNAPSHOT_LAYER_TYPES = ("conv", "linear_attention")
+"""State layers (transformers' ``LinearAttentionLayer``) whose states are kept at page boundaries for prompt reuse."""
 
 
 class IndexerKeys:
@@ -173,6 +179,8 @@ class StateLayers:
         self.types = {idx: kind for idx, kind in enumerate(layer_types) if held(kind)}
         self.fused = [idx for idx, kind in self.types.items() if kind in FUSED_LAYER_TYPES]
         self.layers: dict[int, Any] = self._made()
+        snapshots = self.types and all(kind in SNAPSHOT_LAYER_TYPES for kind in self.types.values())
+        self.tails = StateTails(self) if snapshots else None  # their states kept for prompt reuse
 
     def layer_class(self, layer_idx: int, paged_class: type[PagedLayer]) -> Any:
         """What makes layer ``layer_idx`` on the pool: ``paged_class``, with a state half (``with_state``) and
@@ -220,6 +228,8 @@ class StateLayers:
             cache_layers[idx].fresh_state()
         self.layers = self._made()
         self.place(cache_layers)
+        if self.tails is not None:
+            self.tails.release()
 
     @property
     def is_compileable(self) -> bool:
@@ -232,7 +242,7 @@ class StateLayers:
         cross = [idx for idx, kind in self.types.items() if kind == CROSS_ATTENTION]
         indexed = [idx for idx, kind in self.types.items() if kind == INDEXED_ATTENTION]
         compressed = self._compressed()
-        states = [idx for idx in self.types if idx not in cross + indexed + compressed]
+        states = [idx for idx in self.types if idx not in cross + indexed + compressed and self.tails is None]
         kinds = sorted({self.types[idx] for idx in states})
         reasons = []
         if states:
@@ -271,6 +281,8 @@ class StateLayers:
         order = torch.tensor(indices, dtype=torch.long)
         for layer in self.layers.values():
             layer.reorder_cache(order)
+        if self.tails is not None:
+            self.tails.select_rows(indices)
 
     def check_crop(self, tokens_to_remove: int) -> None:
         """Refuses a crop a layer cannot make, before anything is cropped.

@@ -17,7 +17,9 @@ The only module that changes transformers, through exactly four seams (plus one 
    Any other cache goes to the original method untouched.
 4. ``GenerationMixin._prefill``: wrapped so that a chunked prefill (``prefill_chunk_size``) on one of our caches
    runs its chunks, steps of several tokens, eager (the cache says it is not compileable while they run) and its
-   decode steps compiled, through the forward ``generate`` picked before the prefill.
+   decode steps compiled, through the forward ``generate`` picked before the prefill; and so that a hybrid model's
+   prefill on a cache that reuses prompts runs as passes ending where the cache keeps its state layers' states
+   (``_prefill_in_passes``).
 
 Our names are those of ``integration.registry.REGISTRY``. ``register()`` is idempotent and ``unregister()`` puts
 all of them back exactly as they were.
@@ -239,6 +241,16 @@ def _prepare_cache_for_generation(
 
 def _prefill(self, input_ids: torch.LongTensor, generation_config: Any, model_kwargs: dict, *args, **kwargs):
     cache = model_kwargs.get("cache")
+    first = (args or (kwargs.get("is_first_iteration", True),))[0]
+    if (
+        isinstance(cache, PoolCache)
+        and cache.splits_prefill
+        and first
+        and generation_config.prefill_chunk_size is None
+        and model_kwargs.get("inputs_embeds") is None
+        and not cache.get_seq_length()
+    ):
+        return _prefill_in_passes(self, input_ids, model_kwargs)
     if not isinstance(cache, PoolCache) or generation_config.prefill_chunk_size is None or not cache.compiled_decoding:
         return _original_prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
     flex.log_once(
@@ -252,6 +264,27 @@ def _prefill(self, input_ids: torch.LongTensor, generation_config: Any, model_kw
         return _original_prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
     finally:
         cache.compiled_decoding = True
+
+
+def _prefill_in_passes(model: Any, input_ids: torch.LongTensor, model_kwargs: dict) -> Any:
+    """A prompt's prefill on a cache whose state layers keep their states for prompt reuse (``splits_prefill``): the
+    cached prefix is attached first (``PoolCache.begin_generation``), then the rest is fed in forward passes that end
+    where the states are kept (a state exists only where a pass ends: ``PrefixTracker.pass_ends``), each prepared as
+    transformers' chunked prefill prepares a chunk. Returns the last pass's outputs."""
+    cache = model_kwargs["cache"]
+    length = input_ids.shape[1]
+    start = length - cache.begin_generation(model, input_ids, length, model_kwargs)
+    mask, positions = model_kwargs.get("attention_mask"), model_kwargs.get("position_ids")
+    for end in cache.prefix.pass_ends(start, length):
+        kwargs = dict(model_kwargs)
+        if mask is not None:
+            kwargs["attention_mask"] = mask[:, :end]
+        if positions is not None:
+            kwargs["position_ids"] = positions[..., start:end]
+        inputs = model.prepare_inputs_for_generation(input_ids[:, start:end], is_first_iteration=True, **kwargs)
+        outputs = model(**inputs, return_dict=True)
+        start = end
+    return outputs
 
 
 def _prepare_inputs_for_generation(

@@ -20,7 +20,9 @@ drives the transitions; this module only keeps the maps and the order. The index
 
 Beside a published page the index may keep a *tail* (an object it never reads): what a cache holds besides its
 pages once it has written every token up to that page's end (a quantized cache's full-precision tokens:
-``hf_kvcache.layers.exact.ExactTail``). A tail lives as long as its page is published under its key.
+``hf_kvcache.layers.exact.ExactTail``). A tail lives as long as its page is published under its key. A hybrid
+model's state layers (linear attention, convolution) keep theirs under layer group ``STATE_GROUP``, beside layer group
+0's page of the same token page (``hf_kvcache.caches.state_tails.StateTail``).
 """
 
 import hashlib
@@ -32,6 +34,8 @@ from typing import Any
 KEY_BYTES = 16
 PageKey = tuple[bytes, int]
 """``(chain key of a token page, layer group index)``."""
+STATE_GROUP = -1
+"""The layer group a tail of a hybrid model's state layers is kept under (beside layer group 0's page)."""
 
 
 def root_key(*parts: bytes | str | int) -> bytes:
@@ -60,8 +64,15 @@ def chain_keys(parent: bytes, token_ids: Sequence[int], page_size: int) -> list[
 
 
 def tail_key(key: PageKey) -> PageKey:
-    """The key the tail kept beside page ``key`` travels under to the pool's tiers (apart from the page's own)."""
+    """The key the tail kept under ``key`` travels under to the pool's tiers (apart from the page's own)."""
+    if key[1] == STATE_GROUP:
+        return root_key(key[0], "states"), 0
     return root_key(key[0], "tail"), key[1]
+
+
+def page_beside(key: PageKey) -> PageKey:
+    """The page key a tail kept under ``key`` lives beside (its own, or layer group 0's for ``STATE_GROUP``)."""
+    return key[0], max(key[1], 0)
 
 
 class PrefixIndex:
@@ -101,14 +112,15 @@ class PrefixIndex:
         self._key_of[page] = key
 
     def add_tail(self, key: PageKey, tail: Any) -> bool:
-        """Keeps ``tail`` beside the page published under ``key``; False (nothing kept) if none is, or it has one."""
-        if key not in self._page_of or key in self._tails:
+        """Keeps ``tail`` under ``key``, beside the page published under ``page_beside(key)``; False (nothing kept)
+        if none is, or a tail is kept under ``key``."""
+        if page_beside(key) not in self._page_of or key in self._tails:
             return False
         self._tails[key] = tail
         return True
 
     def tail(self, key: PageKey) -> Any:
-        """The tail kept beside the page published under ``key``, if any."""
+        """The tail kept under ``key``, if any."""
         return self._tails.get(key)
 
     @property
@@ -134,6 +146,8 @@ class PrefixIndex:
         key = self._key_of.pop(page)
         del self._page_of[key]
         self._tails.pop(key, None)
+        if key[1] == 0:
+            self._tails.pop((key[0], STATE_GROUP), None)
         self._evicted.append((key, page))
         return page
 
@@ -169,4 +183,4 @@ class PrefixIndex:
                 f"page {page}: refcount {refcounts[page]} but cached={page in self._cached}"
             )
         assert all(page in self._key_of for page in self._cached), "a cached page is not published"
-        assert all(key in self._page_of for key in self._tails), "a tail is kept beside no published page"
+        assert all(page_beside(key) in self._page_of for key in self._tails), "a tail is kept beside no published page"

@@ -13,9 +13,9 @@ Host memory keeps a page's contents as tensors (``hf_kvcache.memory.page_bytes.P
 store keep its checked bytes (``encode_page``), and a page whose bytes fail a check is counted (``rejected``) and read
 as a miss.
 
-A page's tail (what a quantized cache holds beside its pages in full precision: ``prefix_index``) travels the same
-way under a key of its own (``tail_key``): kept as an evicted page is and published to the store when the index
-publishes it, fetched with the prefix's pages.
+A page's tail (what a quantized cache holds beside its pages in full precision, a hybrid model's states at the
+page's end: ``prefix_index``) travels the same way under a key of its own (``tail_key``): kept as an evicted page is
+and published to the store when the index publishes it, fetched with the prefix's pages.
 
 Writes to the directory and the store run on one background thread (``flush`` waits for them, and so does a process
 that exits, ``FLUSH_AT_EXIT_S`` at most), within ``MAX_PENDING_BYTES``; past that a write is dropped (counted).
