@@ -18,8 +18,9 @@ sequences), but it cannot be cut back to a page boundary. Linear-attention and c
 fused with attention, of types a model registers) do not (``refusal``; nor does one with an indexer's keys, which a
 cached prefix's pages do not hold). A state can be cropped only where transformers' layer records its past
 (``activate_past_recording``, as assisted decoding does). An image's keys are not a function of the prompt's tokens a
-prefix is keyed on: no reuse either; a crop of the prompt's tokens leaves them whole. An indexer's keys grow by concatenation, as in transformers' ``DynamicIndexedLayer``: a cache with
-them does not compile its decode steps (``is_compileable``)."""
+prefix is keyed on: no reuse either; a crop of the prompt's tokens leaves them whole. An indexer's keys grow by
+concatenation, as in transformers' ``DynamicIndexedLayer``: a cache with them does not compile its decode steps
+(``is_compileable``)."""
 
 import functools
 from typing import Any
