@@ -294,3 +294,32 @@ def test_the_index_keeps_a_state_tail_beside_layer_group_zeros_page():
     index.mark_cached(5)
     assert index.evict_oldest() == 6 and index.num_tails == 2  # layer group 1's page: the tails stay
     assert index.evict_oldest() == 5 and index.num_tails == 0
+
+
+def test_a_second_worker_finds_the_states_in_the_directory(qwen, tmp_path):
+    """A pool that never saw the prompt finds its pages and states in the directory (their checked bytes)."""
+    tiers = {"prefix_disk_dir": str(tmp_path), "prefix_disk_bytes": 1 << 24}
+    ids = random_ids(1, 22, seed=60)
+    writer = prefix_pool(qwen, "paged_pool", max_tokens=48, **tiers)
+    generate(qwen, ids, "paged_pool", writer)
+    for seed in range(61, 64):  # pages reach the directory when the pool evicts them
+        generate(qwen, random_ids(1, 22, seed=seed), "paged_pool", writer)
+    assert writer.pages.flush_tiers()
+    reader = prefix_pool(qwen, "paged_pool", **tiers)
+    candidate = generate(qwen, ids, "paged_pool", reader)
+    assert reader.stats()["prefix_tokens_reused"] == 20 and candidate.fed[0] == 2
+    assert_fresh(qwen, ids, "paged_pool", candidate)
+    reader.check_integrity()
+
+
+def test_prompt_lookup_on_a_pool_with_states_gives_greedy_tokens(qwen):
+    """Assisted decoding (prompt lookup) feeds the prompt itself (no lookup, as on any model) and records the states'
+    past, where no state of one boundary is kept: it runs beside the states kept for other calls."""
+    pool = prefix_pool(qwen, "paged_pool")
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]])  # repeats: candidates
+    generate(qwen, ids, "paged_pool", pool)
+    before = pool.stats()
+    candidate = generate(qwen, ids, "paged_pool", pool, max_new_tokens=10, prompt_lookup_num_tokens=3)
+    assert reused(pool, before) == 0 and pool.stats()["prefix_tails"] == before["prefix_tails"]
+    assert torch.equal(candidate.sequences, generate(qwen, ids, max_new_tokens=10).sequences)
+    pool.check_integrity()
