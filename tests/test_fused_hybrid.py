@@ -5,15 +5,12 @@ model reaches through ``Cache``'s own methods (``update_conv_state``, ``get_recu
 
 Tiny random-init models (``hf_kvcache.testing.tiny_causal_lm``), each against ``DynamicCache``."""
 
-import logging
-
 import pytest
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from hf_kvcache import KVPool, PagedCache, PagedConfig, QuantizedKVCache, QuantizedValueCache
-from hf_kvcache.caches import prefix as prefix_module
 from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.layers import PagedLayer, WindowLayer
 from hf_kvcache.testing import tiny_causal_lm
@@ -142,23 +139,18 @@ ONE_GEOMETRY = {"inkling_text": {"swa_head_dim": 16, "swa_num_attention_heads": 
 
 
 @pytest.mark.parametrize("model_type", sorted(MODELS))
-def test_prefix_caching_is_refused_once_with_its_reason(model_type, caplog, monkeypatch):
-    """A recurrent state exists only at the end of what it has seen: no cached prefix can restore it."""
+def test_prompt_reuse_restores_the_state_half(model_type):
+    """The state half's states are kept at page boundaries, as other hybrids' (``hf_kvcache.caches.state_tails``):
+    the second call reuses the prompt's whole pages with their states and gives the same generation."""
     fused = tiny_causal_lm(model_type, **ONE_GEOMETRY.get(model_type, {}))
-    monkeypatch.setattr(prefix_module, "_logged", set())
     pool = KVPool.for_model(fused, PagedConfig(page_size=4), max_tokens=512, prefix_caching=True)
     ids = random_ids(1, 18, seed=9, vocab=fused.config.vocab_size)
     expected = run(fused, ids, None, max_new_tokens=4)
-    with caplog.at_level(logging.WARNING, logger="hf_kvcache"):
-        for _ in range(2):
-            actual = run(
-                fused, ids, None, max_new_tokens=4, cache_implementation="paged_pool", cache_config={"pool": pool}
-            )
-            assert_same_generation(expected, actual)
-    refusals = [record.message for record in caplog.records if "Prefix caching is off" in record.message]
-    assert len(refusals) == 1 and "hybrid" in refusals[0] and "recurrent" in refusals[0], refusals
+    for _ in range(2):
+        actual = run(fused, ids, None, max_new_tokens=4, cache_implementation="paged_pool", cache_config={"pool": pool})
+        assert_same_generation(expected, actual)
     stats = pool.stats()
-    assert stats["prefix_lookups"] == 0 and stats["pages_cached"] == 0  # nothing looked up, nothing published
+    assert stats["prefix_tokens_reused"] == 16 and stats["prefix_tails"] > 0
     pool.check_integrity()
 
 

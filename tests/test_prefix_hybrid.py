@@ -20,6 +20,7 @@ from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.memory.prefix_index import STATE_GROUP, PrefixIndex, tail_key
 from hf_kvcache.testing import tiny_causal_lm, tiny_hybrid
 from tests.helpers import random_ids
+from tests.test_fused_hybrid import ONE_GEOMETRY
 from tests.test_prefix_caching import TOLERANCE, assert_same_tokens_close_logits
 from tests.test_prefix_quantized import CONFIGS as QUANTIZED
 from tests.test_prefix_quantized import assert_not_fresh, continued
@@ -242,20 +243,40 @@ def test_compiled_decoding_after_reuse(qwen, compile_config):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
-def test_fused_hybrid_layers_still_refuse_with_their_reason(caplog, monkeypatch):
-    """Layers fusing attention with a state-space block (Falcon-H1) keep their refusal, logged once."""
+@pytest.mark.parametrize("model_type", ["falcon_h1", "zaya", "inkling_text"])
+def test_layers_fusing_attention_with_a_state_space_block_reuse_alike(model_type):
+    """Falcon-H1, Zaya and Inkling keep their states in the state half of our layer: the same prompt again and a
+    next turn reuse pages and states, and give DynamicCache's generation."""
+    model = tiny_causal_lm(model_type, **ONE_GEOMETRY.get(model_type, {}))
+    pool = prefix_pool(model, "paged_pool")
+    ids = random_ids(1, 22, seed=40, vocab=model.config.vocab_size)
+    answer = generate(model, ids, "paged_pool", pool).sequences
+    before = pool.stats()
+    again = generate(model, ids, "paged_pool", pool)
+    assert reused(pool, before) == 20 and again.fed[0] == 2
+    assert_fresh(model, ids, "paged_pool", again)
+    next_turn = torch.cat([answer, random_ids(1, 5, seed=41, vocab=model.config.vocab_size)], dim=1)
+    before = pool.stats()
+    assert_fresh(model, next_turn, "paged_pool", generate(model, next_turn, "paged_pool", pool))
+    assert reused(pool, before) == 24
+    pool.check_integrity()
+
+
+def test_indexed_attention_still_refuses_with_its_reason(caplog, monkeypatch):
+    """Indexed attention's indexer keys are not kept at page boundaries: the refusal and its logged reason stay."""
     monkeypatch.setattr(prefix_module, "_logged", set())
-    model = tiny_causal_lm("falcon_h1")
-    pool = KVPool.for_model(
-        model, REGISTRY["paged_pool"].config({"page_size": PAGE_SIZE}), max_tokens=256, prefix_caching=True
-    )
-    ids = random_ids(1, 14, seed=40, vocab=model.config.vocab_size)
+    model = tiny_causal_lm("deepseek_v32", index_topk=4)
+    pool = prefix_pool(model, "paged_pool")
+    ids = random_ids(1, 14, seed=42)
     with caplog.at_level(logging.WARNING, logger="hf_kvcache"):
         for _ in range(2):
-            out = generate(model, ids, "paged_pool", pool, max_new_tokens=3)
-            assert out.fed[0] == 14
+            assert generate(model, ids, "paged_pool", pool, max_new_tokens=3).fed[0] == 14
     refusals = [record.message for record in caplog.records if "Prefix caching is off" in record.message]
-    assert len(refusals) == 1 and "(hybrid) keep a recurrent or convolution state" in refusals[0], refusals
+    assert refusals == [
+        "Prefix caching is off for this call: indexed-attention layers [0, 1] keep their indexer's keys beside the "
+        "pool, which a cached prefix's pages do not hold: a cached prefix could not restore them, so prompts are "
+        "neither reused nor published."
+    ]
     assert pool.stats()["prefix_lookups"] == 0 and pool.stats()["prefix_tails"] == 0
 
 

@@ -13,9 +13,9 @@ its states. The model reads and writes them through ``Cache``'s own methods (``u
 
 A recurrent state exists only at the end of the tokens it has seen: it moves with its rows (beams, returned
 sequences), but it cannot be cut back to a page boundary. Linear-attention and convolution layers
-(``SNAPSHOT_LAYER_TYPES``) keep copies of their states at the page boundaries a later call may start from
-(``tails``: ``hf_kvcache.caches.state_tails``) and so take part in prompt reuse; other state layers (those of layers
-fused with attention, of types a model registers) do not (``refusal``; nor does one with an indexer's keys, which a
+and layers fusing attention with a state-space block (``SNAPSHOT_LAYER_TYPES``) keep copies of their states at the
+page boundaries a later call may start from (``tails``: ``hf_kvcache.caches.state_tails``) and so take part in prompt
+reuse; state layers of types a model registers do not (``refusal``; nor does one with an indexer's keys, which a
 cached prefix's pages do not hold). A state can be cropped only where transformers' layer records its past
 (``activate_past_recording``, as assisted decoding does). An image's keys are not a function of the prompt's tokens a
 prefix is keyed on: no reuse either; a crop of the prompt's tokens leaves them whole. An indexer's keys grow by
@@ -41,8 +41,9 @@ from hf_kvcache.memory.format import (
 )
 from hf_kvcache.transformers_internals import LinearAttentionLayer, cache_layer_state
 
-SNAPSHOT_LAYER_TYPES = ("conv", "linear_attention")
-"""State layers (transformers' ``LinearAttentionLayer``) whose states are kept at page boundaries for prompt reuse."""
+SNAPSHOT_LAYER_TYPES = ("conv", "linear_attention", *FUSED_LAYER_TYPES)
+"""Layer types whose states (transformers' ``LinearAttentionLayer``'s, or the state half of a fused layer) are kept
+at page boundaries for prompt reuse."""
 
 
 class IndexerKeys:

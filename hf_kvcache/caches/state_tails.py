@@ -1,7 +1,8 @@
 """Prompt reuse on a hybrid model: its state layers' tensors kept at page boundaries (``StateTail``).
 
-A linear-attention or convolution layer (transformers' ``LinearAttentionLayer``, held by ``StateLayers``) keeps a
-state of fixed size that exists only where a forward pass ends: it cannot be cut back to a page of the prompt. So
+A linear-attention or convolution layer (transformers' ``LinearAttentionLayer``, held by ``StateLayers``), or the
+state half of a layer fusing attention with a state-space block, keeps states of fixed size that exist only where a
+forward pass ends: they cannot be cut back to a page of the prompt. So
 the boundaries a later call is likely to start from (the prompt's last whole page short of its last token, where it
 parts from what the index held: ``PrefixTracker._capture``) end a forward pass of the prefill
 (``PrefixTracker.pass_ends``, run by ``hf_kvcache.integration.seams``), and the states there are copied, one
