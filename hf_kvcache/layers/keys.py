@@ -79,8 +79,6 @@ class KeyPages:
     ) -> None:
         """Takes tokens ``[start, start + n)`` of every row; encodes and stores the pages they fill.
 
-        Call it inside ``PagePool.held()``, with the storage it yields.
-
         Args:
             key_states: ``[batch, heads, n, head_dim]``.
             page_ids: ``[batch, num_pages]`` the rows' pages (their page table; holes: the null page).

@@ -10,8 +10,9 @@ dynamo specializes on.
 import torch
 
 from hf_kvcache.attention import block_mask, flex
-from hf_kvcache.attention.kernels import page_rows, slot_indices, write_planned
+from hf_kvcache.attention.kernels import page_rows, slot_indices
 from hf_kvcache.layers.plan import StepPlan
+from hf_kvcache.layers.read_path import GATHER, IN_PLACE
 from hf_kvcache.memory.allocator import NULL_PAGE
 
 
@@ -67,6 +68,7 @@ class PlannedRows:
                 store.keys.replan_decode(plan, start)
             # Quantized values read in place plan anew (value_buffer): these gathered, as the step before
             plan.mask = self._planned_mask(start, batch, capacity_pages, padding_only) if store.quant is None else None
+            plan.mode = GATHER if plan.mask is None else IN_PLACE
             return plan
         self._step_key = step_key
         pages, offsets, tokens, kv_offset = self._planned_reads(start, batch, capacity_pages)
@@ -129,7 +131,7 @@ class PlannedRows:
                 if into is not None:
                     into.copy_(tensor)
             plan.num_keys, plan.kv_offset = tokens.shape[-1], kv_offset
-        plan.mask = mask
+        plan.mask, plan.mode = mask, GATHER if mask is None else IN_PLACE
         plan.value_buffer = self._value_buffer() if in_place_values[0] is not None else None
         return plan
 
@@ -207,29 +209,3 @@ class PlannedRows:
         if self.step_plan is not None and self.step_plan.ahead:
             self.written = self.num_tokens
             self.step_plan = None
-
-    def _write_ahead(
-        self, plan: StepPlan, layer_in_group: int, key_states: torch.Tensor, value_states: torch.Tensor
-    ) -> None:
-        """Stores a planned step's ``[batch, heads, 1, head_dim]`` states at its slots, as an eager step does but
-        with tensor operations only: no lock, values coded by each layer (the window read from the plan)."""
-        put = lambda tensor, states: write_planned(tensor, plan, layer_in_group, states)  # noqa: E731
-        self.store.write(layer_in_group, self.pool.storage, put, key_states, value_states)
-        if self.store.keys is not None:
-            self.store.keys.write_planned(layer_in_group, plan, key_states)
-        self.store.remember(layer_in_group, plan, value_states)
-        if self.store.sink is not None:
-            self.store.sink.write_planned(layer_in_group, plan, key_states.detach(), value_states.detach())
-
-    def _read_ahead(self, plan: StepPlan, layer_in_group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A planned step's keys and values, ``[batch, heads, num_keys, head_dim]`` each (``StepPlan``): gathered as
-        an eager step's (the rows' tokens in order, then the null page's slots, hidden by the model's mask as
-        ``StaticCache``'s empty slots), or in place: the storage's first pages, which attention reads through the
-        mask."""
-        if plan.mask is None:
-            return self.gather(layer_in_group, plan.num_keys, plan)
-        storage = self.pool.storage
-        keys = self._storage_view(storage.keys, layer_in_group)
-        if self.store.quant is None:
-            return keys, self._storage_view(storage.values, layer_in_group)
-        return keys, self.store.values_in_place(layer_in_group, storage, plan)

@@ -193,30 +193,25 @@ class PagedRows(PlannedRows):
         return self._heads, self._layers
 
     def write(self, plan: StepPlan, layer_in_group: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Stores one layer's ``[batch, heads, n, head_dim]`` new states where ``plan`` puts them."""
-        if plan.ahead:
-            self._write_ahead(plan, layer_in_group, key_states, value_states)
-            return
-        start, num_new = plan.start, plan.num_new
-        deferred = self.store.defers_codes and num_new == 1
+        """Stores one layer's ``[batch, heads, n, head_dim]`` new states where ``plan`` puts them, eager and planned
+        steps alike: tensor operations that a compiled step's graph runs, and no lock (the pool's storage never moves
+        and the rows' pages are their own). With ``defers_codes``, a one-token step codes every layer's token at once,
+        after the layer group's last layer."""
+        storage, deferred, keys = self.pool.storage, self.store.defers_codes and plan.num_new == 1, self.store.keys
 
         def put(tensor: torch.Tensor, states: torch.Tensor) -> None:
             write_planned(tensor, plan, layer_in_group, states)
 
-        with self.pool.held() as storage:
-            self.store.write(layer_in_group, storage, put, key_states, value_states, code_values=not deferred)
-            self._write_keys(layer_in_group, storage, plan, key_states)
-        self.store.remember(layer_in_group, plan, value_states, key_states)
+        self.store.write(layer_in_group, storage, put, key_states, value_states, code_values=not deferred)
+        if keys is not None and plan.ahead:  # a graph cannot branch on a page filling: plan_decode encodes it after
+            keys.write_planned(layer_in_group, plan, key_states)
+        elif keys is not None:  # an eager step encodes the pages it fills
+            keys.write(layer_in_group, storage, plan.start, key_states, self._page_ids(), plan)
+        self.store.remember(layer_in_group, plan, key_states, value_states)
         if deferred and layer_in_group == self._last_layer:  # every layer's token, coded at once
-            with self.pool.held() as storage:
-                self.store.code_step(storage, plan)
-        self.end_step(layer_in_group, start + num_new)
-
-    def _write_keys(self, layer_in_group: int, storage: PoolStorage, plan: StepPlan, key_states: torch.Tensor) -> None:
-        """Encoded keys: the step's keys to the rows' pages still filling; pages that fill, encoded (call it inside
-        ``PagePool.held()``)."""
-        if self.store.keys is not None:
-            self.store.keys.write(layer_in_group, storage, plan.start, key_states, self._page_ids(), plan)
+            self.store.code_step(storage, plan)
+        if not plan.ahead:  # plan_decode counts a planned step's tokens
+            self.end_step(layer_in_group, plan.start + plan.num_new)
 
     def _read_keys(self, layer_in_group: int, storage: PoolStorage, plan: StepPlan) -> torch.Tensor:
         """Encoded keys, decoded: the ``[batch, heads, num_keys, head_dim]`` keys ``plan`` reads."""
@@ -258,11 +253,10 @@ class PagedRows(PlannedRows):
             ``[batch, heads, num_keys, head_dim]`` (gathered; a view of the storage as a run), or ``[1, heads, view
             pages * page_size, head_dim]`` views of the storage (in place).
         """
-        if plan.ahead:
-            return self._read_ahead(plan, layer_in_group)
         num_tokens = plan.num_keys
         step = (key_states, value_states) if plan.num_new > 1 else None
-        self.path.reads[plan.mode] += 1
+        if not plan.ahead:  # planned steps are not counted (a graph would take the count for a constant)
+            self.path.reads[plan.mode] += 1
         if plan.mode == GATHER:
             if plan.layout is not None and handoff is not None and self.path.our_attention():
                 handoff[KEY_LAYOUT] = plan.layout  # a window's band (only our attention reads it)
@@ -277,9 +271,10 @@ class PagedRows(PlannedRows):
             values = self._storage_view(storage.values, layer_in_group)
         else:
             values = self.store.values_in_place(layer_in_group, storage, plan)
-        gather = functools.partial(self.gather, layer_in_group, num_tokens, plan)
-        pads = self._pad_tensor(self.table.num_rows)
-        handoff[PAGED_READ] = PagedRead(plan.mask, pads, num_tokens, gather, plan.kv_offset)
+        if not plan.ahead:  # a planned step's read goes to attention with its inputs (PoolCache.start_planned)
+            gather = functools.partial(self.gather, layer_in_group, num_tokens, plan)
+            pads = self._pad_tensor(self.table.num_rows)
+            handoff[PAGED_READ] = PagedRead(plan.mask, pads, num_tokens, gather, plan.kv_offset)
         return keys, values
 
     def _storage_view(self, storage: torch.Tensor, layer_in_group: int) -> torch.Tensor:

@@ -92,9 +92,9 @@ class SlotStore:
     ) -> None:
         """Stores new states ``[batch, heads, n, head_dim]`` into their slots of ``storage`` with ``put``.
 
-        Call it inside ``PagePool.held()`` with the storage it yields. The pool holds inference state: what is stored
-        is detached from any autograd graph. Encoded keys are not written here (``KeyPages.write``, a page at a
-        time), nor quantized values with ``code_values=False`` (``code_step``).
+        The pool holds inference state: what is stored is detached from any autograd graph. Encoded keys are not
+        written here (``KeyPages.write``, a page at a time), nor quantized values with ``code_values=False``
+        (``code_step``).
         """
         key_states, value_states = _detached(key_states), _detached(value_states)
         if self.keys is None:
@@ -110,7 +110,7 @@ class SlotStore:
         """After the last layer of a one-token step that deferred its codes (``defers_codes``): the codes of the
         step's token of every layer of the layer group, from the residual windows, stored into the slots ``plan``
         writes (``StepPlan.write_pages`` / ``write_offsets``) at once (one quantization for all layers keeps the
-        step's op count low). Inside ``PagePool.held()``, like ``write``."""
+        step's op count low)."""
         layers, values = self.residual.take_all(plan.window_write)  # [layers, batch, heads, 1, head_dim]
         codes, scale, zero = quantize(values, self.quant)
         layer_index = torch.tensor(layers, device=values.device).view(-1, 1, 1, 1)
@@ -155,21 +155,23 @@ class SlotStore:
             return total
         return total + sum(buffer.numel() * buffer.element_size() for buffer in self.residual.buffers.values())
 
-    def remember(
-        self, layer_in_group: int, plan: "Any", value_states: torch.Tensor, key_states: torch.Tensor | None = None
-    ) -> None:
-        """Keeps the full-precision values of a step's tokens for the residual window (``StepPlan.window_write``),
-        and with ``key_states`` (an eager step of rows that keep every page) the first tokens' keys and values for the
-        exact sink."""
-        ends = self._capturing(plan.start, value_states.shape[2]) if key_states is not None else []  # eager steps
+    def remember(self, layer_in_group: int, plan: "Any", key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Keeps the full-precision values of a step's tokens for the residual window (``StepPlan.window_write``), and
+        the first tokens' keys and values for the exact sink: an eager step's from its start (the rows' first step
+        makes the sink), a planned step's at its plan's slot (``StepPlan.sink``: a graph cannot slice at a start that
+        moves)."""
+        key_states, value_states = _detached(key_states), _detached(value_states)
+        ends = [] if plan.ahead else self._capturing(plan.start, value_states.shape[2])
         captured = [self._captured.setdefault(end, ({}, {}, {})) for end in ends]
         for end, (values, _, _) in zip(ends, captured):
             if self.residual is not None:  # before the step's values overwrite the window's oldest
-                values[layer_in_group] = self.residual.capture(layer_in_group, plan.start, _detached(value_states), end)
+                values[layer_in_group] = self.residual.capture(layer_in_group, plan.start, value_states, end)
         if self.residual is not None:
-            self.residual.write(layer_in_group, _detached(value_states), plan.window_write)
-        if self.sink is not None and key_states is not None:
-            self.sink.write(layer_in_group, plan.start, _detached(key_states), _detached(value_states))
+            self.residual.write(layer_in_group, value_states, plan.window_write)
+        if self.sink is not None and plan.ahead:
+            self.sink.write_planned(layer_in_group, plan, key_states, value_states)
+        elif self.sink is not None:
+            self.sink.write(layer_in_group, plan.start, key_states, value_states)
             for end, (_, sink_keys, sink_values) in zip(ends, captured):
                 sink_keys[layer_in_group], sink_values[layer_in_group] = self.sink.capture(layer_in_group, end)
 
