@@ -24,6 +24,7 @@ from tests.test_fused_hybrid import ONE_GEOMETRY
 from tests.test_prefix_caching import TOLERANCE, assert_same_tokens_close_logits
 from tests.test_prefix_quantized import CONFIGS as QUANTIZED
 from tests.test_prefix_quantized import assert_not_fresh, continued
+from tests.test_prefix_store import server  # noqa: F401  (a fixture: a redis-server of the test's own)
 
 PAGE_SIZE = 4
 CONFIGS = {"paged_pool": {}, "sliding_ring": {"window": 16, "sink_tokens": 2}}
@@ -317,13 +318,18 @@ def test_the_index_keeps_a_state_tail_beside_layer_group_zeros_page():
     assert index.evict_oldest() == 5 and index.num_tails == 0
 
 
-def test_a_second_worker_finds_the_states_in_the_directory(qwen, tmp_path):
-    """A pool that never saw the prompt finds its pages and states in the directory (their checked bytes)."""
-    tiers = {"prefix_disk_dir": str(tmp_path), "prefix_disk_bytes": 1 << 24}
+@pytest.mark.parametrize("tier", ["directory", "store"])
+def test_a_second_worker_finds_the_states_in_the_directory_or_the_store(qwen, tmp_path, tier, request):
+    """A pool that never saw the prompt finds its pages and states in the directory or on a Redis server (their
+    checked bytes)."""
+    if tier == "store":
+        tiers = {"prefix_store": request.getfixturevalue("server").url}
+    else:
+        tiers = {"prefix_disk_dir": str(tmp_path), "prefix_disk_bytes": 1 << 24}
     ids = random_ids(1, 22, seed=60)
     writer = prefix_pool(qwen, "paged_pool", max_tokens=48, **tiers)
     generate(qwen, ids, "paged_pool", writer)
-    for seed in range(61, 64):  # pages reach the directory when the pool evicts them
+    for seed in range(61, 64 if tier == "directory" else 61):  # pages reach the directory when the pool evicts them
         generate(qwen, random_ids(1, 22, seed=seed), "paged_pool", writer)
     assert writer.pages.flush_tiers()
     reader = prefix_pool(qwen, "paged_pool", **tiers)
@@ -344,3 +350,12 @@ def test_prompt_lookup_on_a_pool_with_states_gives_greedy_tokens(qwen):
     assert reused(pool, before) == 0 and pool.stats()["prefix_tails"] == before["prefix_tails"]
     assert torch.equal(candidate.sequences, generate(qwen, ids, max_new_tokens=10).sequences)
     pool.check_integrity()
+
+
+def test_the_copies_a_cache_holds_count_in_its_state_bytes(qwen):
+    """Until the rows are let go, the cache holds a copy of its states at the newest page boundary (a next turn's):
+    ``memory_stats()``'s ``state_bytes`` counts it beside the states themselves."""
+    ids = random_ids(1, 22, seed=70)
+    alone = generate(qwen, ids, "paged_pool").cache.memory_stats()["state_bytes"]
+    kept = generate(qwen, ids, "paged_pool", prefix_pool(qwen, "paged_pool")).cache.memory_stats()["state_bytes"]
+    assert alone > 0 and kept == 2 * alone

@@ -319,9 +319,11 @@ class StateLayers:
 
     def state_bytes(self) -> int:
         """Bytes of the tensors these layers hold (states, their recorded past, keys of their own), each once, their
-        token counters aside."""
+        token counters aside, and of the copies of their states kept for prompt reuse and not yet published
+        (``tails``)."""
         seen: dict[tuple[int, int], int] = {}
         pending = [value for layer in self.layers.values() for value in cache_layer_state(layer)]
+        pending += self.tails.held() if self.tails is not None else []
         while pending:
             value = pending.pop()
             if isinstance(value, torch.Tensor) and value.ndim:  # counters (0-d) aside

@@ -141,6 +141,10 @@ class StateTails:
             else:
                 layer.update_recurrent_state(states, idx)
 
+    def held(self) -> list[torch.Tensor]:
+        """The copies not yet taken (``PoolCache.memory_stats``' ``state_bytes``)."""
+        return [tensor for states in self._captured.values() for tensor in states.values()]
+
     def select_rows(self, indices: list[int]) -> None:
         """Row ``i`` of the copies not yet taken becomes old row ``indices[i]`` (beams, repeats)."""
         for states in self._captured.values():
