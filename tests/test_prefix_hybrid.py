@@ -19,7 +19,7 @@ from hf_kvcache.caches import prefix as prefix_module
 from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.memory.prefix_index import STATE_GROUP, PrefixIndex, tail_key
 from hf_kvcache.testing import tiny_causal_lm, tiny_hybrid
-from tests.helpers import random_ids
+from tests.helpers import padded_batch, random_ids
 from tests.test_fused_hybrid import ONE_GEOMETRY
 from tests.test_prefix_caching import TOLERANCE, assert_same_tokens_close_logits
 from tests.test_prefix_quantized import CONFIGS as QUANTIZED
@@ -359,3 +359,15 @@ def test_the_copies_a_cache_holds_count_in_its_state_bytes(qwen):
     alone = generate(qwen, ids, "paged_pool").cache.memory_stats()["state_bytes"]
     kept = generate(qwen, ids, "paged_pool", prefix_pool(qwen, "paged_pool")).cache.memory_stats()["state_bytes"]
     assert alone > 0 and kept == 2 * alone
+
+
+def test_a_padded_batch_keeps_no_states_and_feeds_one_pass(qwen):
+    """A padded row's states hold its padding: a padded batch keeps no states and its prefill is one pass."""
+    pool = prefix_pool(qwen, "paged_pool")
+    ids, mask = padded_batch([22, 15], seed=71)
+    for _ in range(2):
+        candidate = generate(qwen, ids, "paged_pool", pool, attention_mask=mask)
+        assert candidate.fed[0] == 22
+        assert torch.equal(candidate.sequences, generate(qwen, ids, attention_mask=mask).sequences)
+    assert pool.stats()["prefix_tails"] == 0 and pool.stats()["prefix_tokens_reused"] == 0
+    pool.check_integrity()

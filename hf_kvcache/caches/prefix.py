@@ -186,7 +186,7 @@ class PrefixTracker:
             self.active = False
             return
         self._record(start, fed_ids)
-        if self.states is not None and all(self._clean):  # the states hold the first `start` tokens
+        if self.states is not None:  # the states hold the first `start` tokens
             self.states.capture(start, self.page_size)
         self.publish(rows_of)
 
