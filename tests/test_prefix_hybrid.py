@@ -10,6 +10,7 @@ reuse. Tiny random-init Qwen3.5 (Gated DeltaNet: a convolution and a recurrent s
 convolutions), each beside full attention."""
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -370,4 +371,35 @@ def test_a_padded_batch_keeps_no_states_and_feeds_one_pass(qwen):
         assert candidate.fed[0] == 22
         assert torch.equal(candidate.sequences, generate(qwen, ids, attention_mask=mask).sequences)
     assert pool.stats()["prefix_tails"] == 0 and pool.stats()["prefix_tokens_reused"] == 0
+    pool.check_integrity()
+
+
+def test_threads_on_one_pool_each_restore_their_own_states(qwen):
+    """Four threads generate prompts with one head at once, twice each: each second call restores the states its
+    first kept (the first copy of a shared page wins; states are kept once per boundary), and every call gives the
+    generation of a cache without reuse."""
+    pool = prefix_pool(qwen, "paged_pool")
+    head = random_ids(1, 16, seed=80)
+    prompts = [torch.cat([head, random_ids(1, 6, seed=81 + i)], dim=1) for i in range(4)]  # [1, 22]
+    barrier, errors, results = threading.Barrier(4), [], {}
+    options = {"cache_implementation": "paged_pool", "cache_config": {"pool": pool}, "do_sample": False}
+
+    def work(i: int) -> None:
+        try:
+            barrier.wait()
+            results[i] = [qwen.generate(prompts[i], max_new_tokens=6, **options) for _ in range(2)]
+            pool.check_integrity()
+        except BaseException as error:  # noqa: BLE001  (re-raised in the main thread)
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert pool.stats()["prefix_tokens_reused"] >= 4 * 20
+    for i, prompt in enumerate(prompts):
+        expected = generate(qwen, prompt, "paged_pool").sequences
+        assert all(torch.equal(expected, sequences) for sequences in results[i])
     pool.check_integrity()
