@@ -53,7 +53,8 @@ class KeyPages:
         (``StepPlan.key_ids``, ``key_filling``, ``key_step``): the pages read ``page_ids`` (the rows' table from token
         page ``first_page`` on) flattened, to decode; where each row's page still filling lies among them once the
         step has written; and for a one-token step, where its key goes in each row's page still filling and, if it
-        fills that page, the pool pages it is encoded to."""
+        fills that page, the pool pages it is encoded to. (A planned step's is ``plan_decode``'s: it encodes a page
+        the step after it fills, as a graph cannot branch on the fill.)"""
         (batch, m), device, end = page_ids.shape, page_ids.device, start + num_new
         plan.key_ids = page_ids.reshape(-1)
         if end % self.page_size:
@@ -278,7 +279,8 @@ class KeyPages:
         self.filled_unencoded = None
 
     def write_planned(self, layer_in_group: int, plan: "Any", key_states: torch.Tensor) -> None:
-        """A planned step's new keys ``[batch, heads, 1, head_dim]`` to their slot of the page still filling."""
+        """A planned step's new keys ``[batch, heads, 1, head_dim]`` to their slot of the page still filling (never
+        encoding it: a graph cannot branch on the fill; ``plan_decode`` encodes it the step after)."""
         partial = self.partial[layer_in_group]  # [batch, heads, page_size, head_dim]
         partial.index_put_((plan.rows, plan.heads, plan.write_offsets), key_states.detach().to(partial.dtype))
 

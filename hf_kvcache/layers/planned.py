@@ -3,8 +3,8 @@
 Before a compiled decode step (``PoolCache.plan_decode``, in the seam that sees every forward pass), the rows grow
 their table, encode what filled, and write where the step's token goes and what it reads into the persistent
 tensors of a ``StepPlan``; inside the graph a layer only writes at the planned slots and reads the planned pages
-(``write_planned``, and the gather of eager steps: ``PagedRows.gather``): tensor operations, no host read, nothing
-dynamo specializes on.
+with the eager step's functions (``PagedRows.write``, ``read``): tensor operations, no host read, nothing dynamo
+specializes on.
 """
 
 import torch
@@ -72,11 +72,7 @@ class PlannedRows:
             return plan
         self._step_key = step_key
         pages, offsets, tokens, kv_offset = self._planned_reads(start, batch, capacity_pages)
-        fmt, num_pages = self.pool.format, self.pool.storage.num_pages
-        if offsets is None:
-            reads = page_rows(pages[:, 0], fmt.num_kv_heads, num_pages)
-        else:
-            reads = slot_indices(pages[:, 0], offsets[:, 0], fmt.num_kv_heads, num_pages, fmt.page_size).view(-1)
+        reads = self._read_index(pages[:, 0], None if offsets is None else offsets[:, 0])
         write_pages, write_offsets = self._write_slots(start, 1)
         keys_read = (None,) * 4
         if self.store.keys is not None:
@@ -195,7 +191,8 @@ class PlannedRows:
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int]:
         """What a planned step at ``start`` reads: ``(pages [batch, 1, reads], offsets or None, tokens, kv_offset)``
         (``StepPlan``), ``tokens [batch or 1, num_keys]`` the token of each key attention gets (``-1``: none). Rows
-        that keep every token read their pages, then the null page up to ``capacity_pages``."""
+        that keep every token read their pages, then the null page up to ``capacity_pages``. (A fixed count, for one
+        graph over many steps; an eager step reads exactly its tokens, ``_plan_gather``, as the model's mask says.)"""
         ids = self._page_ids()  # [batch, pages]
         if ids.shape[1] > capacity_pages:
             raise ValueError(f"Rows of {ids.shape[1]} pages do not fit a step planned for {capacity_pages}.")
@@ -203,6 +200,15 @@ class PlannedRows:
         padded[:, 0, : ids.shape[1]] = ids  # [batch, 1, capacity_pages]
         tokens = torch.arange(capacity_pages * self.pool.format.page_size, device=ids.device).unsqueeze(0)
         return padded, None, tokens, 0
+
+    def _read_index(self, pages: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """``StepPlan.reads`` of pages ``[batch, n]``, eager and planned steps alike: whole pages
+        (``kernels.page_rows``), or with ``offsets [batch, n]`` one slot of each (``slot_reads``:
+        ``kernels.slot_indices``)."""
+        fmt, num_pages = self.pool.format, self.pool.storage.num_pages
+        if offsets is None:
+            return page_rows(pages, fmt.num_kv_heads, num_pages)
+        return slot_indices(pages, offsets, fmt.num_kv_heads, num_pages, fmt.page_size).view(-1)
 
     def end_planning(self) -> None:
         """The next step is not a planned one (a prefill, a crop): written catches up, the plan is dropped."""

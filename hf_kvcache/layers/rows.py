@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from hf_kvcache.attention.kernels import page_rows, read_pages, read_slots, run_view, write_planned
+from hf_kvcache.attention.kernels import read_pages, read_slots, run_view, write_planned
 from hf_kvcache.attention.reads import KEY_LAYOUT, PAGED_READ, PagedRead
 from hf_kvcache.layers.exact import ExactTail
 from hf_kvcache.layers.identical import find_identical_rows
@@ -126,7 +126,8 @@ class PagedRows(PlannedRows):
     def plan_eager_step(self, start: int, batch: int) -> None:
         """Before the forward pass of an eager decode step of one token per row at ``start`` (``generate``'s seam,
         ``PoolCache.plan_decode``): what the layer group's first layer would do in ``plan_step``, so that every
-        layer only executes the plan. A step that is not the table's next is left to the layers (which raise)."""
+        layer only executes the plan. A step that is not the table's next is left to the layers (which raise). Not
+        ``plan_decode``: an eager step reads exactly its tokens (the model's mask is built for them), not a bucket."""
         if start != self.num_tokens or not self.table.num_rows or batch != self.table.num_rows:
             return
         self._grow(batch, start, 1, None)
@@ -161,9 +162,7 @@ class PagedRows(PlannedRows):
 
     def _plan_gather(self, plan: StepPlan) -> None:
         """A gathered step's reads (``StepPlan.reads``): the rows' pages up to the step's end."""
-        fmt = self.pool.format
-        read_pages = self._page_ids()[:, : -(-plan.num_keys // fmt.page_size)]  # [batch, pages]
-        plan.reads = page_rows(read_pages, fmt.num_kv_heads, self.pool.storage.num_pages)
+        plan.reads = self._read_index(self._page_ids()[:, : -(-plan.num_keys // self.pool.format.page_size)])
 
     def _plan_keys(self, plan: StepPlan) -> None:
         """An eager step's keys coded a page at a time (``KeyPages.plan_eager``)."""
@@ -210,11 +209,13 @@ class PagedRows(PlannedRows):
         self.store.remember(layer_in_group, plan, key_states, value_states)
         if deferred and layer_in_group == self._last_layer:  # every layer's token, coded at once
             self.store.code_step(storage, plan)
-        if not plan.ahead:  # plan_decode counts a planned step's tokens
-            self.end_step(layer_in_group, plan.start + plan.num_new)
+        if layer_in_group == self._last_layer and not plan.ahead:  # plan_decode counts a planned step's tokens
+            self.written = plan.start + plan.num_new  # every layer holds them: what a prefix index may publish
 
     def _read_keys(self, layer_in_group: int, storage: PoolStorage, plan: StepPlan) -> torch.Tensor:
-        """Encoded keys, decoded: the ``[batch, heads, num_keys, head_dim]`` keys ``plan`` reads."""
+        """Encoded keys, decoded: the ``[batch, heads, num_keys, head_dim]`` keys ``plan`` reads. Two ways, as they
+        are written: a planned step reads the page it fills through its encoding (encoded the step after), an eager
+        step encodes it in that step (a graph cannot branch on the fill, and eager steps keep their op count)."""
         dtype = self.pool.format.dtype
         if plan.ahead:
             keys = self.store.keys.read_planned(layer_in_group, storage, plan, dtype)
@@ -227,12 +228,6 @@ class PagedRows(PlannedRows):
     ) -> torch.Tensor:
         """An eager step's encoded keys: every slot of the rows' pages decoded, the first ``num_keys``."""
         return self.store.keys.read(layer_in_group, storage, self._page_ids(), dtype, plan.num_keys, plan)
-
-    def end_step(self, layer_in_group: int, end: int) -> None:
-        """A layer has written the step's tokens up to ``end``: once the layer group's last layer has, every
-        layer holds them (``written``, what may be published to a prefix index)."""
-        if layer_in_group == self._last_layer:
-            self.written = end
 
     def read(
         self,

@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 
-from hf_kvcache.attention.kernels import page_rows, slot_indices
 from hf_kvcache.attention.reads import KeyLayout
 from hf_kvcache.layers.plan import StepPlan
 from hf_kvcache.layers.rows import PagedRows
@@ -187,17 +186,12 @@ class WindowRows(PagedRows):
             layout = band(visible, start, num_new, self.window, self.sink_tokens, pads, self.is_sliding)
             plan.layout = KeyLayout(layout)
         plan.slots, plan.slot_reads = visible, bool(self.sink_tokens)
-        fmt = self.pool.format
+        page_size = self.pool.format.page_size
         if not self.sink_tokens:  # every row sees tokens [first, end): the same pages of each row's table
-            first_page, end_page = plan.kv_offset // fmt.page_size, -(-(start + num_new) // fmt.page_size)
-            plan.reads = page_rows(
-                self._page_ids()[:, first_page:end_page], fmt.num_kv_heads, self.pool.storage.num_pages
-            )
-            return
-        pages, offsets = self._token_slots(visible)
-        plan.reads = slot_indices(
-            pages[:, 0], offsets[:, 0], fmt.num_kv_heads, self.pool.storage.num_pages, fmt.page_size
-        ).view(-1)
+            first_page, end_page = plan.kv_offset // page_size, -(-(start + num_new) // page_size)
+            plan.reads = self._read_index(self._page_ids()[:, first_page:end_page])
+        else:
+            plan.reads = self._read_index(*self._token_slots(visible))
 
     def _first_key_page(self, start: int, num_new: int) -> int:
         """Coded keys are read from the first visible token's page on (a window with coded keys has no sinks)."""
@@ -215,13 +209,13 @@ class WindowRows(PagedRows):
         return torch.cat([sink_start + torch.arange(sinks, device=device), window], dim=1)
 
     def _token_slots(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The page and the slot in it ``[batch, 1, n]`` of each row's tokens ``tokens [batch, n]`` (``-1``, or a
+        """The page and the slot in it ``[batch, n]`` of each row's tokens ``tokens [batch, n]`` (``-1``, or a
         token whose page the row does not hold: the null page's first slot)."""
         page_size, ids = self.pool.format.page_size, self._page_ids()
         held = (tokens >= 0) & (tokens < ids.shape[1] * page_size)
         pages = ids.gather(1, torch.where(held, tokens // page_size, 0)).masked_fill(~held, NULL_PAGE)
         offsets = torch.where(held & (pages != NULL_PAGE), tokens % page_size, 0)
-        return pages.unsqueeze(1), offsets.unsqueeze(1)
+        return pages, offsets
 
     # ----- reading -----------------------------------------------------------------------------
 
@@ -259,8 +253,8 @@ class WindowRows(PagedRows):
         else:
             tokens = torch.arange(num_keys, device=self.pool.device).expand(batch, -1)  # [batch, num_keys]
             tokens = tokens.masked_fill(tokens > start, -1)
-        pages, offsets = self._token_slots(tokens)  # [batch, 1, num_keys] each
-        return pages, offsets, tokens, first - sinks
+        pages, offsets = self._token_slots(tokens)  # [batch, num_keys] each
+        return pages.unsqueeze(1), offsets.unsqueeze(1), tokens, first - sinks
 
     # ----- reused prefixes (hf_kvcache.caches.prefix) -------------------------------------------
 
