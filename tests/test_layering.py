@@ -42,6 +42,7 @@ INSIDE = {
         "planned",
         "state_layers",
         "compressed",
+        "admission",
         "base",
         "entry",
         "paged",

@@ -24,10 +24,9 @@ from hf_kvcache.attention import flex
 from hf_kvcache.attention.interface import ATTENTION_NAME, banded_sdpa_attention, model_attention
 from hf_kvcache.attention.reads import KEY_LAYOUT, PAGED_READ, KeyLayout
 from hf_kvcache.bench.catalogue import ring_pool, with_attention
-from hf_kvcache.caches.base import ATTENTION_LAYER_TYPES
 from hf_kvcache.layers import PagedLayer, WindowLayer
 from hf_kvcache.layers.window import window_pages_per_row
-from hf_kvcache.memory.format import layer_groups, layer_types
+from hf_kvcache.memory.format import PAGED_LAYER_TYPES, layer_groups, layer_types
 
 SLIDING_MODELS = ["tiny_mistral_model", "tiny_gemma3_model"]  # window 8
 IN_PLACE = pytest.mark.skipif(flex.unavailable(torch.device("cpu")) is not None, reason="no compiled FlexAttention")
@@ -393,7 +392,7 @@ def test_layer_groups_split_by_type_in_equal_sizes():
     groups = layer_groups(([sliding] * 5 + [full]) * 5)  # Gemma 3: 25 sliding + 5 full -> 6 groups of 5
     assert [len(layer_group) for layer_group in groups] == [5] * 6 and sorted(sum(groups, [])) == list(range(30))
     assert layer_groups([sliding, "dummy", full, sliding]) == [[0], [3], [2]]
-    assert set(ATTENTION_LAYER_TYPES) >= {full, sliding}
+    assert set(PAGED_LAYER_TYPES) >= {full, sliding}
 
 
 def test_beam_search_and_return_sequences_match_dynamic(tiny_mistral_model):

@@ -10,6 +10,7 @@
 - ``state_layers``: the layers that hold no attention KV we page keep transformers' own layers (``StateLayers``);
 - ``compressed``: a compressed-attention layer's window on the pool, its compressor's state beside it
   (``CompressedLayer``);
+- ``admission``: a request refused before any compute when its worst case cannot fit the pool (``Admission``);
 - ``base``: ``PoolCache``, a cache whose layers draw pages from a pool;
 - ``entry``: what the registry knows of a cache (``CacheEntry``; collected in ``hf_kvcache.integration.registry``);
 - ``paged``, ``quantized``, ``quantized_kv``, ``ring``: the four caches, each with its ``ENTRY``.
