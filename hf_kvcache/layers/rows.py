@@ -131,7 +131,6 @@ class PagedRows(PlannedRows):
         if start != self.num_tokens or not self.table.num_rows or batch != self.table.num_rows:
             return
         self._grow(batch, start, 1, None)
-        self._shared_prefill = None
         self.step_plan = self._plan_eager(start, 1, hands_over=True)
 
     def _plan_eager(self, start: int, num_new: int, hands_over: bool) -> StepPlan:
