@@ -8,10 +8,12 @@ heavily compressed layer, a window of 8, compression every 4 and 8 tokens and an
 a query, so that prompts of 3 to 21 tokens feel the window, both compressions and the sparsity; each cache against
 ``DynamicCache``, under the model's own attention (``eager``: it refuses sdpa) and ours."""
 
+import dataclasses
 import logging
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 from hf_kvcache import KVPool, PagedCache, PagedConfig
@@ -19,9 +21,11 @@ from hf_kvcache.attention.interface import model_attention
 from hf_kvcache.bench import model_matrix as matrix
 from hf_kvcache.caches import prefix as prefix_module
 from hf_kvcache.caches.compressed import CompressedLayer
+from hf_kvcache.errors import IncompatibleModelError
 from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.layers import WindowLayer
 from hf_kvcache.layers.window import window_pages_per_row
+from hf_kvcache.memory import format as format_module
 from hf_kvcache.testing import random_padded_batch, tiny_causal_lm
 from tests.helpers import assert_same_generation, exact_config, padded_batch, random_ids, run, teacher_forced_logits
 from tests.test_hybrid_models import ROW_CHANGES, reference_logits
@@ -110,8 +114,9 @@ SPECS = {
 @pytest.mark.parametrize("prompt", sorted(PROMPTS))
 def test_quantized_caches_give_their_specs_logits_within_the_matrix_bound(model, cache, prompt):
     """With codes read (the model matrix's settings) a quantized cache gives its spec's logits, within
-    ``matrix.QUANTIZED_BOUND`` of DynamicCache's. The model reads the keys a layer returns as its values too, so
-    ``quantized_values``, whose keys are exact, gives DynamicCache's; ``quantized_kv``'s int4 keys move them."""
+    ``matrix.QUANTIZED_BOUND`` of DynamicCache's. The model reads the keys a layer returns as its values too (the
+    pool stores no values), so ``quantized_values``, whose keys are exact, gives DynamicCache's; ``quantized_kv``'s
+    int4 keys move them."""
     ids, mask = random_padded_batch(PROMPTS[prompt], model.config.vocab_size, torch.Generator().manual_seed(0), low=3)
     reference = run(model, ids, mask, max_new_tokens=NEW_TOKENS)
     settings = {"max_new_tokens": NEW_TOKENS, "cache_implementation": cache}
@@ -179,13 +184,13 @@ def test_a_crop_is_refused_by_name_and_crops_nothing(model, cache_name):
 
 
 def test_the_cache_counts_the_window_pages_and_the_compressor_state(model):
-    """Pages hold the window's keys and values (the model's one tensor stored as both: values as wide as keys) and
-    go back behind the window; ``state_bytes`` is what DynamicCache's compressors hold, fed the same tokens; all of
-    it is given back on release."""
+    """Pages hold the window's one tensor, once (the model reads its keys as its values), and go back behind the
+    window; ``state_bytes`` is what DynamicCache's compressors hold, fed the same tokens; ``memory_stats()`` and the
+    pool's ``stats()`` count the same bytes; all of it is given back on release."""
     pool = KVPool.for_model(model, PagedConfig(page_size=4), max_tokens=256)
     fmt = pool.format
     assert (fmt.num_layers, fmt.num_layer_groups, fmt.num_kv_heads, fmt.head_dim, fmt.value_dim) == (3, 1, 1, 16, 16)
-    assert fmt.page_bytes == 3 * 2 * 16 * 4 * 4  # layers x (keys, values) x head_dim x fp32 x page_size
+    assert fmt.values_are_keys and fmt.page_bytes == 3 * 16 * 4 * 4  # layers x head_dim x fp32 x page_size
     cache = PagedCache(model.config, {"pool": pool})
     reference = DynamicCache(config=model.config)
     ids = random_ids(2, 21, seed=5, vocab=model.config.vocab_size)
@@ -203,6 +208,9 @@ def test_the_cache_counts_the_window_pages_and_the_compressor_state(model):
     assert stats["pages_held"] == 2 * window_pages_per_row(WINDOW, 0, 4) == 2 * 4 and stats["tokens_per_row"] == 30
     assert stats["state_bytes"] == expected
     assert stats["bytes_held"] == stats["pages_held"] * fmt.page_bytes + expected
+    pool_stats = pool.stats()  # the pool holds this cache's pages only
+    assert pool_stats["pages_used"] == stats["pages_held"] and pool_stats["page_bytes"] == fmt.page_bytes
+    assert pool_stats["bytes_used"] == stats["bytes_held"] - expected == 2 * 4 * 3 * 16 * 4 * 4
     cache.release()
     assert pool.stats()["pages_used"] == 0 and cache.memory_stats()["state_bytes"] == 0
     second = random_ids(3, 13, seed=20, vocab=model.config.vocab_size)
@@ -237,3 +245,94 @@ def test_decoding_is_not_compiled(model, cache_name):
     cache: generate runs eager."""
     assert not type(model)._can_compile_fullgraph
     assert not REGISTRY[cache_name].cache_class(model.config, lossless_config(cache_name)).is_compileable
+
+
+STORED_ONCE = {
+    # bytes of a token in the tiny model's 3 layers (one head of 16 channels each), its one tensor stored as keys only
+    "paged_pool": 3 * 16 * 4,  # fp32
+    "sliding_ring": 3 * 16 * 4,
+    "quantized_values": 3 * 16 * 4,  # no values to code: the keys in fp32, as paged_pool's
+    "quantized_kv": 3 * 16 * (4 // 2 + 3) // 4,  # int4 keys per channel over a page of 4: 2 bytes of codes, 3 of scale
+}
+"""Bytes per token of each cache under the model matrix's settings (``matrix.MATRIX_CONFIGS``). Stored as keys and as
+values, the lossless caches' were twice these, ``quantized_values``' 264 (int8 values, an fp32 scale and zero each)
+and ``quantized_kv``'s 132."""
+
+
+@pytest.mark.parametrize("cache", sorted(matrix.MATRIX_CONFIGS))
+def test_a_page_stores_the_shared_tensor_once(model, cache):
+    """The model writes one tensor as its keys and its values: a page stores it once (half the bytes of a page that
+    stores it twice), the pool's values are its keys (nothing allocated for them), and its storage is the bytes its
+    format counts."""
+    cache_config = REGISTRY[cache].config(matrix.MATRIX_CONFIGS[cache])
+    fmt = cache_config.page_format(model.config, torch.float32)
+    assert fmt.values_are_keys and fmt.value_bits is None
+    assert fmt.token_bytes == STORED_ONCE[cache] and fmt.page_bytes == fmt.token_bytes * fmt.page_size
+    if not fmt.encodes:
+        assert 2 * fmt.page_bytes == dataclasses.replace(fmt, values_are_keys=False).page_bytes
+    pool = KVPool.for_model(model, cache_config, max_tokens=64)
+    storage = pool.pages.storage
+    assert storage.values is storage.keys and len(storage.tensors) == (3 if fmt.keys_per_channel else 1)
+    assert sum(tensor.nbytes for tensor in storage.tensors) == pool.stats()["bytes_reserved"]
+    assert pool.stats()["bytes_reserved"] == storage.num_pages * fmt.page_bytes
+
+
+class PoolTraffic(TorchDispatchMode):
+    """Counts the writes (``index_put_``) into and gathers (``index_select``) out of a pool's storage tensors."""
+
+    def __init__(self, storage) -> None:
+        super().__init__()
+        self.storages = {tensor.untyped_storage().data_ptr() for tensor in (storage.keys, storage.values)}
+        self.writes = self.gathers = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        target = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if target is not None and target.untyped_storage().data_ptr() in self.storages:
+            self.writes += func is torch.ops.aten.index_put_.default
+            self.gathers += func is torch.ops.aten.index_select.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("steps", [[11], [11, 1]], ids=["prefill", "decode"])
+def test_a_step_writes_and_gathers_the_shared_tensor_once_a_layer(model, steps):
+    """Each layer writes the model's one tensor into its slots once and gathers it once, for keys and values alike."""
+    pool = KVPool.for_model(model, PagedConfig(page_size=4), max_tokens=256)
+    cache = PagedCache(model.config, {"pool": pool})
+    with torch.no_grad():
+        for step, length in enumerate(steps):
+            ids = random_ids(2, length, seed=30 + step, vocab=model.config.vocab_size)
+            with PoolTraffic(pool.pages.storage) as traffic:
+                model(ids, cache=cache)
+    assert (traffic.writes, traffic.gathers) == (3, 3)
+    cache.release()
+
+
+def test_the_quantized_caches_have_no_values_to_code(model, caplog, monkeypatch):
+    """``quantized_values`` stores the keys as ``paged_pool`` does and holds its bytes, no residual window; asking for
+    value codes is said once, in a warning; ``quantized_kv`` returns its decoded keys as the values, the tensor the
+    model reads as both."""
+    monkeypatch.setattr(format_module, "_logged", set())
+    ids = random_ids(2, 13, seed=40, vocab=model.config.vocab_size)
+    held = {}
+    with caplog.at_level(logging.WARNING, logger="hf_kvcache"), torch.no_grad():
+        for name in ("paged_pool", "quantized_values", "quantized_kv"):
+            cache = REGISTRY[name].cache_class(model.config, dict(matrix.MATRIX_CONFIGS[name]))
+            model(ids, cache=cache)
+            held[name] = cache.memory_stats()
+            next_keys = torch.randn(2, 1, 1, 16)
+            keys, values = cache.update(next_keys, next_keys, 1)
+            assert values is keys and keys.shape == (2, 1, WINDOW, 16)
+            cache.release()
+    warnings = [record.message for record in caplog.records if "no values to code" in record.message]
+    assert len(warnings) == 1 and "value_bits=8" in warnings[0], warnings  # both quantized caches ask for 8
+    assert held["quantized_values"]["bytes_held"] == held["paged_pool"]["bytes_held"]
+    assert held["quantized_values"]["residual_bytes"] == 0
+
+
+def test_a_pool_that_stores_the_keys_as_values_refuses_other_values(model):
+    """A model writing values other than its keys into such a pool is refused by name, before a slot is written."""
+    cache = PagedCache(model.config)
+    keys = torch.randn(1, 1, 3, 16)
+    with pytest.raises(IncompatibleModelError, match="values_are_keys"):
+        cache.update(keys, keys.clone(), 0)
+    cache.release()

@@ -10,10 +10,13 @@ overlap and its indexer's entries) stays in transformers' own layer object (``co
 moved with the rows, counted in ``state_bytes``), reached by the model through the methods it calls on its cache
 layer.
 
-The model writes the same tensor as keys and as values; the pool stores both (a page's values beside its keys), and
-the model reads the keys ``update`` returns as both. transformers can neither crop the compressor's state
-(``is_croppable = False``) nor compile these layers (``_can_compile_fullgraph = False``): a crop is refused by name,
-and the cache says it does not compile (``StateLayers.is_compileable``)."""
+The model writes the same tensor as keys and as values (``update(kv, kv)``, on its sliding layers too); the pool
+stores it once, as keys (``PageFormat.values_are_keys``: the values are the keys on every read path), and the model
+reads the keys ``update`` returns as both. A quantized cache therefore has no values to code: ``quantized_values``
+keeps the tensor in full precision, ``quantized_kv`` as its key codes, whose decoded keys are the values.
+transformers can neither crop the compressor's state (``is_croppable = False``) nor compile these layers
+(``_can_compile_fullgraph = False``): a crop is refused by name, and the cache says it does not compile
+(``StateLayers.is_compileable``)."""
 
 from typing import Any
 

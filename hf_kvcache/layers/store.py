@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from hf_kvcache.errors import IncompatibleModelError
 from hf_kvcache.layers.exact import ExactSink, ExactTail, ResidualValues, split_tail, stack_tails
 from hf_kvcache.layers.keys import KeyPages
 from hf_kvcache.memory.dequant import dequantize_joined_into, spread_bytes
@@ -96,12 +97,19 @@ class SlotStore:
         written here (``KeyPages.write``, a page at a time), nor quantized values with ``code_values=False``
         (``code_step``).
         """
+        shared = storage.values is storage.keys  # values that are the keys: stored once, as the keys (no codes)
+        if shared and value_states is not key_states:
+            raise IncompatibleModelError(
+                "The pool stores the keys as the values (PageFormat.values_are_keys: a model that writes one tensor "
+                "as both, such as DeepSeek-V4), but this model writes other values: build the pool for this model "
+                "(KVPool.for_model) or with values_are_keys=False."
+            )
         key_states, value_states = _detached(key_states), _detached(value_states)
         if self.keys is None:
             put(storage.keys, key_states)
-        if self.quant is None:
+        if self.quant is None and not shared:
             put(storage.values, value_states)
-        elif code_values:
+        elif self.quant is not None and code_values:
             codes, scale, zero = quantize(value_states, self.quant)
             put(storage.values, codes)
             put(storage.value_scales, join_scales(scale, zero))
@@ -214,7 +222,9 @@ class SlotStore:
             compiled step: computed by the graph).
         """
         keys = gather(storage.keys) if keys is None else keys
-        if self.quant is None:
+        if storage.values is storage.keys:  # the values are the keys (decoded, where they are codes)
+            values = keys
+        elif self.quant is None:
             values = gather(storage.values)
         else:
             codes = gather(storage.values)  # [batch, heads, n, code_dim]

@@ -3,6 +3,7 @@ itself on construction and names the setting to change.
 """
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Self
@@ -11,6 +12,8 @@ import torch
 
 from hf_kvcache.errors import IncompatibleModelError
 from hf_kvcache.memory.quant import QuantFormat
+
+logger = logging.getLogger("hf_kvcache")
 
 DEFAULT_PAGE_SIZE = 16
 MAX_PAGE_SIZE = 4096
@@ -137,6 +140,12 @@ class PageFormat:
     wide where it is set (``value_dim``; ``None``: ``head_dim``, as keys): multi-head latent attention caches its
     latent as keys and its narrower rope key as values. Values are coded at their own width (``value_group_size``
     divides ``value_dim``), keys at theirs.
+
+    With ``values_are_keys`` (a model that writes one tensor as its keys and its values: ``update(kv, kv)``,
+    DeepSeek-V4's shared key-and-value head; ``writes_values_as_keys``) a page stores no values: the pool's values
+    are its keys, read as such on every path, and a page's bytes count the keys once. There are then no values to
+    code: ``value_bits`` is dropped (to ``None``, logged once), and attention gets the keys as the values, full
+    precision or decoded from ``key_bits`` codes.
     """
 
     num_layers: int
@@ -151,9 +160,22 @@ class PageFormat:
     key_group_size: int = 64
     scale_dtype: torch.dtype | None = None
     value_head_dim: int | None = None
+    values_are_keys: bool = False
 
     def __post_init__(self) -> None:
         check_page_size(self.page_size)
+        if self.values_are_keys and self.value_dim != self.head_dim:
+            raise ValueError(
+                f"PageFormat.values_are_keys stores values as the keys, but value_head_dim={self.value_head_dim} is "
+                f"not head_dim={self.head_dim}: leave value_head_dim unset or values_are_keys False."
+            )
+        if self.values_are_keys and self.value_bits is not None:
+            _log_once(
+                f"The model writes one tensor as its keys and its values; the pool stores it once, as keys, so "
+                f"value_bits={self.value_bits} has no values to code: values are served as the keys are (in full "
+                "precision, or decoded from key_bits codes)."
+            )
+            object.__setattr__(self, "value_bits", None)
         for name in ("num_layers", "num_kv_heads", "head_dim", "num_layer_groups", "value_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PageFormat.{name} must be >= 1, got {getattr(self, name)}.")
@@ -204,11 +226,12 @@ class PageFormat:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page (keys and values of ``page_size`` slots in ``num_layers`` layers)."""
+        """Bytes of one page (keys and values of ``page_size`` slots in ``num_layers`` layers; keys only where
+        ``values_are_keys``)."""
         full_bytes = self.head_dim * self.dtype.itemsize * self.page_size  # one head's keys or values of a page
         scale_bytes = (self.scale_dtype or self.dtype).itemsize
         values = self.value_format
-        value_bytes = self.value_dim * self.dtype.itemsize * self.page_size
+        value_bytes = 0 if self.values_are_keys else self.value_dim * self.dtype.itemsize * self.page_size
         if values is not None:
             value_bytes = (values.code_dim + 2 * values.num_scale_groups * scale_bytes) * self.page_size
         keys = self.key_format
@@ -261,7 +284,11 @@ class PageFormat:
         num_kv_heads, head_dim, value_dim = geometries[0]
         value_head_dim = None if value_dim == head_dim else value_dim
         num_groups = geometries.count(geometries[0])
-        return cls(len(groups[0]), num_kv_heads, head_dim, dtype, page_size, num_groups, value_head_dim=value_head_dim)
+        return cls(
+            *(len(groups[0]), num_kv_heads, head_dim, dtype, page_size, num_groups),
+            value_head_dim=value_head_dim,
+            values_are_keys=writes_values_as_keys(config),
+        )
 
     def for_geometries(self, geometries: list[tuple[int, int, int]]) -> list[Self]:
         """The formats of a model whose layer groups write the ``geometries`` (``geometry_groups``; this format is
@@ -314,6 +341,22 @@ def geometry_groups(config: Any, types: list[str]) -> tuple[list[list[int]], lis
     return groups, [found[members[0]] for members in groups]
 
 
+def writes_values_as_keys(config: Any) -> bool:
+    """Whether every attention layer of a (decoder) config writes one tensor as its keys and its values
+    (``update(kv, kv)``): compressed attention's shared key-and-value head (``compress_rates``: DeepSeek-V4, whose
+    sliding layers write the same way). Its pages then store the tensor once (``PageFormat.values_are_keys``)."""
+    return getattr(config, "compress_rates", None) is not None
+
+
+_logged: set[str] = set()  # the warnings said once in this process
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.warning(message)
+
+
 def layer_geometry(config: Any) -> tuple[int, int, int]:
     """``(num_kv_heads, head_dim, value_head_dim)`` of the keys and values each attention layer of a (decoder) config
     writes.
@@ -326,7 +369,8 @@ def layer_geometry(config: Any) -> tuple[int, int, int]:
     heads; values ``v_head_dim`` wide where the config says so (MiMo-V2-Flash), else as wide as the keys. Multi-head
     latent attention (``kv_lora_rank`` and ``qk_rope_head_dim``: DeepSeek-V2/V3, Kimi, ...) writes one head: its
     compressed latent as the keys, its rope key as the values. Compressed attention (``compress_rates``: DeepSeek-V4)
-    writes one head of ``head_dim``, the same tensor as keys and as values (shared-KV multi-query attention).
+    writes one head of ``head_dim``, the same tensor as keys and as values (shared-KV multi-query attention:
+    ``writes_values_as_keys``).
     """
     latent, rope = getattr(config, "kv_lora_rank", None), getattr(config, "qk_rope_head_dim", None)
     if latent is not None and rope is not None:  # latent attention caches its latent and rope key as one head

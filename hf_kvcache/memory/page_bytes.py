@@ -1,8 +1,8 @@
 """A page's contents on the host (``PageData``) and as bytes (``encode_page``, ``decode_page``): how pages leave a
 pool for its tiers (``hf_kvcache.memory.tiers``) and come back.
 
-A page's contents are its slots in each storage tensor of the pool (``PoolStorage.tensors``), on the host:
-``[num_layers, num_kv_heads, page_size, last_dim]`` each (per-channel key scales and zeros:
+A page's contents are its slots in each storage tensor of the pool (``PoolStorage.tensors``: values that are the keys
+once), on the host: ``[num_layers, num_kv_heads, page_size, last_dim]`` each (per-channel key scales and zeros:
 ``[num_layers, num_kv_heads, head_dim]``). Copies from a CUDA pool go to pinned memory without waiting (``ready``
 says when they landed). Off the host, a page travels as bytes::
 

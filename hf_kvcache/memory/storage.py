@@ -8,6 +8,8 @@ each with its own page table, so a page id serves one layer group)::
     keys:   [num_layers, num_kv_heads, num_storage_pages, page_size, head_dim]
     values: [num_layers, num_kv_heads, num_storage_pages, page_size, value_dim]   (head_dim unless the model's
             values are of another width, format.value_head_dim)
+    values = keys: the same tensor, where the model writes one tensor as both (format.values_are_keys): nothing
+            else is allocated for values, and every view of the values is a view of the keys
 
     quantized values (format.value_bits set) instead, per *scale group* of value_group_size of their value_dim
     channels (code_dim: value_dim bytes at int8, half at int4):
@@ -48,7 +50,8 @@ class PoolStorage:
 
     Attributes:
         keys / values / value_scales / key_scales / key_zeros: see the module docstring; ``value_scales`` is ``None``
-            unless values are quantized, ``key_scales`` unless keys are, ``key_zeros`` unless per channel.
+            unless values are quantized, ``key_scales`` unless keys are, ``key_zeros`` unless per channel; ``values``
+            is ``keys`` where the format's values are its keys.
     """
 
     keys: torch.Tensor
@@ -79,9 +82,11 @@ class PoolStorage:
             else:  # per token, as values: [L, H, P, ps, D] codes and [L, H, P, ps, 2 * num_scale_groups]
                 keys = torch.empty(*shape, key_quant.code_dim, dtype=torch.uint8, device=device)
                 key_scales = torch.empty(*shape, 2 * key_quant.num_scale_groups, dtype=scale_dtype, device=device)
-            if quant is None:
+            scales = None
+            if fmt.values_are_keys:  # one tensor, stored once (format.value_bits is then None)
+                values = keys
+            elif quant is None:
                 values = torch.empty(*shape, fmt.value_dim, dtype=fmt.dtype, device=device)  # [L, H, P, ps, Dv]
-                scales = None
             else:  # codes [..., code_dim] and (scale, zero) per scale group [..., 2 * num_scale_groups]
                 values = torch.empty(*shape, quant.code_dim, dtype=torch.uint8, device=device)
                 scales = torch.empty(*shape, 2 * quant.num_scale_groups, dtype=scale_dtype, device=device)
@@ -94,7 +99,10 @@ class PoolStorage:
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        tensors = (self.keys, self.values, self.value_scales, self.key_scales, self.key_zeros)
+        """The distinct storage tensors (values that are the keys once): what copies, zeroing and a page's bytes
+        (``hf_kvcache.memory.page_bytes``) go over."""
+        values = None if self.values is self.keys else self.values
+        tensors = (self.keys, values, self.value_scales, self.key_scales, self.key_zeros)
         return tuple(tensor for tensor in tensors if tensor is not None)
 
     def slots(self, tensor: torch.Tensor, layer_idx: int, slots_per_row: int = 1) -> torch.Tensor:
