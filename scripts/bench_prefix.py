@@ -11,6 +11,13 @@ for the run unless ``--store redis://...`` names one)::
 
     PYTHONPATH=. python scripts/bench_prefix.py --threads 1 --tiers
 
+With ``--model hybrid``, the same parts on a hybrid linear-attention model instead (``hybrid_bench_model``: Qwen3.5's
+layout with random weights, ``--model-type lfm2`` for convolution layers) over random-id prompts (its text would mean
+nothing; reuse keys on the ids), plus a first call's prefill with the index (split into passes) against without, and
+each call's path (tokens reused, forward passes to the first token)::
+
+    PYTHONPATH=. python scripts/bench_prefix.py --threads 1 --model hybrid
+
 Writes the record (machine, settings, results) to ``--output`` as JSON and prints Markdown tables.
 """
 
@@ -18,9 +25,19 @@ import argparse
 import logging
 from pathlib import Path
 
+import torch
+
 from hf_kvcache.bench import prefix_tiers
+from hf_kvcache.bench.hybrid import BENCH_SIZES, describe, hybrid_bench_model
 from hf_kvcache.bench.measure import OtherCpuUse, add_machine_args, machine_settings, write_record
-from hf_kvcache.bench.prefix import PrefixBenchConfig, markdown_table, results_record, run_prefix_benchmark
+from hf_kvcache.bench.prefix import (
+    PrefixBenchConfig,
+    markdown_table,
+    random_token_stream,
+    results_record,
+    run_prefix_benchmark,
+    run_prefix_parts,
+)
 from hf_kvcache.bench.prompts import essay_token_stream
 from hf_kvcache.bundled import BUNDLED_MODEL, load_bundled_model
 from hf_kvcache.eval import environment
@@ -37,13 +54,25 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--chat-turns", type=int, default=defaults.chat_turns, help="turns of the chat")
     parser.add_argument("--cache", default=defaults.cache, choices=sorted(REGISTRY), help="cache_implementation")
     parser.add_argument("--page-size", type=int, default=defaults.page_size, help="token slots per page")
+    parser.add_argument(
+        "--model", default="smollm2", choices=("smollm2", "hybrid"), help="the bundled SmolLM2, or a random hybrid"
+    )
+    parser.add_argument(
+        "--model-type", default="qwen3_5_text", choices=sorted(BENCH_SIZES), help="--model hybrid: its layout"
+    )
     parser.add_argument("--tiers", action="store_true", help="the store and host tier benchmark instead")
     parser.add_argument("--store", default=None, help="--tiers: a Redis URL (default: a redis-server for the run)")
     parser.add_argument(
-        "--output", type=Path, default=None, help="JSON record path (benchmarks/prefix.json, or prefix_tiers.json)"
+        "--output",
+        type=Path,
+        default=None,
+        help="JSON record path (default: benchmarks/prefix.json, prefix_tiers.json or prefix_hybrid.json)",
     )
     add_machine_args(parser)
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.tiers and args.model != "smollm2":
+        parser.error("--tiers runs on the bundled model only: drop --model hybrid.")
+    return args
 
 
 def main() -> None:
@@ -62,8 +91,11 @@ def main() -> None:
         page_size=args.page_size,
     )
     device, dtype = machine_settings(args)
-    model, tokenizer = load_bundled_model(dtype=dtype, device=device)
     info = environment(device, dtype)
+    if args.model == "hybrid":
+        run_hybrid(args, config, device, dtype, info)
+        return
+    model, tokenizer = load_bundled_model(dtype=dtype, device=device)
     with OtherCpuUse() as others:
         shared, concurrent, chat = run_prefix_benchmark(model, essay_token_stream(tokenizer), config)
     record = results_record(shared, concurrent, chat, config, info)
@@ -71,6 +103,21 @@ def main() -> None:
     write_record(
         record, args.output or Path("benchmarks/prefix.json"), others, markdown_table(shared, concurrent, chat)
     )
+
+
+def run_hybrid(
+    args: argparse.Namespace, config: PrefixBenchConfig, device: torch.device, dtype: torch.dtype, info: dict
+) -> None:
+    model = hybrid_bench_model(args.model_type, dtype=dtype, device=device)
+    stream = random_token_stream(model.config.vocab_size, config.tokens_needed)
+    with OtherCpuUse() as others:
+        run = run_prefix_parts(model, stream, config, first_call=True)
+    extra = {"first_call": run.first_call, "calls": run.calls}
+    record = results_record(run.shared, run.concurrent, run.chat, config, info, **extra)
+    record["model"] = describe(model)
+    record["prompts"] = "random ids (seed 0): the model's weights are random, its text would mean nothing"
+    table = markdown_table(run.shared, run.concurrent, run.chat, **extra)
+    write_record(record, args.output or Path("benchmarks/prefix_hybrid.json"), others, table)
 
 
 def run_tiers(args: argparse.Namespace) -> None:

@@ -1,5 +1,5 @@
-"""Tests for the benchmarks (hf_kvcache.bench: catalogue, decode, ring_update, prefix) on a tiny random Llama: structure
-and correctness only, never timings."""
+"""Tests for the benchmarks (hf_kvcache.bench: catalogue, decode, ring_update, prefix) on a tiny random Llama (and
+prefix on tiny hybrids): structure and correctness only, never timings."""
 
 import json
 import math
@@ -11,7 +11,14 @@ from transformers import PreTrainedModel
 from hf_kvcache.bench.catalogue import CACHE_NAMES, FULL_CACHES, QUANTIZED_CACHES, RING_ATTENTION, SLIDING_CACHES
 from hf_kvcache.bench.decode import run_decode_benchmark
 from hf_kvcache.bench.decode_report import DecodeBenchConfig, DecodeResult, markdown_table, results_record
-from hf_kvcache.bench.prefix import MODES, PrefixBenchConfig, run_prefix_benchmark
+from hf_kvcache.bench.hybrid import hybrid_bench_model
+from hf_kvcache.bench.prefix import (
+    MODES,
+    PrefixBenchConfig,
+    random_token_stream,
+    run_prefix_benchmark,
+    run_prefix_parts,
+)
 from hf_kvcache.bench.prefix import markdown_table as prefix_markdown_table
 from hf_kvcache.bench.prefix import results_record as prefix_results_record
 from hf_kvcache.bench.ring_update import RingUpdateBenchConfig, RingUpdateResult, run_ring_update_benchmark
@@ -252,6 +259,52 @@ def test_prefix_benchmark_reuses_and_matches(tiny_llama_model: PreTrainedModel) 
     record = json.loads(json.dumps(prefix_results_record(shared, concurrent, chat, config, info)))
     assert set(record["results"]) == {"shared_prompt", "concurrent", "chat"}
     assert record["config"]["prefix_tokens"] == 32
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "lfm2"])
+def test_prefix_benchmark_on_a_hybrid_reuses_states_and_logs_each_calls_path(model_type: str) -> None:
+    """scripts/bench_prefix.py --model hybrid at tiny sizes: the record's parts, reuse (states restored), equal greedy
+    answers with and without reuse, and the split prefill of a first call against one pass."""
+    model = hybrid_bench_model(model_type, size="tiny")
+    config = PrefixBenchConfig(
+        prefix_tokens=32, question_tokens=8, new_tokens=3, num_questions=4, chat_turns=3, page_size=4
+    )
+    stream = random_token_stream(model.config.vocab_size, config.tokens_needed)
+    run = run_prefix_parts(model, stream, config, first_call=True)
+    without, with_index = run.shared
+    assert without.questions_timed == with_index.questions_timed == 2  # a hybrid's first two questions warm up
+    assert without.prefill_tokens_per_question == 40 and with_index.prefill_tokens_per_question == 8
+    assert with_index.tokens_match and with_index.max_logit_diff < 1e-4
+    assert all(r.tokens_match for r in run.chat)
+    assert all(r.prefilled_with_index < r.prefilled_without_index == r.prompt_tokens for r in run.chat[1:])
+    one_pass, split = run.first_call
+    assert one_pass.prefill_tokens_per_question == split.prefill_tokens_per_question == 40  # nothing reused
+    assert split.tokens_match and split.max_logit_diff < 1e-4 and split.ttft_speedup > 0
+    paths: dict[tuple[str, str], list[tuple[bool, int, int]]] = {}  # (part, mode) -> (warm-up, reused, passes)
+    for call in run.calls:
+        paths.setdefault((call.part, call.mode), []).append((call.warmup, call.tokens_reused, call.prefill_passes))
+    # the states at the document's end (token 32) are kept by the second question, which prefills in full
+    assert paths["shared_prompt", "with_index"] == [(True, 0, 2), (True, 0, 3), (False, 32, 2), (False, 32, 2)]
+    assert paths["first_call", "with_index"] == [(True, 0, 2)] + [(False, 0, 2)] * 3
+    for part in ("shared_prompt", "first_call", "chat"):
+        assert {(reused, passes) for _, reused, passes in paths[part, "without_index"]} == {(0, 1)}
+    assert [reused > 0 for _, reused, _ in paths["chat", "with_index"]] == [False, True, True]
+    lines = prefix_markdown_table(run.shared, run.concurrent, run.chat, run.first_call, run.calls).splitlines()
+    assert len(lines) == 4 + 5 + 6 + 5 + 3 + 6  # the three parts, the first call, the calls of 6 parts and modes
+    info = environment(torch.device("cpu"), torch.float32)
+    record = prefix_results_record(
+        run.shared, run.concurrent, run.chat, config, info, first_call=run.first_call, calls=run.calls
+    )
+    record = json.loads(json.dumps(record))
+    assert set(record["results"]) == {"shared_prompt", "concurrent", "chat", "first_call", "calls"}
+    assert len(record["results"]["calls"]) == 2 * (4 + 4 + 3)
+
+
+def test_prefix_benchmark_on_a_hybrid_needs_a_third_question() -> None:
+    model = hybrid_bench_model("qwen3_5_text", size="tiny")
+    config = PrefixBenchConfig(prefix_tokens=8, question_tokens=4, new_tokens=2, num_questions=2, page_size=4)
+    with pytest.raises(ValueError, match="num_questions must be >= 3"):
+        run_prefix_parts(model, random_token_stream(model.config.vocab_size, config.tokens_needed), config)
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,16 @@ KVPool.for_model(model, max_tokens=..., prefix_caching=on)``, a fresh pool per m
 - **chat**: ``chat_turns`` turns, the first prompt the document, each next prompt the previous prompt, its answer
   and a new ``chat_message_tokens`` message: tokens prefilled per turn (the prompt less the tokens reused).
 
+On a model whose state layers keep their states for prompt reuse (a hybrid: ``StateTails``), a prefill with the index
+runs as forward passes ending where the states are kept. The first question keeps none at the document's end, so the
+second parts from the index there, prefills in full and keeps them: on such a model (its first call split) both warm
+up. ``run_prefix_parts`` adds, on request, a fourth part and a log of the calls:
+
+- **first call**: the shared prompt's questions asked on an empty index each (the index reset before each call,
+  untimed), against no index: what the split prefill costs a call that reuses nothing.
+- **calls**: each call of the shared-prompt, first-call and chat parts (threads excepted): the tokens it reused and
+  the forward passes it ran before its first token.
+
 Timings come from one process on one device; they are medians over questions, not over repeated runs of one.
 """
 
@@ -25,7 +35,7 @@ import statistics
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -123,27 +133,72 @@ class ChatTurnResult:
     tokens_match: bool
 
 
+@dataclass
+class CallPath:
+    """The path one ``generate`` call took: what it reused and how it prefilled."""
+
+    part: str  # shared_prompt, first_call or chat
+    mode: str
+    call: int  # the question, or the chat turn
+    warmup: bool
+    prompt_tokens: int
+    tokens_reused: int
+    prefill_passes: int  # forward passes of the model before the first new token
+
+
+@dataclass
+class PrefixRun:
+    """The parts of one run (``run_prefix_parts``); ``first_call`` empty unless asked for."""
+
+    shared: list[SharedPromptResult]
+    concurrent: list[ConcurrentResult]
+    chat: list[ChatTurnResult]
+    first_call: list[SharedPromptResult] = field(default_factory=list)
+    calls: list[CallPath] = field(default_factory=list)
+
+
 class _FirstToken:
     """A ``generate`` streamer (``put``/``end``, as transformers' ``TextStreamer``) that notes when the first new token
-    is handed over: its second ``put`` (the first is the prompt)."""
+    is handed over (its second ``put``: the first is the prompt) and, as a forward pre-hook of the model
+    (``count_pass``), the forward passes run before it."""
 
     def __init__(self) -> None:
-        self.puts = 0
+        self.puts = self.passes = 0
         self.first_token_at: float | None = None
+        self.passes_before_first_token = 0
+
+    def count_pass(self, module: torch.nn.Module, args: tuple) -> None:
+        self.passes += 1
 
     def put(self, value: torch.Tensor) -> None:
         self.puts += 1
         if self.puts == 2:
             self.first_token_at = time.perf_counter()
+            self.passes_before_first_token = self.passes
 
     def end(self) -> None:
         pass
 
 
+def random_token_stream(vocab_size: int, num_tokens: int, seed: int = 0) -> torch.Tensor:
+    """``[num_tokens]`` random ids in ``[3, vocab_size)`` (the first ids are often special): prompts for a model with
+    random weights, whose text means nothing; prompt reuse keys on the ids alone."""
+    return torch.randint(3, vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(seed))
+
+
 def run_prefix_benchmark(
     model: PreTrainedModel, token_stream: torch.Tensor, config: PrefixBenchConfig
 ) -> tuple[list[SharedPromptResult], list[ConcurrentResult], list[ChatTurnResult]]:
-    """Runs the three parts (module docstring) on ``model``.
+    """Runs the three parts (module docstring) on ``model``; see ``run_prefix_parts``."""
+    run = run_prefix_parts(model, token_stream, config)
+    return run.shared, run.concurrent, run.chat
+
+
+def run_prefix_parts(
+    model: PreTrainedModel, token_stream: torch.Tensor, config: PrefixBenchConfig, first_call: bool = False
+) -> PrefixRun:
+    """Runs the three parts (module docstring) on ``model``, and with ``first_call`` the first-call part; logs the
+    calls.
 
     Args:
         token_stream: ``[num_tokens]`` ids, at least ``config.tokens_needed``: the document first, then the
@@ -161,10 +216,13 @@ def run_prefix_benchmark(
     offset += config.num_questions * size
     messages = [stream[offset + i * size : offset + (i + 1) * size] for i in range(config.chat_turns)]
     prompts = [torch.cat([document, question])[None] for question in questions]  # each [1, prefix + question]
-    return (
-        _shared_prompt(model, prompts, config),
-        _concurrent(model, document[None], prompts, config),
-        _chat(model, document[None], messages, config),
+    calls: list[CallPath] = []
+    return PrefixRun(
+        shared=_shared_prompt(model, prompts, config, calls),
+        concurrent=_concurrent(model, document[None], prompts, config),
+        chat=_chat(model, document[None], messages, config, calls),
+        first_call=_shared_prompt(model, prompts, config, calls, fresh_index=True) if first_call else [],
+        calls=calls,
     )
 
 
@@ -186,38 +244,63 @@ def _generate(model: PreTrainedModel, ids: torch.Tensor, pool: KVPool, config: P
     )
 
 
+def _logged_generate(
+    model: PreTrainedModel, ids: torch.Tensor, pool: KVPool, config: PrefixBenchConfig, call: CallPath, calls: list
+) -> tuple[Any, float, float]:
+    """One ``generate`` call over ``ids`` (its output with logits), logged to ``calls`` as ``call`` with the tokens it
+    reused and its forward passes before the first token; returns the output, the seconds to the first token and in
+    all."""
+    streamer = _FirstToken()
+    hook = model.register_forward_pre_hook(streamer.count_pass)
+    before = pool.stats()["prefix_tokens_reused"]
+    start = time.perf_counter()
+    try:
+        out = _generate(model, ids, pool, config, streamer=streamer, return_dict_in_generate=True, output_logits=True)
+    finally:
+        hook.remove()
+    end = time.perf_counter()
+    reused = pool.stats()["prefix_tokens_reused"] - before
+    calls.append(dataclasses.replace(call, tokens_reused=reused, prefill_passes=streamer.passes_before_first_token))
+    return out, streamer.first_token_at - start, end - start
+
+
 def _shared_prompt(
-    model: PreTrainedModel, prompts: list[torch.Tensor], config: PrefixBenchConfig
+    model: PreTrainedModel,
+    prompts: list[torch.Tensor],
+    config: PrefixBenchConfig,
+    calls: list[CallPath],
+    fresh_index: bool = False,
 ) -> list[SharedPromptResult]:
+    """The shared-prompt part, or with ``fresh_index`` the first-call part (module docstring); logs to ``calls``."""
+    part = "first_call" if fresh_index else "shared_prompt"
     pools = {mode: _pool(model, config, mode) for mode in MODES}
     ttft: dict[str, list[float]] = {mode: [] for mode in MODES}
     total: dict[str, list[float]] = {mode: [] for mode in MODES}
     outputs: dict[str, list[Any]] = {mode: [] for mode in MODES}
-    reused_before = 0
+    warmups = 1  # question 0 warms up (and publishes the document with the index)
     for index, ids in enumerate(prompts):
-        if index == 1:  # the warm-up's lookup is not counted
-            reused_before = pools["with_index"].stats()["prefix_tokens_reused"]
         for mode in MODES:
-            streamer = _FirstToken()
-            start = time.perf_counter()
-            out = _generate(
-                model,
-                ids,
-                pools[mode],
-                config,
-                streamer=streamer,
-                return_dict_in_generate=True,
-                output_logits=True,
+            if fresh_index and mode == "with_index":
+                pools[mode].reset_prefix_index()
+            out, first_token_s, total_s = _logged_generate(
+                model, ids, pools[mode], config, CallPath(part, mode, index, index < warmups, ids.shape[1], 0, 0), calls
             )
-            end = time.perf_counter()
-            if index:  # question 0 warms up (and publishes the document with the index)
-                ttft[mode].append(streamer.first_token_at - start)
-                total[mode].append(end - start)
+            if index >= warmups:
+                ttft[mode].append(first_token_s)
+                total[mode].append(total_s)
                 outputs[mode].append((out.sequences.cpu(), [step.cpu() for step in out.logits]))
             del out
-    timed = len(prompts) - 1
+        if index == 0 and not fresh_index and calls[-1].prefill_passes > 1:
+            warmups = 2  # a split prefill: the next question prefills in full too (module docstring)
+            if len(prompts) <= warmups:
+                raise ValueError(
+                    f"num_questions must be >= 3 on a model whose state layers keep their states for prompt reuse "
+                    f"(two questions warm up), got {len(prompts)}."
+                )
+    timed = len(prompts) - warmups
     prompt_tokens = prompts[0].shape[1]
-    reused = (pools["with_index"].stats()["prefix_tokens_reused"] - reused_before) / timed
+    timed_calls = [c for c in calls if c.part == part and c.mode == "with_index" and not c.warmup]
+    reused = sum(c.tokens_reused for c in timed_calls) / timed
     results = []
     for mode in MODES:
         results.append(
@@ -304,7 +387,11 @@ class _AllPrefilled(LogitsProcessor):
 
 
 def _chat(
-    model: PreTrainedModel, document: torch.Tensor, messages: list[torch.Tensor], config: PrefixBenchConfig
+    model: PreTrainedModel,
+    document: torch.Tensor,
+    messages: list[torch.Tensor],
+    config: PrefixBenchConfig,
+    calls: list[CallPath],
 ) -> list[ChatTurnResult]:
     pools = {mode: _pool(model, config, mode) for mode in MODES}
     prompt, history = document, None  # history: the last turn's prompt and answer
@@ -314,9 +401,9 @@ def _chat(
             prompt = torch.cat([history, message[None]], dim=1)
         answers, prefilled = {}, {}
         for mode in MODES:
-            before = pools[mode].stats()["prefix_tokens_reused"]
-            answers[mode] = _generate(model, prompt, pools[mode], config)
-            prefilled[mode] = prompt.shape[1] - (pools[mode].stats()["prefix_tokens_reused"] - before)
+            call = CallPath("chat", mode, turn, False, prompt.shape[1], 0, 0)
+            answers[mode] = _logged_generate(model, prompt, pools[mode], config, call, calls)[0].sequences
+            prefilled[mode] = prompt.shape[1] - calls[-1].tokens_reused
         history = answers["without_index"]
         results.append(
             ChatTurnResult(
@@ -332,22 +419,14 @@ def _chat(
 
 
 def markdown_table(
-    shared: Sequence[SharedPromptResult], concurrent: Sequence[ConcurrentResult], chat: Sequence[ChatTurnResult]
+    shared: Sequence[SharedPromptResult],
+    concurrent: Sequence[ConcurrentResult],
+    chat: Sequence[ChatTurnResult],
+    first_call: Sequence[SharedPromptResult] = (),
+    calls: Sequence[CallPath] = (),
 ) -> str:
-    """The three parts as Markdown tables."""
-    lines = [
-        "| shared prompt | TTFT ms | total ms | prefilled/question | TTFT speedup | total speedup | tokens match "
-        "| max logit diff |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
-    ]
-    for r in shared:
-        speedups = ("-", "-") if r.ttft_speedup is None else (f"{r.ttft_speedup:.1f}x", f"{r.total_speedup:.1f}x")
-        match = "-" if r.tokens_match is None else ("yes" if r.tokens_match else "no")
-        diff = "-" if r.max_logit_diff is None else f"{r.max_logit_diff:.1e}"
-        lines.append(
-            f"| {r.mode} | {r.median_ttft_ms:.1f} | {r.median_total_ms:.1f} | {r.prefill_tokens_per_question:.0f} "
-            f"| {speedups[0]} | {speedups[1]} | {match} | {diff} |"
-        )
+    """The parts as Markdown tables: the three, then the first-call part and the calls' paths where given."""
+    lines = _shared_table("shared prompt", shared)
     lines += ["", "| concurrent | threads | high-water pages | bound | wall s |", "| --- | ---: | ---: | ---: | ---: |"]
     for r in concurrent:
         lines.append(f"| {r.mode} | {r.threads} | {r.high_water_pages} | {r.bound_pages} | {r.wall_s:.1f} |")
@@ -361,7 +440,37 @@ def markdown_table(
             f"| {r.turn} | {r.prompt_tokens} | {r.prefilled_without_index} | {r.prefilled_with_index} "
             f"| {r.reused_share:.0%} | {'yes' if r.tokens_match else 'no'} |"
         )
+    if first_call:
+        lines += ["", *_shared_table("first call", first_call)]
+    if calls:
+        lines += [
+            "",
+            "| calls (* warm-up) | mode | tokens reused, per call | forward passes to the first token, per call |",
+            "| --- | --- | --- | --- |",
+        ]
+        for part, mode in dict.fromkeys((c.part, c.mode) for c in calls):
+            group = [c for c in calls if (c.part, c.mode) == (part, mode)]
+            reused = ", ".join(f"{c.tokens_reused}{'*' * c.warmup}" for c in group)
+            passes = ", ".join(f"{c.prefill_passes}{'*' * c.warmup}" for c in group)
+            lines.append(f"| {part} | {mode} | {reused} | {passes} |")
     return "\n".join(lines)
+
+
+def _shared_table(title: str, results: Sequence[SharedPromptResult]) -> list[str]:
+    lines = [
+        f"| {title} | TTFT ms | total ms | prefilled/question | TTFT speedup | total speedup | tokens match "
+        "| max logit diff |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+    ]
+    for r in results:
+        speedups = ("-", "-") if r.ttft_speedup is None else (f"{r.ttft_speedup:.1f}x", f"{r.total_speedup:.1f}x")
+        match = "-" if r.tokens_match is None else ("yes" if r.tokens_match else "no")
+        diff = "-" if r.max_logit_diff is None else f"{r.max_logit_diff:.1e}"
+        lines.append(
+            f"| {r.mode} | {r.median_ttft_ms:.1f} | {r.median_total_ms:.1f} | {r.prefill_tokens_per_question:.0f} "
+            f"| {speedups[0]} | {speedups[1]} | {match} | {diff} |"
+        )
+    return lines
 
 
 def results_record(
@@ -370,11 +479,14 @@ def results_record(
     chat: Sequence[ChatTurnResult],
     config: PrefixBenchConfig,
     info: dict[str, Any],
+    first_call: Sequence[SharedPromptResult] = (),
+    calls: Sequence[CallPath] = (),
 ) -> dict[str, Any]:
-    """The JSON-ready record of one invocation: machine, settings, then each part's results."""
+    """The JSON-ready record of one invocation: machine, settings, then each part's results (the first-call part and
+    the calls' paths where given)."""
     record = measure.results_record([], config, info)
+    parts = {"shared_prompt": shared, "concurrent": concurrent, "chat": chat, "first_call": first_call, "calls": calls}
     record["results"] = {
-        part: [dataclasses.asdict(result) for result in results]
-        for part, results in (("shared_prompt", shared), ("concurrent", concurrent), ("chat", chat))
+        part: [dataclasses.asdict(result) for result in results] for part, results in parts.items() if results
     }
     return record
