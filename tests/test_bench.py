@@ -300,6 +300,16 @@ def test_prefix_benchmark_on_a_hybrid_reuses_states_and_logs_each_calls_path(mod
     assert len(record["results"]["calls"]) == 2 * (4 + 4 + 3)
 
 
+def test_a_hybrid_whose_first_question_keeps_states_at_the_documents_end_warms_up_once() -> None:
+    model = hybrid_bench_model("qwen3_5_text", size="tiny")
+    config = PrefixBenchConfig(prefix_tokens=32, question_tokens=4, new_tokens=2, num_questions=3, page_size=4)
+    run = run_prefix_parts(model, random_token_stream(model.config.vocab_size, config.tokens_needed), config)
+    assert run.shared[1].questions_timed == 2 and run.shared[1].prefill_tokens_per_question == 4
+    with_index = [c for c in run.calls if (c.part, c.mode) == ("shared_prompt", "with_index")]
+    # question 0 (36 tokens) keeps its states at its last whole page short of its last token: the document's end
+    assert [(c.warmup, c.tokens_reused, c.prefill_passes) for c in with_index] == [(True, 0, 2)] + [(False, 32, 1)] * 2
+
+
 def test_prefix_benchmark_on_a_hybrid_needs_a_third_question() -> None:
     model = hybrid_bench_model("qwen3_5_text", size="tiny")
     config = PrefixBenchConfig(prefix_tokens=8, question_tokens=4, new_tokens=2, num_questions=2, page_size=4)

@@ -18,9 +18,9 @@ KVPool.for_model(model, max_tokens=..., prefix_caching=on)``, a fresh pool per m
   and a new ``chat_message_tokens`` message: tokens prefilled per turn (the prompt less the tokens reused).
 
 On a model whose state layers keep their states for prompt reuse (a hybrid: ``StateTails``), a prefill with the index
-runs as forward passes ending where the states are kept. The first question keeps none at the document's end, so the
-second parts from the index there, prefills in full and keeps them: on such a model (its first call split) both warm
-up. ``run_prefix_parts`` adds, on request, a fourth part and a log of the calls:
+runs as forward passes ending where the states are kept. Unless the document's end is such a place for the first
+question, the second parts from the index where no states are kept, prefills in full and keeps them there: it warms up
+too. ``run_prefix_parts`` adds, on request, a fourth part and a log of the calls:
 
 - **first call**: the shared prompt's questions asked on an empty index each (the index reset before each call,
   untimed), against no index: what the split prefill costs a call that reuses nothing.
@@ -277,45 +277,47 @@ def _shared_prompt(
     ttft: dict[str, list[float]] = {mode: [] for mode in MODES}
     total: dict[str, list[float]] = {mode: [] for mode in MODES}
     outputs: dict[str, list[Any]] = {mode: [] for mode in MODES}
-    warmups = 1  # question 0 warms up (and publishes the document with the index)
     for index, ids in enumerate(prompts):
         for mode in MODES:
             if fresh_index and mode == "with_index":
                 pools[mode].reset_prefix_index()
             out, first_token_s, total_s = _logged_generate(
-                model, ids, pools[mode], config, CallPath(part, mode, index, index < warmups, ids.shape[1], 0, 0), calls
+                model, ids, pools[mode], config, CallPath(part, mode, index, False, ids.shape[1], 0, 0), calls
             )
-            if index >= warmups:
-                ttft[mode].append(first_token_s)
-                total[mode].append(total_s)
-                outputs[mode].append((out.sequences.cpu(), [step.cpu() for step in out.logits]))
+            ttft[mode].append(first_token_s)
+            total[mode].append(total_s)
+            outputs[mode].append((out.sequences.cpu(), [step.cpu() for step in out.logits]))
             del out
-        if index == 0 and not fresh_index and calls[-1].prefill_passes > 1:
-            warmups = 2  # a split prefill: the next question prefills in full too (module docstring)
-            if len(prompts) <= warmups:
-                raise ValueError(
-                    f"num_questions must be >= 3 on a model whose state layers keep their states for prompt reuse "
-                    f"(two questions warm up), got {len(prompts)}."
-                )
+        if index == 0 and len(prompts) < 3 and not fresh_index and calls[-1].prefill_passes > 1:
+            raise ValueError(
+                "num_questions must be >= 3 on a model whose state layers keep their states for prompt reuse (two "
+                f"questions may warm up), got {len(prompts)}."
+            )
+    part_calls = [c for c in calls if c.part == part]
+    with_index_calls = [c for c in part_calls if c.mode == "with_index"]
+    warmups = 1  # question 0 (it publishes the document with the index)
+    if not fresh_index and with_index_calls[0].prefill_passes > 1 and not with_index_calls[1].tokens_reused:
+        warmups = 2  # question 1 parted from the index where question 0 kept no states (module docstring)
+    for call in part_calls:
+        call.warmup = call.call < warmups
     timed = len(prompts) - warmups
     prompt_tokens = prompts[0].shape[1]
-    timed_calls = [c for c in calls if c.part == part and c.mode == "with_index" and not c.warmup]
-    reused = sum(c.tokens_reused for c in timed_calls) / timed
+    reused = sum(c.tokens_reused for c in with_index_calls[warmups:]) / timed
     results = []
     for mode in MODES:
         results.append(
             SharedPromptResult(
                 mode=mode,
                 questions_timed=timed,
-                median_ttft_ms=statistics.median(ttft[mode]) * 1e3,
-                median_total_ms=statistics.median(total[mode]) * 1e3,
+                median_ttft_ms=statistics.median(ttft[mode][warmups:]) * 1e3,
+                median_total_ms=statistics.median(total[mode][warmups:]) * 1e3,
                 prefill_tokens_per_question=prompt_tokens - (reused if mode == "with_index" else 0),
             )
         )
     with_index = results[1]
     with_index.ttft_speedup = results[0].median_ttft_ms / with_index.median_ttft_ms
     with_index.total_speedup = results[0].median_total_ms / with_index.median_total_ms
-    pairs = list(zip(outputs["without_index"], outputs["with_index"], strict=True))
+    pairs = list(zip(outputs["without_index"][warmups:], outputs["with_index"][warmups:], strict=True))
     with_index.tokens_match = all(torch.equal(a[0], b[0]) for a, b in pairs)
     with_index.max_logit_diff = max(
         (x - y).abs().max().item() for a, b in pairs for x, y in zip(a[1], b[1], strict=False)
