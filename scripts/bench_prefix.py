@@ -115,6 +115,7 @@ def run_hybrid(
     extra = {"first_call": run.first_call, "calls": run.calls}
     record = results_record(run.shared, run.concurrent, run.chat, config, info, **extra)
     record["model"] = describe(model)
+    record["attention"] = model.config._attn_implementation  # "sdpa": decoding gathers the pages
     record["prompts"] = "random ids (seed 0): the model's weights are random, its text would mean nothing"
     table = markdown_table(run.shared, run.concurrent, run.chat, **extra)
     write_record(record, args.output or Path("benchmarks/prefix_hybrid.json"), others, table)

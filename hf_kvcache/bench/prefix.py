@@ -245,7 +245,12 @@ def _generate(model: PreTrainedModel, ids: torch.Tensor, pool: KVPool, config: P
 
 
 def _logged_generate(
-    model: PreTrainedModel, ids: torch.Tensor, pool: KVPool, config: PrefixBenchConfig, call: CallPath, calls: list
+    model: PreTrainedModel,
+    ids: torch.Tensor,
+    pool: KVPool,
+    config: PrefixBenchConfig,
+    call: CallPath,
+    calls: list[CallPath],
 ) -> tuple[Any, float, float]:
     """One ``generate`` call over ``ids`` (its output with logits), logged to ``calls`` as ``call`` with the tokens it
     reused and its forward passes before the first token; returns the output, the seconds to the first token and in
