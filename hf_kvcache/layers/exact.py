@@ -123,17 +123,16 @@ class ResidualValues:
         return [token if held_from <= token < high else -1 for token in tokens]
 
     def reads(
-        self, newest: int, low: int, high: int, offset: int, device: torch.device, fallback: int | None = None
+        self, newest: int, low: int, high: int, offset: int, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Where attention gets the held tokens ``[low, high)`` once ``newest`` are written: ``(sources, positions)``,
         ``[length]`` each: slot ``sources[i]``'s values go over position ``positions[i]`` of what attention reads
         (position ``p`` holding token ``p + offset``). A fixed count, so one compiled graph serves every step: a slot
-        holding none of those tokens repeats ``fallback``'s (default: the newest of them). ``None``: there is none."""
+        holding none of those tokens repeats the newest one's. ``None``: there is none."""
         tokens = self.tokens(newest, low, high)
-        if fallback is None:
-            fallback = max(tokens)
-            if fallback < 0:
-                return None
+        fallback = max(tokens)
+        if fallback < 0:
+            return None
         sources = [slot if token >= 0 else fallback % self.length for slot, token in enumerate(tokens)]
         positions = [(token if token >= 0 else fallback) - offset for token in tokens]
         return torch.tensor(sources, device=device), torch.tensor(positions, device=device)
