@@ -20,12 +20,11 @@ KVPool.for_model(model, max_tokens=..., prefix_caching=on)``, a fresh pool per m
 On a model whose state layers keep their states for prompt reuse (a hybrid: ``StateTails``), a prefill with the index
 runs as forward passes ending where the states are kept. Unless the document's end is such a place for the first
 question, the second parts from the index where no states are kept, prefills in full and keeps them there: it warms up
-too. ``run_prefix_parts`` adds, on request, a fourth part and a log of the calls:
+too. ``run_prefix_parts`` logs each call of the shared-prompt, first-call and chat parts (threads excepted): the
+tokens it reused and the forward passes it ran before its first token (``CallPath``); on request it adds a part:
 
 - **first call**: the shared prompt's questions asked on an empty index each (the index reset before each call,
   untimed), against no index: what the split prefill costs a call that reuses nothing.
-- **calls**: each call of the shared-prompt, first-call and chat parts (threads excepted): the tokens it reused and
-  the forward passes it ran before its first token.
 
 Timings come from one process on one device; they are medians over questions, not over repeated runs of one.
 """
@@ -35,7 +34,7 @@ import statistics
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -153,8 +152,8 @@ class PrefixRun:
     shared: list[SharedPromptResult]
     concurrent: list[ConcurrentResult]
     chat: list[ChatTurnResult]
-    first_call: list[SharedPromptResult] = field(default_factory=list)
-    calls: list[CallPath] = field(default_factory=list)
+    first_call: list[SharedPromptResult]
+    calls: list[CallPath]
 
 
 class _FirstToken:
