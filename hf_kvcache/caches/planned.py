@@ -11,6 +11,7 @@ from transformers import Cache
 from hf_kvcache.attention import flex
 from hf_kvcache.attention.interface import PLANNED_READS
 from hf_kvcache.caches.binder import release_deferred
+from hf_kvcache.caches.state_layers import IndexerKeys
 from hf_kvcache.layers import PagedLayer
 from hf_kvcache.layers.plan import capacity_bucket
 
@@ -73,6 +74,8 @@ class PlannedDecoding(Cache):
         self._planning = True
         for layer in self._row_layers():
             layer.planned = True  # until its update has run the step
+            if isinstance(layer, IndexerKeys):  # its indexer's keys: the step's slots, planned too
+                layer.plan_indexer(start)
         device = rows_of[0].pool.device
         if self._query_offset is None or self._query_offset.device != device:
             self._query_offset = torch.zeros((), dtype=torch.long, device=device)

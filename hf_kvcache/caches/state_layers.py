@@ -1,15 +1,17 @@
 """The layers of a cache that hold no attention KV we page keep transformers' own cache layers (``StateLayers``):
-linear attention's recurrent and convolution states, state-space and short-convolution states, the keys of an
-indexed-attention layer's lightning indexer (``IndexerKeys``: the layer's own keys and values are on the pool), a
+linear attention's recurrent and convolution states, state-space and short-convolution states, a
 compressed-attention layer's compressor state (``hf_kvcache.caches.compressed``: its window is on the pool), and
 cross-attention layers' keys of an image or encoder output (``CROSS_ATTENTION``: Mllama). Each is the object
 ``DynamicCache`` makes for its layer (same class, same construction), but a cross-attention layer's, which is the
 ``StaticLayer`` transformers' ``StaticCache`` makes for Mllama, sized by the image's keys when they are written
-(``ImageKeysLayer``: written once, read at every step, so decoding compiles); all held outside the pool. A layer
-that fuses attention with a state-space block (``FUSED_LAYER_TYPES``: Falcon-H1, Zaya, Inkling) is one of our layers
-on the pool with the state half of transformers' ``LinearAttentionLayer`` mixed in (``with_state``), kept here for
-its states. The model reads and writes them through ``Cache``'s own methods (``update``, ``update_conv_state``,
-``update_indexer``, ...) or their ``keys``, which find them in ``cache.layers``.
+(``ImageKeysLayer``: written once, read at every step, so decoding compiles); all held outside the pool. Beside
+them, the keys of an indexed-attention layer's lightning indexer (``IndexerKeys``: the layer's own keys and values
+are on the pool) are kept as transformers' ``StaticCache`` keeps them, at a fixed address written in place
+(``IndexerRing``), so that its decode steps compile too. A layer that fuses attention with a state-space block
+(``FUSED_LAYER_TYPES``: Falcon-H1, Zaya, Inkling) is one of our layers on the pool with the state half of
+transformers' ``LinearAttentionLayer`` mixed in (``with_state``), kept here for its states. The model reads and
+writes them through ``Cache``'s own methods (``update``, ``update_conv_state``, ``update_indexer``, ...) or their
+``keys``, which find them in ``cache.layers``.
 
 A recurrent state exists only at the end of the tokens it has seen: it moves with its rows (beams, returned
 sequences), but it cannot be cut back to a page boundary. Linear-attention and convolution layers
@@ -18,9 +20,7 @@ page boundaries a later call may start from (``tails``: ``hf_kvcache.caches.stat
 reuse; state layers of types a model registers do not (``refusal``; nor does one with an indexer's keys, which a
 cached prefix's pages do not hold). A state can be cropped only where transformers' layer records its past
 (``activate_past_recording``, as assisted decoding does). An image's keys are not a function of the prompt's tokens a
-prefix is keyed on: no reuse either; a crop of the prompt's tokens leaves them whole. An indexer's keys grow by
-concatenation, as in transformers' ``DynamicIndexedLayer``: a cache with them does not compile its decode steps
-(``is_compileable``)."""
+prefix is keyed on: no reuse either; a crop of the prompt's tokens leaves them whole."""
 
 import functools
 from typing import Any
@@ -31,6 +31,7 @@ from transformers import DynamicCache, PreTrainedConfig, StaticLayer
 from hf_kvcache.caches.state_tails import StateTails
 from hf_kvcache.errors import IncompatibleModelError
 from hf_kvcache.layers import PagedLayer, WindowLayer
+from hf_kvcache.layers.plan import capacity_bucket
 from hf_kvcache.layers.window import visible_span
 from hf_kvcache.memory.format import (
     COMPRESSED_LAYER_TYPES,
@@ -46,28 +47,102 @@ SNAPSHOT_LAYER_TYPES = ("conv", "linear_attention", *FUSED_LAYER_TYPES)
 at page boundaries for prompt reuse."""
 
 
+class IndexerRing:
+    """An indexed-attention layer's indexer keys (``IndexerKeys``) at a fixed address, written in place, as
+    transformers' ``StaticIndexedLayer`` keeps them: token ``t`` of each row in slot ``t % capacity`` of ``keys
+    [batch, capacity, index_head_dim]``. Growing rows' capacity is a capacity bucket of their tokens
+    (``capacity_bucket`` pages: it never wraps, and grows with the bucket a compiled step reads, one new graph at
+    most, as the pages' reads); a window's is its reach (``window - 1 + page_size`` tokens: what the next step sees,
+    and a crop of up to a page). The cache's token count says which slots hold the rows' tokens: a crop leaves the
+    slots as they are."""
+
+    is_compileable = True  # a fixed address, written in place
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None  # [batch, capacity, index_head_dim]
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[1]
+
+    def reserve(self, capacity: int, like: torch.Tensor | None = None) -> None:
+        """At least ``capacity`` slots, the tokens held kept (growing rows, which never wrap): a new buffer where it
+        has fewer, shaped after ``like`` ``[batch, n, index_head_dim]`` for the first."""
+        if capacity <= self.capacity:
+            return
+        held, like = self.keys, self.keys if self.keys is not None else like
+        self.keys = like.new_zeros((like.shape[0], capacity, like.shape[-1]))  # [batch, capacity, index_head_dim]
+        if held is not None:
+            self.keys[:, : held.shape[1]] = held
+        torch._dynamo.mark_static_address(self.keys)  # CUDA graphs read it where it lies
+
+    def reorder_cache(self, order: torch.LongTensor) -> None:
+        """Row ``i`` becomes old row ``order[i]`` (beams, repeats, kept rows)."""
+        if self.keys is not None:
+            self.keys = self.keys.index_select(0, order.to(self.keys.device))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Nothing to do: the slots past the cache's tokens are not read (``IndexerKeys``)."""
+
+
 class IndexerKeys:
     """An indexed-attention layer on the pool (``IndexedLayer``, ``IndexedWindowLayer``): its keys and values in pages,
-    its lightning indexer's keys ``[batch, tokens, index_head_dim]`` in transformers' own ``DynamicIndexedLayer``
-    (``indexer``, held by ``StateLayers``, which moves and crops it with the rows and counts its bytes), which the model
-    writes and reads through ``cache.update_indexer``. The indexer scores the keys attention reads and its picks
-    index them, so a window hands it the same tokens: ``[first, end)`` of the window's ``visible_span``, and keeps
-    only its last ``reach`` tokens, as the window's pages do."""
+    its lightning indexer's keys in an ``IndexerRing`` (``indexer``, held by ``StateLayers``, which moves it with the
+    rows and counts its bytes), which the model writes and reads through ``cache.update_indexer``. The indexer scores
+    the keys attention reads and its picks index them, so it gets the same keys in the same order: an eager step the
+    tokens ``[first, end)`` of the window's ``visible_span`` (every token where there is no window), a planned step
+    the tokens of its plan's ``num_keys`` keys from ``kv_offset`` on (``plan_indexer``), those past the step's token
+    holding whatever their slots hold: the model's mask, which hides them from attention, hides them from the
+    indexer's scores too (transformers' ``StaticIndexedLayer`` returns its unwritten slots the same way)."""
 
-    indexer: Any = None  # placed by StateLayers.place
+    indexer: IndexerRing | None = None  # placed by StateLayers.place
+    window: int | None = None  # a window's (``WindowLayer``)
+    _write_slot: torch.Tensor | None = None  # a planned step's [1] slot of its token (plan_indexer)
+    _read_slots: torch.Tensor | None = None  # a planned step's [num_keys] slots of the keys it reads
+
+    def _ring_capacity(self, num_tokens: int) -> int:
+        """The slots the indexer keeps for rows of ``num_tokens`` tokens (``IndexerRing``)."""
+        if self.window is not None:
+            return self.rows.reach
+        page_size = self.rows.pool.format.page_size
+        return capacity_bucket(-(-num_tokens // page_size)) * page_size
+
+    def plan_indexer(self, start: int) -> None:
+        """Before a planned step at ``start`` (``PlannedDecoding.plan_decode``, after its rows' plan): the slot its
+        token goes to and the slots of the keys it reads, in tensors kept from step to step and refilled in place;
+        growing rows' ring grown to the keys the plan reads (a window's holds its reach)."""
+        plan = self.rows.step_plan
+        if self.window is None:
+            self.indexer.reserve(plan.num_keys)
+        capacity, device = self.indexer.capacity, self.indexer.keys.device
+        reads = (plan.kv_offset + torch.arange(plan.num_keys, device=device)) % capacity  # [num_keys]
+        write = torch.tensor([start % capacity], device=device)  # [1]
+        if self._read_slots is None or self._read_slots.shape != reads.shape:
+            self._write_slot, self._read_slots = write, reads
+            torch._dynamo.mark_static_address(self._write_slot)
+            torch._dynamo.mark_static_address(self._read_slots)
+        else:
+            self._write_slot.copy_(write)
+            self._read_slots.copy_(reads)
 
     def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
-        """Appends ``[batch, n, index_head_dim]`` indexer keys (after the step's ``update``); returns those of the
-        tokens attention reads this step."""
-        keys = self.indexer.update_indexer(indexer_key_states)
-        window = getattr(self, "window", None)
-        if window is None:
-            return keys
+        """Writes ``[batch, n, index_head_dim]`` indexer keys (after the step's ``update``); returns those of the keys
+        attention reads this step, ``[batch, num_keys, index_head_dim]``."""
+        ring = self.indexer
+        if self.rows.step_plan.ahead:  # planned: the step's one token, the plan's keys (plan_indexer)
+            ring.keys.index_copy_(1, self._write_slot, indexer_key_states)
+            return ring.keys.index_select(1, self._read_slots)
         num_new = indexer_key_states.shape[1]
-        _, first = visible_span(self.num_tokens - num_new, num_new, window, 0)
-        visible = keys[:, first - self.num_tokens + keys.shape[1] :]
-        self.indexer.indexer_keys = keys[:, -self.rows.reach :]  # what the next step (or a crop of a page) needs
-        return visible
+        end = self.num_tokens
+        start = end - num_new
+        ring.reserve(self._ring_capacity(end), indexer_key_states)
+        capacity, device = ring.capacity, indexer_key_states.device
+        first = 0 if self.window is None else visible_span(start, num_new, self.window, 0)[1]
+        seen = ring.keys.index_select(1, torch.arange(first, start, device=device) % capacity)
+        kept = min(num_new, capacity)  # a step longer than a window's reach keeps its last tokens only
+        written = torch.arange(end - kept, end, device=device) % capacity
+        ring.keys.index_copy_(1, written, indexer_key_states[:, num_new - kept :])
+        return torch.cat([seen, indexer_key_states], dim=1)
 
 
 class IndexedLayer(IndexerKeys, PagedLayer):
@@ -161,9 +236,9 @@ def with_state(layer_class: type[PagedLayer]) -> type[PagedLayer]:
 
 class StateLayers:
     """transformers' own layers of one cache, by model layer index: every layer whose type is neither paged
-    (``PAGED_LAYER_TYPES``) nor ``dummy``, and the indexer keys of each indexed-attention layer (``IndexerKeys``:
-    transformers' ``DynamicIndexedLayer``, whose keys and values stay unused; the cache's layer is on the pool), and
-    the cache's own layers that carry keys and a state (``FUSED_LAYER_TYPES``), for their states.
+    (``PAGED_LAYER_TYPES``) nor ``dummy``, the indexer keys of each indexed-attention layer (an ``IndexerRing``
+    beside the cache's layer on the pool: ``IndexerKeys``), and the cache's own layers that carry keys and a state
+    (``FUSED_LAYER_TYPES``), for their states.
 
     Args:
         config: the model's decoder config.
@@ -207,7 +282,8 @@ class StateLayers:
                 f"{type(self.config).__name__} has a layer of type {error} for which transformers' DynamicCache has no "
                 "cache layer: import the model (its modeling module registers the layer type) before the cache."
             ) from error
-        layers = {idx: ImageKeysLayer() if kind == CROSS_ATTENTION else made[idx] for idx, kind in self.types.items()}
+        own = {CROSS_ATTENTION: ImageKeysLayer, INDEXED_ATTENTION: IndexerRing}
+        layers = {idx: own[kind]() if kind in own else made[idx] for idx, kind in self.types.items()}
         return {idx: layer for idx, layer in layers.items() if idx not in self.fused}
 
     def place(self, cache_layers: list[Any]) -> None:
@@ -236,7 +312,7 @@ class StateLayers:
     @property
     def is_compileable(self) -> bool:
         """Whether every layer is (transformers' rule: a linear-attention layer keeps static addresses, updated in
-        place, unless it records its past; a layer that grows its keys is not)."""
+        place, unless it records its past; a layer that grows its keys, as a compressor's state does, is not)."""
         return all(layer.is_compileable for layer in self.layers.values())
 
     def refusal(self) -> str | None:
