@@ -123,6 +123,22 @@ def test_the_same_prompt_again_reuses_its_pages_and_states(hybrid, name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_a_prompt_ending_on_a_page_keeps_its_states_without_a_decode_step(hybrid, name):
+    """A prompt of whole pages generated with one new token (a document warmed for later questions) runs no pass
+    after its prefill: its states are kept once the prefill's last pass has run, and a prompt extending it reuses
+    every page of it."""
+    pool = prefix_pool(hybrid, name)
+    ids = random_ids(1, 30, seed=7)
+    document = generate(hybrid, ids[:, :24], name, pool, max_new_tokens=1)
+    assert document.fed == [20, 4]  # the last pass ends on the prompt's last page; no decode pass follows
+    before = pool.stats()
+    extended = generate(hybrid, ids, name, pool)
+    assert reused(pool, before) == 24 and extended.fed[:2] == [4, 2]  # from the document's end, to its last page
+    assert_fresh(hybrid, ids, name, extended)
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_a_prompt_parting_mid_page_keeps_the_states_where_it_parts(hybrid, name):
     """A prompt that parts from the index inside a page finds pages but no states before it (the first prompt
     kept them at its own last page): nothing is reused, and a pass ends where it parts; the next prompt parting

@@ -357,6 +357,13 @@ class PoolCache(Admission, PlannedDecoding):
         if tracker is not None:
             tracker.record(self.get_seq_length(), fed_ids, self._binder.layer_group_rows(tracker.pool.device))
 
+    def prefill_ran(self) -> None:
+        """A prefill run as passes (``splits_prefill``) has run its last one: the state layers keep their states where
+        it ended if a later call may start there (``PrefixTracker.passed``)."""
+        tracker = self._binder.prefix
+        if tracker is not None:
+            tracker.passed(self.get_seq_length(), self._binder.layer_group_rows(tracker.pool.device))
+
     def _select_rows(self, indices: list[int]) -> None:
         for rows in self._binder.rows.values():
             if rows.table.num_rows:

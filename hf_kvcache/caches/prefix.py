@@ -430,6 +430,14 @@ class PrefixTracker:
                 if reused < pages <= len(self._chains[0]) and not all(self._tails(holder, layer_group, pages)):
                     holder.captures.append(pages * page_size)
 
+    def passed(self, end: int, rows_of: "dict[int, PagedRows]") -> None:
+        """A prefill's last pass has run: the states hold the first ``end`` tokens, kept if a later call may start there
+        and published with the pages (``record`` does it before a pass: a call that feeds nothing more, as one of one
+        new token, would keep none)."""
+        if self.active and self.states is not None:
+            self.states.capture(end, self.page_size)
+            self.publish(rows_of)
+
     def pass_ends(self, start: int, length: int) -> list[int]:
         """Where the forward passes of a prefill of tokens ``[start, length)`` end: at each page boundary whose states
         the state layers keep (a state exists only where a pass ends), then at ``length``."""

@@ -284,6 +284,7 @@ def _prefill_in_passes(model: Any, input_ids: torch.LongTensor, model_kwargs: di
         inputs = model.prepare_inputs_for_generation(input_ids[:, start:end], is_first_iteration=True, **kwargs)
         outputs = model(**inputs, return_dict=True)
         start = end
+    cache.prefill_ran()
     return outputs
 
 
