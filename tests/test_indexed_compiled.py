@@ -68,6 +68,21 @@ def test_compiled_paged_pool_generates_the_tokens_of_eager_dynamic_and_static_ca
     )
 
 
+def test_compiled_decoding_under_our_attention_generates_the_tokens_of_dynamic_cache(compile_config):
+    """Under ``attn_implementation="hf_kvcache"`` our attention folds the indexer's picks into the mask of the keys
+    the planned step gathers."""
+    model = tiny("deepseek_v32")
+    ids, mask = padded()
+    reference = generate(model, ids, mask)
+    model.set_attn_implementation("hf_kvcache")
+    try:
+        compiled = generate(model, ids, mask, "paged_pool", compile_config)
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert torch.equal(compiled, reference)
+    assert graphs() == 1
+
+
 @pytest.mark.parametrize("name", ["sliding_ring", "quantized_values", "quantized_kv"])
 def test_compiled_caches_generate_the_tokens_of_eager_in_one_graph(compile_config, name):
     """A window that fills and slides (the indexer reads its ring from the window's first token), and the quantized
@@ -168,6 +183,7 @@ def test_planned_steps_compute_what_eager_steps_do(name):
                 token, mask = token * 0 + 7, mask[:, :-3]
                 poison(planned)
             logits = decode_step(model, planned, token, mask, planned=True)
+            assert planned.layers[0]._read_slots is planned.layers[1]._read_slots  # planned once for the group
             reference = decode_step(model, eager, token, mask)
             assert (logits - reference).abs().max() < 1e-5, step
             token = reference.argmax(-1, keepdim=True)

@@ -72,10 +72,11 @@ class PlannedDecoding(Cache):
         for rows in rows_of:
             rows.plan_decode(start, num_rows, capacity, padding_only)
         self._planning = True
+        indexer_slots = {}  # an indexer's slots, planned once per layer group
         for layer in self._row_layers():
             layer.planned = True  # until its update has run the step
             if isinstance(layer, IndexerKeys):  # its indexer's keys: the step's slots, planned too
-                layer.plan_indexer(start)
+                layer.plan_indexer(start, indexer_slots)
         device = rows_of[0].pool.device
         if self._query_offset is None or self._query_offset.device != device:
             self._query_offset = torch.zeros((), dtype=torch.long, device=device)

@@ -107,23 +107,28 @@ class IndexerKeys:
         page_size = self.rows.pool.format.page_size
         return capacity_bucket(-(-num_tokens // page_size)) * page_size
 
-    def plan_indexer(self, start: int) -> None:
+    def plan_indexer(self, start: int, planned: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Before a planned step at ``start`` (``PlannedDecoding.plan_decode``, after its rows' plan): the slot its
-        token goes to and the slots of the keys it reads, in tensors kept from step to step and refilled in place;
-        growing rows' ring grown to the keys the plan reads (a window's holds its reach)."""
+        token goes to and the slots of the keys it reads, in tensors kept from step to step and refilled in place
+        once per layer group: its first indexed layer's, which the others share (``planned``: this step's, by rows
+        and ring capacity); growing rows' ring grown to the keys the plan reads (a window's holds its reach)."""
         plan = self.rows.step_plan
         if self.window is None:
             self.indexer.reserve(plan.num_keys)
         capacity, device = self.indexer.capacity, self.indexer.keys.device
-        reads = (plan.kv_offset + torch.arange(plan.num_keys, device=device)) % capacity  # [num_keys]
-        write = torch.tensor([start % capacity], device=device)  # [1]
-        if self._read_slots is None or self._read_slots.shape != reads.shape:
-            self._write_slot, self._read_slots = write, reads
-            torch._dynamo.mark_static_address(self._write_slot)
-            torch._dynamo.mark_static_address(self._read_slots)
-        else:
-            self._write_slot.copy_(write)
-            self._read_slots.copy_(reads)
+        made = planned.get((id(self.rows), capacity))
+        if made is None:
+            reads = (plan.kv_offset + torch.arange(plan.num_keys, device=device)) % capacity  # [num_keys]
+            write = torch.tensor([start % capacity], device=device)  # [1]
+            if self._read_slots is None or self._read_slots.shape != reads.shape:
+                self._write_slot, self._read_slots = write, reads
+                torch._dynamo.mark_static_address(self._write_slot)
+                torch._dynamo.mark_static_address(self._read_slots)
+            else:
+                self._write_slot.copy_(write)
+                self._read_slots.copy_(reads)
+            made = planned[(id(self.rows), capacity)] = (self._write_slot, self._read_slots)
+        self._write_slot, self._read_slots = made
 
     def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
         """Writes ``[batch, n, index_head_dim]`` indexer keys (after the step's ``update``); returns those of the keys
