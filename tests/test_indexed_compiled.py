@@ -14,6 +14,7 @@ from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.integration.seams import build_cache
 from hf_kvcache.layers.plan import capacity_bucket
 from hf_kvcache.testing import random_padded_batch, tiny_causal_lm
+from tests.test_compiled import HostReads
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -188,3 +189,16 @@ def test_planned_steps_compute_what_eager_steps_do(name):
             assert (logits - reference).abs().max() < 1e-5, step
             token = reference.argmax(-1, keepdim=True)
             mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
+
+
+@pytest.mark.parametrize("name", ["paged_pool", "sliding_ring"])
+def test_a_planned_step_reads_nothing_back_to_the_host(name):
+    """The indexer's slots are planned before the forward pass: the step itself (the model's indexer and top-k
+    included) reads no value back to the host."""
+    model, planned, _, token, mask = planned_and_eager_twins(name)
+    inputs = {"input_ids": token, "attention_mask": mask, "position_ids": mask.sum(-1, keepdim=True) - 1}
+    assert planned.plan_decode(token.shape[0], 1, mask)
+    planned.start_planned(inputs)
+    with torch.no_grad(), HostReads() as reads:
+        model(**inputs, cache=planned)
+    assert reads.reads == 0
