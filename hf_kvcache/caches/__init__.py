@@ -6,8 +6,8 @@
 - ``state_tails``: a hybrid model's linear-attention and convolution states kept at page boundaries for prompt reuse
   (``StateTail``);
 - ``binder``: the pool a cache's layers write to, found once per device, and its pages returned (``PoolBinder``);
-- ``planned``: compiled decoding, each decode step planned before the forward pass (``PlannedDecoding``);
 - ``state_layers``: the layers that hold no attention KV we page keep transformers' own layers (``StateLayers``);
+- ``planned``: compiled decoding, each decode step planned before the forward pass (``PlannedDecoding``);
 - ``compressed``: a compressed-attention layer's window on the pool, its compressor's state beside it
   (``CompressedLayer``);
 - ``admission``: a request refused before any compute when its worst case cannot fit the pool (``Admission``);
