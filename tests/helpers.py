@@ -1,13 +1,17 @@
-"""Helper functions shared by the tests: padded batches and random ids, greedy runs, teacher-forced logits, comparing
-generations.
+"""Helper functions shared by the tests: padded batches and random ids, greedy runs, teacher-forced logits, threads
+started together, comparing generations.
 
 A working ``cache_config`` per cache name is its registry entry's ``example_config``
 (``hf_kvcache.integration.registry.REGISTRY``); ``conftest.py`` has the ``cache_name`` and ``make_pool`` fixtures."""
+
+import threading
 
 import torch
 
 from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.testing import random_padded_batch
+
+WAIT_SECONDS = 120  # a generous bound on how long a thread waits for another; only reached if one hangs
 
 
 def example_config(name: str) -> dict:
@@ -75,3 +79,24 @@ def assert_beams_and_sampling_match(
     expected = model.generate(ids, attention_mask=mask, **sampling)
     torch.manual_seed(seed)
     assert torch.equal(expected, model.generate(ids, attention_mask=mask, cache_implementation=name, **sampling))
+
+
+def run_threads(work, count: int) -> dict[int, BaseException]:
+    """Runs ``work(i)`` for ``i < count`` in threads started together; returns what each raised."""
+    errors: dict[int, BaseException] = {}
+    barrier = threading.Barrier(count)
+
+    def target(i: int) -> None:
+        try:
+            barrier.wait(WAIT_SECONDS)
+            work(i)
+        except BaseException as error:  # reported by the test, which fails on any
+            errors[i] = error
+
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(WAIT_SECONDS)
+    assert not any(thread.is_alive() for thread in threads), "a generate thread hangs"
+    return errors

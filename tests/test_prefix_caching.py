@@ -6,7 +6,6 @@ logits are compared within ``TOLERANCE`` (fp32; the differences measured here ar
 be equal."""
 
 import logging
-import threading
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import torch
 from hf_kvcache import KVPool
 from hf_kvcache.caches import prefix as prefix_module
 from hf_kvcache.integration.registry import REGISTRY
-from tests.helpers import random_ids
+from tests.helpers import random_ids, run_threads
 
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
 PAGE_SIZE = 4
@@ -236,23 +235,14 @@ def test_threads_find_each_others_pages_and_race_on_one_prefix(tiny_llama_model)
     shared = random_ids(1, 32, seed=7)
     prompts = [torch.cat([shared, random_ids(1, 6, seed=10 + i)], dim=1) for i in range(4)]
     expected = [greedy(tiny_llama_model, ids, "paged_pool", {}).sequences for ids in prompts]
-    barrier, errors, results = threading.Barrier(4), [], {}
+    results = {}
 
-    def work(i: int) -> None:
-        try:
-            barrier.wait()  # all four compute the same prefix at once: each publishes, the first copy wins
-            for _ in range(2):
-                results[i] = greedy(tiny_llama_model, prompts[i], "paged_pool", {"pool": pool}).sequences
-                pool.check_integrity()
-        except BaseException as error:  # noqa: BLE001  (re-raised in the main thread)
-            errors.append(error)
+    def work(i: int) -> None:  # all four compute the same prefix at once: each publishes, the first copy wins
+        for _ in range(2):
+            results[i] = greedy(tiny_llama_model, prompts[i], "paged_pool", {"pool": pool}).sequences
+            pool.check_integrity()
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    assert run_threads(work, 4) == {}
     assert all(torch.equal(results[i], expected[i]) for i in range(4))
     stats = pool.stats()
     assert stats["prefix_lookups"] == 8 and stats["prefix_hits"] >= 4  # every second round reuses at least

@@ -10,7 +10,6 @@ reuse. Tiny random-init Qwen3.5 (Gated DeltaNet: a convolution and a recurrent s
 convolutions), each beside full attention."""
 
 import logging
-import threading
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from hf_kvcache.caches import prefix as prefix_module
 from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.memory.prefix_index import STATE_GROUP, PrefixIndex, tail_key
 from hf_kvcache.testing import tiny_causal_lm, tiny_hybrid
-from tests.helpers import padded_batch, random_ids
+from tests.helpers import padded_batch, random_ids, run_threads
 from tests.test_fused_hybrid import ONE_GEOMETRY
 from tests.test_prefix_caching import TOLERANCE, assert_same_tokens_close_logits
 from tests.test_prefix_quantized import CONFIGS as QUANTIZED
@@ -397,23 +396,14 @@ def test_threads_on_one_pool_each_restore_their_own_states(qwen):
     pool = prefix_pool(qwen, "paged_pool")
     head = random_ids(1, 16, seed=80)
     prompts = [torch.cat([head, random_ids(1, 6, seed=81 + i)], dim=1) for i in range(4)]  # [1, 22]
-    barrier, errors, results = threading.Barrier(4), [], {}
+    results = {}
     options = {"cache_implementation": "paged_pool", "cache_config": {"pool": pool}, "do_sample": False}
 
     def work(i: int) -> None:
-        try:
-            barrier.wait()
-            results[i] = [qwen.generate(prompts[i], max_new_tokens=6, **options) for _ in range(2)]
-            pool.check_integrity()
-        except BaseException as error:  # noqa: BLE001  (re-raised in the main thread)
-            errors.append(error)
+        results[i] = [qwen.generate(prompts[i], max_new_tokens=6, **options) for _ in range(2)]
+        pool.check_integrity()
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    assert run_threads(work, 4) == {}
     assert pool.stats()["prefix_tokens_reused"] >= 4 * 20
     for i, prompt in enumerate(prompts):
         expected = generate(qwen, prompt, "paged_pool").sequences

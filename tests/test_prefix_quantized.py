@@ -7,14 +7,12 @@ rows held beside them in full precision (the residual window's newest values, th
 ``ExactTail``) comes with them. Each case is checked against a fresh prefill too, which gives other logits: the
 comparison could not pass by recomputing."""
 
-import threading
-
 import pytest
 import torch
 
 from hf_kvcache.integration.seams import build_cache
 from hf_kvcache.testing import tiny_gemma3
-from tests.helpers import random_ids
+from tests.helpers import random_ids, run_threads
 from tests.test_prefix_caching import PAGE_SIZE, assert_same_tokens_close_logits, greedy, prefix_pool
 from tests.test_prefix_store import server  # noqa: F401  (a fixture: a redis-server of the test's own)
 from tests.test_prefix_tiers import tiered_pool
@@ -206,22 +204,13 @@ def test_threads_racing_on_one_prefix_each_continue_their_own(tiny_llama_model, 
     pool = prefix_pool(model, name, cache_config=config, max_tokens=1024)
     head = random_ids(1, 32, seed=19)
     prompts = [torch.cat([head, random_ids(1, 6, seed=20 + i)], dim=1) for i in range(4)]  # [1, 38]: 9 whole pages
-    barrier, errors, results = threading.Barrier(4), [], {}
+    results = {}
 
     def work(i: int) -> None:
-        try:
-            barrier.wait()
-            results[i] = [greedy(model, prompts[i], name, {**config, "pool": pool}) for _ in range(2)]
-            pool.check_integrity()
-        except BaseException as error:  # noqa: BLE001  (re-raised in the main thread)
-            errors.append(error)
+        results[i] = [greedy(model, prompts[i], name, {**config, "pool": pool}) for _ in range(2)]
+        pool.check_integrity()
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    assert run_threads(work, 4) == {}
     reused = 0
     for i, prompt in enumerate(prompts):
         if same(greedy(model, prompt, name, config), results[i][0]):

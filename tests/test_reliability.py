@@ -9,14 +9,12 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from helpers import assert_same_generation, example_config, padded_batch, run
+from helpers import WAIT_SECONDS, assert_same_generation, example_config, padded_batch, run, run_threads
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from hf_kvcache import KVPool, PagedConfig, PageFormat, PoolExhaustedError
 from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.layers.window import window_pages_per_row
-
-WAIT_SECONDS = 120  # a generous bound on how long a thread waits for another; only reached if one hangs
 
 
 def pools_for(model, max_tokens: int, page_size: int = 8) -> dict[str, KVPool]:
@@ -69,27 +67,6 @@ class Checkpoint(LogitsProcessor):
         self.on_step(self.step)
         self.step += 1
         return scores
-
-
-def run_threads(work, count: int) -> dict[int, BaseException]:
-    """Runs ``work(i)`` for ``i < count`` in threads started together; returns what each raised."""
-    errors: dict[int, BaseException] = {}
-    barrier = threading.Barrier(count)
-
-    def target(i: int) -> None:
-        try:
-            barrier.wait(WAIT_SECONDS)
-            work(i)
-        except BaseException as error:  # reported by the test, which fails on any
-            errors[i] = error
-
-    threads = [threading.Thread(target=target, args=(i,)) for i in range(count)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(WAIT_SECONDS)
-    assert not any(thread.is_alive() for thread in threads), "a generate thread hangs"
-    return errors
 
 
 # ----- concurrency -----------------------------------------------------------------------------
