@@ -58,8 +58,8 @@ class PageAllocator:
         self._free_in_extent: list[int] = []  # free pages of each extent
         self._singles: list[int] = []  # max-heap (negated ids) of free pages; stale entries skipped
         self._extents: list[int] = []  # min-heap of wholly free extents; stale entries skipped
-        self._num_whole = 0  # wholly free extents
-        self._num_free = 0  # the null page is neither free nor used
+        self.num_whole_extents = 0  # wholly free extents: where ``extend`` starts a run
+        self.num_free = 0  # the null page is neither free nor used
         self.high_water = 0
         self.index: PrefixIndex | None = PrefixIndex() if prefix_caching else None
         self.add_pages(num_pages)
@@ -68,10 +68,6 @@ class PageAllocator:
     def num_pages(self) -> int:
         """Usable pages (the null page excluded)."""
         return len(self._refcounts) - 1
-
-    @property
-    def num_free(self) -> int:
-        return self._num_free
 
     @property
     def num_used(self) -> int:
@@ -86,7 +82,7 @@ class PageAllocator:
     @property
     def num_available(self) -> int:
         """Pages a request can take: the free ones and the cached ones."""
-        return self._num_free + self.num_cached
+        return self.num_free + self.num_cached
 
     def enable_prefix_caching(self) -> None:
         """Starts a prefix index (a no-op if there is one)."""
@@ -102,11 +98,11 @@ class PageAllocator:
         for page in range(max(start, NULL_PAGE + 1), start + num_new):
             self._free_in_extent[page // self.extent_pages] += 1
             heapq.heappush(self._singles, -page)
-            self._num_free += 1
+            self.num_free += 1
         for extent in range(start // self.extent_pages, num_extents):
             if self._is_whole(extent):
                 heapq.heappush(self._extents, extent)
-        self._num_whole = sum(1 for extent in range(num_extents) if self._is_whole(extent))
+        self.num_whole_extents = sum(1 for extent in range(num_extents) if self._is_whole(extent))
         return range(start, start + num_new)
 
     def allocate(self, num: int) -> list[int]:
@@ -118,7 +114,7 @@ class PageAllocator:
         """
         self.ensure_free(num)
         pages = [self._pop_single() for _ in range(num)]
-        self._note_use()
+        self.high_water = max(self.high_water, self.num_used)
         return sorted(pages)
 
     def extend(self, anchor: int | None, num: int) -> list[int]:
@@ -136,13 +132,8 @@ class PageAllocator:
         for _ in range(num):
             anchor = self._next_after(anchor)
             pages.append(anchor)
-        self._note_use()
+        self.high_water = max(self.high_water, self.num_used)
         return pages
-
-    @property
-    def num_whole_extents(self) -> int:
-        """Extents all of whose pages are free (where ``extend`` starts a row's next run of pages)."""
-        return self._num_whole
 
     def extents_needed(self, anchor: int | None, num: int) -> int:
         """Wholly free extents ``extend(anchor, num)`` would start (its pages past the free ones right after
@@ -166,7 +157,7 @@ class PageAllocator:
         """
         if num > self.num_available:
             raise PoolExhaustedError(num, self.num_available, self.num_pages)
-        evicted = [self.index.evict_oldest() for _ in range(num - self._num_free)]
+        evicted = [self.index.evict_oldest() for _ in range(num - self.num_free)]
         for page in evicted:
             self._release(page)
         return evicted
@@ -236,22 +227,22 @@ class PageAllocator:
     def _release(self, page: int) -> None:
         """Puts a page whose last reference went (freed or evicted) back into the free counts and heaps."""
         self._refcounts[page] = 0
-        self._num_free += 1
+        self.num_free += 1
         heapq.heappush(self._singles, -page)
         extent = page // self.extent_pages
         self._free_in_extent[extent] += 1
         if self._is_whole(extent):
             heapq.heappush(self._extents, extent)
-            self._num_whole += 1
+            self.num_whole_extents += 1
         if len(self._singles) > 2 * len(self._refcounts) + 64:  # drop stale entries now and then
             self._rebuild_heaps()
 
     def _take(self, page: int) -> int:
         if self._is_whole(page // self.extent_pages):
-            self._num_whole -= 1
+            self.num_whole_extents -= 1
         self._refcounts[page] = 1
         self._free_in_extent[page // self.extent_pages] -= 1
-        self._num_free -= 1
+        self.num_free -= 1
         return page
 
     def _pop_single(self) -> int:
@@ -271,9 +262,6 @@ class PageAllocator:
             if self._is_whole(extent):
                 return self._take(extent * size)
         return self._pop_single()
-
-    def _note_use(self) -> None:
-        self.high_water = max(self.high_water, self.num_used)
 
     def _rebuild_heaps(self) -> None:
         self._singles = [-page for page in range(1, len(self._refcounts)) if self._refcounts[page] == 0]
@@ -296,8 +284,9 @@ class PageAllocator:
         assert set(free) <= {-page for page in self._singles}, "a free page is missing from the single-page heap"
         whole = {extent for extent in range(len(self._free_in_extent)) if self._is_whole(extent)}
         assert whole <= set(self._extents), "a wholly free extent is missing from the extent heap"
-        assert len(whole) == self.num_whole_extents, f"{len(whole)} wholly free extents, {self._num_whole} counted"
+        assert len(whole) == self.num_whole_extents, (
+            f"{len(whole)} wholly free extents, {self.num_whole_extents} counted"
+        )
         assert self.high_water >= self.num_used, "high-water mark below current use"
         if self.index is not None:
             self.index.check_integrity(self._refcounts)
-            assert self.num_available == self.num_free + self.index.num_cached, "available pages miscounted"

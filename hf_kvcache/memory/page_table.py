@@ -270,11 +270,14 @@ class PageTable:
                 filled[page] = max(filled.get(page, 0), tokens, 0)
         return filled
 
+    def references(self) -> Counter[int]:
+        """How many entries of the rows hold each page."""
+        return Counter(page for row in self.rows for page in row if page != NULL_PAGE)
+
     def check_integrity(self) -> None:
         """Raises ``AssertionError`` if a row has the wrong page count or holds a page the pool thinks free."""
         expected = math.ceil(self.num_tokens / self.page_size)
-        references = Counter(page for row in self.rows for page in row if page != NULL_PAGE)
         for row, skip in zip(self.rows, self.row_skips, strict=True):
             assert len(row) == max(0, expected - skip), f"row holds {len(row)} pages for {self.num_tokens} tokens"
-        for page, count in references.items():
+        for page, count in self.references().items():
             assert self.allocator.refcount(page) >= count, f"page {page} referenced {count}x, refcount lower"

@@ -3,12 +3,13 @@
 allocator, page tables and storage."""
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from hf_kvcache.memory.allocator import NULL_PAGE, PageAllocator
+from hf_kvcache.memory.allocator import PageAllocator
 from hf_kvcache.memory.format import PageFormat
 from hf_kvcache.memory.page_table import PageTable
 from hf_kvcache.memory.storage import PoolStorage
@@ -144,13 +145,10 @@ def check_integrity(allocator: PageAllocator, tables: list[PageTable], storage: 
     """Raises ``AssertionError`` if a pool's allocator, its prefix index or any live page table is inconsistent: each
     page's refcount is its page-table references plus one if it is published."""
     allocator.check_integrity()
-    references: dict[int, int] = {}
+    references: Counter[int] = Counter()
     for table in tables:
         table.check_integrity()
-        for row in table.rows:
-            for page in row:
-                if page != NULL_PAGE:  # a hole (a window's page given back)
-                    references[page] = references.get(page, 0) + 1
+        references += table.references()
     index = allocator.index
     published = {page for page in references if index is not None and index.is_published(page)}
     for page, count in references.items():
