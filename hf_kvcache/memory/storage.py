@@ -110,19 +110,18 @@ class PoolStorage:
         * last_dim]``: slots (the view ``kernels.read_slots`` indexes with
         ``kernels.slot_indices``), or with ``slots_per_row=page_size`` whole pages (``kernels.read_pages``); kept, so
         that a step's layers dispatch no op to make it (a compiled step makes it in its graph, where it costs none)."""
-        if torch.compiler.is_compiling():
-            return tensor[layer_idx].view(-1, slots_per_row * tensor.shape[-1])
-        key = (id(tensor), layer_idx, torch.is_inference_mode_enabled(), slots_per_row)
-        view = self._slot_views.get(key)
-        if view is None:
-            view = self._slot_views[key] = tensor[layer_idx].view(-1, slots_per_row * tensor.shape[-1])
-        return view
+        return self._view(tensor, layer_idx, (-1, slots_per_row * tensor.shape[-1]))
 
     def page_view(self, tensor: torch.Tensor, layer_idx: int, page_shape: tuple[int, ...]) -> torch.Tensor:
         """One layer of ``tensor`` as ``[heads, pages, *page_shape]`` (a page's numbers in ``page_shape``: encoded
         keys are gathered a page at a time, ``index_select`` on dim 1 giving their shape); kept, as ``slots`` is."""
-        key = (id(tensor), layer_idx, torch.is_inference_mode_enabled(), page_shape)
+        return self._view(tensor, layer_idx, (*tensor.shape[1:3], *page_shape))
+
+    def _view(self, tensor: torch.Tensor, layer_idx: int, shape: tuple[int, ...]) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # a graph makes the view for free; no cache to guard on
+            return tensor[layer_idx].view(shape)
+        key = (id(tensor), layer_idx, torch.is_inference_mode_enabled(), shape)
         view = self._slot_views.get(key)
         if view is None:
-            view = self._slot_views[key] = tensor[layer_idx].view(*tensor.shape[1:3], *page_shape)
+            view = self._slot_views[key] = tensor[layer_idx].view(shape)
         return view
