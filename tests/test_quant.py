@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_kvcache.memory.dequant import dequantize_channels, dequantize_channels_into, dequantize_into
+from hf_kvcache.memory.dequant import dequantize_channels, dequantize_channels_into, dequantize_joined_into
 from hf_kvcache.memory.quant import (
     COMPACT_SCALE_MAX_BITS,
     QuantFormat,
@@ -17,6 +17,7 @@ from hf_kvcache.memory.quant import (
     compact_scale_and_steps,
     compact_scale_and_steps_from_bytes,
     dequantize,
+    join_scales,
     pack_int4,
     quantize,
     unpack_int4,
@@ -94,7 +95,8 @@ def test_stored_values_are_within_half_a_scale(case):
     codes, scale, zero = quantize(x, fmt)
     assert codes.dtype == torch.uint8 and codes.shape == (*x.shape[:-1], fmt.code_dim)
     assert scale.shape == zero.shape == (*x.shape[:-1], fmt.num_scale_groups)
-    assert scale.dtype == fmt.stored_scale_dtype(x.dtype) and zero.dtype == fmt.zero_dtype(x.dtype)
+    stored = (torch.int16, torch.int8) if fmt.compact_params else (fmt.scale_dtype or x.dtype,) * 2
+    assert (scale.dtype, zero.dtype) == stored
     q = grouped(unpacked(codes, fmt), fmt)
     s, z = stored_scale_and_base(scale, zero, fmt)
     assert (s >= 0).all() and s.isfinite().all()
@@ -215,7 +217,7 @@ def test_constant_tensor_is_exact(dtype, fill):
     st.booleans(),
     st.booleans(),
 )
-def test_dequantize_into_equals_dequantize_bitwise(case, margin, out_dtype, byteorder, strided_codes, reused):
+def test_dequantize_joined_into_equals_dequantize_bitwise(case, margin, out_dtype, byteorder, strided_codes, reused):
     """In a view of a larger buffer (a slot range of a page, say), leaving the rest of the buffer alone; int4 codes
     unpacked both ways (the int16 spread of a little-endian machine, the strided nibble copies of a big-endian one),
     from contiguous codes or a strided view of them, the spread in a fresh buffer or a reused one holding garbage."""
@@ -230,7 +232,7 @@ def test_dequantize_into_equals_dequantize_bitwise(case, margin, out_dtype, byte
     out = buffer[..., margin : margin + fmt.head_dim]
     spread = torch.randint(-(2**15), 2**15, (2, *codes.shape), dtype=torch.int16) if reused else None
     with mock.patch.object(sys, "byteorder", byteorder):
-        dequantize_into(out, codes, scale, zero, fmt, spread=spread)
+        dequantize_joined_into(out, codes, join_scales(scale, zero), fmt, spread=spread)
     assert torch.equal(out, dequantize(codes, scale, zero, fmt, out_dtype))
     assert buffer[..., :margin].isnan().all() and buffer[..., margin + fmt.head_dim :].isnan().all()
 

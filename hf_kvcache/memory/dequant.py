@@ -1,5 +1,5 @@
-"""Fast decoders of ``hf_kvcache.memory.quant``'s codes, each bitwise equal to its reference ``dequantize``: in place
-into reused buffers (an eager step's few passes over contiguous memory), or as one expression a compiled graph fuses.
+"""Fast decoders of ``quant``'s codes, each bitwise equal to the reference ``dequantize``: in place into reused
+buffers (eager steps), or as one expression a compiled graph fuses.
 """
 
 import sys
@@ -10,7 +10,7 @@ from hf_kvcache.memory.quant import QuantFormat, compact_scale_and_steps, compac
 
 
 def _float32_work(out: torch.Tensor, work: torch.Tensor | None) -> torch.Tensor:
-    """Where dequantizing into ``out`` computes: ``out`` itself when it is float32, else ``work`` (made if ``None``)."""
+    """``out`` itself when it is float32, else ``work`` (made if ``None``)."""
     if out.dtype == torch.float32:
         return out
     return torch.empty(out.shape, dtype=torch.float32, device=out.device) if work is None else work
@@ -25,19 +25,15 @@ def dequantize_channels_into(
     work: torch.Tensor | None = None,
     halves: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """``dequantize_into`` for vectors that run down ``out``'s columns (a channel's tokens of a key page), one scale
-    group per column, with codes stored row-major: bitwise equal to ``dequantize(codes.mT, scale.mT, zero.mT, fmt,
-    out.dtype).mT`` where ``codes.mT`` are the column's own codes (``mT``: the last two dims swapped).
-
-    Row-major codes decode with whole-row passes: at 4 bits, byte ``(i, c)`` holds rows ``2i`` (low nibble) and
-    ``2i + 1`` (high) of column ``c``, which go straight into rows ``2i`` and ``2i + 1`` of ``out``.
+    """Decodes vectors that run down ``out``'s columns (a channel's tokens of a key page, one scale group per column)
+    from row-major codes: bitwise ``dequantize(codes.mT, scale.mT, zero.mT, fmt, out.dtype).mT`` of the columns' own
+    codes. At 4 bits byte ``(i, c)`` holds rows ``2i`` (low nibble) and ``2i + 1`` of column ``c``.
 
     Args:
         out: ``[..., head_dim, columns]`` floating, written in place (``fmt.head_dim`` rows: a page's tokens).
         codes: ``[..., code_dim, columns]`` uint8. scale, zero: ``[..., 1, columns]`` (``fmt.num_scale_groups == 1``).
         work: a float32 buffer of ``out``'s shape, reused when ``out`` is not float32 (made if ``None``).
-        halves: at 4 bits, the even and odd rows of ``work`` (``out`` if float32), ``[..., code_dim, columns]``
-            views kept by a caller that decodes into the same buffer again (made if ``None``).
+        halves: at 4 bits, ``channel_halves`` of ``work`` (``out`` if float32), kept by the caller (made if ``None``).
     """
     if fmt.num_scale_groups != 1 or out.shape[-2] != fmt.head_dim or codes.shape[-2] != fmt.code_dim:
         raise ValueError(
@@ -66,11 +62,8 @@ def channel_halves(work: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, 
 def dequantize_channels(
     codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype
 ) -> torch.Tensor:
-    """``dequantize_channels_into`` as one expression, returning ``[..., head_dim, columns]`` in ``dtype`` (bitwise
-    equal): row-major codes unpack to row-major values, so that a compiled graph fuses it into one kernel over
-    contiguous memory (not through the reference's transposes). Compact
-    parameters' words may come as their bytes, ``scale [..., 1, 2 * columns]`` uint8
-    (``compact_scale_and_steps_from_bytes``)."""
+    """``dequantize_channels_into`` as one expression a compiled graph fuses, returning ``[..., head_dim, columns]`` in
+    ``dtype`` (bitwise equal). Compact words may come as their bytes, ``scale [..., 1, 2 * columns]`` uint8."""
     if fmt.bits == 8:
         values = codes.float()
     else:
@@ -84,8 +77,7 @@ def dequantize_channels(
 
 
 def _codes_to_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: QuantFormat) -> None:
-    """Float32 ``codes`` to values in place, two passes: ``* scale + zero``, or for compact parameters ``+ z / 16``
-    then ``* scale`` (``scale`` and ``zero`` broadcast over ``codes``)."""
+    """Float32 ``codes`` to values in place: ``* scale + zero``, or (compact) ``+ z / 16`` then ``* scale``."""
     if fmt.compact_params:
         scale, steps = compact_scale_and_steps(scale, zero)
         codes.add_(steps)
@@ -93,38 +85,6 @@ def _codes_to_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     else:
         codes.mul_(scale)
         codes.add_(zero)
-
-
-def dequantize_into(
-    out: torch.Tensor,
-    codes: torch.Tensor,
-    scale: torch.Tensor,
-    zero: torch.Tensor,
-    fmt: QuantFormat,
-    work: torch.Tensor | None = None,
-    spread: tuple[torch.Tensor, ...] | torch.Tensor | None = None,
-) -> None:
-    """Dequantizes into a preallocated buffer, bitwise equal to ``dequantize(..., out.dtype)``.
-
-    The codes are copied into a float32 buffer (``out`` itself when it is float32) and turned into values in
-    place with a multiply and an add (two elementwise passes, faster on CPU than ``addcmul`` with a per-group
-    broadcast). int4 first spreads each byte's two nibbles over the two bytes of an int16
-    (``byte + 240 * high``: low nibble in the low byte), which on a little-endian machine are the even and odd
-    channels' codes in order, then converts them in one contiguous copy (a big-endian machine writes the nibbles to
-    the even and odd channels with two strided copies instead).
-
-    Args:
-        out: ``[..., head_dim]`` floating, written in place; may be a view into a larger buffer.
-        codes: ``[..., code_dim]`` uint8. scale, zero: ``[..., num_scale_groups]``.
-        work: a float32 buffer of ``out``'s shape, reused across calls when ``out`` is not float32 (made if
-            ``None``).
-        spread: int4 on a little-endian machine: int16 buffers for the spread codes and their high nibbles, each of
-            ``codes``' shape (a pair, or one ``[2, *codes.shape]`` tensor), reused across calls so that no call
-            allocates (made if ``None``); a third, ``spread_bytes`` of the first, saves two ops.
-    """
-    if fmt.num_scale_groups > 1:  # [..., groups, 1], over each group's channels
-        scale, zero = scale.unsqueeze(-1), zero.unsqueeze(-1)
-    _dequantize_groups_into(out, codes, scale, zero, fmt, work, spread)
 
 
 def dequantize_joined_into(
@@ -135,30 +95,31 @@ def dequantize_joined_into(
     work: torch.Tensor | None = None,
     spread: tuple[torch.Tensor, ...] | torch.Tensor | None = None,
 ) -> None:
-    """``dequantize_into`` with the scales and zeros side by side, ``joined [..., 2 * num_scale_groups]`` as
-    ``join_scales`` lays them out (its last dim contiguous): bitwise equal, in two ops fewer."""
+    """Dequantizes into a preallocated buffer, bitwise equal to ``dequantize(..., out.dtype)``.
+
+    The codes are copied into a float32 buffer (``out`` itself when it is float32) and turned into values in place
+    with a multiply and an add (faster on CPU than ``addcmul`` with a per-group broadcast). int4 first spreads each
+    byte's nibbles over the two bytes of an int16 (``byte + 240 * high``), which on a little-endian machine are the
+    even and odd channels' codes in order: one contiguous copy converts them (big-endian: two strided copies).
+
+    Args:
+        out: ``[..., head_dim]`` floating, written in place; may be a view into a larger buffer.
+        codes: ``[..., code_dim]`` uint8.
+        joined: ``[..., 2 * num_scale_groups]``, scales then zeros as ``join_scales`` lays them out (last dim
+            contiguous).
+        work: a float32 buffer of ``out``'s shape, reused when ``out`` is not float32 (made if ``None``).
+        spread: int4 on a little-endian machine: int16 buffers of ``codes``' shape for the spread codes and their
+            high nibbles (a pair, or one ``[2, *codes.shape]`` tensor; made if ``None``); a third, ``spread_bytes``
+            of the first, saves two ops.
+    """
+    if out.shape[-1] != fmt.head_dim or codes.shape[-1] != fmt.code_dim:
+        raise ValueError(
+            f"dequantize_joined_into needs out [..., {fmt.head_dim}] and codes [..., {fmt.code_dim}], "
+            f"got {tuple(out.shape)} and {tuple(codes.shape)}."
+        )
     groups = fmt.num_scale_groups
     pairs = joined.view(*joined.shape[:-1], 2, *((groups, 1) if groups > 1 else (1,)))
     scale, zero = pairs.unbind(-3 if groups > 1 else -2)  # each [..., groups, 1], or [..., 1] for one group
-    _dequantize_groups_into(out, codes, scale, zero, fmt, work, spread)
-
-
-def _dequantize_groups_into(
-    out: torch.Tensor,
-    codes: torch.Tensor,
-    scale: torch.Tensor,
-    zero: torch.Tensor,
-    fmt: QuantFormat,
-    work: torch.Tensor | None,
-    spread: tuple[torch.Tensor, ...] | torch.Tensor | None,
-) -> None:
-    """``dequantize_into`` with ``scale`` and ``zero`` as ``[..., num_scale_groups, 1]`` (broadcast over a group), or
-    for one group as ``[..., 1]``."""
-    if out.shape[-1] != fmt.head_dim or codes.shape[-1] != fmt.code_dim:
-        raise ValueError(
-            f"dequantize_into needs out [..., {fmt.head_dim}] and codes [..., {fmt.code_dim}], "
-            f"got {tuple(out.shape)} and {tuple(codes.shape)}."
-        )
     work = _float32_work(out, work)
     if fmt.bits == 8:
         work.copy_(codes)
@@ -175,15 +136,13 @@ def _dequantize_groups_into(
         pairs = work.unflatten(-1, (fmt.code_dim, 2))  # view [..., code_dim, 2]
         pairs[..., 0].copy_(codes & 0xF)
         pairs[..., 1].copy_(codes >> 4)
-    groups = work
-    if fmt.num_scale_groups > 1:
-        groups = work.unflatten(-1, (fmt.num_scale_groups, fmt.group_size))  # view [..., groups, group_size]
-    _codes_to_values(groups, scale, zero, fmt)
+    values = work.unflatten(-1, (groups, fmt.group_size)) if groups > 1 else work  # view [..., groups, group_size]
+    _codes_to_values(values, scale, zero, fmt)
     if work is not out:
         out.copy_(work)
 
 
 def spread_bytes(spread: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
-    """The spread codes (int16, little-endian) as ``work``'s shape in bytes: the channels' codes in order (a third
-    ``spread`` buffer for ``dequantize_into``, kept by a caller that decodes into the same buffers again)."""
+    """The spread codes (int16, little-endian) as ``work``'s shape in bytes: ``dequantize_joined_into``'s third
+    ``spread`` buffer."""
     return spread.view(torch.uint8).view(work.shape)

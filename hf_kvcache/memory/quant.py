@@ -108,14 +108,6 @@ class QuantFormat:
         """Largest code: ``2 ** bits - 1``."""
         return (1 << self.bits) - 1
 
-    def stored_scale_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype scales of ``dtype`` inputs are stored in (compact: the int16 word)."""
-        return torch.int16 if self.compact_params else self.scale_dtype or dtype
-
-    def zero_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype zeros of ``dtype`` inputs are stored in."""
-        return torch.int8 if self.compact_params else self.stored_scale_dtype(dtype)
-
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """Packs 4-bit codes two per byte: channel ``2i`` in the low nibble, ``2i + 1`` in the high nibble.
@@ -144,13 +136,13 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Ten
         fmt: the quantization format.
 
     Returns:
-        ``(codes, scale, zero)``: codes ``[..., code_dim]`` uint8; scale ``[..., num_scale_groups]`` in
-        ``fmt.stored_scale_dtype(x.dtype)``, zero of that shape in ``fmt.zero_dtype(x.dtype)``. ``scale >= 0``, and
-        ``scale == 0`` for the constant groups that reconstruct exactly (see the module docstring).
+        ``(codes, scale, zero)``: codes ``[..., code_dim]`` uint8; scale and zero ``[..., num_scale_groups]`` in
+        ``fmt.scale_dtype or x.dtype`` (compact: int16 words, int8 zeros). ``scale >= 0``, and ``scale == 0`` for the
+        constant groups that reconstruct exactly.
     """
     if not x.is_floating_point() or x.shape[-1] != fmt.head_dim:
         raise ValueError(f"quantize needs floating x of shape [..., {fmt.head_dim}], got {x.dtype} {tuple(x.shape)}.")
-    dtype = fmt.stored_scale_dtype(x.dtype)
+    dtype = fmt.scale_dtype or x.dtype
     groups = x.float().unflatten(-1, (fmt.num_scale_groups, fmt.group_size))  # [..., num_scale_groups, group_size]
     low, high = groups.aminmax(dim=-1)  # [..., num_scale_groups]
     if fmt.compact_params:
@@ -266,7 +258,6 @@ def dequantize(
         -1, (fmt.num_scale_groups, fmt.group_size)
     )  # [..., num_scale_groups, group_size]
     if fmt.compact_params:
-        scale, base = compact_scale_and_base(scale, zero)
-    values = groups * scale.float().unsqueeze(-1)
-    values = values + base.float().unsqueeze(-1) if fmt.compact_params else values + zero.float().unsqueeze(-1)
+        scale, zero = compact_scale_and_base(scale, zero)
+    values = groups * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
     return values.flatten(-2).to(dtype)
