@@ -34,14 +34,6 @@ def memory_limit_bytes() -> int:
     return limit
 
 
-def device_bytes(device: torch.device) -> tuple[int, str]:
-    """The memory a pool on ``device`` could hold at most, and what it is: a CUDA device's total memory, or the RAM
-    this process may use (``memory_limit_bytes``)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory, f"{device}'s total memory"
-    return memory_limit_bytes(), "the RAM this process may use"
-
-
 def check_fits(setting: str, num_bytes: int, device: torch.device) -> None:
     """Refuses a pool of ``num_bytes`` that ``device`` could never hold, before anything is allocated.
 
@@ -51,7 +43,10 @@ def check_fits(setting: str, num_bytes: int, device: torch.device) -> None:
     Raises:
         ValueError: naming ``setting``, the bytes it needs and what the device has.
     """
-    available, what = device_bytes(device)
+    if device.type == "cuda":
+        available, what = torch.cuda.get_device_properties(device).total_memory, f"{device}'s total memory"
+    else:
+        available, what = memory_limit_bytes(), "the RAM this process may use"
     if num_bytes > available:
         raise ValueError(
             f"{setting} needs {num_bytes:,} bytes of pages, but {device} has {available:,} bytes ({what}); lower it."
@@ -81,10 +76,6 @@ class MemoryBudget:
                 return False
             self.used_bytes += num_bytes
             return True
-
-    def release(self, num_bytes: int) -> None:
-        with self._lock:
-            self.used_bytes -= num_bytes
 
     def limit_to(self, total_bytes: int) -> None:
         """Lowers the cap to ``total_bytes`` (never raises it), but not below the bytes already held."""

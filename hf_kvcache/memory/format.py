@@ -142,7 +142,7 @@ class PageFormat:
     divides ``value_dim``), keys at theirs.
 
     With ``values_are_keys`` (a model that writes one tensor as its keys and its values: ``update(kv, kv)``,
-    DeepSeek-V4's shared key-and-value head; ``writes_values_as_keys``) a page stores no values: the pool's values
+    DeepSeek-V4's shared key-and-value head, ``compress_rates``) a page stores no values: the pool's values
     are its keys, read as such on every path, and a page's bytes count the keys once. There are then no values to
     code: ``value_bits`` is dropped (to ``None``, logged once), and attention gets the keys as the values, full
     precision or decoded from ``key_bits`` codes.
@@ -287,7 +287,7 @@ class PageFormat:
         return cls(
             *(len(groups[0]), num_kv_heads, head_dim, dtype, page_size, num_groups),
             value_head_dim=value_head_dim,
-            values_are_keys=writes_values_as_keys(config),
+            values_are_keys=getattr(config, "compress_rates", None) is not None,  # one tensor as keys and values
         )
 
     def for_geometries(self, geometries: list[tuple[int, int, int]]) -> list[Self]:
@@ -341,13 +341,6 @@ def geometry_groups(config: Any, types: list[str]) -> tuple[list[list[int]], lis
     return groups, [found[members[0]] for members in groups]
 
 
-def writes_values_as_keys(config: Any) -> bool:
-    """Whether every attention layer of a (decoder) config writes one tensor as its keys and its values
-    (``update(kv, kv)``): compressed attention's shared key-and-value head (``compress_rates``: DeepSeek-V4, whose
-    sliding layers write the same way). Its pages then store the tensor once (``PageFormat.values_are_keys``)."""
-    return getattr(config, "compress_rates", None) is not None
-
-
 _logged: set[str] = set()  # the warnings said once in this process
 
 
@@ -369,8 +362,7 @@ def layer_geometry(config: Any) -> tuple[int, int, int]:
     heads; values ``v_head_dim`` wide where the config says so (MiMo-V2-Flash), else as wide as the keys. Multi-head
     latent attention (``kv_lora_rank`` and ``qk_rope_head_dim``: DeepSeek-V2/V3, Kimi, ...) writes one head: its
     compressed latent as the keys, its rope key as the values. Compressed attention (``compress_rates``: DeepSeek-V4)
-    writes one head of ``head_dim``, the same tensor as keys and as values (shared-KV multi-query attention:
-    ``writes_values_as_keys``).
+    writes one head of ``head_dim``, the same tensor as keys and as values (``PageFormat.values_are_keys``).
     """
     latent, rope = getattr(config, "kv_lora_rank", None), getattr(config, "qk_rope_head_dim", None)
     if latent is not None and rope is not None:  # latent attention caches its latent and rope key as one head

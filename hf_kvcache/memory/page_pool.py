@@ -177,7 +177,7 @@ class PagePool:
                 raise PoolExhaustedError(
                     num,
                     self._allocator.num_available,
-                    self._allocator.num_pages + self._growth_room(),
+                    self.capacity_pages,
                     f"Pages hold {self.format.page_size} tokens. Give the pool more room (KVPool.for_model(..., "
                     "max_tokens=...) or cache_config max_tokens), or lower the batch size or max_new_tokens.",
                 )
@@ -442,14 +442,13 @@ class PagePool:
     def stats(self) -> dict[str, Any]:
         """``KVPool.stats``, under the lock."""
         with self.lock:
-            max_pages = self._allocator.num_pages + self._growth_room()
+            max_pages = self.capacity_pages
             stats = pool_stats(self._allocator, list(self._tables), self.format, self.storage, max_pages, self.device)
             return tier_stats(stats, self._tier_hits, self.tiers)
 
     def _check_alerts(self) -> None:
         held = self._allocator.num_used - self._allocator.num_cached  # cached pages are as good as free
-        capacity = self._allocator.num_pages + self._growth_room()
-        self.alerts.check(held, capacity, self.stats, self.device)
+        self.alerts.check(held, self.capacity_pages, self.stats, self.device)
 
     def check_integrity(self) -> None:
         """``KVPool.check_integrity``, under the lock."""

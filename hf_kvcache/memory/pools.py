@@ -267,8 +267,7 @@ class PoolFactories:
     @classmethod
     def _budget_pool(cls, page_format: PageFormat, device: torch.device, max_tokens: int) -> Self:
         """The shared fixed pool of ``max_tokens`` tokens with a prefix index (``default``)."""
-        num_pages = page_format.pages_for_tokens(max_tokens) + 1
-        device_memory.check_fits(f"max_tokens={max_tokens}", num_pages * page_format.page_bytes, device)
+        num_pages = _num_pages(page_format, device, max_tokens, None, 1.0)
         with _REGISTRY_LOCK:
             pool = _BUDGET_POOLS.get((page_format, device, num_pages))
             if pool is None:
