@@ -1,33 +1,24 @@
 """Page ids with reference counts, placed in aligned extents: pure ints, no torch.
 
-Page 0 is the null page: never handed out, the harmless target of padding writes. A page is
-free (refcount 0) or used (refcount >= 1, held by that many page-table entries). Sharing a page
-increments its count; a page is free again when its count drops to zero. Not thread-safe on its
-own: ``KVPool`` serializes calls.
+Page 0 is the null page: never handed out, the harmless target of padding writes. A page is free (refcount 0) or
+used (refcount >= 1: one per page-table entry holding it, plus the prefix index's). Not thread-safe on its own:
+``PagePool`` serializes calls.
 
-Placement. Page ids are grouped in aligned *extents* of ``extent_pages`` pages (extent ``e`` holds
-pages ``[e * extent_pages, (e + 1) * extent_pages)``), so that attention can read a row's pages in
-blocks of ``extent_pages * page_size`` tokens (``hf_kvcache.attention.flex``). Two kinds of requests:
+Placement. Extent ``e`` holds pages ``[e * extent_pages, (e + 1) * extent_pages)``, so that attention can read a row's
+pages in blocks of ``extent_pages * page_size`` tokens (``attention.flex``):
 
-- ``extend(anchor, num)``: the next ``num`` pages of one row whose last page is ``anchor``. Each comes
-  right after the previous one while that stays inside its extent and is free, else as the first page
-  of the lowest extent that is wholly free, else (no whole extent left: a growable ``KVPool`` grows first where
-  it can, see ``extents_needed``) as a single page. Rows of growing layers grow this way: each holds its pages in
-  runs of whole extents, and a new row never starts in an extent another row has begun, so rows of different
-  requests interleave by whole extents only.
-- ``allocate(num)``: single pages, the highest free ids, handed out in ascending order (copies take these): on
-  a fresh pool (or one whose pages all came back) ``num`` pages taken at once are consecutive.
+- ``extend(anchor, num)``: a row's next pages after its last page ``anchor``: each right after the one before while
+  that stays in its extent and is free, else the first page of the lowest wholly free extent, else a single page (a
+  growable pool grows first where it can: ``extents_needed``). A new row never starts in an extent another row has
+  begun, so rows of different requests interleave by whole extents only.
+- ``allocate(num)``: single pages, the highest free ids, in ascending order (copies take these).
 
-Extents are claimed softly: the free pages after a row's last page stay free (counted free, usable by
-anyone) and are handed to another request only when nothing else is left, so a request fails only when
-the pool has fewer free pages than it needs.
+Extents are claimed softly: the free pages after a row's last page count as free and go to another request only when
+nothing else is left, so a request fails only when fewer pages are free than it needs.
 
-Cached pages. With a prefix index (``hf_kvcache.memory.prefix_index``), a published page holds one more reference, the
-index's. A published page that only the index holds is *cached*: not free (it keeps its contents, so attention
-that reads extents in place treats it as another request's page), but *available*: ``ensure_free`` evicts cached
-pages, least recently used first, back to the free pages (into the extent counts and heaps exactly as a freed
-page) before any page is taken, so a request fails only when free plus cached pages are fewer than it needs.
-``ensure_free`` returns the pages it evicted: a caller that keeps free pages zeroed (``KVPool``) zeroes them.
+Cached pages (``prefix_index``): a published page only the index holds is *cached*: not free (it keeps its contents,
+which attention reading extents in place treats as another row's) but available: ``ensure_free`` evicts cached pages,
+least recently used first, before any page is taken, and returns them for the caller to zero.
 """
 
 import heapq
@@ -106,27 +97,16 @@ class PageAllocator:
         return range(start, start + num_new)
 
     def allocate(self, num: int) -> list[int]:
-        """Takes ``num`` single pages (refcount 1 each), the highest free ids, in ascending order; all or nothing.
-        Cached pages are evicted first where the free ones do not suffice (``ensure_free``).
-
-        Raises:
-            PoolExhaustedError: fewer than ``num`` pages are free or cached; nothing changed.
-        """
+        """Takes ``num`` single pages (refcount 1 each), the highest free ids, in ascending order; all or nothing
+        (``ensure_free`` first)."""
         self.ensure_free(num)
         pages = [self._pop_single() for _ in range(num)]
         self.high_water = max(self.high_water, self.num_used)
         return sorted(pages)
 
     def extend(self, anchor: int | None, num: int) -> list[int]:
-        """Takes the next ``num`` pages of a row whose last page is ``anchor`` (``None``: a row without pages).
-
-        Each page continues the extent of the one before while the next id there is free, else starts the lowest
-        wholly free extent, else is a single page (see the module docstring); all or nothing. Cached pages are
-        evicted first where the free ones do not suffice (``ensure_free``).
-
-        Raises:
-            PoolExhaustedError: fewer than ``num`` pages are free or cached; nothing changed.
-        """
+        """Takes the next ``num`` pages of a row whose last page is ``anchor`` (``None``: a row without pages), placed
+        as the module docstring says; all or nothing (``ensure_free`` first)."""
         self.ensure_free(num)
         pages = []
         for _ in range(num):
@@ -136,8 +116,8 @@ class PageAllocator:
         return pages
 
     def extents_needed(self, anchor: int | None, num: int) -> int:
-        """Wholly free extents ``extend(anchor, num)`` would start (its pages past the free ones right after
-        ``anchor`` in its extent): with fewer, it takes single pages in extents other rows have begun."""
+        """Wholly free extents ``extend(anchor, num)`` would start: with fewer, it takes single pages in extents other
+        rows have begun."""
         size, run = self.extent_pages, 0
         if anchor is not None:
             page = anchor + 1
@@ -152,8 +132,7 @@ class PageAllocator:
             The pages evicted (free now; they still hold their contents).
 
         Raises:
-            PoolExhaustedError: fewer than ``num`` pages are free or cached (a ``KVPool`` grows instead if it can);
-                nothing changed.
+            PoolExhaustedError: fewer than ``num`` pages are free or cached; nothing changed.
         """
         if num > self.num_available:
             raise PoolExhaustedError(num, self.num_available, self.num_pages)
@@ -173,8 +152,8 @@ class PageAllocator:
                 self.index.mark_held(page)
 
     def free(self, pages: list[int]) -> list[int]:
-        """Drops one reference from each page; returns the pages left with none (free again). A published page
-        left with the index's reference only becomes cached (the most recently used)."""
+        """Drops one reference from each page; returns the pages left with none (free again). A published page left
+        with the index's reference only becomes cached (the most recently used)."""
         for page, count in Counter(pages).items():
             if page == NULL_PAGE or not 0 < page < len(self._refcounts) or self._refcounts[page] < count:
                 raise ValueError(f"Cannot free page {page}: it is not allocated.")
@@ -189,8 +168,7 @@ class PageAllocator:
         return freed
 
     def clear_index(self) -> tuple[int, list[int]]:
-        """Unpublishes every page, dropping the index's references; returns how many were published and the pages
-        left with no reference (the cached ones: free again)."""
+        """Unpublishes every page; returns how many were published and the pages freed (the cached ones)."""
         published = self.index.clear()
         return len(published), self.free(published)  # no longer published: none becomes cached
 
@@ -201,8 +179,8 @@ class PageAllocator:
         return page != NULL_PAGE and self._refcounts[page] == 0
 
     def publish(self, key: PageKey, page: int) -> bool:
-        """Publishes a used page under ``key``, adding the index's reference; False (nothing changed) if the key
-        is already published (the first page published under a key wins) or the page already is."""
+        """Publishes a used page under ``key``, adding the index's reference; False (nothing changed) if the key or
+        the page already is published (the first page published under a key wins)."""
         if page == NULL_PAGE or self._refcounts[page] == 0:
             raise ValueError(f"Cannot publish page {page}: it is not allocated.")
         if self.index.page(key) is not None or self.index.is_published(page):
@@ -271,7 +249,7 @@ class PageAllocator:
 
     def check_integrity(self) -> None:
         """Raises ``AssertionError`` if the free counts, the extents' bookkeeping, the reference counts and the prefix
-        index (its references, its cached pages) disagree."""
+        index disagree."""
         assert self._refcounts[NULL_PAGE] == 0, "the null page was handed out"
         free = [page for page in range(1, len(self._refcounts)) if self._refcounts[page] == 0]
         assert len(free) == self.num_free, f"{len(free)} pages have refcount 0 but {self.num_free} are counted free"

@@ -1,9 +1,5 @@
-"""How much memory a device gives the default pools, and how it commits it.
-
-On the CPU a process may use the physical memory, or its container's cgroup limit where that is lower
-(``memory_limit_bytes``), and memory reserved there is committed only where it is touched (``commits_lazily``):
-a default pool reserves its cap once and touches only the pages it opens. The default pools of one device share
-one ``MemoryBudget`` of bytes, whatever their page formats (``hf_kvcache.memory.pool``).
+"""How much memory a device gives the default pools (``MemoryBudget``), and how it commits it: on the CPU, only where
+touched (``commits_lazily``), so a default pool reserves its cap once and commits only the pages it opens.
 """
 
 import os
@@ -54,11 +50,7 @@ def check_fits(setting: str, num_bytes: int, device: torch.device) -> None:
 
 
 class MemoryBudget:
-    """Bytes that the default pools of one device may hold together, whatever their page formats.
-
-    Args:
-        total_bytes: the cap (``DEFAULT_MAX_MEMORY_FRACTION`` of the device's memory).
-    """
+    """Bytes that the default pools of one device may hold together, whatever their page formats."""
 
     def __init__(self, total_bytes: int) -> None:
         self.total_bytes = total_bytes

@@ -1,5 +1,5 @@
-"""The page format a pool is cut into (``PageFormat``), read from a model config: a frozen dataclass that checks
-itself on construction and names the setting to change.
+"""The page format a pool is cut into (``PageFormat``), read from a model config, and the model's layer types and
+layer groups.
 """
 
 import dataclasses
@@ -18,9 +18,8 @@ logger = logging.getLogger("hf_kvcache")
 DEFAULT_PAGE_SIZE = 16
 MAX_PAGE_SIZE = 4096
 KV_BLOCK_TOKENS = 128
-"""Tokens of one extent, which attention reads in place as one KV block (``attention.flex``): rows take their pages
-in aligned extents of ``KV_BLOCK_TOKENS // page_size`` pages. Compiled FlexAttention pays a fixed cost per block,
-so extents are large; 128 still keeps a row's last one small (docs/attention.md)."""
+"""Tokens of one extent, which attention reads in place as one KV block (``attention.flex``): large, as compiled
+FlexAttention pays a fixed cost per block; small enough to keep a row's last one small (docs/attention.md)."""
 
 
 def check_page_size(page_size: int) -> int:
@@ -33,24 +32,20 @@ def check_page_size(page_size: int) -> int:
 
 
 INDEXED_ATTENTION = "indexed_attention"
-"""Sparse attention with a lightning indexer (DeepSeek-V3.2, GLM-MoE-DSA, ...): its keys and values are paged as a full
-attention layer's, and its indexer's keys, which pick the keys each query reads, are kept beside them
-(``caches.state_layers.IndexerKeys``)."""
+"""Sparse attention with a lightning indexer (DeepSeek-V3.2, GLM-MoE-DSA, ...): paged as a full attention layer, its
+indexer's keys kept beside (``caches.state_layers.IndexerKeys``)."""
 
 PAGED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", INDEXED_ATTENTION)
-"""Layer types whose keys and values live in pool pages. Layers of other types (linear attention, convolution and
-state-space states) hold no pages: the caches keep transformers' own cache layers for them, outside the pool; layers
-that carry both keys and a state page their keys (``FUSED_LAYER_TYPES``)."""
+"""Layer types whose keys and values live in pool pages; layers of other types (linear attention, convolution and
+state-space states) keep transformers' own cache layers, outside the pool."""
 
 FUSED_LAYER_TYPES = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
-"""Layer types that carry both keys and a state (attention fused with a state-space block: Falcon-H1, Zaya, Inkling),
-by the attention type their keys and values are paged as; their convolution and recurrent states stay in the state
-half of transformers' own layer (``hf_kvcache.caches.state_layers.with_state``)."""
+"""Layer types that carry both keys and a state (Falcon-H1, Zaya, Inkling), by the attention type their keys are paged
+as; their states stay in transformers' own layer (``caches.state_layers.with_state``)."""
 
 COMPRESSED_LAYER_TYPES = ("compressed_sparse_attention", "heavily_compressed_attention")
-"""Compressed attention (DeepSeek-V4's CSA and HCA layers): a sliding window of the model's ``sliding_window`` over one
-shared key-and-value head, paged as a ``sliding_attention`` layer's, beside a compressor's state (buffered tokens,
-compressed entries) kept in transformers' own cache layer (``hf_kvcache.caches.compressed``)."""
+"""Compressed attention (DeepSeek-V4's CSA and HCA layers): a window over one shared key-and-value head, paged as a
+``sliding_attention`` layer, beside a compressor's state in transformers' own cache layer (``caches.compressed``)."""
 
 
 def attention_halves(types: list[str]) -> list[str]:
@@ -64,9 +59,8 @@ def attention_halves(types: list[str]) -> list[str]:
 def layer_types(config: Any) -> list[str]:
     """The attention type of each layer of a (decoder) config: ``full_attention``, ``sliding_attention``, ...
 
-    Mirrors ``transformers.cache_utils.get_layer_types_and_kwargs`` (which this module cannot
-    import): ``config.layer_types`` when given, else sliding where the config has a window. Layers
-    that keep no cache of their own are ``dummy``.
+    Mirrors ``transformers.cache_utils.get_layer_types_and_kwargs`` (which this module cannot import). Layers that keep
+    no cache of their own are ``dummy``.
     """
     types = getattr(config, "layer_types", None)
     if types is None:
@@ -83,9 +77,8 @@ def layer_types(config: Any) -> list[str]:
 
 
 CROSS_ATTENTION = "cross_attention"
-"""The type we give a layer that attends to an image's or encoder's keys (``config.cross_attention_layers``:
-Mllama), which transformers' caches count as ``full_attention``: its keys are not the prompt's tokens, so it keeps
-transformers' own cache layer, outside the pool."""
+"""Our type for a layer that attends to an image's or encoder's keys (``config.cross_attention_layers``: Mllama),
+which transformers counts as ``full_attention``: its keys are not the prompt's, so it keeps transformers' own layer."""
 
 
 def with_cross_attention(config: Any, types: list[str]) -> list[str]:
@@ -95,14 +88,11 @@ def with_cross_attention(config: Any, types: list[str]) -> list[str]:
 
 
 def layer_groups(types: list[str], geometries: list[Any] | None = None) -> list[list[int]]:
-    """Splits the paged layers into equal *layer groups* of one attention type (and one geometry, where
-    ``geometries`` gives each layer's: ``geometry_groups``) each (layers of a type not in ``PAGED_LAYER_TYPES``,
-    ``dummy`` ones included, left out).
+    """Splits the paged layers into equal *layer groups* of one attention type (and one of ``geometries``, if given).
 
-    A page spans the layers of one layer group, and each layer group has its own page table, so layers
-    that keep different tokens (a full layer keeps all, a sliding layer only its window) never share a
-    page. The layer group size is the greatest common divisor of the layer counts of each type: a model of
-    one type is one layer group of all its layers; Gemma 3 (25 sliding + 5 full layers) is 6 groups of 5.
+    A page spans the layers of one layer group, and each layer group has its own page table, so layers that keep
+    different tokens never share a page. The group size is the gcd of the layer counts of each type: Gemma 3 (25
+    sliding + 5 full layers) is 6 groups of 5.
     """
     keys = list(zip(types, geometries or [None] * len(types)))
     kinds = [key for key in dict.fromkeys(keys) if key[0] in PAGED_LAYER_TYPES]
@@ -123,29 +113,20 @@ def no_paged_layers(config: Any, types: list[str]) -> str:
 
 @dataclass(frozen=True)
 class PageFormat:
-    """Geometry of one page: ``page_size`` slots in each of the ``num_layers`` layers of one layer group.
+    """Geometry of one page: ``page_size`` slots in each of the ``num_layers`` layers of one layer group (a model has
+    ``num_layer_groups``).
 
-    A model whose layers are all of one type is one layer group (``num_layer_groups == 1``); a hybrid model
-    (sliding and full layers) has ``num_layer_groups`` groups of ``num_layers`` layers (``layer_groups``). Keys are
-    stored in ``dtype``; values too, or, with ``value_bits`` set, as int8/int4 codes plus a scale and zero per
-    scale group of ``value_group_size`` channels (``memory.quant``). With ``key_bits`` set, keys are stored as
-    codes too, a page at a time (encoded once, when the page's last slot is written):
+    Keys are stored in ``dtype``; values too, or with ``value_bits`` as int8/int4 codes plus a scale and zero per
+    scale group of ``value_group_size`` channels (``quant``; scales in ``scale_dtype``, default ``dtype``). With
+    ``key_bits``, keys are codes too, encoded a page at a time when its last slot is written:
 
     - ``key_bits=8``: per token, a scale and zero per scale group of ``key_group_size`` channels;
-    - ``key_bits=4``: per channel over the page's ``page_size`` tokens (keys have outlier channels, which int4 per
-      token loses; docs/caches.md), a scale and a zero per channel and page in 3 bytes
-      (``QuantFormat.compact_params``: the float32 math's grid to within 1/10 of a step).
+    - ``key_bits=4``: per channel over the page's tokens (keys have outlier channels, which int4 per token loses), a
+      compact scale and zero per channel and page (``QuantFormat.compact_params``).
 
-    Scales (and float zeros) are stored in ``scale_dtype``, by default ``dtype``. Values are ``value_head_dim``
-    wide where it is set (``value_dim``; ``None``: ``head_dim``, as keys): multi-head latent attention caches its
-    latent as keys and its narrower rope key as values. Values are coded at their own width (``value_group_size``
-    divides ``value_dim``), keys at theirs.
-
-    With ``values_are_keys`` (a model that writes one tensor as its keys and its values: ``update(kv, kv)``,
-    DeepSeek-V4's shared key-and-value head, ``compress_rates``) a page stores no values: the pool's values
-    are its keys, read as such on every path, and a page's bytes count the keys once. There are then no values to
-    code: ``value_bits`` is dropped (to ``None``, logged once), and attention gets the keys as the values, full
-    precision or decoded from ``key_bits`` codes.
+    Values are ``value_head_dim`` wide where it is set (latent attention caches its latent as keys and its narrower
+    rope key as values). With ``values_are_keys`` (one tensor written as keys and values: ``update(kv, kv)``) a page
+    stores no values: the keys are read as the values on every path, and ``value_bits`` is dropped (logged once).
     """
 
     num_layers: int
@@ -206,8 +187,8 @@ class PageFormat:
 
     @property
     def key_format(self) -> QuantFormat | None:
-        """How keys are quantized: a token's channels (``key_bits=8``), or a channel's ``page_size`` tokens
-        (``key_bits=4``, ``keys_per_channel``); ``None`` when they are stored in ``dtype``."""
+        """How keys are quantized: a token's channels, or a channel's ``page_size`` tokens (``keys_per_channel``);
+        ``None`` when they are stored in ``dtype``."""
         if self.key_bits is None:
             return None
         if self.keys_per_channel:
@@ -226,8 +207,7 @@ class PageFormat:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page (keys and values of ``page_size`` slots in ``num_layers`` layers; keys only where
-        ``values_are_keys``)."""
+        """Bytes of one page: keys and values (keys only where ``values_are_keys``) of its slots in every layer."""
         full_bytes = self.head_dim * self.dtype.itemsize * self.page_size  # one head's keys or values of a page
         scale_bytes = (self.scale_dtype or self.dtype).itemsize
         values = self.value_format
@@ -291,10 +271,9 @@ class PageFormat:
         )
 
     def for_geometries(self, geometries: list[tuple[int, int, int]]) -> list[Self]:
-        """The formats of a model whose layer groups write the ``geometries`` (``geometry_groups``; this format is
-        the first's, ``from_model_config``): one per geometry, in their order, each with its layer groups, and this
-        format's page size, dtypes and codes (scale groups included: a cache config chooses them for the first
-        geometry; they must divide the others' widths).
+        """The formats of a model whose layer groups write ``geometries`` (``geometry_groups``; this format is the
+        first's): one per distinct geometry, in order, with its count of layer groups and this format's page size,
+        dtypes and codes (its scale groups must divide the others' widths).
 
         Raises:
             ValueError: a scale group does not divide another geometry's width.
@@ -313,12 +292,9 @@ class PageFormat:
 
 
 def layer_geometries(config: Any, types: list[str]) -> list[tuple[int, int, int] | None]:
-    """The ``(num_kv_heads, head_dim, value_head_dim)`` each paged layer of a (decoder) config writes (``None``: a
-    layer not paged): the config's (``layer_geometry``), or each layer's own where the config is heterogeneous
-    (``per_layer_config``: Gemma 4's wider global layers) or the model's sliding layers hold other heads
-    (MiMo-V2-Flash: twice ``num_key_value_heads``; Inkling: ``swa_num_key_value_heads`` of ``swa_head_dim``). Layers
-    of different geometries never share a page: each geometry has pools of its own page format
-    (``PageFormat.for_geometries``)."""
+    """The ``(num_kv_heads, head_dim, value_head_dim)`` each paged layer of a (decoder) config writes (``None``: not
+    paged): the config's (``layer_geometry``), or each layer's own where the config is heterogeneous
+    (``per_layer_config``) or its sliding layers hold other heads. Layers of different geometries never share a page."""
     paged = [kind in PAGED_LAYER_TYPES for kind in types]
     if getattr(config, "is_heterogeneous", False):
         return [layer_geometry(config.per_layer_config[idx]) if paged[idx] else None for idx in range(len(types))]
@@ -334,8 +310,7 @@ def layer_geometries(config: Any, types: list[str]) -> list[tuple[int, int, int]
 
 
 def geometry_groups(config: Any, types: list[str]) -> tuple[list[list[int]], list[tuple[int, int, int]]]:
-    """The layer groups of a (decoder) config's paged layers (``layer_groups``: one attention type and one geometry
-    each) and the geometry each writes (``layer_geometries``)."""
+    """The layer groups of a (decoder) config's paged layers, of one type and geometry each, and each one's geometry."""
     found = layer_geometries(config, types)
     groups = layer_groups(types, found)
     return groups, [found[members[0]] for members in groups]
@@ -351,19 +326,8 @@ def _log_once(message: str) -> None:
 
 
 def layer_geometry(config: Any) -> tuple[int, int, int]:
-    """``(num_kv_heads, head_dim, value_head_dim)`` of the keys and values each attention layer of a (decoder) config
-    writes.
-
-    Read where the config says it exactly: a decoder beside an encoder writes its own heads
-    (``decoder_attention_heads`` or ``num_decoder_attention_heads``, where ``num_attention_heads`` and
-    ``num_key_value_heads`` may be the encoder's: BART-like decoders, Whisper, ProphetNet), each ``hidden_size`` over
-    them wide; otherwise ``num_key_value_heads`` (one for a multi-query model: GPTBigCode's ``multi_query`` sets it),
-    else ``num_attention_heads``, each ``head_dim`` (or ``dim_head``: CPM-Ant) wide, else ``hidden_size`` over the
-    heads; values ``v_head_dim`` wide where the config says so (MiMo-V2-Flash), else as wide as the keys. Multi-head
-    latent attention (``kv_lora_rank`` and ``qk_rope_head_dim``: DeepSeek-V2/V3, Kimi, ...) writes one head: its
-    compressed latent as the keys, its rope key as the values. Compressed attention (``compress_rates``: DeepSeek-V4)
-    writes one head of ``head_dim``, the same tensor as keys and as values (``PageFormat.values_are_keys``).
-    """
+    """``(num_kv_heads, head_dim, value_head_dim)`` each attention layer of a (decoder) config writes, read where the
+    config says it exactly (docs/caches.md names the models behind each rule)."""
     latent, rope = getattr(config, "kv_lora_rank", None), getattr(config, "qk_rope_head_dim", None)
     if latent is not None and rope is not None:  # latent attention caches its latent and rope key as one head
         return 1, latent, rope

@@ -1,19 +1,15 @@
-"""A page's contents on the host (``PageData``) and as bytes (``encode_page``, ``decode_page``): how pages leave a
-pool for its tiers (``hf_kvcache.memory.tiers``) and come back.
+"""A page's contents on the host (``PageData``) and as checked bytes (``encode_page``, ``decode_page``): how pages
+leave a pool for its tiers and come back.
 
-A page's contents are its slots in each storage tensor of the pool (``PoolStorage.tensors``: values that are the keys
-once), on the host: ``[num_layers, num_kv_heads, page_size, last_dim]`` each (per-channel key scales and zeros:
-``[num_layers, num_kv_heads, head_dim]``). Copies from a CUDA pool go to pinned memory without waiting (``ready``
-says when they landed). Off the host, a page travels as bytes::
+A page's contents are its slots in each of the pool's ``PoolStorage.tensors``, on the host:
+``[num_layers, num_kv_heads, page_size, last_dim]`` each (per-channel key scales and zeros: ``[num_layers,
+num_kv_heads, head_dim]``). Off the host a page travels as::
 
     magic | format digest (16) | chain key (16) | layer group (4) | tensors | blake2b checksum (16)
     tensor = dtype name | ndim | shape (int64 each) | byte count | raw bytes
 
-and is served only if the checksum, the format digest (``format_digest``: the whole ``PageFormat``), the key and
-every tensor's dtype and shape are the ones asked for (``decode_page`` raises ``CorruptPage`` otherwise). A store
-names a page by ``store_key``: a hash of the format digest, the chain key (which already hashes the model
-fingerprint, namespace, attention semantics, page size and token ids: ``hf_kvcache.memory.prefix_index``) and the
-layer group.
+and is served only if the checksum, the format digest (the whole ``PageFormat``), the key and every tensor's dtype
+and shape are the ones asked for (else ``CorruptPage``).
 """
 
 import hashlib
@@ -37,11 +33,10 @@ class CorruptPage(ValueError):
 
 @dataclass
 class PageData:
-    """One page's contents on the host: each storage tensor's slots of the page (the module docstring's shapes).
+    """One page's contents on the host, a tensor per ``PoolStorage.tensors`` (the module docstring's shapes).
 
     Attributes:
-        tensors: one per ``PoolStorage.tensors``.
-        ready: an event recorded after the copies from a CUDA pool (``None``: they are done).
+        ready: an event recorded after the copies from a CUDA pool (pinned, not waited for); ``None``: done.
     """
 
     tensors: tuple[torch.Tensor, ...]
@@ -65,7 +60,7 @@ def format_digest(page_format: PageFormat) -> bytes:
 
 
 def store_key(digest: bytes, key: PageKey) -> bytes:
-    """The store's (and the directory's) name of a page: a hash of its format digest, chain key and layer group."""
+    """A page's name in the store and the directory: a hash of its format digest, chain key and layer group."""
     chain, layer_group = key
     name = hashlib.blake2b(digest + chain + layer_group.to_bytes(4, "little"), digest_size=KEY_BYTES).hexdigest()
     return f"hf_kvcache:page:{name}".encode()
@@ -84,8 +79,7 @@ def encode_page(digest: bytes, key: PageKey, data: PageData) -> bytes:
 
 
 def decode_page(blob: bytes, digest: bytes, key: PageKey, specs: list[TensorSpec] | None) -> PageData:
-    """The page ``key`` from its bytes, whose tensors must be ``specs`` (shape, dtype; ``None``: any, as a tail's,
-    whose reader checks them).
+    """The page ``key`` from its bytes, whose tensors must be ``specs`` (``None``: any, as a tail's).
 
     Raises:
         CorruptPage: the bytes are damaged, of another page, or of another page format.

@@ -1,34 +1,19 @@
-"""``PagePool``: the pages behind a ``KVPool`` (``pool.pages``): the storage, the allocator, the page tables drawing
-from it and the prefix index, under one lock. Caches, layers and the prefix tracker work on it; users hold the
-``KVPool`` (``hf_kvcache.memory.pool``).
+"""``PagePool``: the pages behind a ``KVPool`` (``pool.pages``): storage, allocator, page tables and prefix index under
+one lock, so that threads running ``generate`` on different caches can share a pool (and each other's published
+pages). Caches, layers and the prefix tracker work on it.
 
-Storage. One tensor per kind, shaped once for the pool's life, holds every page in every layer of one *layer group*
-(``num_layers`` layers of one attention type; a model has ``num_layer_groups`` of them, each with its own page table,
-so a page id serves one layer group): ``hf_kvcache.memory.storage`` lays them out.
+The storage (``storage.PoolStorage``) is made once for every page id the pool may ever open (its cap, ``max_pages``;
+halved until the device grants it) and never replaced: slot indices, views and graphs compiled over it stay valid for
+the pool's life. A fixed pool opens its ids at once; a growable one (the default pools) ``DEFAULT_INITIAL_TOKENS``
+worth first, then doubling up to its cap, all or nothing. Ids are zeroed in whole extents as they open and only they
+are touched, so where memory is committed where touched (the CPU) the pool commits what it has opened.
 
-Page 0 is the null page. The storage is made once, with the pool, for every page id it may ever open (its cap,
-``max_pages``; halved until the device grants it), and never replaced: slot indices, views of it and graphs
-compiled over it stay valid for the pool's life. A pool *opens* page ids as it needs them: a fixed pool all at
-once; a growable one (the default pools) ``DEFAULT_INITIAL_TOKENS`` worth first, then doubling up to its cap, all
-or nothing (a growth its memory budget cannot give leaves the pool as it was, and the request fails alone). The
-ids opened are zeroed in whole extents as they open; only they are touched, so where memory is committed where
-touched (the CPU, ``torch.empty``) the pool commits what it has opened. ``hf_kvcache.memory.pools`` says how much
-a default pool takes on each device.
+Every free page is all zeros (zeroed when opened, freed or evicted): attention that reads whole extents in place then
+reads zeros or live rows' pages, never an earlier request's NaN or inf (0 x NaN is NaN). Cached pages keep their
+contents: they count as other rows'.
 
-Every free page is all zeros (pages are zeroed when opened, when freed, and when a cached page of the prefix
-index is evicted), so a slot a request has not written reads as zero, and attention that reads whole blocks in
-place reads nothing but zeros and the pages of live rows outside a row's own (an earlier request's overflowed
-values, NaN or inf, would poison it: 0 x NaN is NaN). Cached pages keep their contents: they count as other rows'.
-
-Bookkeeping is delegated to a ``PageAllocator`` (ids, reference counts, placement in extents, and with
-``prefix_caching`` the prefix index of published pages: ``hf_kvcache.memory.prefix_index``) and to the ``PageTable`` of
-each cache's layer group; one lock serializes them, so threads running ``generate`` on different caches can share a
-pool (and find each other's published pages). It also keeps live statistics and fires alerts when the share of
-pages held crosses a threshold.
-
-Tiers (``hf_kvcache.memory.tiers``, with ``configure_tiers``): pages the index evicts are copied to the host (and a
-directory) before they are zeroed, published pages to a shared store; ``restore`` writes pages the tiers hold back
-into pages of the pool and publishes them, for a lookup to attach.
+Tiers (``tiers``, ``configure_tiers``): pages the index evicts are copied to the host (and a directory) before they
+are zeroed, published pages to a shared store; ``restore`` writes pages back and publishes them for a lookup.
 """
 
 import contextlib
@@ -59,8 +44,7 @@ class PagePool:
     """The storage, allocator and page tables of one ``KVPool``, under one lock (``KVPool``'s arguments).
 
     Attributes:
-        format / device: the pool's page format and device.
-        storage: the page storage, made once (``hf_kvcache.memory.storage.PoolStorage``); write it inside ``held``.
+        storage: the page storage, made once; write it inside ``held``.
         lock: held around every change of pages, tables and the index.
         max_pages: page ids the pool may open at most, the null page included.
         budget: the memory budget the ids it opens draw from (a default pool's), or ``None``.
@@ -100,9 +84,8 @@ class PagePool:
 
     @contextlib.contextmanager
     def held(self) -> Iterator[PoolStorage]:
-        """Holds the pool for a change of several steps (writes at slots planned from a table, a table change of
-        several pages, a lookup and the attach of what it found): until the block exits no other thread takes,
-        frees or evicts pages. Yields the storage."""
+        """Holds the lock for a change of several steps (a write at planned slots, a lookup and its attach): no other
+        thread takes, frees or evicts pages until the block exits. Yields the storage."""
         with self.lock:
             yield self.storage
 
@@ -143,8 +126,8 @@ class PagePool:
             return self._allocator.num_pages + self._growth_room()
 
     def _grow(self, num_needed: int) -> bool:
-        """Opens page ids in doublings, as often as needed for ``num_needed`` free ones (within the room), zeroed in
-        whole extents; all or nothing. False if they cannot fit."""
+        """Opens page ids in doublings until ``num_needed`` are free, zeroed in whole extents; all or nothing. False
+        if they cannot fit."""
         num_ids, num_wanted = self._allocator.num_pages + 1, num_needed - self._allocator.num_free
         room = self._growth_room()
         if room < num_wanted:
@@ -165,8 +148,8 @@ class PagePool:
     # ----- pages ----------------------------------------------------------------------------
 
     def ensure_free(self, num: int) -> None:
-        """Makes sure ``num`` pages are free: the free ones, then cached pages evicted (least recently used first;
-        zeroed, as free pages are), then room a default pool grows into. Nothing is evicted unless ``num`` fit.
+        """Makes sure ``num`` pages are free: the free ones, then cached pages evicted (least recently used first,
+        zeroed), then room a growable pool grows into. Nothing is evicted unless ``num`` fit.
 
         Raises:
             PoolExhaustedError: the pool (at its cap) cannot hold ``num`` more pages, cached ones counted.
@@ -190,10 +173,7 @@ class PagePool:
             self._zero_pages(evicted)
 
     def allocate(self, num: int) -> list[int]:
-        """Takes ``num`` single pages (``PageAllocator.allocate``), growing a default pool if needed; all or nothing.
-
-        The pages are all zeros. Raises ``PoolExhaustedError`` as ``ensure_free``.
-        """
+        """``PageAllocator.allocate`` after ``ensure_free``: ``num`` zeroed pages, all or nothing."""
         with self.lock:
             self.ensure_free(num)
             pages = self._allocator.allocate(num)
@@ -201,11 +181,9 @@ class PagePool:
             return pages
 
     def extend(self, anchor: int | None, num: int) -> list[int]:
-        """Takes a row's next ``num`` pages after its page ``anchor`` (``PageAllocator.extend``), growing a default
-        pool if needed; all or nothing. The pages are all zeros. Raises ``PoolExhaustedError`` as ``ensure_free``.
-
-        A growable pool also grows (if it can) where the free pages lie in too few whole extents: the row then keeps
-        its pages in extents of its own, which attention reads in place (``foreign_pages``)."""
+        """``PageAllocator.extend`` after ``ensure_free``: a row's next ``num`` zeroed pages, all or nothing. A growable
+        pool also grows where the free pages lie in too few whole extents, so that the row keeps extents of its own
+        (which attention reads in place: ``foreign_pages``)."""
         with self.lock:
             self.ensure_free(num)
             allocator = self._allocator
@@ -221,7 +199,7 @@ class PagePool:
             self._allocator.share(pages)
 
     def free(self, pages: list[int]) -> list[int]:
-        """Drops one reference from each page; the pages left with none are zeroed (free pages are all zeros)."""
+        """Drops one reference from each page; the pages left with none are zeroed."""
         with self.lock:
             freed = self._allocator.free(pages)
             self._zero_pages(freed)
@@ -229,15 +207,15 @@ class PagePool:
             return freed
 
     def _zero_pages(self, pages: list[int]) -> None:
-        """Zeroes every layer's slots of ``pages`` (pages become free: free pages are all zeros)."""
+        """Zeroes every layer's slots of ``pages``."""
         if pages:
             index = torch.tensor(pages, dtype=torch.long, device=self.device)
             for tensor in self.storage.tensors:
                 tensor.index_fill_(2, index, 0)
 
     def _read_pages(self, pages: list[int]) -> list[PageData]:
-        """Each page's slots of every storage tensor, copied to the host (pinned and without waiting from CUDA: the
-        copies are ordered before any later write of the pages on the stream; ``PageData.ready`` marks their end)."""
+        """Each page's slots of every storage tensor, copied to the host (from CUDA: pinned, not waited for; ordered
+        before any later write on the stream; ``PageData.ready`` marks their end)."""
         cuda = self.device.type == "cuda"
         tensors = self.storage.tensors
         datas = [
@@ -260,9 +238,8 @@ class PagePool:
         return self._allocator.refcount(page)
 
     def foreign_pages(self, pages: set[int], extents: list[int]) -> list[int]:
-        """Pages of ``extents`` that are neither in ``pages`` nor free (the null page among them): what attention
-        that reads those extents whole reads of other rows than the ones holding ``pages``. Free pages, and those
-        never opened, are all zeros."""
+        """Pages of ``extents`` neither in ``pages`` nor free (the null page among them): what attention reading those
+        extents whole reads of other rows than the ones holding ``pages``."""
         size = self.format.extent_pages
         with self.lock:
             num_ids = self._allocator.num_pages + 1
@@ -287,8 +264,7 @@ class PagePool:
         return self._allocator.index is not None
 
     def enable_prefix_caching(self) -> None:
-        """Starts the pool's prefix index (a no-op if it has one): how ``cache_config={"prefix_caching": True}``
-        turns it on for the default pool."""
+        """Starts the pool's prefix index (a no-op if it has one)."""
         with self.lock:
             self._allocator.enable_prefix_caching()
 
@@ -311,10 +287,8 @@ class PagePool:
             return dropped
 
     def publish(self, pages: list[tuple[PageKey, int]]) -> int:
-        """Publishes each ``(key, page)`` (a full page a cache holds); returns how many were new.
-
-        A key already published keeps its page (the first wins): the other page stays its cache's alone.
-        """
+        """Publishes each ``(key, page)`` (a full page a cache holds); returns how many were new. A key already
+        published keeps its page (the first wins)."""
         with self.lock:
             new = [(key, page) for key, page in pages if self._allocator.publish(key, page)]
             if new and self.tiers is not None and self.tiers.store is not None:
@@ -324,7 +298,7 @@ class PagePool:
 
     def publish_tails(self, tails: list[tuple[PageKey, Any]]) -> list[tuple[PageKey, Any]]:
         """Keeps each ``(key, tail)`` beside the page published under ``key`` (``PrefixIndex.add_tail``); returns
-        those kept (the others' pages are not published, or have one)."""
+        those kept."""
         with self.lock:
             return [(key, tail) for key, tail in tails if self._allocator.index.add_tail(key, tail)]
 
@@ -333,8 +307,7 @@ class PagePool:
         return self._allocator.index.tail(key)
 
     def configure_tiers(self, settings: TierSettings | None) -> None:
-        """Gives the pool's prefix index the tiers of ``settings`` (a no-op for ``None``, settings that enable none,
-        or the settings the pool has).
+        """Gives the pool's prefix index the tiers of ``settings`` (a no-op for ``None``, none enabled, or the pool's).
 
         Raises:
             ValueError: the pool keeps no prefix index, or has tiers of other settings.
@@ -359,9 +332,9 @@ class PagePool:
             self.tiers = PageTiers(settings, self.format, specs)
 
     def restore(self, keys: list[PageKey], fetched: dict[PageKey, tuple[str, PageData]]) -> list[int]:
-        """Takes one reference to each page of ``keys`` the index holds (so that nothing evicts it), and brings each
-        ``fetched`` page it lacks back: into a page of the pool, published under its key (taken too). Returns the
-        pages taken: free them once the lookup attached what it wanted. Fetched pages that do not fit stay out.
+        """Takes a reference to each page of ``keys`` the index holds (so that nothing evicts it) and brings back each
+        ``fetched`` page it lacks, published under its key (and taken; those that do not fit stay out). Returns the
+        pages taken: free them once the lookup attached what it wanted.
 
         Args:
             keys: the page keys a lookup wants.
@@ -391,9 +364,8 @@ class PagePool:
             return held + pages
 
     def flush_tiers(self, timeout: float | None = 30.0) -> bool:
-        """Waits until pages on their way to the prefix directory or store are written; True if they are (or the pool
-        has no tiers), False if ``timeout`` seconds passed first. A process that exits waits for them anyway
-        (``FLUSH_AT_EXIT_S`` at most)."""
+        """Waits until pages on their way to the prefix directory or store are written; False if ``timeout`` seconds
+        passed first."""
         return self.tiers.flush(timeout) if self.tiers is not None else True
 
     def record_tier_hits(self, tiers: list[str]) -> None:
@@ -403,24 +375,18 @@ class PagePool:
                 self._tier_hits[tier] += 1
 
     def lookup(self, key: PageKey) -> int | None:
-        """The page published under ``key``, without taking it. Hold ``lock`` from the lookup until the pages are
-        taken (``share``): a cached page may be evicted in between otherwise."""
+        """The page published under ``key``, without taking it. Hold ``lock`` until it is taken (``share``), or it
+        may be evicted in between."""
         return self._allocator.lookup(key)
 
     def record_prefix_lookup(self, num_rows: int, tokens_reused_per_row: int, tokens_per_row: int) -> None:
-        """Counts a lookup of ``num_rows`` prompts of ``tokens_per_row`` tokens, ``tokens_reused_per_row`` of which
-        came from the index (``stats()``)."""
+        """Counts a lookup of ``num_rows`` prompts of ``tokens_per_row`` tokens, ``tokens_reused_per_row`` reused."""
         with self.lock:
             self._allocator.index.record_lookup(num_rows, tokens_reused_per_row, tokens_per_row)
 
     def new_table(self, row_extents: bool = False, process_group: Any = None) -> PageTable:
-        """An empty page table drawing from this pool, counted in its statistics.
-
-        Args:
-            row_extents: ``PageTable``'s ``row_extents``.
-            process_group: the process group of a tensor-parallel model's ranks: the table's allocations are then
-                agreed over it (``AgreedPages``).
-        """
+        """An empty page table drawing from this pool, counted in its statistics; with a tensor-parallel
+        ``process_group``, its allocations are agreed over it (``AgreedPages``)."""
         allocator: Allocator = self if process_group is None else AgreedPages(self, process_group)
         table = PageTable(allocator, self.format.page_size, row_extents)
         with self.lock:

@@ -1,15 +1,11 @@
-"""Per-row lists of page ids for one cache on one pool: pure ints, no torch.
+"""Per-row lists of page ids of one layer group on one pool: pure ints, no torch.
 
-All rows of a table hold the same number of tokens (``generate`` pads batches on the left), so
-row ``r`` keeps token ``t`` in slot ``t % page_size`` of page ``rows[r][t // page_size - skips[r]]``: a row holds no
-page of padding alone, its ``skips[r] = pads[r] // page_size`` pages of leading padding are not taken (reads and
-writes go to the null page there, which the attention mask hides).
-A window's rows (``hf_kvcache.layers.window``) stay in token order too: a page that falls behind the window goes back
-to the pool and its entry becomes the null page (a *hole*), and a step longer than the window takes no page for the
-tokens it keeps nowhere (``grow``'s ``keeps``).
-Rows may share pages (beam search, ``num_return_sequences``); a row copies a shared page only
-when it writes into it (copy-on-write). Every change allocates all it needs first, so a
-``PoolExhaustedError`` leaves the table exactly as it was.
+All rows hold the same number of tokens (``generate`` pads on the left): row ``r`` keeps token ``t`` in slot
+``t % page_size`` of page ``rows[r][t // page_size - skips[r]]``. The ``skips[r] = pads[r] // page_size`` pages of
+padding alone are not taken (reads and writes go to the null page there, which the attention mask hides). A window's
+rows stay in token order: a page behind the window goes back and its entry becomes the null page (a *hole*).
+Rows may share pages (beams, ``num_return_sequences``); a row copies a shared page only when it writes into it
+(copy-on-write). Every change allocates all it needs first, so a ``PoolExhaustedError`` leaves the table as it was.
 """
 
 import itertools
@@ -60,12 +56,10 @@ class PageTable:
         identical_rows: list[int] | None = None,
         keeps: Callable[[int, int], bool] | None = None,
     ) -> list[tuple[int, int]]:
-        """Makes room for ``num_new_tokens`` more tokens in every row.
-
-        Shared pages the new tokens land in are copied first; then pages are appended. On an
-        empty table, ``identical_rows[r]`` names the first row identical to row ``r``
-        (``identical_rows[r] <= r``): identical rows share all their new pages, so they are stored once.
-        ``keeps(row, token_page)``: whether a row takes a page for a new token page (else a hole); ``None``: all.
+        """Makes room for ``num_new_tokens`` more tokens in every row: shared pages the new tokens land in are copied,
+        then pages appended. On an empty table, ``identical_rows[r] <= r`` names the first row identical to row ``r``:
+        identical rows share their new pages. ``keeps(row, token_page)``: whether a row takes a page for a new token
+        page (else a hole); ``None``: all.
 
         Returns:
             ``(src, dst)`` page pairs whose contents the caller must copy before writing.
@@ -139,8 +133,8 @@ class PageTable:
         return next((page for page in reversed(row) if page != NULL_PAGE), None)
 
     def drop(self, drops: Callable[[int, int], bool]) -> None:
-        """Gives back the pages of token pages ``drops(row, token_page)`` says a row no longer needs (a window's,
-        behind it): their entries become holes."""
+        """Gives back the pages of token pages ``drops(row, token_page)`` says a row no longer needs (behind a window):
+        their entries become holes."""
         freed = []
         for row, (pages, skip) in enumerate(zip(self.rows, self.row_skips)):
             for index, page in enumerate(pages):
@@ -185,7 +179,7 @@ class PageTable:
 
     def _copy_on_write(self, cells: list[tuple[int, int]], num_extra: int) -> tuple[list[tuple[int, int]], list[int]]:
         """Replaces each shared page at ``rows[row][index]`` by a fresh copy, and makes sure of ``num_extra`` more
-        pages: taken here (returned) for a table without ``row_extents``, left for ``Allocator.extend`` otherwise."""
+        pages: taken here (returned) without ``row_extents``, left for ``Allocator.extend`` with."""
         moved: Counter[int] = Counter()
         shared = []
         for row, index in cells:
@@ -257,8 +251,7 @@ class PageTable:
         return self.skips if self.skips is not None and len(self.skips) == len(self.rows) else [0] * len(self.rows)
 
     def filled_slots(self) -> dict[int, int]:
-        """Slots holding a token (not padding) of each distinct page this table holds (0 for a page taken ahead of
-        its tokens or holding only padding)."""
+        """Slots holding a token (not padding) of each distinct page this table holds."""
         pads = self.pads if self.pads is not None and len(self.pads) == len(self.rows) else [0] * len(self.rows)
         page_size = self.page_size
         filled: dict[int, int] = {}

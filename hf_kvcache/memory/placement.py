@@ -1,15 +1,11 @@
-"""Where a model's KV lives when one device is not enough: tensor-parallel shards and split models.
+"""Where a model's KV lives when one device is not enough (``integration.seams.placement_of`` reads a model's plan
+and map; nothing here imports transformers):
 
-transformers runs a model over several devices in two ways, and a cache follows each:
-
-- **Tensor parallel** (``from_pretrained(..., tp_plan="auto")`` under ``torchrun``): every rank runs every layer
-  on its share of the heads, so a rank's cache holds ``num_kv_heads`` heads per layer (the config's divided by
-  the TP size) and its pool is cut for that many. The ranks agree on every page allocation (``AgreedPages``) and
-  every sharing of identical rows (``agree``), so that they take the same cache decisions.
-- **Split models** (``device_map`` over several devices, accelerate): each layer runs on one device
-  (``layer_devices``), and each device gets one pool, cut for the layers placed on it only.
-
-Nothing here imports transformers: ``hf_kvcache.integration.seams.placement_of`` reads a model's plan and map.
+- **Tensor parallel** (``tp_plan="auto"`` under ``torchrun``): every rank runs every layer on its share of the heads,
+  and its pool is cut for that many. The ranks agree on every page allocation (``AgreedPages``) and every sharing of
+  identical rows (``agree``), so that they take the same cache decisions.
+- **Split models** (``device_map`` over several devices): each layer runs on one device (``layer_devices``), and each
+  device gets one pool, cut for its layers only.
 """
 
 from collections.abc import Mapping
@@ -82,10 +78,8 @@ class Placement:
 def kv_heads_per_rank(num_kv_heads: int, tp_plan: Mapping[str, str] | None, tp_size: int) -> int:
     """KV heads each rank holds under a tensor-parallel plan.
 
-    The rule of transformers' ``get_kv_heads_per_rank`` (``transformers.distributed.tensor_parallel``, which sizes
-    its ``StaticCache`` the same way; ``tests/test_transformers_internals.py`` pins the two equal): a plain
-    ``colwise`` rule on the key projection leaves each rank an equal share of the heads; any other rule
-    (``colwise_gather_output``, none) leaves every rank all of them.
+    transformers' rule (``get_kv_heads_per_rank``; a test pins the two equal): a plain ``colwise`` rule on the key
+    projection gives each rank an equal share of the heads; any other rule leaves every rank all of them.
 
     Raises:
         IncompatibleModelError: the heads do not split evenly over ``tp_size`` ranks.
@@ -108,13 +102,10 @@ def layer_devices_from_map(
 ) -> tuple[torch.device, ...]:
     """The device each layer runs on, from a model's ``hf_device_map`` (accelerate's module -> device map).
 
-    Where ``model`` has one, the hook accelerate put on the layer's module or its nearest parent with one names the
-    device it runs on (``execution_device``). Otherwise a layer runs where the longest map key that is its module or
-    a parent of it runs, by the rule of ``accelerate.dispatch_model`` as ``from_pretrained`` calls it: on the key's
-    device, except that keys mapped to ``"cpu"`` or ``"disk"`` are offloaded: their weights are streamed to the main
-    device (the map's first other device, in the order of dispatch_model's set of them) and they run there; on a
-    map with no other device they run on the CPU (``dispatch_model(main_device="cpu")`` runs them there too: its
-    hooks say so).
+    With ``model``, the accelerate hook on the layer's module or its nearest hooked parent names it
+    (``execution_device``). Otherwise the longest map key covering the module does, as ``accelerate.dispatch_model``
+    places it: keys mapped to ``"cpu"`` or ``"disk"`` are offloaded and run on the main device (the map's first other
+    device, in dispatch_model's order), or on the CPU where there is none.
 
     Args:
         device_map: e.g. ``{"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": "cpu", "lm_head": 0}``.
@@ -138,8 +129,7 @@ def layer_devices_from_map(
 
 
 def _hooked_device(model: Any, name: str) -> int | str | torch.device | None:
-    """The ``execution_device`` of the accelerate hook on module ``name`` of ``model`` or its nearest parent that
-    has one (``None``: no model, or no such hook)."""
+    """The ``execution_device`` of the accelerate hook on module ``name`` or its nearest hooked parent, or ``None``."""
     if model is None:
         return None
     parts = name.split(".")
@@ -167,8 +157,8 @@ def _as_device(value: int | str | torch.device) -> torch.device:
 def agree(values: list[int], process_group: Any, device: torch.device, op: str = "min") -> list[int]:
     """The elementwise ``op`` (``"min"`` or ``"max"``) of ``values`` over the ranks of ``process_group``.
 
-    A collective: every rank of the process group must call it, in the same order relative to the model's own
-    collectives. ``process_group=None`` returns ``values`` as they are.
+    A collective: every rank calls it, in the same order relative to the model's own collectives.
+    ``process_group=None`` returns ``values`` as they are.
 
     Args:
         device: where the reduction runs (a pool's device: the CPU for gloo, the GPU for NCCL).
@@ -184,17 +174,11 @@ def agree(values: list[int], process_group: Any, device: torch.device, op: str =
 class AgreedPages:
     """A pool's pages as the ``Allocator`` of a page table whose allocations the ranks of a process group make together.
 
-    The ranks of a tensor-parallel model each hold a shard of the same rows, so their tables ask for as many pages
-    at the same steps. A table makes sure of its pages (``ensure_free``) before it takes any, and there the ranks
-    agree on whether every one of them can (one small collective per allocation, i.e. per new page of a layer
-    group or copy on write, beside the model's two per layer and token): if one cannot (its pool at its cap, its
-    device out of memory), every rank raises ``PoolExhaustedError``, naming the fewest pages any rank had, with
-    nothing taken. No rank goes on alone into the model's next collective, where it would wait for the others
-    until the process group's timeout.
-
-    The prefix index's operations (``publish``, ``lookup``, and the ``share``/``allocate`` of a reused prefix) are
-    not agreed: a rank's index could find a prefix of another length than the others', so prompt reuse is refused
-    under tensor parallelism (``ValueError`` when a cache binds a prefix-caching pool with a process group).
+    The ranks' tables ask for as many pages at the same steps. ``ensure_free``, called before any page is taken, is
+    one small collective: if any rank cannot make room, every rank raises ``PoolExhaustedError`` with nothing taken,
+    so that no rank goes on alone into the model's next collective (and hangs there until the timeout). The prefix
+    index is not agreed (ranks could find prefixes of different lengths): prompt reuse is refused under tensor
+    parallelism.
 
     Args:
         pool: this rank's pool's pages (a ``PagePool``).
@@ -206,7 +190,7 @@ class AgreedPages:
         self.process_group = process_group
 
     def ensure_free(self, num: int) -> None:
-        """Makes sure ``num`` pages are free on every rank (a page table asks before it takes any)."""
+        """Makes sure ``num`` pages are free on every rank."""
         if not num:  # every rank asks for as many pages: no need to agree on none
             return
         pool = self.pool

@@ -1,11 +1,7 @@
 """``KVPool``: the pool of KV pages a user builds, names, shares between caches and watches.
 
-Where things live: ``KVPool`` is what users hold, a handful of methods (its constructors, ``stats``, alerts,
-``reset_prefix_index``, ``check_integrity``); its constructors beyond ``__init__`` and the registries of named and
-shared default pools are in ``hf_kvcache.memory.pools``. Everything else is behind it, in ``pool.pages`` (a
-``PagePool``, ``hf_kvcache.memory.page_pool``): the storage that never moves, the allocator, the page tables drawing
-from it and the prefix index, under one lock. Caches, layers and the prefix tracker work on ``pool.pages``; so do
-tests that poke the allocator. ``pool.format`` and ``pool.device`` say what the pool holds and where.
+Users hold a ``KVPool``: its constructors (``pools.PoolFactories``), ``stats``, alerts, ``reset_prefix_index`` and
+``check_integrity``. Everything else is behind it in ``pool.pages`` (a ``PagePool``), which caches and layers use.
 """
 
 from typing import Any
@@ -30,21 +26,16 @@ class KVPool(PoolFactories):
         page_format: geometry and dtype of a page.
         num_pages: page ids to open now, the null page included (>= 2).
         device: where the storage lives.
-        max_pages: let the pool open page ids, in doublings, up to this many (its storage holds them all from the
-            start; halved until the device grants it); ``None`` for a fixed pool.
-        budget: a memory budget the ids the pool opens also draw from (the CPU's default pools share one).
+        max_pages: let the pool open page ids, in doublings, up to this many (``PagePool``); ``None``: a fixed pool.
+        budget: a memory budget the ids the pool opens also draw from (the default pools').
         name: register the pool under this name so a ``cache_config`` can say ``{"pool": name}``.
-        alert_thresholds: fractions of the pool's capacity whose upward crossing logs a warning and
-            calls the alert callbacks (once per crossing).
-        prefix_caching: keep a prefix index, so that caches on the pool reuse each other's prompt pages across
-            ``generate`` calls (``PoolCache.prefix``); idle published pages stay cached until evicted.
-        prefix_tiers: where the prefix index's pages go besides the pool (host memory, a directory, a shared store:
-            ``hf_kvcache.memory.tiers``); needs ``prefix_caching``.
+        alert_thresholds: fractions of the capacity whose upward crossing logs a warning and calls the alert
+            callbacks (``stats.PoolAlerts``).
+        prefix_caching: keep a prefix index, so that caches on the pool reuse each other's prompt pages.
+        prefix_tiers: where the prefix index's pages go besides the pool (``tiers``); needs ``prefix_caching``.
 
     Attributes:
-        format / device: the page format and the device.
-        name: the name the pool is registered under, or ``None``.
-        pages: the storage, allocator and page tables behind the pool (``PagePool``), for caches and layers.
+        pages: the ``PagePool`` behind the pool, for caches and layers.
     """
 
     def __init__(
@@ -89,19 +80,17 @@ class KVPool(PoolFactories):
 
     @property
     def prefix_caching(self) -> bool:
-        """Whether the pool keeps a prefix index (``KVPool.for_model(..., prefix_caching=True)``, or a cache's
-        ``prefix_caching=True`` on the default pool)."""
+        """Whether the pool keeps a prefix index."""
         return self.pages.prefix_caching
 
     def reset_prefix_index(self) -> int:
-        """Drops every page of the prefix index at once (vLLM's ``reset_prefix_cache``), e.g. after the model's
-        weights were updated in place: cached pages are freed; pages live caches hold stay theirs, and those caches
-        publish nothing more they wrote before the reset. Returns the pages dropped from the index (0 without one).
-        """
+        """Drops every page of the prefix index (vLLM's ``reset_prefix_cache``), e.g. after the model's weights were
+        updated in place: cached pages are freed; live caches keep theirs but publish nothing they wrote before.
+        Returns the pages dropped from the index (0 without one)."""
         return self.pages.reset_prefix_index()
 
     def stats(self) -> dict[str, Any]:
-        """Live statistics as a plain dict (``hf_kvcache.memory.stats.pool_stats`` says what each count is)."""
+        """Live statistics as a plain dict (``stats.pool_stats`` says what each count is)."""
         return self.pages.stats()
 
     def add_alert_callback(self, callback: AlertCallback) -> None:
@@ -109,6 +98,5 @@ class KVPool(PoolFactories):
         self.pages.alerts.callbacks.append(callback)
 
     def check_integrity(self) -> None:
-        """Raises ``AssertionError`` if the allocator, its prefix index or any live page table is inconsistent: each
-        page's refcount is its page-table references plus one if it is published."""
+        """Raises ``AssertionError`` if the allocator, its prefix index or any live page table is inconsistent."""
         self.pages.check_integrity()

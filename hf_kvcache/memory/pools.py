@@ -1,7 +1,6 @@
-"""How pools are made and found (``PoolFactories``, which ``KVPool`` takes its constructors from): for a model's
-geometry under a budget, by name, the shared default pool of a format and device (within one memory budget per
-device), and the shared fixed pool of a ``max_tokens`` budget. The registries of named and shared pools live
-here, under one lock."""
+"""How pools are made and found (``PoolFactories``, ``KVPool``'s constructors): for a model under a budget, by name,
+the shared default pool of a format and device, and the shared fixed pool of a ``max_tokens`` budget. The registries
+of named and shared pools live here, under one lock."""
 
 import dataclasses
 import logging
@@ -23,11 +22,11 @@ logger = logging.getLogger("hf_kvcache")
 DEFAULT_INITIAL_TOKENS = 4096
 """A default pool opens room for this many tokens first, then doubles as needed."""
 DEFAULT_MAX_MEMORY_FRACTION = 0.5
-"""The default pools of one device hold, together, at most this fraction of the memory (CPU: the RAM, or the
-container's limit where lower; CUDA: the free memory when the first of them was made)."""
+"""The default pools of one device hold, together, at most this fraction of the memory (CPU: ``memory_limit_bytes``;
+CUDA: the free memory when the first of them was made)."""
 DEFAULT_MAX_POOL_PAGES = 1 << 16
-"""A default pool holds at most this many pages (a million tokens of pages of 16): attention reads its storage
-in place with tables of one entry per page and row (``hf_kvcache.attention.flex``), which this keeps small."""
+"""A default pool holds at most this many pages: attention reads its storage in place with tables of one entry per
+page and row (``attention.flex``), which this keeps small."""
 _NAMED_POOLS: "weakref.WeakValueDictionary[str, PoolFactories]" = weakref.WeakValueDictionary()
 _DEFAULT_POOLS: dict[tuple[PageFormat, torch.device], "PoolFactories"] = {}
 _BUDGET_POOLS: dict[tuple[PageFormat, torch.device, int], "PoolFactories"] = {}
@@ -53,8 +52,7 @@ def _num_pages(
     page_format: PageFormat, device: torch.device, max_tokens: int | None, max_bytes: int | None, share: float
 ) -> int:
     """Page ids (the null page included) of a pool of ``page_format`` holding ``max_tokens`` tokens, or ``share`` of
-    ``max_bytes`` (a model of several geometries: each part its share of the bytes, so that they hold as many
-    tokens)."""
+    ``max_bytes`` (a part of a ``KVPoolSet``)."""
     if max_tokens is not None:
         num_pages = page_format.pages_for_tokens(max_tokens) + 1
         device_memory.check_fits(f"max_tokens={max_tokens}", num_pages * page_format.page_bytes, device)
@@ -93,27 +91,22 @@ class PoolFactories:
     ) -> "Self | KVPoolSet":
         """A fixed-budget pool for ``model``, sized by exactly one of the three budgets.
 
-        A model whose attention layers write keys and values of different geometries (Gemma 4, MiMo-V2-Flash) gets a
-        ``KVPoolSet``: a pool per geometry, each holding ``max_tokens`` tokens of its layers, or a share of
-        ``max_bytes`` / ``memory_fraction`` in proportion to a token's bytes in its layers (so that each holds as many
-        tokens), without a prefix index.
-
-        On a tensor-parallel model (``from_pretrained(..., tp_plan="auto")`` under ``torchrun``), the pool is this
-        rank's: cut for the KV heads it holds (``model.tp_plan`` and ``model.tp_size``, ``kv_heads_per_rank``).
+        A model whose layers write keys and values of different geometries gets a ``KVPoolSet``: a pool per geometry,
+        each holding ``max_tokens`` tokens of its layers, or a share of the bytes in proportion to a token's bytes in
+        its layers, without a prefix index. On a tensor-parallel model the pool is this rank's, cut for its KV heads
+        (``kv_heads_per_rank``).
 
         Args:
             model: a transformers causal LM (its config gives the geometry).
-            cache_config: the config of the caches that will draw from the pool (``hf_kvcache.PagedConfig``,
-                ``QuantizedKVConfig``, ...): its page size and how pages store keys and values; ``None``: a
-                ``PagedConfig``'s (pages of ``DEFAULT_PAGE_SIZE`` tokens, full precision).
+            cache_config: the config of the caches that will draw from the pool (``hf_kvcache.PagedConfig``, ...): its
+                page size and how pages store keys and values; ``None``: a default ``PagedConfig``'s.
             max_tokens: token slots to hold (summed over all sequences; rounded up to whole pages).
             max_bytes: bytes of page storage.
             memory_fraction: fraction of the device's free memory (CUDA only).
             dtype / device: default to the model's.
             prefix_caching: keep a prefix index: caches on the pool reuse each other's prompt pages.
             prefix_host_bytes / prefix_disk_dir / prefix_disk_bytes / prefix_store: the index's tiers
-                (``hf_kvcache.memory.tiers.TierSettings``): host memory and a directory for the pages it evicts, a
-                Redis URL shared between processes for the pages it publishes. Any of them keeps a prefix index.
+                (``tiers.TierSettings``); any of them keeps a prefix index.
         """
         tiers = TierSettings(prefix_host_bytes, prefix_disk_dir, prefix_disk_bytes, prefix_store)
         budgets = {"max_tokens": max_tokens, "max_bytes": max_bytes, "memory_fraction": memory_fraction}
@@ -183,22 +176,16 @@ class PoolFactories:
         max_tokens: int | None = None,
     ) -> Self:
         """The shared pool for this format and device, made on first use and kept for the process: the growable
-        default pool, or with ``max_tokens`` a fixed pool of that many tokens with a prefix index (how
-        ``cache_config={"max_tokens": N, "prefix_caching": True}`` reuses prompts across calls).
+        default pool, or with ``max_tokens`` a fixed pool of that many tokens with a prefix index.
 
-        The growable pool opens room for ``DEFAULT_INITIAL_TOKENS`` tokens first and doubles when full, up to its cap
-        (at most ``DEFAULT_MAX_POOL_PAGES`` pages), in a storage made once for the cap. The default pools of one
-        device share one ``MemoryBudget``: together they hold at most ``DEFAULT_MAX_MEMORY_FRACTION`` of the RAM
-        (CPU; the container's limit where lower, ``memory_limit_bytes``) or of the free memory (CUDA). Where memory
-        is committed only where touched (``commits_lazily``: the CPU), the cap is the whole budget and the pages draw
-        on it as they open. Elsewhere (CUDA) the storage commits the cap at once: the cap is half the room left in
-        the budget (the other half stays for the default pools of other formats), drawn from it at once, and logged
-        with the knob that sizes a pool otherwise (``max_tokens``).
+        The default pools of one device share one ``MemoryBudget`` (``DEFAULT_MAX_MEMORY_FRACTION``). Where memory is
+        committed only where touched (``commits_lazily``: the CPU), a pool's cap is the whole budget and its pages draw
+        on it as they open; elsewhere (CUDA) the storage commits its cap at once, so the cap is half the room left in
+        the budget, drawn at once and logged.
 
         Args:
-            process_group: the process group of a tensor-parallel model's ranks: the budget is then the smallest
-                of theirs (their RAM or free memory differ), so every rank's default pools can hold as many pages.
-                A collective: every rank of the process group calls it, at each call.
+            process_group: a tensor-parallel model's: the budget is then the smallest of the ranks', so that every
+                rank's default pools hold as many pages. A collective: every rank calls it.
             max_tokens: the fixed pool's tokens; ``None``: the growable pool.
 
         Raises:
@@ -251,10 +238,9 @@ class PoolFactories:
 
     @classmethod
     def drop_defaults(cls, device: str | torch.device | None = None) -> int:
-        """Forgets the shared default pools of ``device`` (every device: ``None``) and their memory budget, so that
-        the next ``default`` call makes a fresh pool under a fresh budget (read again from the device). A cache that
-        holds a forgotten pool keeps it, outside the new budget; its memory goes back when the last such cache is
-        released. Returns how many pools were forgotten."""
+        """Forgets the shared default pools of ``device`` (every device: ``None``) and their budget, so that the next
+        ``default`` call makes a fresh pool under a fresh budget; caches keep the pools they hold. Returns how many
+        pools were forgotten."""
         with _REGISTRY_LOCK:
             keep = None if device is None else normalize_device(device)
             dropped = [key for key in _DEFAULT_POOLS if keep is None or key[1] == keep]
@@ -286,10 +272,9 @@ SUMMED_STATS += ("high_water_pages", "bytes_total", "bytes_reserved", "bytes_use
 
 
 class KVPoolSet:
-    """The pool of a model whose attention layers write keys and values of different geometries (Gemma 4's sliding
-    and global layers, MiMo-V2-Flash's): one ``KVPool`` per geometry (``parts``, in the order of
-    ``PageFormat.for_geometries``), on one device, built, sized and reported together. ``KVPool.for_model`` makes one
-    for such a model; a cache's layers of each geometry draw from their part.
+    """The pool of a model whose layers write keys and values of different geometries (Gemma 4, MiMo-V2-Flash): a
+    ``KVPool`` per geometry (``parts``, in ``PageFormat.for_geometries`` order) on one device, built, sized and reported
+    together.
 
     Args:
         parts: a pool per geometry, each of its own page format.
@@ -331,8 +316,7 @@ class KVPoolSet:
         return 0
 
     def stats(self) -> dict[str, Any]:
-        """The parts' counts of pages, bytes, tokens and tables summed, with each part's own statistics under
-        ``"geometries"`` (page sizes in bytes, utilization and the rest per part)."""
+        """The parts' counts summed (``SUMMED_STATS``), with each part's own statistics under ``"geometries"``."""
         parts = [part.stats() for part in self.parts]
         stats: dict[str, Any] = {key: sum(part[key] for part in parts) for key in SUMMED_STATS}
         stats.update(device=parts[0]["device"], dtype=parts[0]["dtype"], page_size=parts[0]["page_size"])

@@ -1,28 +1,22 @@
 """The prefix index: full pages of earlier prompts found again by their tokens (pure ints, no torch).
 
-A page is published under a *page key*: the *chain key* of the token page it holds and the layer group it
-belongs to. Token page ``d`` of a sequence is tokens ``[d * page_size, (d + 1) * page_size)``, and its chain key
-hashes the chain key of token page ``d - 1`` (the *root* for ``d = 0``) with the page's token ids::
+A page is published under a *page key*, ``(chain key, layer group)``. Token page ``d`` of a sequence is tokens
+``[d * page_size, (d + 1) * page_size)``; its chain key hashes the one before it with the page's token ids::
 
     chain[-1] = root                              (the model, the cache's attention semantics, the page size)
     chain[d]  = blake2b(chain[d - 1] || token ids of token page d)          16 bytes
-    page key  = (chain[d], layer group index)
 
-so a page is only ever found for the same tokens at the same absolute positions after the same tokens. The
-pool is cut into one page format, so the format is the pool's.
+so a page is only found for the same tokens at the same positions after the same tokens (a pool has one page
+format, so keys need none).
 
-The index holds one reference to each page it publishes (counted in the allocator's reference counts, so a
-page a cache holds and the index holds has refcount 2 and the page table copies it before writing). A
-published page whose only reference is the index's is *cached*: the index keeps cached pages in least
-recently used order, and the allocator evicts them (oldest first) only when it needs pages. ``PageAllocator``
-drives the transitions; this module only keeps the maps and the order. The index remembers what it evicted
-(``take_evicted``) until the pool has copied those pages to its tiers (``hf_kvcache.memory.tiers``).
+The index holds one reference to each page it publishes (counted by the allocator: a page a cache holds too has
+refcount 2, and its page table copies it before writing). A published page only the index holds is *cached*: kept in
+least recently used order and evicted, oldest first, only when the allocator needs pages. ``PageAllocator`` drives
+these transitions; ``take_evicted`` hands the pool what went, for its tiers.
 
-Beside a published page the index may keep a *tail* (an object it never reads): what a cache holds besides its
-pages once it has written every token up to that page's end (a quantized cache's full-precision tokens:
-``hf_kvcache.layers.exact.ExactTail``). A tail lives as long as its page is published under its key. A hybrid
-model's state layers (linear attention, convolution) keep theirs under layer group ``STATE_GROUP``, beside layer group
-0's page of the same token page (``hf_kvcache.caches.state_tails.StateTail``).
+Beside a published page the index may keep a *tail*, an object it never reads: what a cache holds besides its pages
+at that page's end (``layers.exact.ExactTail``; a hybrid model's states, under layer group ``STATE_GROUP`` beside
+layer group 0's page: ``caches.state_tails.StateTail``). A tail lives as long as its page is published.
 """
 
 import hashlib
@@ -48,13 +42,8 @@ def root_key(*parts: bytes | str | int) -> bytes:
 
 
 def chain_keys(parent: bytes, token_ids: Sequence[int], page_size: int) -> list[bytes]:
-    """Chain keys of the full token pages of ``token_ids``, the first page's parent being ``parent``.
-
-    Args:
-        parent: the chain key before ``token_ids[0]`` (``root_key(...)`` at the start of a sequence).
-        token_ids: tokens from a page boundary on; a trailing partial page gets no key.
-        page_size: tokens per page.
-    """
+    """Chain keys of the full token pages of ``token_ids`` (from a page boundary on; a partial page gets none), the
+    first page's parent being ``parent`` (``root_key(...)`` at a sequence's start)."""
     keys = []
     for start in range(0, len(token_ids) - page_size + 1, page_size):
         page = array("q", token_ids[start : start + page_size]).tobytes()
@@ -173,8 +162,8 @@ class PrefixIndex:
         self.tokens_queried += num_rows * tokens_per_row
 
     def check_integrity(self, refcounts: Sequence[int]) -> None:
-        """Raises ``AssertionError`` if the maps disagree, or with ``refcounts`` (which include the index's own
-        references): a published page is held at least once, cached exactly when the index alone holds it."""
+        """Raises ``AssertionError`` if the maps disagree, or with ``refcounts`` (the index's references included): a
+        published page is cached exactly when the index alone holds it."""
         assert len(self._page_of) == len(self._key_of), "page keys and published pages differ in number"
         for key, page in self._page_of.items():
             assert self._key_of.get(page) == key, f"page {page} is published under two keys"

@@ -1,32 +1,23 @@
-"""KV quantization (pure torch): the encoding and its reference decoder (``hf_kvcache.memory.dequant``: the fast ones).
+"""KV quantization (pure torch): the encoding and its reference decoder (``dequant`` has the fast ones).
 
-A quantized vector's ``head_dim`` channels (a token's value or key channels; for keys encoded per channel, one
-channel's ``page_size`` tokens) are cut into ``num_scale_groups`` *scale groups* of ``group_size`` consecutive
-channels. A scale group is stored asymmetrically as unsigned codes plus one ``scale`` and one ``zero``::
+A vector's ``head_dim`` channels (a token's; for keys per channel, one channel's ``page_size`` tokens) are cut into
+*scale groups* of ``group_size``, each stored asymmetrically as unsigned codes plus a ``scale`` and a ``zero``::
 
     float zero (default):  x ~= zero + code * scale,   zero: the group's minimum, rounded down, in scale_dtype
     compact (3 bytes):     x ~= base + code * scale,   base = z * scale / 16, z: a 12-bit integer (1/16 steps)
-    code in [0, max_code]  (255 for int8, 15 for int4)
+    code in [0, max_code]  (255 for int8, 15 for int4: channel 2i in a byte's low nibble, 2i + 1 in its high one)
 
-Scales (and float zeros) are stored in ``scale_dtype``, by default the input's dtype; a smaller one (float16 scales
-for a float32 model) halves their bytes. int8 stores one code per byte; int4 packs two channels per byte, the even
-channel in the low nibble and the odd channel in the high nibble.
+Float zeros: for finite inputs with ``|x| <= finfo(d).max / 2`` (``d``: the input's and the scale's dtype),
+``|x - stored| <= scale / 2`` up to float32 rounding: codes are computed against the stored scale and zero, the zero
+rounded down and the scale up where a cast rounded them the other way, so no code is clamped. A constant group whose
+value the zero holds stores scale 0 and reconstructs exactly.
 
-Float zeros: for finite inputs with ``|x| <= finfo(d).max / 2`` for both the input's and the scale's dtype ``d``,
-every stored group satisfies ``|x - stored| <= scale / 2`` up to float32 rounding: codes are computed against the
-stored (cast) scale and zero, the zero is rounded down and the scale up where a cast rounded them the other way, so
-the codes' range covers the group's and no code is clamped. A constant group whose value the zero holds (any value
-of the scale dtype) stores scale 0 and reconstructs exactly; other constants are within half a scale.
-
-Compact parameters (``compact_params``: the int4 keys of a page, where the parameters of 16 tokens cost as much as
-a third of their codes) keep the math's grid in 3 bytes: the scale is ``range / max_code`` rounded to nearest with 7
-mantissa bits (a float16's exponent and top 7 mantissa bits, relative error <= 2**-8 + 2**-11), the zero the
-group's minimum rounded to nearest 1/16 of that scale (``|z| <= 2047``; a minimum beyond 2047 / 16 steps widens the
-scale to ``|minimum| * 16 / 2047``). The minimum then gets code 0 and the maximum code ``max_code``, each within
-1/10 of a step, as the float32 math ``min + round((x - min) / scale) * scale`` has them. Stored: an int16 ``scale``
-word (bits 15..4: the scale's float16 bits 14..3; bits 3..0: the low 4 bits of ``z``) and an int8 ``zero``
-(``z >> 4``). For finite inputs with ``|x| <= 32752``, ``|x - stored| <= scale / 2 + 2**-14`` (the absolute term:
-scales below float16's normal range); a constant group of 0 stores scale 0 and is exact.
+Compact parameters (``compact_params``: int4 keys per channel, where 16 tokens' parameters cost a third of their
+codes): the scale is ``range / max_code`` rounded to 7 mantissa bits (a float16's top bits), the zero the minimum
+rounded to 1/16 of that scale (``|z| <= 2047``; a larger minimum widens the scale), so the minimum and maximum get
+codes 0 and ``max_code`` within 1/10 of a step, as the float32 math has them. Stored: an int16 word (bits 15..4: the
+scale's float16 bits 14..3; bits 3..0: ``z``'s low 4 bits) and an int8 zero (``z >> 4``). For finite inputs with
+``|x| <= 32752``, ``|x - stored| <= scale / 2 + 2**-14``; a constant group of 0 stores scale 0 and is exact.
 """
 
 from dataclasses import dataclass
@@ -52,8 +43,8 @@ class QuantFormat:
         group_size: consecutive channels sharing one scale and zero (a scale group); divides ``head_dim``.
         head_dim: channels per quantized vector; even for 4 bits (two codes per byte).
         scale_dtype: dtype the scales (and float zeros) are stored in; ``None``: the input's dtype.
-        compact_params: store each group's scale and zero in 3 bytes (an int16 word and an int8, see the module
-            docstring) instead of two ``scale_dtype`` values; ``scale_dtype`` is then unused. 4 bits only.
+        compact_params: store each group's scale and zero in 3 bytes (the module docstring's) instead of two
+            ``scale_dtype`` values. 4 bits only.
     """
 
     bits: int
@@ -184,11 +175,9 @@ def compact_scale_and_base(word: torch.Tensor, zero: torch.Tensor) -> tuple[torc
 
 
 def compact_scale_and_steps(word: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scale and the zero in scale steps (``z / 16``, float32) of compact parameters. The scale comes as the
-    float16 it is (exact in float32, to which it promotes in any product with float32 values: one op fewer than a
-    cast). ``code + z / 16`` is exact in float32 (16 bits), so ``(code + z / 16) * scale`` is ``base + code * scale``
-    rounded once, as the reference's exact product plus exact base (12 bits times 8) is: the two orders agree
-    bitwise."""
+    """The scale (as its float16: it promotes in a product with float32, one op fewer than a cast) and the zero in
+    scale steps (``z / 16``, float32) of compact parameters. ``code + z / 16`` is exact in float32, so
+    ``(code + z / 16) * scale`` rounds once, as the reference's exact product plus exact base does: bitwise equal."""
     scale = ((word >> 1) & 0x7FF8).view(torch.float16)
     # z = 16 * (its high bits) + its low 4 bits: one add (the low bits are below the sum's, so it equals the OR);
     # an integer's true division is float32, and z / 16 is exact in it
@@ -200,9 +189,8 @@ def compact_scale_and_steps_from_bytes(
     word_bytes: torch.Tensor, zero: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``compact_scale_and_steps`` of words given as their bytes, ``[..., 2 * n]`` uint8 (little-endian: a word's low
-    byte first) with zeros ``[..., n]``: bitwise the same scale (as float32) and steps, computed in int32 with no
-    float16 bit-cast. A compiled decode gathers the words so because inductor's CPU code vectorizes no gathered int16
-    load."""
+    byte first) with zeros ``[..., n]``: bitwise the same, computed in int32 (inductor's CPU code vectorizes no
+    gathered int16 load)."""
     bits = word_bytes[..., 0::2].int() | (word_bytes[..., 1::2].int() << 8)  # the words' 16 bits, [..., n]
     half = (bits >> 1) & 0x7FF8  # the scale's float16 bits: sign 0, exponent at most 30 (COMPACT_SCALE_MAX_BITS)
     # A normal float16's float32 bits: the exponent rebased (+112) above the mantissa, both moved up 13 bits; a
@@ -229,10 +217,8 @@ def _covering_scale(span: torch.Tensor, steps: int, dtype: torch.dtype) -> torch
 
 
 def join_scales(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """``[..., 2 * num_scale_groups]``: the scales, then the (float) zeros, as a pool stores them side by side.
-
-    Not ``torch.cat``, which CPU autocast refuses for float16 tensors.
-    """
+    """``[..., 2 * num_scale_groups]``: the scales, then the zeros, as a pool stores them (not ``torch.cat``, which
+    CPU autocast refuses for float16)."""
     joined = scale.new_empty(*scale.shape[:-1], 2 * scale.shape[-1])
     joined[..., : scale.shape[-1]] = scale
     joined[..., scale.shape[-1] :] = zero
@@ -243,9 +229,8 @@ def dequantize(
     codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype
 ) -> torch.Tensor:
     """The reference: ``code * scale + base`` per group in float32 (a product, then a sum; ``base`` is the zero, or
-    for compact parameters ``z * scale / 16``), rounded once to ``dtype``.
-
-    ``dequantize_into`` does the same operations in the same order, so the two agree bitwise.
+    for compact parameters ``z * scale / 16``), rounded once to ``dtype``. The fast decoders (``dequant``) do the same
+    operations in the same order.
 
     Args:
         codes: ``[..., code_dim]`` uint8. scale, zero: ``[..., num_scale_groups]``.

@@ -1,6 +1,5 @@
-"""A pool's live statistics (``pool_stats``), its alerts when the share of pages held crosses a threshold
-(``PoolAlerts``) and its integrity check (``check_integrity``): ``PagePool`` calls them under its lock with its
-allocator, page tables and storage."""
+"""A pool's live statistics (``pool_stats``), alerts (``PoolAlerts``) and integrity check (``check_integrity``), which
+``PagePool`` calls under its lock."""
 
 import logging
 from collections import Counter
@@ -30,23 +29,16 @@ def pool_stats(
 ) -> dict[str, Any]:
     """A pool's live statistics as a plain dict (``KVPool.stats``, under the pool's lock).
 
-    Pages are counted as handed out: ``pages_total`` is the pages the pool has opened (a default pool opens
-    more as it grows, up to ``max_pages``, within its memory budget), ``pages_used`` those not free: held by
-    page tables, and ``pages_cached``, published pages only the prefix index holds (evicted when room is needed:
-    a request can take ``pages_free + pages_cached``). ``bytes_total`` is the memory of the opened pages, which
-    is what the pool has committed where memory is committed where touched (the CPU): opened pages are zeroed,
-    and the rest of the storage (``bytes_reserved``, made for the pool's cap) is never touched. On CUDA the whole
-    storage is committed when the pool is made. ``pages_unfilled`` counts pages held that no token has been written
-    to yet; rows place their pages in extents but never hold one ahead. ``tokens_held`` counts the slots holding a
-    token, not a row's padding (a left-padded row holds the padding that shares a page with its first token, no page
-    of padding alone: ``PageTable.skips``); ``utilization`` is the bytes of the
-    tokens held divided by the bytes of the pages caches hold (1.0 when every held page is full of tokens; shared
-    pages count once). ``live_tables`` counts the page tables of caches not yet garbage collected (0 again once
-    every cache is gone). The prefix index's counts are in rows (one prompt each): ``prefix_lookups`` rows looked up,
-    ``prefix_hits`` rows that reused at least a page, ``prefix_tokens_reused`` prompt tokens not prefilled,
-    ``prefix_hit_rate`` the share of looked-up prompt tokens that were reused; ``prefix_tails`` / ``prefix_tail_bytes``
-    what quantized caches keep beside published pages in full precision (``hf_kvcache.layers.exact.ExactTail``: the
-    residual window's values and the exact sink where a prompt's pages end), outside ``bytes_total``.
+    ``pages_total``: page ids opened (a growable pool opens more, up to ``max_pages``); ``pages_used``: not free, held
+    by page tables or cached (``pages_cached``: published pages only the prefix index holds, evicted when room is
+    needed: a request can take ``pages_free + pages_cached``). ``bytes_total``: the opened pages' memory, what the pool
+    has committed on the CPU (``bytes_reserved``: the storage made for the cap, all committed at once on CUDA).
+    ``pages_unfilled``: pages held that no token was written to yet. ``tokens_held``: slots holding a token, not
+    padding; ``utilization``: their bytes over those of the pages caches hold (shared pages once). ``live_tables``:
+    page tables of caches not yet garbage collected. Prefix counts are in rows (prompts): ``prefix_lookups`` looked
+    up, ``prefix_hits`` reused a page or more, ``prefix_tokens_reused`` tokens not prefilled, ``prefix_hit_rate`` the
+    share of looked-up tokens reused; ``prefix_tails`` / ``prefix_tail_bytes``: what caches keep beside published
+    pages (``prefix_index``), outside ``bytes_total``.
     """
     filled: dict[int, int] = {}
     for table in tables:
@@ -86,19 +78,15 @@ def pool_stats(
 
 
 def tier_stats(stats: dict[str, Any], hits: dict[str, int], tiers: PageTiers | None) -> dict[str, Any]:
-    """``stats`` with the prefix tiers' counts (``hf_kvcache.memory.tiers``; zeros and ``None`` without tiers).
+    """``stats`` with the prefix tiers' counts (zeros and ``None`` without tiers).
 
-    ``prefix_hits_device``, ``prefix_hits_host``, ``prefix_hits_disk``, ``prefix_hits_store``: pages lookups attached,
-    by where each was found (the pool itself, or a tier it was brought back from; a page counts once per row).
-    ``prefix_host_pages`` / ``prefix_host_bytes`` held in host memory, within ``prefix_host_max_bytes``;
-    ``prefix_disk_pages`` / ``prefix_disk_bytes`` in the directory; ``prefix_pages_spilled``: pages the index evicted
-    into the tiers; ``prefix_pages_dropped``: writes to the directory or store given up (the writer too far behind,
-    or the directory failing); ``prefix_store`` the store's URL, ``prefix_store_writes`` pages it took,
-    ``prefix_store_errors`` its calls that failed (down, slow, an error), ``prefix_store_redirections`` the ``MOVED``
-    and ``ASK`` answers of a Redis Cluster it followed; ``prefix_pages_rejected`` pages read from
-    the directory or the store that failed their checks (damaged, of another page format, model or tokens) and were
-    recomputed instead; ``prefix_store_bytes_read`` the bytes of the values read from the store,
-    ``prefix_bytes_restored`` the bytes written back into the pool from any tier.
+    ``prefix_hits_device``, ``_host``, ``_disk``, ``_store``: pages lookups attached, by where each was found (once per
+    row). ``prefix_host_pages`` / ``prefix_host_bytes`` (within ``prefix_host_max_bytes``) and ``prefix_disk_pages`` /
+    ``prefix_disk_bytes``: held there; ``prefix_pages_spilled``: evicted into the tiers; ``prefix_pages_dropped``:
+    directory or store writes given up (the writer too far behind, the directory failing); ``prefix_store``: its URL,
+    ``prefix_store_writes``, ``prefix_store_errors`` (calls failed), ``prefix_store_redirections`` (a cluster's
+    ``MOVED`` and ``ASK`` followed), ``prefix_store_bytes_read``; ``prefix_pages_rejected``: pages read back that
+    failed their checks (recomputed); ``prefix_bytes_restored``: bytes written back into the pool from any tier.
     """
     stats.update({f"prefix_hits_{tier}": count for tier, count in hits.items()})
     stats.update(tiers.stats() if tiers is not None else NO_TIER_STATS)

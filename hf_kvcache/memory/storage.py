@@ -1,18 +1,13 @@
-"""A pool's storage tensors (``PoolStorage``): their layout, how they are made, and the per-layer views of them that
-a step's layers index.
+"""A pool's storage tensors (``PoolStorage``): their layout, how they are made, and the per-layer views a step indexes.
 
-One storage tensor per kind, shaped once for a pool's life, holds every page in every layer
-of one *layer group* (``num_layers`` layers of one attention type; a model has ``num_layer_groups`` of them,
-each with its own page table, so a page id serves one layer group)::
+One tensor per kind holds every page in every layer of one layer group (a page id serves one layer group)::
 
     keys:   [num_layers, num_kv_heads, num_storage_pages, page_size, head_dim]
-    values: [num_layers, num_kv_heads, num_storage_pages, page_size, value_dim]   (head_dim unless the model's
-            values are of another width, format.value_head_dim)
-    values = keys: the same tensor, where the model writes one tensor as both (format.values_are_keys): nothing
-            else is allocated for values, and every view of the values is a view of the keys
+    values: [num_layers, num_kv_heads, num_storage_pages, page_size, value_dim]   (format.value_dim)
+    values = keys: the same tensor where the model writes one tensor as both (format.values_are_keys)
 
-    quantized values (format.value_bits set) instead, per *scale group* of value_group_size of their value_dim
-    channels (code_dim: value_dim bytes at int8, half at int4):
+    quantized values (format.value_bits), per scale group of value_group_size channels (code_dim: value_dim bytes at
+    int8, half at int4):
     values:       [num_layers, num_kv_heads, num_storage_pages, page_size, code_dim]             uint8 codes
     value_scales: [num_layers, num_kv_heads, num_storage_pages, page_size, 2 * num_scale_groups]  scales, zeros
 
@@ -23,14 +18,12 @@ each with its own page table, so a page id serves one layer group)::
     keys:         [num_layers, num_kv_heads, num_storage_pages, page_size, head_dim // 2]  a page's bytes hold its
                   codes as [page_size // 2, head_dim]: byte (i, c) holds tokens 2i (low nibble) and 2i + 1 of channel c
     key_scales:   [num_layers, num_kv_heads, num_storage_pages, head_dim]   int16: a channel's compact scale word
-    key_zeros:    [num_layers, num_kv_heads, num_storage_pages, head_dim]   int8: the high bits of its zero
-                  (hf_kvcache.memory.quant, compact_params: 3 bytes per channel and page)
+    key_zeros:    [num_layers, num_kv_heads, num_storage_pages, head_dim]   int8: the high bits of its zero (quant)
 
     Scales and float zeros are in format.scale_dtype (default: the dtype). Encoded keys are written a page at a
-    time, when the page's last slot is (hf_kvcache.layers.keys); until then a cache holds them in full precision.
+    time, when its last slot is (layers.keys).
 
     slot            =   (layer_in_group, page id, offset < page_size): one token's key/value in one layer
-    row r, token t  ->  slot t % page_size of page rows[r][t // page_size] of its layer group's page table
     slot index      =   (head * num_storage_pages + page id) * page_size + offset: a slot's position in one layer's
                         flattened view [heads * pages * page_size, last_dim] (``PoolStorage.slots``, ``kernels``)
     extent e        =   pages [e * extent_pages, (e + 1) * extent_pages): what attention reads in place as one
@@ -46,13 +39,9 @@ from hf_kvcache.memory.format import PageFormat
 
 @dataclass(frozen=True)
 class PoolStorage:
-    """A pool's storage tensors, made once with the pool for every page id it may open (``KVPool.storage``).
-
-    Attributes:
-        keys / values / value_scales / key_scales / key_zeros: see the module docstring; ``value_scales`` is ``None``
-            unless values are quantized, ``key_scales`` unless keys are, ``key_zeros`` unless per channel; ``values``
-            is ``keys`` where the format's values are its keys.
-    """
+    """A pool's storage tensors (the module docstring's), made once for every page id the pool may open;
+    ``value_scales`` is ``None`` unless values are quantized, ``key_scales`` unless keys are, ``key_zeros`` unless per
+    channel."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -99,26 +88,24 @@ class PoolStorage:
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        """The distinct storage tensors (values that are the keys once): what copies, zeroing and a page's bytes
-        (``hf_kvcache.memory.page_bytes``) go over."""
+        """The distinct storage tensors (values that are the keys once): what copies, zeroing and ``page_bytes`` go
+        over."""
         values = None if self.values is self.keys else self.values
         tensors = (self.keys, values, self.value_scales, self.key_scales, self.key_zeros)
         return tuple(tensor for tensor in tensors if tensor is not None)
 
     def slots(self, tensor: torch.Tensor, layer_idx: int, slots_per_row: int = 1) -> torch.Tensor:
-        """One layer of ``tensor`` (one of ``tensors``) as ``[heads * pages * page_size / slots_per_row, slots_per_row
-        * last_dim]``: slots (the view ``kernels.read_slots`` indexes with
-        ``kernels.slot_indices``), or with ``slots_per_row=page_size`` whole pages (``kernels.read_pages``); kept, so
-        that a step's layers dispatch no op to make it (a compiled step makes it in its graph, where it costs none)."""
+        """One layer of ``tensor`` as ``[heads * pages * page_size / slots_per_row, slots_per_row * last_dim]``: slots
+        (``kernels.read_slots``), or with ``slots_per_row=page_size`` whole pages (``kernels.read_pages``)."""
         return self._view(tensor, layer_idx, (-1, slots_per_row * tensor.shape[-1]))
 
     def page_view(self, tensor: torch.Tensor, layer_idx: int, page_shape: tuple[int, ...]) -> torch.Tensor:
-        """One layer of ``tensor`` as ``[heads, pages, *page_shape]`` (a page's numbers in ``page_shape``: encoded
-        keys are gathered a page at a time, ``index_select`` on dim 1 giving their shape); kept, as ``slots`` is."""
+        """One layer of ``tensor`` as ``[heads, pages, *page_shape]``: encoded keys, gathered a page at a time."""
         return self._view(tensor, layer_idx, (*tensor.shape[1:3], *page_shape))
 
     def _view(self, tensor: torch.Tensor, layer_idx: int, shape: tuple[int, ...]) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # a graph makes the view for free; no cache to guard on
+        """Kept, so that an eager step dispatches no op to make it (a compiled graph makes it for free)."""
+        if torch.compiler.is_compiling():
             return tensor[layer_idx].view(shape)
         key = (id(tensor), layer_idx, torch.is_inference_mode_enabled(), shape)
         view = self._slot_views.get(key)

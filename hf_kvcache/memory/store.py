@@ -1,28 +1,17 @@
-"""A shared store of prefix pages on a Redis server or a Redis Cluster (or Valkey: the same protocol), fail-open.
+"""A shared store of prefix pages on a Redis server or a Redis Cluster (or Valkey), fail-open.
 
-Pages go to the server as ``SET key value NX`` (a page's contents never change once published, so the first writer
-wins and later ones cost nothing) and come back with one round trip per lookup: a ``GET`` per page, sent together
-(pipelined). Keys and values are made by ``hf_kvcache.memory.tiers`` (``store_key``, ``encode_page``): the key hashes
-everything that computes a page, the value carries its key, its page format and a checksum, so a value that is not
-exactly the page asked for is never served (and is deleted, so that the page recomputed takes its place). Eviction
-is the server's: run it with ``maxmemory`` and ``maxmemory-policy allkeys-lru``.
+Pages go as ``SET key value NX`` (a published page never changes: the first writer wins) and come back with one
+pipelined ``GET`` per page. Keys and values are ``page_bytes``' (``store_key``, ``encode_page``): a value that is not
+exactly the page asked for is never served, and is deleted. Eviction is the server's (``maxmemory-policy
+allkeys-lru``). The client speaks RESP2 over a plain socket, so the core needs no client package.
 
-A cluster (``redis+cluster://host:port,host:port``) spreads the keys over its nodes by hash slot (``key_slot``).
-The client reads the slot map from the first node that answers (``CLUSTER SLOTS``), sends each key's command to
-the node serving its slot, all of a node's commands at once and every node's before reading any reply (a lookup
-waits for the slowest node, not for their sum), and follows a node's redirections once: ``MOVED`` (the slot lives
-elsewhere now: the map is read again) and ``ASK`` (the slot is migrating: ``ASKING`` and the command on the node
-named). A single server is a cluster of one node that is never asked for its map.
+A cluster (``redis+cluster://host:port,host:port``) is served by hash slot (``key_slot``): the slot map is read from
+the first node that answers, every node gets all its commands before any reply is read (a lookup waits for the
+slowest node, not their sum), and ``MOVED``/``ASK`` are followed once. A single server is a cluster of one node.
 
-The client speaks the server's protocol (RESP2) over a plain socket, so that the core needs no client package:
-``AUTH``, ``SELECT``, ``GET``, ``SET``, ``DEL``, ``CLUSTER SLOTS`` and ``ASKING``, each reply waited for
-``timeout`` seconds at most.
-
-Fail-open: a node that is down, slow (past the timeout) or answers with an error (a cluster reconfiguring, a slot
-redirected twice) never fails a request: its keys read as absent. The first failure of each kind is logged once;
-every one is counted (``errors``), and that node is then left alone for ``STORE_RETRY_S`` seconds, so that a dead
-node costs a request at most one timeout and then nothing until it is tried again (a cluster's map is read again
-first: the node may have been replaced).
+Fail-open: a node that is down, slow (past ``timeout``) or answers an error never fails a request: its keys read as
+absent, the failure is counted (``errors``) and logged once per kind, and the node is left alone for
+``STORE_RETRY_S`` seconds (a cluster's map is read again first).
 """
 
 import binascii
@@ -64,11 +53,7 @@ class ReplyError(StoreError):
 
 @dataclass(frozen=True)
 class StoreAddress:
-    """Where a store is and how to log in (``parse_store_url``).
-
-    ``host`` and ``port`` are the first of ``nodes``; a cluster lists the nodes its URL names (any one that answers
-    tells the client the rest).
-    """
+    """Where a store is and how to log in (``parse_store_url``); ``host`` and ``port`` are the first of ``nodes``."""
 
     host: str
     port: int
@@ -168,12 +153,8 @@ class Connection:
             raise
 
     def call(self, *args: bytes | str | int) -> object:
-        """Sends one command; returns its reply (bytes, int, ``None`` or a list of them).
-
-        Raises:
-            ReplyError: an error reply. StoreError: not the protocol. OSError (``TimeoutError`` among them): the
-                connection failed.
-        """
+        """Sends one command; returns its reply (bytes, int, ``None`` or a list of them) or raises it (``ReplyError``).
+        Raises ``StoreError`` (not the protocol) and ``OSError`` (the connection failed) too."""
         self.send([args])
         reply = self.receive(1)[0]
         if isinstance(reply, ReplyError):
@@ -227,12 +208,9 @@ class RedisStore:
     """A server's or a cluster's connections (a few kept idle per node), used from any thread; every call is
     fail-open.
 
-    Args:
-        url: ``parse_store_url``'s URL.
-
     Attributes:
-        url: the URL without its password (what logs and ``stats()`` show).
-        errors: calls that failed (a node down, slow, an error answer), counted once per node and call.
+        url: ``parse_store_url``'s URL without its password (what logs and ``stats()`` show).
+        errors: calls that failed, once per node and call.
         redirections: ``MOVED`` and ``ASK`` answers followed, by kind.
     """
 

@@ -1,24 +1,17 @@
-"""Tiers behind a pool's prefix index: where its pages go when the index evicts them, and where a lookup finds them
-again (``PageTiers``, the pool's ``pages.tiers``)::
+"""Tiers behind a pool's prefix index (``PageTiers``, the pool's ``pages.tiers``): where its pages go when the index
+evicts them, and where a lookup finds them again::
 
     device pool (prefix index) --evicted--> host memory (HostTier, prefix_host_bytes)
                                               --pushed out--> a local directory (DiskTier, prefix_disk_dir)
     published pages ------------------------------------> a shared store (RedisStore, prefix_store)
 
-A lookup (``hf_kvcache.caches.prefix``) that misses the index asks the tiers, fastest first, for the pages of the
-longest prefix they hold; the pool writes them back into pages of its own and publishes them in its index before the
-prefill, which then attaches them as any reused page.
+A lookup that misses the index asks the tiers, fastest first, for the longest prefix they hold; the pool writes those
+pages back and publishes them before the prefill attaches them. Host memory keeps ``PageData``; the directory and the
+store keep checked bytes (``encode_page``), and bytes that fail a check are counted (``rejected``) and read as a miss.
+A page's tail (``prefix_index``) travels the same way under a key of its own (``tail_key``).
 
-Host memory keeps a page's contents as tensors (``hf_kvcache.memory.page_bytes.PageData``); the directory and the
-store keep its checked bytes (``encode_page``), and a page whose bytes fail a check is counted (``rejected``) and read
-as a miss.
-
-A page's tail (what a quantized cache holds beside its pages in full precision, a hybrid model's states at the
-page's end: ``prefix_index``) travels the same way under a key of its own (``tail_key``): kept as an evicted page is
-and published to the store when the index publishes it, fetched with the prefix's pages.
-
-Writes to the directory and the store run on one background thread (``flush`` waits for them, and so does a process
-that exits, ``FLUSH_AT_EXIT_S`` at most), within ``MAX_PENDING_BYTES``; past that a write is dropped (counted).
+Writes to the directory and the store run on one background thread within ``MAX_PENDING_BYTES`` (past that a write
+is dropped and counted); ``flush`` waits for them, and so does an exiting process (``FLUSH_AT_EXIT_S`` at most).
 Lookups read synchronously, outside the pool's lock.
 """
 
@@ -68,8 +61,8 @@ NO_TIER_STATS: dict[str, Any] = {
 
 @dataclass(frozen=True, repr=False)
 class TierSettings:
-    """Where a pool's prefix pages go besides the device (``cache_config`` ``prefix_host_bytes``,
-    ``prefix_disk_dir``, ``prefix_disk_bytes``, ``prefix_store``; ``KVPool.for_model`` takes the same).
+    """Where a pool's prefix pages go besides the device (the ``prefix_*`` settings of ``cache_config`` and
+    ``KVPool.for_model``).
 
     Attributes:
         host_bytes: host memory for pages the index evicts (0: none).
@@ -158,8 +151,7 @@ class HostTier:
 
 class DiskTier:
     """Pages as files in a local directory (``<store key>.page``), least recently written first out, within
-    ``max_bytes`` (counted over the files found at start and those written since). Files another process or an
-    earlier run wrote are found too: the name and the checked contents say what they hold. Thread-safe: its own lock
+    ``max_bytes`` (files found at start included: another process's or an earlier run's are served too). Its lock
     guards the counts, never a file's reading or writing."""
 
     def __init__(self, directory: str | os.PathLike, max_bytes: int) -> None:
@@ -260,15 +252,14 @@ class PageTiers:
     # ----- pages in --------------------------------------------------------------------------
 
     def spill(self, pages: list[tuple[PageKey, PageData]]) -> None:
-        """Pages the index evicted: into host memory, and what that pushes out (or everything, without host
-        memory) to the directory."""
+        """Pages the index evicted, kept (``_keep``)."""
         with self._lock:
             self.counts["spilled"] += len(pages)
         self._keep(pages)
 
     def publish_tails(self, tails: list[tuple[PageKey, PageData]]) -> None:
-        """Tails the index keeps beside published pages (``prefix_index.tail_key``; their tensors as they are), kept
-        as evicted pages are and published to the store: they outlive their page in the pool."""
+        """Tails the index keeps beside published pages (under ``tail_key``): kept and published at once, as they
+        outlive their page in the pool."""
         self._keep(tails)
         self.publish(tails)
 
@@ -324,7 +315,7 @@ class PageTiers:
         return found
 
     def restored(self, keys: list[PageKey], tiers: list[str], num_bytes: int) -> None:
-        """Pages the pool brought back (``num_bytes`` of them): they leave host memory (the index holds them again)."""
+        """Counts pages the pool brought back; they leave host memory (the index holds them again)."""
         with self._lock:
             self.counts.update(f"restored_{tier}" for tier in tiers)
             self.counts["bytes_restored"] += num_bytes
@@ -347,7 +338,7 @@ class PageTiers:
             return self._idle.wait_for(lambda: self._pending == 0, timeout)
 
     def stats(self) -> dict[str, Any]:
-        """The tiers' counts for ``KVPool.stats`` (``hf_kvcache.memory.stats.pool_stats`` says what each is)."""
+        """The tiers' counts for ``KVPool.stats`` (``stats.tier_stats`` says what each is)."""
         with self._lock:
             counts = self.counts
             return {
@@ -434,6 +425,6 @@ _WRITING: "weakref.WeakSet[PageTiers]" = weakref.WeakSet()
 
 @atexit.register
 def _flush_at_exit() -> None:
-    """Lets the writes of every live pool's tiers land before the process exits (its writer threads are daemons)."""
+    """Lets every live pool's tier writes land before the process exits (the writers are daemon threads)."""
     for tiers in list(_WRITING):
         tiers.flush(FLUSH_AT_EXIT_S)
