@@ -14,7 +14,7 @@ from hf_kvcache.integration.registry import REGISTRY
 from hf_kvcache.integration.seams import build_cache
 from hf_kvcache.layers.plan import capacity_bucket
 from hf_kvcache.testing import random_padded_batch, tiny_causal_lm
-from tests.test_compiled import HostReads
+from tests.test_compiled import HostReads, decode_step
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -144,17 +144,6 @@ def planned_and_eager_twins(name: str):
     planned.compiled_decoding = True
     token = generate(model, ids, mask, **settings)[:, -1:]
     return model, planned, eager, token, torch.cat([mask, torch.ones(2, 2, dtype=torch.long)], dim=1)
-
-
-def decode_step(model, cache, token: torch.Tensor, mask: torch.Tensor, planned: bool = False) -> torch.Tensor:
-    """One decode step, planned before it runs (as generate's seam plans it) or eager; the last logits."""
-    inputs = {"input_ids": token, "attention_mask": mask, "position_ids": mask.sum(-1, keepdim=True) - 1}
-    if planned:
-        assert cache.plan_decode(token.shape[0], 1, mask)
-        cache.start_planned(inputs)
-    else:
-        cache.end_planning()
-    return model(**inputs, cache=cache).logits[:, -1]
 
 
 def poison(cache) -> None:
