@@ -4,17 +4,11 @@ Page 0 is the null page: never handed out, the harmless target of padding writes
 used (refcount >= 1: one per page-table entry holding it, plus the prefix index's). Not thread-safe on its own:
 ``PagePool`` serializes calls.
 
-Placement. Extent ``e`` holds pages ``[e * extent_pages, (e + 1) * extent_pages)``, so that attention can read a row's
-pages in blocks of ``extent_pages * page_size`` tokens (``attention.flex``):
-
-- ``extend(anchor, num)``: a row's next pages after its last page ``anchor``: each right after the one before while
-  that stays in its extent and is free, else the first page of the lowest wholly free extent, else a single page (a
-  growable pool grows first where it can: ``extents_needed``). A new row never starts in an extent another row has
-  begun, so rows of different requests interleave by whole extents only.
-- ``allocate(num)``: single pages, the highest free ids, in ascending order (copies take these).
-
-Extents are claimed softly: the free pages after a row's last page count as free and go to another request only when
-nothing else is left, so a request fails only when fewer pages are free than it needs.
+Placement. Extent ``e`` holds pages ``[e * extent_pages, (e + 1) * extent_pages)``, which attention reads as one block
+(``attention.flex``). ``extend`` places a row's next page right after its last one while that stays in its extent and
+is free, else at the start of the lowest wholly free extent, else anywhere: rows of different requests interleave by
+whole extents only. ``allocate`` (copies) takes the highest free ids. Extents are claimed softly: a request fails only
+when fewer pages are free than it needs.
 
 Cached pages (``prefix_index``): a published page only the index holds is *cached*: not free (it keeps its contents,
 which attention reading extents in place treats as another row's) but available: ``ensure_free`` evicts cached pages,
@@ -31,13 +25,8 @@ NULL_PAGE = 0
 
 
 class PageAllocator:
-    """Hands out page ids ``1 .. num_pages - 1``.
-
-    Args:
-        num_pages: page ids in the pool, the null page included (>= 2).
-        extent_pages: pages per aligned extent (1: no extents, every page stands alone).
-        prefix_caching: keep a prefix index (``index``) of published pages.
-    """
+    """Hands out page ids ``1 .. num_pages - 1`` in extents of ``extent_pages``; with ``prefix_caching``, keeps a
+    prefix index (``index``)."""
 
     def __init__(self, num_pages: int, extent_pages: int = 1, prefix_caching: bool = False) -> None:
         if num_pages < 2:
@@ -76,7 +65,6 @@ class PageAllocator:
         return self.num_free + self.num_cached
 
     def enable_prefix_caching(self) -> None:
-        """Starts a prefix index (a no-op if there is one)."""
         if self.index is None:
             self.index = PrefixIndex()
 
@@ -126,14 +114,9 @@ class PageAllocator:
         return -(-(num - run) // size)
 
     def ensure_free(self, num: int) -> list[int]:
-        """Makes ``num`` pages free, evicting cached pages (least recently used first) if the free ones are fewer.
-
-        Returns:
-            The pages evicted (free now; they still hold their contents).
-
-        Raises:
-            PoolExhaustedError: fewer than ``num`` pages are free or cached; nothing changed.
-        """
+        """Makes ``num`` pages free, evicting cached pages (least recently used first) if the free ones are fewer;
+        returns those (free, still holding their contents). ``PoolExhaustedError``, nothing changed, if free and
+        cached pages are fewer than ``num``."""
         if num > self.num_available:
             raise PoolExhaustedError(num, self.num_available, self.num_pages)
         evicted = [self.index.evict_oldest() for _ in range(num - self.num_free)]
@@ -142,7 +125,6 @@ class PageAllocator:
         return evicted
 
     def share(self, pages: list[int]) -> None:
-        """Adds one reference to each used page."""
         for page in pages:
             if page == NULL_PAGE or self._refcounts[page] == 0:
                 raise ValueError(f"Cannot share page {page}: it is not allocated.")

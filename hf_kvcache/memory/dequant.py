@@ -30,9 +30,8 @@ def dequantize_channels_into(
     codes. At 4 bits byte ``(i, c)`` holds rows ``2i`` (low nibble) and ``2i + 1`` of column ``c``.
 
     Args:
-        out: ``[..., head_dim, columns]`` floating, written in place (``fmt.head_dim`` rows: a page's tokens).
-        codes: ``[..., code_dim, columns]`` uint8. scale, zero: ``[..., 1, columns]`` (``fmt.num_scale_groups == 1``).
-        work: a float32 buffer of ``out``'s shape, reused when ``out`` is not float32 (made if ``None``).
+        out: ``[..., head_dim, columns]``, written in place. codes: ``[..., code_dim, columns]`` uint8. scale, zero:
+            ``[..., 1, columns]``. work: float32, ``out``'s shape (made if ``None``; unused for float32 ``out``).
         halves: at 4 bits, ``channel_halves`` of ``work`` (``out`` if float32), kept by the caller (made if ``None``).
     """
     if fmt.num_scale_groups != 1 or out.shape[-2] != fmt.head_dim or codes.shape[-2] != fmt.code_dim:
@@ -103,11 +102,8 @@ def dequantize_joined_into(
     even and odd channels' codes in order: one contiguous copy converts them (big-endian: two strided copies).
 
     Args:
-        out: ``[..., head_dim]`` floating, written in place; may be a view into a larger buffer.
-        codes: ``[..., code_dim]`` uint8.
-        joined: ``[..., 2 * num_scale_groups]``, scales then zeros as ``join_scales`` lays them out (last dim
-            contiguous).
-        work: a float32 buffer of ``out``'s shape, reused when ``out`` is not float32 (made if ``None``).
+        out: ``[..., head_dim]``, written in place (a view is fine). codes: ``[..., code_dim]`` uint8. joined:
+            ``[..., 2 * num_scale_groups]``, as ``join_scales`` lays them out. work: as ``dequantize_channels_into``'s.
         spread: int4 on a little-endian machine: int16 buffers of ``codes``' shape for the spread codes and their
             high nibbles (a pair, or one ``[2, *codes.shape]`` tensor; made if ``None``); a third, ``spread_bytes``
             of the first, saves two ops.

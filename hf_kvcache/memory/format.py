@@ -57,11 +57,8 @@ def attention_halves(types: list[str]) -> list[str]:
 
 
 def layer_types(config: Any) -> list[str]:
-    """The attention type of each layer of a (decoder) config: ``full_attention``, ``sliding_attention``, ...
-
-    Mirrors ``transformers.cache_utils.get_layer_types_and_kwargs`` (which this module cannot import). Layers that keep
-    no cache of their own are ``dummy``.
-    """
+    """The attention type of each layer of a (decoder) config, as transformers' ``get_layer_types_and_kwargs`` (which
+    this module cannot import) has them; layers that keep no cache of their own are ``dummy``."""
     types = getattr(config, "layer_types", None)
     if types is None:
         if getattr(config, "sliding_window", None) is not None:
@@ -175,7 +172,6 @@ class PageFormat:
 
     @property
     def value_dim(self) -> int:
-        """Channels of a stored value: ``value_head_dim``, or ``head_dim`` where that is ``None``."""
         return self.value_head_dim or self.head_dim
 
     @property
@@ -197,7 +193,6 @@ class PageFormat:
 
     @property
     def keys_per_channel(self) -> bool:
-        """Keys are encoded per channel over each page's tokens (``key_bits=4``)."""
         return self.key_bits == 4
 
     @property
@@ -238,11 +233,8 @@ class PageFormat:
 
     @classmethod
     def from_model_config(cls, config: Any, dtype: torch.dtype, page_size: int = DEFAULT_PAGE_SIZE) -> Self:
-        """Reads the attention geometry of a transformers (decoder) config.
-
-        Raises:
-            IncompatibleModelError: the config has no attention geometry we can page.
-        """
+        """Reads the attention geometry of a transformers (decoder) config (``IncompatibleModelError`` if there is
+        none we can page)."""
         config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         if getattr(config, "is_encoder_decoder", False):
             raise IncompatibleModelError(
@@ -273,11 +265,7 @@ class PageFormat:
     def for_geometries(self, geometries: list[tuple[int, int, int]]) -> list[Self]:
         """The formats of a model whose layer groups write ``geometries`` (``geometry_groups``; this format is the
         first's): one per distinct geometry, in order, with its count of layer groups and this format's page size,
-        dtypes and codes (its scale groups must divide the others' widths).
-
-        Raises:
-            ValueError: a scale group does not divide another geometry's width.
-        """
+        dtypes and codes (its scale groups must divide the others' widths, else ``ValueError``)."""
         distinct = list(dict.fromkeys(geometries))
         return [
             dataclasses.replace(

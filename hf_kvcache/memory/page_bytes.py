@@ -33,11 +33,8 @@ class CorruptPage(ValueError):
 
 @dataclass
 class PageData:
-    """One page's contents on the host, a tensor per ``PoolStorage.tensors`` (the module docstring's shapes).
-
-    Attributes:
-        ready: an event recorded after the copies from a CUDA pool (pinned, not waited for); ``None``: done.
-    """
+    """One page's contents on the host, a tensor per ``PoolStorage.tensors``; ``ready``: an event recorded after the
+    copies from a CUDA pool (pinned, not waited for), ``None`` once done."""
 
     tensors: tuple[torch.Tensor, ...]
     ready: Any = None
@@ -79,11 +76,8 @@ def encode_page(digest: bytes, key: PageKey, data: PageData) -> bytes:
 
 
 def decode_page(blob: bytes, digest: bytes, key: PageKey, specs: list[TensorSpec] | None) -> PageData:
-    """The page ``key`` from its bytes, whose tensors must be ``specs`` (``None``: any, as a tail's).
-
-    Raises:
-        CorruptPage: the bytes are damaged, of another page, or of another page format.
-    """
+    """The page ``key`` from its bytes, whose tensors must be ``specs`` (``None``: any, as a tail's); raises
+    ``CorruptPage`` for bytes damaged, of another page or of another page format."""
     size = KEY_BYTES
     if len(blob) < len(MAGIC) + 2 * size + 8 + size:
         raise CorruptPage(f"{len(blob)} bytes are too few for a page")

@@ -1,19 +1,13 @@
-"""``PagePool``: the pages behind a ``KVPool`` (``pool.pages``): storage, allocator, page tables and prefix index under
-one lock, so that threads running ``generate`` on different caches can share a pool (and each other's published
-pages). Caches, layers and the prefix tracker work on it.
+"""``PagePool``: the pages behind a ``KVPool`` (``pool.pages``), what caches and layers work on: storage, allocator,
+page tables and prefix index under one lock, so that threads running ``generate`` on different caches share a pool.
 
-The storage (``storage.PoolStorage``) is made once for every page id the pool may ever open (its cap, ``max_pages``;
-halved until the device grants it) and never replaced: slot indices, views and graphs compiled over it stay valid for
-the pool's life. A fixed pool opens its ids at once; a growable one (the default pools) ``DEFAULT_INITIAL_TOKENS``
-worth first, then doubling up to its cap, all or nothing. Ids are zeroed in whole extents as they open and only they
-are touched, so where memory is committed where touched (the CPU) the pool commits what it has opened.
+The storage is made once for every page id the pool may open (its cap, ``max_pages``, halved until the device grants
+it) and never replaced: slot indices, views and compiled graphs over it stay valid. A growable pool (the default
+pools) opens ``DEFAULT_INITIAL_TOKENS`` worth of ids, then doubles up to its cap, all or nothing; ids are zeroed in
+whole extents as they open, and only they are touched (committed, on the CPU).
 
-Every free page is all zeros (zeroed when opened, freed or evicted): attention that reads whole extents in place then
-reads zeros or live rows' pages, never an earlier request's NaN or inf (0 x NaN is NaN). Cached pages keep their
-contents: they count as other rows'.
-
-Tiers (``tiers``, ``configure_tiers``): pages the index evicts are copied to the host (and a directory) before they
-are zeroed, published pages to a shared store; ``restore`` writes pages back and publishes them for a lookup.
+Every free page is all zeros (zeroed when opened, freed or evicted), so attention reading whole extents in place
+reads zeros or live rows' pages, never an earlier request's NaN or inf (0 x NaN is NaN).
 """
 
 import contextlib
@@ -44,11 +38,8 @@ class PagePool:
     """The storage, allocator and page tables of one ``KVPool``, under one lock (``KVPool``'s arguments).
 
     Attributes:
-        storage: the page storage, made once; write it inside ``held``.
-        lock: held around every change of pages, tables and the index.
+        storage: the page storage (``storage.PoolStorage``); write it inside ``held``.
         max_pages: page ids the pool may open at most, the null page included.
-        budget: the memory budget the ids it opens draw from (a default pool's), or ``None``.
-        alerts: the use alerts (``KVPool.add_alert_callback``).
         tiers: where prefix pages go besides the pool (``configure_tiers``), or ``None``.
     """
 
@@ -149,11 +140,8 @@ class PagePool:
 
     def ensure_free(self, num: int) -> None:
         """Makes sure ``num`` pages are free: the free ones, then cached pages evicted (least recently used first,
-        zeroed), then room a growable pool grows into. Nothing is evicted unless ``num`` fit.
-
-        Raises:
-            PoolExhaustedError: the pool (at its cap) cannot hold ``num`` more pages, cached ones counted.
-        """
+        zeroed), then room a growable pool grows into. Raises ``PoolExhaustedError``, nothing evicted, if
+        the pool at its cap cannot hold ``num`` more."""
         with self.lock:
             num_cached = self._allocator.num_cached
             if num > self._allocator.num_available and not self._grow(num - num_cached):
@@ -207,7 +195,6 @@ class PagePool:
             return freed
 
     def _zero_pages(self, pages: list[int]) -> None:
-        """Zeroes every layer's slots of ``pages``."""
         if pages:
             index = torch.tensor(pages, dtype=torch.long, device=self.device)
             for tensor in self.storage.tensors:
@@ -229,7 +216,6 @@ class PagePool:
         return datas
 
     def _write_pages(self, pages: list[int], datas: list[PageData]) -> None:
-        """Writes each page's contents (``_read_pages``' shapes) into ``pages`` of every storage tensor."""
         for page, data in zip(pages, datas):
             for tensor, slots in zip(self.storage.tensors, data.wait().tensors):
                 tensor[:, :, page].copy_(slots, non_blocking=True)
@@ -260,7 +246,6 @@ class PagePool:
 
     @property
     def prefix_caching(self) -> bool:
-        """Whether the pool keeps a prefix index."""
         return self._allocator.index is not None
 
     def enable_prefix_caching(self) -> None:
@@ -307,11 +292,8 @@ class PagePool:
         return self._allocator.index.tail(key)
 
     def configure_tiers(self, settings: TierSettings | None) -> None:
-        """Gives the pool's prefix index the tiers of ``settings`` (a no-op for ``None``, none enabled, or the pool's).
-
-        Raises:
-            ValueError: the pool keeps no prefix index, or has tiers of other settings.
-        """
+        """Gives the pool's prefix index the tiers of ``settings`` (a no-op for ``None``, none enabled, or the pool's);
+        ``ValueError`` without a prefix index, or with tiers of other settings."""
         if settings is None or not settings.enabled:
             return
         with self.lock:
@@ -333,13 +315,8 @@ class PagePool:
 
     def restore(self, keys: list[PageKey], fetched: dict[PageKey, tuple[str, PageData]]) -> list[int]:
         """Takes a reference to each page of ``keys`` the index holds (so that nothing evicts it) and brings back each
-        ``fetched`` page it lacks, published under its key (and taken; those that do not fit stay out). Returns the
-        pages taken: free them once the lookup attached what it wanted.
-
-        Args:
-            keys: the page keys a lookup wants.
-            fetched: ``PageTiers.fetch``'s answer: for keys the tiers hold, the tier and the contents.
-        """
+        page of ``fetched`` (``PageTiers.fetch``) it lacks, published and taken (what does not fit stays out). Returns
+        the pages taken: free them once the lookup attached what it wanted."""
         with self.lock:
             held, missing = [], []
             for key in dict.fromkeys(keys):
@@ -406,7 +383,6 @@ class PagePool:
     # ----- statistics -----------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """``KVPool.stats``, under the lock."""
         with self.lock:
             max_pages = self.capacity_pages
             stats = pool_stats(self._allocator, list(self._tables), self.format, self.storage, max_pages, self.device)
@@ -417,6 +393,5 @@ class PagePool:
         self.alerts.check(held, self.capacity_pages, self.stats, self.device)
 
     def check_integrity(self) -> None:
-        """``KVPool.check_integrity``, under the lock."""
         with self.lock:
             check_integrity(self._allocator, list(self._tables), self.storage)

@@ -27,13 +27,8 @@ class Allocator(Protocol):
 
 
 class PageTable:
-    """Page ids of ``num_rows`` sequences of equal length.
-
-    Args:
-        allocator: where pages come from and go back to (a ``PageAllocator`` or a ``PagePool``, under its lock).
-        page_size: token slots per page.
-        row_extents: place each row's pages in runs after its last page (see the module docstring).
-    """
+    """Page ids of ``num_rows`` sequences of equal length, from ``allocator`` (a ``PageAllocator`` or a ``PagePool``);
+    ``row_extents``: each row's pages in runs after its last page (``Allocator.extend``)."""
 
     def __init__(self, allocator: Allocator, page_size: int, row_extents: bool = False) -> None:
         self.allocator = allocator
@@ -59,14 +54,7 @@ class PageTable:
         """Makes room for ``num_new_tokens`` more tokens in every row: shared pages the new tokens land in are copied,
         then pages appended. On an empty table, ``identical_rows[r] <= r`` names the first row identical to row ``r``:
         identical rows share their new pages. ``keeps(row, token_page)``: whether a row takes a page for a new token
-        page (else a hole); ``None``: all.
-
-        Returns:
-            ``(src, dst)`` page pairs whose contents the caller must copy before writing.
-
-        Raises:
-            PoolExhaustedError: not enough free pages; nothing changed.
-            ValueError: ``num_rows`` differs from the table's rows, or ``identical_rows`` on a non-empty table.
+        page (else a hole); ``None``: all. Returns the ``(src, dst)`` pages the caller must copy before writing.
         """
         if self.rows and num_rows != len(self.rows):
             raise ValueError(
@@ -146,12 +134,8 @@ class PageTable:
             self.version += 1
 
     def attach(self, rows: list[list[int]], num_tokens: int) -> None:
-        """Fills an empty table with pages the caller has already taken a reference to (a reused prefix).
-
-        Args:
-            rows: each row's page ids, ``ceil(num_tokens / page_size)`` of them (holes: the null page).
-            num_tokens: tokens each row holds.
-        """
+        """Fills an empty table with rows of ``num_tokens`` tokens whose pages the caller has taken a reference to (a
+        reused prefix): ``ceil(num_tokens / page_size)`` page ids each (holes: the null page)."""
         if self.rows or self.num_tokens:
             raise ValueError("Pages can only be attached to an empty table.")
         num_pages = math.ceil(num_tokens / self.page_size)
@@ -163,14 +147,8 @@ class PageTable:
         self.version += 1
 
     def make_private(self, rows: list[int], indices: list[int] | None = None) -> list[tuple[int, int]]:
-        """Gives ``rows`` their own copy of each page they share (of pages ``indices`` only, if given).
-
-        Returns:
-            the ``(src, dst)`` copies the caller must make before writing.
-
-        Raises:
-            PoolExhaustedError: not enough free pages for the copies; nothing changed.
-        """
+        """Gives ``rows`` their own copy of each page they share (of pages ``indices`` only, if given); returns the
+        ``(src, dst)`` copies the caller must make before writing."""
         cells = [(row, index) for row in rows for index in (range(len(self.rows[row])) if indices is None else indices)]
         copies = self._copy_on_write(cells, 0)[0]
         if copies:
@@ -240,7 +218,6 @@ class PageTable:
         self.version += 1
 
     def release(self) -> None:
-        """Returns every page to the pool; the table is empty afterwards."""
         self.release_rows()
         self.num_tokens = 0
         self.skips = None
@@ -264,7 +241,6 @@ class PageTable:
         return filled
 
     def references(self) -> Counter[int]:
-        """How many entries of the rows hold each page."""
         return Counter(page for row in self.rows for page in row if page != NULL_PAGE)
 
     def check_integrity(self) -> None:

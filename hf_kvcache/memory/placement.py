@@ -41,13 +41,10 @@ class Placement:
     """How one model's KV is laid out over devices and processes, as seen from this process.
 
     Attributes:
-        num_kv_heads: KV heads this process's layers hold per layer (tensor parallel: the config's divided by
-            the TP size); ``None`` for the config's.
-        layer_devices: the device each model layer writes its states on (a split model); ``None`` when every
-            layer runs on one device, or where they run is learnt at the first write (one pool per device then,
-            each cut for all layers).
-        process_group: the ``torch.distributed`` process group whose ranks run each request together (tensor
-            parallel); ``None`` for a model in one process.
+        num_kv_heads: KV heads this process's layers hold per layer (tensor parallel); ``None``: the config's.
+        layer_devices: the device each model layer writes on (a split model); ``None``: one device, or learnt at the
+            first write (a pool per device, each cut for all layers).
+        process_group: the ranks that run each request together (tensor parallel); ``None``: one process.
     """
 
     num_kv_heads: int | None = None
@@ -67,8 +64,7 @@ class Placement:
 
     def devices_for(self, model_device: str | torch.device) -> list[torch.device]:
         """The devices the layers run on: ``devices`` where given, else ``model_device``; none before the first
-        write for a model whose parameters accelerate offloaded without a device map (it leaves them on "meta" and
-        streams them to where the layers run)."""
+        write where that is "meta" (accelerate streams offloaded parameters to where the layers run)."""
         if self.devices:
             return self.devices
         device = normalize_device(model_device)
@@ -76,14 +72,9 @@ class Placement:
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp_plan: Mapping[str, str] | None, tp_size: int) -> int:
-    """KV heads each rank holds under a tensor-parallel plan.
-
-    transformers' rule (``get_kv_heads_per_rank``; a test pins the two equal): a plain ``colwise`` rule on the key
-    projection gives each rank an equal share of the heads; any other rule leaves every rank all of them.
-
-    Raises:
-        IncompatibleModelError: the heads do not split evenly over ``tp_size`` ranks.
-    """
+    """KV heads each rank holds under a tensor-parallel plan, by transformers' rule (``get_kv_heads_per_rank``; a
+    test pins the two equal): a plain ``colwise`` rule on the key projection splits the heads evenly (else
+    ``IncompatibleModelError``); any other rule leaves every rank all of them."""
     sharded = any(
         name.rsplit(".", 1)[-1] in KEY_PROJECTIONS and style == "colwise" for name, style in (tp_plan or {}).items()
     )
@@ -107,13 +98,8 @@ def layer_devices_from_map(
     places it: keys mapped to ``"cpu"`` or ``"disk"`` are offloaded and run on the main device (the map's first other
     device, in dispatch_model's order), or on the CPU where there is none.
 
-    Args:
-        device_map: e.g. ``{"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": "cpu", "lm_head": 0}``.
-        layer_modules: the module name of each layer's attention, e.g. ``"model.layers.3.self_attn"``.
-        model: the model the map is of, to read its hooks (``None``: the map alone).
-
-    Raises:
-        ValueError: a layer's module is not covered by the map.
+    ``layer_modules``: each layer's attention module, e.g. ``"model.layers.3.self_attn"``. Raises ``ValueError`` for a
+    module the map does not cover.
     """
     others = set(device_map.values()) - set(OFFLOADED)  # as accelerate.dispatch_model picks its main device
     main_device = list(others)[0] if others else "cpu"
@@ -157,11 +143,8 @@ def _as_device(value: int | str | torch.device) -> torch.device:
 def agree(values: list[int], process_group: Any, device: torch.device, op: str = "min") -> list[int]:
     """The elementwise ``op`` (``"min"`` or ``"max"``) of ``values`` over the ranks of ``process_group``.
 
-    A collective: every rank calls it, in the same order relative to the model's own collectives.
-    ``process_group=None`` returns ``values`` as they are.
-
-    Args:
-        device: where the reduction runs (a pool's device: the CPU for gloo, the GPU for NCCL).
+    A collective: every rank calls it, in the same order relative to the model's own collectives. ``device``: where
+    the reduction runs (a pool's: the CPU for gloo, the GPU for NCCL). ``process_group=None`` returns ``values``.
     """
     if process_group is None:
         return list(values)
@@ -179,10 +162,6 @@ class AgreedPages:
     so that no rank goes on alone into the model's next collective (and hangs there until the timeout). The prefix
     index is not agreed (ranks could find prefixes of different lengths): prompt reuse is refused under tensor
     parallelism.
-
-    Args:
-        pool: this rank's pool's pages (a ``PagePool``).
-        process_group: the ``torch.distributed`` process group of the ranks.
     """
 
     def __init__(self, pool: Any, process_group: Any) -> None:

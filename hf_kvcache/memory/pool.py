@@ -23,19 +23,13 @@ class KVPool(PoolFactories):
     their model otherwise (``KVPool.default``).
 
     Args:
-        page_format: geometry and dtype of a page.
         num_pages: page ids to open now, the null page included (>= 2).
-        device: where the storage lives.
         max_pages: let the pool open page ids, in doublings, up to this many (``PagePool``); ``None``: a fixed pool.
         budget: a memory budget the ids the pool opens also draw from (the default pools').
         name: register the pool under this name so a ``cache_config`` can say ``{"pool": name}``.
-        alert_thresholds: fractions of the capacity whose upward crossing logs a warning and calls the alert
-            callbacks (``stats.PoolAlerts``).
+        alert_thresholds: fractions of the capacity whose crossing alerts (``stats.PoolAlerts``).
         prefix_caching: keep a prefix index, so that caches on the pool reuse each other's prompt pages.
         prefix_tiers: where the prefix index's pages go besides the pool (``tiers``); needs ``prefix_caching``.
-
-    Attributes:
-        pages: the ``PagePool`` behind the pool, for caches and layers.
     """
 
     def __init__(
@@ -80,7 +74,6 @@ class KVPool(PoolFactories):
 
     @property
     def prefix_caching(self) -> bool:
-        """Whether the pool keeps a prefix index."""
         return self.pages.prefix_caching
 
     def reset_prefix_index(self) -> int:

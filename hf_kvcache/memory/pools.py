@@ -97,14 +97,11 @@ class PoolFactories:
         (``kv_heads_per_rank``).
 
         Args:
-            model: a transformers causal LM (its config gives the geometry).
             cache_config: the config of the caches that will draw from the pool (``hf_kvcache.PagedConfig``, ...): its
                 page size and how pages store keys and values; ``None``: a default ``PagedConfig``'s.
-            max_tokens: token slots to hold (summed over all sequences; rounded up to whole pages).
-            max_bytes: bytes of page storage.
-            memory_fraction: fraction of the device's free memory (CUDA only).
+            max_tokens / max_bytes / memory_fraction: token slots (over all sequences), bytes of pages, or a fraction of
+                the device's free memory (CUDA only).
             dtype / device: default to the model's.
-            prefix_caching: keep a prefix index: caches on the pool reuse each other's prompt pages.
             prefix_host_bytes / prefix_disk_dir / prefix_disk_bytes / prefix_store: the index's tiers
                 (``tiers.TierSettings``); any of them keeps a prefix index.
         """
@@ -161,7 +158,6 @@ class PoolFactories:
 
     @classmethod
     def named(cls, name: str) -> Self:
-        """The live pool registered under ``name``."""
         pool = _NAMED_POOLS.get(name)
         if pool is None:
             raise ValueError(f"No pool named {name!r}; live pools: {sorted(_NAMED_POOLS)}.")
@@ -181,15 +177,8 @@ class PoolFactories:
         The default pools of one device share one ``MemoryBudget`` (``DEFAULT_MAX_MEMORY_FRACTION``). Where memory is
         committed only where touched (``commits_lazily``: the CPU), a pool's cap is the whole budget and its pages draw
         on it as they open; elsewhere (CUDA) the storage commits its cap at once, so the cap is half the room left in
-        the budget, drawn at once and logged.
-
-        Args:
-            process_group: a tensor-parallel model's: the budget is then the smallest of the ranks', so that every
-                rank's default pools hold as many pages. A collective: every rank calls it.
-            max_tokens: the fixed pool's tokens; ``None``: the growable pool.
-
-        Raises:
-            ValueError: the device could never hold ``max_tokens`` tokens.
+        the budget, drawn at once and logged. With a tensor-parallel ``process_group`` the budget is the smallest of
+        the ranks' (a collective: every rank calls it).
         """
         device = normalize_device(device)
         if max_tokens is not None:
@@ -274,11 +263,7 @@ SUMMED_STATS += ("high_water_pages", "bytes_total", "bytes_reserved", "bytes_use
 class KVPoolSet:
     """The pool of a model whose layers write keys and values of different geometries (Gemma 4, MiMo-V2-Flash): a
     ``KVPool`` per geometry (``parts``, in ``PageFormat.for_geometries`` order) on one device, built, sized and reported
-    together.
-
-    Args:
-        parts: a pool per geometry, each of its own page format.
-        name: register the set under this name so a ``cache_config`` can say ``{"pool": name}``.
+    together; ``name`` as ``KVPool``'s.
     """
 
     def __init__(self, parts: list[Any], name: str | None = None) -> None:
@@ -299,7 +284,6 @@ class KVPoolSet:
 
     @property
     def formats(self) -> tuple[PageFormat, ...]:
-        """The page format of each part."""
         return tuple(part.format for part in self.parts)
 
     @property
@@ -329,6 +313,5 @@ class KVPoolSet:
             part.add_alert_callback(callback)
 
     def check_integrity(self) -> None:
-        """``KVPool.check_integrity`` of every part."""
         for part in self.parts:
             part.check_integrity()

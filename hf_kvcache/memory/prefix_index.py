@@ -65,11 +65,8 @@ def page_beside(key: PageKey) -> PageKey:
 
 
 class PrefixIndex:
-    """Page key -> page id for published pages, and the cached ones in least recently used order.
-
-    Counts lookups in rows: ``lookups`` rows asked, ``hits`` rows got at least one page, ``tokens_reused`` tokens
-    they did not prefill, ``tokens_queried`` prompt tokens they asked about.
-    """
+    """Page key -> page id for published pages, and the cached ones in least recently used order; lookups counted
+    in rows (``stats.pool_stats``)."""
 
     def __init__(self) -> None:
         self._page_of: dict[PageKey, int] = {}
@@ -87,7 +84,6 @@ class PrefixIndex:
         return len(self._cached)
 
     def page(self, key: PageKey) -> int | None:
-        """The page published under ``key``, if any."""
         return self._page_of.get(key)
 
     def is_published(self, page: int) -> bool:
@@ -109,7 +105,6 @@ class PrefixIndex:
         return True
 
     def tail(self, key: PageKey) -> Any:
-        """The tail kept under ``key``, if any."""
         return self._tails.get(key)
 
     @property

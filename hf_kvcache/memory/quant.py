@@ -36,16 +36,9 @@ COMPACT_SCALE_MAX_BITS = 0xF7F
 
 @dataclass(frozen=True)
 class QuantFormat:
-    """How one head's vectors (values, or keys) are quantized.
-
-    Attributes:
-        bits: bits per code, 8 or 4.
-        group_size: consecutive channels sharing one scale and zero (a scale group); divides ``head_dim``.
-        head_dim: channels per quantized vector; even for 4 bits (two codes per byte).
-        scale_dtype: dtype the scales (and float zeros) are stored in; ``None``: the input's dtype.
-        compact_params: store each group's scale and zero in 3 bytes (the module docstring's) instead of two
-            ``scale_dtype`` values. 4 bits only.
-    """
+    """How one head's vectors (values, or keys) are quantized: ``bits`` per code (8 or 4), ``group_size`` channels
+    of the ``head_dim`` a scale group, scales and float zeros in ``scale_dtype`` (``None``: the input's dtype), or with
+    ``compact_params`` (4 bits only) a scale and zero in 3 bytes."""
 
     bits: int
     group_size: int
@@ -101,14 +94,8 @@ class QuantFormat:
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """Packs 4-bit codes two per byte: channel ``2i`` in the low nibble, ``2i + 1`` in the high nibble.
-
-    Args:
-        codes: ``[..., n]`` uint8 in ``[0, 15]``, ``n`` even.
-
-    Returns:
-        ``[..., n // 2]`` uint8.
-    """
+    """Packs 4-bit codes ``[..., n]`` (uint8, ``n`` even) two per byte, ``[..., n // 2]``: channel ``2i`` in the low
+    nibble, ``2i + 1`` in the high one."""
     if codes.dtype != torch.uint8 or codes.shape[-1] % 2:
         raise ValueError(f"pack_int4 needs uint8 codes with an even last dim, got {codes.dtype} {tuple(codes.shape)}.")
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
@@ -120,16 +107,11 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantizes vectors group by group (computed in float32).
-
-    Args:
-        x: ``[..., head_dim]`` floating values, finite, ``|x| <= finfo(d).max / 2`` for ``x.dtype`` and the scale dtype.
-        fmt: the quantization format.
+    """Quantizes ``x [..., head_dim]`` (finite, within the module docstring's bounds) group by group in float32.
 
     Returns:
         ``(codes, scale, zero)``: codes ``[..., code_dim]`` uint8; scale and zero ``[..., num_scale_groups]`` in
-        ``fmt.scale_dtype or x.dtype`` (compact: int16 words, int8 zeros). ``scale >= 0``, and ``scale == 0`` for the
-        constant groups that reconstruct exactly.
+        ``fmt.scale_dtype or x.dtype`` (compact: int16 words, int8 zeros); ``scale == 0`` for exact constant groups.
     """
     if not x.is_floating_point() or x.shape[-1] != fmt.head_dim:
         raise ValueError(f"quantize needs floating x of shape [..., {fmt.head_dim}], got {x.dtype} {tuple(x.shape)}.")
@@ -228,16 +210,9 @@ def join_scales(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
 def dequantize(
     codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The reference: ``code * scale + base`` per group in float32 (a product, then a sum; ``base`` is the zero, or
-    for compact parameters ``z * scale / 16``), rounded once to ``dtype``. The fast decoders (``dequant``) do the same
-    operations in the same order.
-
-    Args:
-        codes: ``[..., code_dim]`` uint8. scale, zero: ``[..., num_scale_groups]``.
-
-    Returns:
-        ``[..., head_dim]`` in ``dtype``.
-    """
+    """The reference decoder: ``codes [..., code_dim]`` with ``scale``, ``zero [..., num_scale_groups]`` to
+    ``[..., head_dim]`` in ``dtype``: ``code * scale + base`` in float32 (a product, then a sum; ``base``: the zero,
+    or ``z * scale / 16``), rounded once. The fast decoders (``dequant``) do the same ops in the same order."""
     unpacked = codes if fmt.bits == 8 else unpack_int4(codes)  # [..., head_dim]
     groups = unpacked.float().unflatten(
         -1, (fmt.num_scale_groups, fmt.group_size)

@@ -94,12 +94,8 @@ def tier_stats(stats: dict[str, Any], hits: dict[str, int], tiers: PageTiers | N
 
 
 class PoolAlerts:
-    """Thresholds on the share of a pool's capacity held: each upward crossing logs a warning and calls the
-    callbacks, once per crossing (a threshold re-arms when the share falls back below it).
-
-    Args:
-        thresholds: fractions in ``(0, 1]``.
-    """
+    """Thresholds (fractions in ``(0, 1]``) on the share of a pool's capacity held: each upward crossing logs a
+    warning and calls the callbacks once (a threshold re-arms when the share falls back below it)."""
 
     def __init__(self, thresholds: tuple[float, ...]) -> None:
         if any(not 0 < threshold <= 1 for threshold in thresholds):

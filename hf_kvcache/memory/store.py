@@ -71,11 +71,7 @@ class StoreAddress:
 def parse_store_url(url: str, setting: str = "prefix_store") -> StoreAddress:
     """Reads ``redis://[user:password@]host[:port][/db][?timeout=seconds]`` (``rediss://``: TLS;
     ``unix:///path/to.sock[?db=0]``; a cluster: ``redis+cluster://[user:password@]host:port[,host:port...]``,
-    ``rediss+cluster://``, db 0 only).
-
-    Raises:
-        TypeError: ``url`` is not a string; ValueError: not such a URL (both name ``setting`` and the value).
-    """
+    ``rediss+cluster://``, db 0 only); ``TypeError`` or ``ValueError`` naming ``setting`` otherwise."""
     if not isinstance(url, str):
         raise TypeError(f"{setting} must be a URL string such as 'redis://localhost:6379/0', got {url!r}.")
     example = "give 'redis://host:port/db' (or rediss://host:port/db, unix:///path/to.sock, a cluster's nodes as "
@@ -205,14 +201,8 @@ class Connection:
 
 
 class RedisStore:
-    """A server's or a cluster's connections (a few kept idle per node), used from any thread; every call is
-    fail-open.
-
-    Attributes:
-        url: ``parse_store_url``'s URL without its password (what logs and ``stats()`` show).
-        errors: calls that failed, once per node and call.
-        redirections: ``MOVED`` and ``ASK`` answers followed, by kind.
-    """
+    """A server's or a cluster's connections (a few kept idle per node), used from any thread, every call fail-open.
+    ``url``: without its password; ``errors``: calls failed, per node; ``redirections``: ``MOVED``/``ASK`` followed."""
 
     def __init__(self, url: str) -> None:
         self._address = parse_store_url(url)

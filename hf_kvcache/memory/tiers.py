@@ -66,10 +66,8 @@ class TierSettings:
 
     Attributes:
         host_bytes: host memory for pages the index evicts (0: none).
-        disk_dir: a local directory for pages pushed out of host memory (or evicted, without host memory); pages
-            found there survive a restart.
-        disk_bytes: bytes of the directory's pages at most (required with ``disk_dir``).
-        store: a Redis URL (``redis://host:port/db``) that published pages also go to, shared between processes.
+        disk_dir: a directory for pages pushed out of host memory (or evicted, without it), ``disk_bytes`` at most.
+        store: a Redis URL that published pages also go to, shared between processes.
     """
 
     host_bytes: int = 0
@@ -225,10 +223,7 @@ class DiskTier:
 
 class PageTiers:
     """A pool's tiers (``TierSettings``) for pages of ``page_format`` whose tensors are ``specs`` (shape, dtype).
-
-    Thread-safe: the pool calls ``spill`` and ``publish`` under its lock, lookups call ``fetch`` outside it; one
-    background thread writes the directory and the store.
-    """
+    Thread-safe: the pool calls ``spill`` and ``publish`` under its lock, lookups call ``fetch`` outside it."""
 
     def __init__(self, settings: TierSettings, page_format: PageFormat, specs: list[TensorSpec]) -> None:
         self.settings = settings
