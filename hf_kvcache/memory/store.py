@@ -68,18 +68,18 @@ class StoreAddress:
     nodes: tuple[Node, ...] = ()
 
 
-def parse_store_url(url: str, setting: str = "prefix_store") -> StoreAddress:
+def parse_store_url(url: str) -> StoreAddress:
     """Reads ``redis://[user:password@]host[:port][/db][?timeout=seconds]`` (``rediss://``: TLS;
     ``unix:///path/to.sock[?db=0]``; a cluster: ``redis+cluster://[user:password@]host:port[,host:port...]``,
-    ``rediss+cluster://``, db 0 only); ``TypeError`` or ``ValueError`` naming ``setting`` otherwise."""
+    ``rediss+cluster://``, db 0 only); ``TypeError`` or ``ValueError`` naming ``prefix_store`` otherwise."""
     if not isinstance(url, str):
-        raise TypeError(f"{setting} must be a URL string such as 'redis://localhost:6379/0', got {url!r}.")
+        raise TypeError(f"prefix_store must be a URL string such as 'redis://localhost:6379/0', got {url!r}.")
     example = "give 'redis://host:port/db' (or rediss://host:port/db, unix:///path/to.sock, a cluster's nodes as "
     example += "redis+cluster://host:port,host:port)"
     parts = urlsplit(url)
     cluster = parts.scheme.endswith("+cluster")
     if parts.scheme not in STORE_SCHEMES or not (parts.netloc or parts.path):
-        raise ValueError(f"{setting}={url!r} is not a Redis URL: {example}.")
+        raise ValueError(f"prefix_store={url!r} is not a Redis URL: {example}.")
     query = {key: values[-1] for key, values in parse_qs(parts.query).items()}
     try:
         hosts = [urlsplit(f"//{host}") for host in parts.netloc.rpartition("@")[2].split(",")]
@@ -87,15 +87,15 @@ def parse_store_url(url: str, setting: str = "prefix_store") -> StoreAddress:
         db = int(query.get("db", parts.path.lstrip("/") if parts.scheme != "unix" else 0) or 0)
         timeout = float(query.get("timeout", STORE_TIMEOUT_S))
     except ValueError as error:
-        raise ValueError(f"{setting}={url!r}: {error}; {example}.") from None
+        raise ValueError(f"prefix_store={url!r}: {error}; {example}.") from None
     if db < 0 or not timeout > 0:
-        raise ValueError(f"{setting}={url!r}: the db must be >= 0 and the timeout > 0 seconds.")
+        raise ValueError(f"prefix_store={url!r}: the db must be >= 0 and the timeout > 0 seconds.")
     if cluster and not all(host.hostname for host in hosts):
-        raise ValueError(f"{setting}={url!r}: a node without a host; {example}.")
+        raise ValueError(f"prefix_store={url!r}: a node without a host; {example}.")
     if cluster and db:
-        raise ValueError(f"{setting}={url!r}: a Redis Cluster has db 0 only; leave the db out of the URL.")
+        raise ValueError(f"prefix_store={url!r}: a Redis Cluster has db 0 only; leave the db out of the URL.")
     if not cluster and len(nodes) > 1:
-        raise ValueError(f"{setting}={url!r} names several servers: for a cluster's nodes write redis+cluster://.")
+        raise ValueError(f"prefix_store={url!r} names several servers: for a cluster's nodes write redis+cluster://.")
     display = url if parts.password is None else url.replace(f":{parts.password}@", ":***@", 1)
     return StoreAddress(
         host=nodes[0][0],
