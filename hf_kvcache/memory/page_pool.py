@@ -27,7 +27,7 @@ from hf_kvcache.memory.page_bytes import PageData
 from hf_kvcache.memory.page_table import Allocator, PageTable
 from hf_kvcache.memory.placement import AgreedPages, normalize_device
 from hf_kvcache.memory.prefix_index import PageKey
-from hf_kvcache.memory.stats import PoolAlerts, check_integrity, pool_stats, tier_stats
+from hf_kvcache.memory.stats import PoolAlerts, check_integrity, pool_stats
 from hf_kvcache.memory.storage import PoolStorage
 from hf_kvcache.memory.tiers import TIERS, PageTiers, TierSettings
 
@@ -384,9 +384,10 @@ class PagePool:
 
     def stats(self) -> dict[str, Any]:
         with self.lock:
-            max_pages = self.capacity_pages
-            stats = pool_stats(self._allocator, list(self._tables), self.format, self.storage, max_pages, self.device)
-            return tier_stats(stats, self._tier_hits, self.tiers)
+            max_pages, tables = self.capacity_pages, list(self._tables)
+            return pool_stats(
+                self._allocator, tables, self.format, self.storage, max_pages, self.device, self._tier_hits, self.tiers
+            )
 
     def _check_alerts(self) -> None:
         held = self._allocator.num_used - self._allocator.num_cached  # cached pages are as good as free

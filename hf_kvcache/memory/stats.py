@@ -26,6 +26,8 @@ def pool_stats(
     storage: PoolStorage,
     max_pages: int,
     device: torch.device,
+    tier_hits: dict[str, int],
+    tiers: PageTiers | None,
 ) -> dict[str, Any]:
     """A pool's live statistics as a plain dict (``KVPool.stats``, under the pool's lock).
 
@@ -39,6 +41,15 @@ def pool_stats(
     up, ``prefix_hits`` reused a page or more, ``prefix_tokens_reused`` tokens not prefilled, ``prefix_hit_rate`` the
     share of looked-up tokens reused; ``prefix_tails`` / ``prefix_tail_bytes``: what caches keep beside published
     pages (``prefix_index``), outside ``bytes_total``.
+
+    The prefix tiers' counts (zeros and ``None`` without tiers): ``prefix_hits_{device,host,disk,store}``: pages
+    lookups attached, by where each was found (once per row). ``prefix_host_pages`` / ``prefix_host_bytes`` (within
+    ``prefix_host_max_bytes``) and ``prefix_disk_pages`` / ``prefix_disk_bytes``: held there; ``prefix_pages_spilled``:
+    evicted into the tiers; ``prefix_pages_dropped``: directory or store writes given up (the writer too far behind,
+    the directory failing); ``prefix_store``: its URL, ``prefix_store_writes``, ``prefix_store_errors`` (calls failed),
+    ``prefix_store_redirections`` (a cluster's ``MOVED`` and ``ASK`` followed), ``prefix_store_bytes_read``;
+    ``prefix_pages_rejected``: pages read back that failed their checks (recomputed); ``prefix_bytes_restored``: bytes
+    written back into the pool from any tier.
     """
     filled: dict[int, int] = {}
     for table in tables:
@@ -74,23 +85,9 @@ def pool_stats(
         "prefix_hit_rate": index.tokens_reused / queried if queried else 0.0,
         "prefix_tails": index.num_tails if index is not None else 0,
         "prefix_tail_bytes": index.tail_bytes if index is not None else 0,
+        **{f"prefix_hits_{tier}": count for tier, count in tier_hits.items()},
+        **(tiers.stats() if tiers is not None else NO_TIER_STATS),
     }
-
-
-def tier_stats(stats: dict[str, Any], hits: dict[str, int], tiers: PageTiers | None) -> dict[str, Any]:
-    """``stats`` with the prefix tiers' counts (zeros and ``None`` without tiers).
-
-    ``prefix_hits_device``, ``_host``, ``_disk``, ``_store``: pages lookups attached, by where each was found (once per
-    row). ``prefix_host_pages`` / ``prefix_host_bytes`` (within ``prefix_host_max_bytes``) and ``prefix_disk_pages`` /
-    ``prefix_disk_bytes``: held there; ``prefix_pages_spilled``: evicted into the tiers; ``prefix_pages_dropped``:
-    directory or store writes given up (the writer too far behind, the directory failing); ``prefix_store``: its URL,
-    ``prefix_store_writes``, ``prefix_store_errors`` (calls failed), ``prefix_store_redirections`` (a cluster's
-    ``MOVED`` and ``ASK`` followed), ``prefix_store_bytes_read``; ``prefix_pages_rejected``: pages read back that
-    failed their checks (recomputed); ``prefix_bytes_restored``: bytes written back into the pool from any tier.
-    """
-    stats.update({f"prefix_hits_{tier}": count for tier, count in hits.items()})
-    stats.update(tiers.stats() if tiers is not None else NO_TIER_STATS)
-    return stats
 
 
 class PoolAlerts:

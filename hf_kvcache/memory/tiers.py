@@ -333,7 +333,7 @@ class PageTiers:
             return self._idle.wait_for(lambda: self._pending == 0, timeout)
 
     def stats(self) -> dict[str, Any]:
-        """The tiers' counts for ``KVPool.stats`` (``stats.tier_stats`` says what each is)."""
+        """The tiers' counts for ``KVPool.stats`` (``stats.pool_stats`` says what each is)."""
         with self._lock:
             counts = self.counts
             return {
