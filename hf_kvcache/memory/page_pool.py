@@ -53,15 +53,13 @@ class PagePool:
         alert_thresholds: tuple[float, ...],
         prefix_caching: bool,
     ) -> None:
-        if num_pages < 2:
-            raise ValueError(f"num_pages={num_pages} is too small: a pool needs the null page plus at least one page.")
+        self._allocator = PageAllocator(num_pages, page_format.extent_pages, prefix_caching)  # checks num_pages
         if max_pages is not None and max_pages < num_pages:
             raise ValueError(f"max_pages={max_pages} is below num_pages={num_pages}.")
         self.alerts = PoolAlerts(alert_thresholds)
         self.format = page_format
         self.device = normalize_device(device)
         self.lock = threading.RLock()
-        self._allocator = PageAllocator(num_pages, page_format.extent_pages, prefix_caching)
         self._prefix_epoch = 0
         self.max_pages = max_pages or num_pages
         self.budget = budget
@@ -337,7 +335,7 @@ class PagePool:
             self._write_pages(pages, datas)
             for key, page in zip(missing, pages):
                 self._allocator.publish(key, page)
-            self.tiers.restored(missing, [fetched[key][0] for key in missing], sum(data.nbytes for data in datas))
+            self.tiers.restored(missing, sum(data.nbytes for data in datas))
             return held + pages
 
     def flush_tiers(self, timeout: float | None = 30.0) -> bool:

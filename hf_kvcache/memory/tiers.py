@@ -309,10 +309,9 @@ class PageTiers:
             self.store.delete(rejected)  # the page recomputed here then takes their place
         return found
 
-    def restored(self, keys: list[PageKey], tiers: list[str], num_bytes: int) -> None:
+    def restored(self, keys: list[PageKey], num_bytes: int) -> None:
         """Counts pages the pool brought back; they leave host memory (the index holds them again)."""
         with self._lock:
-            self.counts.update(f"restored_{tier}" for tier in tiers)
             self.counts["bytes_restored"] += num_bytes
             if self.host is not None:
                 for key in keys:
