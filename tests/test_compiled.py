@@ -277,7 +277,7 @@ class OpCount(TorchDispatchMode):
         ("paged_pool", {}, 1.1),
         ("sliding_ring", {"window": 16, "sink_tokens": 2}, 1.1),
         # Coding the token, dequantizing and the window: 272 ops against 168 on this 2-layer model (1.62x), which
-        # only run compiled (fused); eager steps are not planned (docs/compiled.md).
+        # only run compiled (fused); an eager step's plan reads its tokens, not a capacity bucket (docs/compiled.md).
         ("quantized_values", QUANTIZED_VALUES["by-page"], None),
     ],
     ids=["paged", "ring", "quantized_values"],

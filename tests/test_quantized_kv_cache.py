@@ -263,7 +263,7 @@ def test_bad_settings_name_the_key(tiny_llama_model):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("key_bits", [8, 4])
 def test_decoded_keys_equal_the_reference_bitwise(tiny_llama_model, key_bits, dtype):
-    """The fast path (``dequantize_into`` over the gathered pages, channel-major pages into a transposed view)
+    """The fast path (``dequantize_joined_into`` over the gathered pages, channel-major pages into a transposed view)
     against the reference ``dequantize`` of the same stored codes."""
     cache = QuantizedKVCache(
         tiny_llama_model.config,
