@@ -10,8 +10,8 @@ class PoolExhaustedError(RuntimeError):
         requested_pages: pages the failing request asked for.
         free_pages: pages free when it asked.
         total_pages: usable pages of the pool (the cap, for a pool that grows).
-        exceeds_pool: the request needs more pages than the whole pool holds: it can never fit, however many free
-            up (otherwise it may fit once other requests give pages back).
+        exceeds_pool: the request needs more pages than the whole pool: it can never fit (otherwise it may once
+            other requests give pages back).
     """
 
     def __init__(self, requested_pages: int, free_pages: int, total_pages: int, hint: str = "") -> None:
@@ -37,13 +37,10 @@ class IncompatibleModelError(ValueError):
 
 
 class MissingExtraError(ModuleNotFoundError):
-    """A tool of hf_kvcache (evaluation, benchmarks, cards, the bundled model) needs a package its extra installs.
-
-    The core (``pip install hf_kvcache``) needs torch, transformers and packaging only; the tools' packages come
-    with an extra, which the message names.
+    """A tool of hf_kvcache (evaluation, benchmarks, cards, the bundled model) needs a package the core leaves out.
 
     Attributes:
-        extra: the extra that installs the missing package (``pip install 'hf_kvcache[<extra>]'``).
+        extra: the extra that installs it (``pip install 'hf_kvcache[<extra>]'``), which the message names.
         name: the missing module, as ``ModuleNotFoundError.name``.
     """
 

@@ -1,16 +1,10 @@
-"""Every use of transformers that is not its public API, in one place.
+"""Every use of transformers beyond its public top-level names, in one place.
 
 The rest of hf_kvcache imports only names of the top-level ``transformers`` package (``tests/test_layering.py``
-checks it); what transformers offers only through a submodule, a private attribute or an attribute it does
-not document is reached here, by one small function each (each says what it reaches), or re-exported by name:
-``DummyLayer`` (the layer a cache keeps for a layer that caches nothing), ``LinearAttentionLayer`` (the convolution
-and recurrent states a layer that fuses attention with a state-space block keeps), ``sdpa_attention_forward`` and
-``sdpa_mask`` (sdpa's attention function and mask builder), ``check_python_requirements`` (the check transformers
-runs on a ``custom_generate/requirements.txt``). ``tests/test_transformers_internals.py`` pins each of them against
-the installed release, so that an upgrade that moves one fails there first.
-
-Only ``hf_kvcache.integration.seams`` and ``hf_kvcache.bundled.model`` call the writers (``set_*``,
-``remove_attention``, ``drop_quantizer``).
+checks it). What transformers offers only through a submodule or a private attribute is re-exported here, or reached
+by one small function each; ``tests/test_transformers_internals.py`` pins each against the installed release, so an
+upgrade that moves one fails there first. Only ``integration.seams`` and ``bundled.model`` call the writers
+(``set_*``, ``remove_attention``, ``drop_quantizer``).
 """
 
 from collections.abc import Callable
@@ -56,24 +50,19 @@ def attn_implementation(config: PreTrainedConfig) -> str | None:
 
 
 def layer_types_and_kwargs(config: PreTrainedConfig) -> tuple[list[str], list[dict[str, Any]]]:
-    """Each layer's attention type (``full_attention``, ``sliding_attention``, ``dummy``, ...) and the keywords of
-    its cache layer (a sliding layer's ``sliding_window``), exactly as transformers' own caches read them."""
+    """Each layer's type (``full_attention``, ``sliding_attention``, ``dummy``, ...) and its cache layer's keywords
+    (``sliding_window``), as transformers' own caches read them."""
     return get_layer_types_and_kwargs(config)
 
 
 def commit_hash(config: PreTrainedConfig) -> str | None:
-    """The hub revision a model's config was loaded from; ``None`` where the config does not say.
-
-    transformers 5 does not keep ``_commit_hash`` on a loaded config (it pops the key), so this is ``None``
-    with the releases we support (``tests/test_transformers_internals.py`` pins it).
-    """
+    """The hub revision a config was loaded from; ``None`` with transformers 5, which pops ``_commit_hash``."""
     return getattr(config, "_commit_hash", None)
 
 
 def tensor_parallel_group(model: Any) -> Any:
-    """The ``torch.distributed`` process group of the ranks a tensor-parallel model is sharded over: the ``"tp"``
-    axis of the device mesh ``from_pretrained(..., tp_plan=...)`` keeps in ``model._device_mesh``; ``None`` for a
-    model loaded without one."""
+    """The process group of a tensor-parallel model's ranks (the ``"tp"`` axis of ``model._device_mesh``); ``None``
+    for a model loaded without one."""
     mesh = getattr(model, "_device_mesh", None)
     if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
         return None
@@ -81,8 +70,7 @@ def tensor_parallel_group(model: Any) -> Any:
 
 
 def cache_layer_state(layer: Any) -> list[Any]:
-    """Every attribute value of a transformers cache layer: its tensors (quantized layers keep theirs in private
-    attributes) and its counters."""
+    """Every attribute value of a transformers cache layer (quantized layers keep their tensors in private ones)."""
     return list(vars(layer).values())
 
 
@@ -107,21 +95,17 @@ def set_prepare_cache_method(method: Callable[..., Any]) -> None:
 
 
 def prepare_inputs_method() -> Callable[..., Any]:
-    """``GenerationMixin.prepare_inputs_for_generation``: what each forward pass of ``generate`` is fed, from the
-    sequences so far, the one place a cache sees token ids (``_prefill`` passes the whole prompt with
-    ``is_first_iteration=True`` and, where it slices it itself, ``next_sequence_length``)."""
+    """``GenerationMixin.prepare_inputs_for_generation``, the one place a cache sees each forward pass's token ids."""
     return GenerationMixin.prepare_inputs_for_generation
 
 
 def set_prepare_inputs_method(method: Callable[..., Any]) -> None:
-    """Replaces ``GenerationMixin.prepare_inputs_for_generation`` for every model that does not override it (models
-    that do call it through ``super()``)."""
+    """Replaces ``GenerationMixin.prepare_inputs_for_generation`` (models that override it call it via ``super()``)."""
     GenerationMixin.prepare_inputs_for_generation = method
 
 
 def prefill_method() -> Callable[..., Any]:
-    """``GenerationMixin._prefill``: a request's first forward pass, or with ``prefill_chunk_size`` its chunks, each
-    through the forward it picks then (compiled where ``_valid_auto_compile_criteria`` says so)."""
+    """``GenerationMixin._prefill``: a request's first forward pass, or its chunks with ``prefill_chunk_size``."""
     return GenerationMixin._prefill
 
 
@@ -131,29 +115,25 @@ def set_prefill_method(method: Callable[..., Any]) -> None:
 
 
 def remove_attention(name: str) -> None:
-    """Drops ``name`` from ``AttentionInterface`` and ``AttentionMaskInterface`` (their ``_global_mapping``:
-    ``register`` has no public undo; a no-op where it is absent)."""
+    """Drops ``name`` from ``AttentionInterface`` and ``AttentionMaskInterface`` (``register`` has no public undo);
+    a no-op where it is absent."""
     for interface in (AttentionInterface, AttentionMaskInterface):
         interface._global_mapping.pop(name, None)
 
 
 def drop_quantizer(model: Any) -> None:
-    """Forgets a loaded model's quantizer and its config entry, so ``save_pretrained`` writes a plain checkpoint.
-
-    For a model whose weights are already dequantized (a GGUF file loads as plain floats but keeps a quantizer
-    that refuses ``save_pretrained``).
-    """
+    """Forgets the quantizer of a model whose weights are already dequantized (a GGUF file's), so that
+    ``save_pretrained`` writes a plain checkpoint."""
     model.hf_quantizer = None
     del model.config.quantization_config
 
 
 def causal_lm_model_types() -> list[str]:
-    """The ``model_type`` of every causal LM transformers' ``AutoModelForCausalLM`` builds, in its auto mapping's
-    order (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, a submodule's)."""
+    """The ``model_type`` of every causal LM ``AutoModelForCausalLM`` builds, in its auto mapping's order."""
     return list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
 def serves_dynamic_cache(model: Any) -> bool:
-    """Whether ``generate`` gives ``model`` a ``DynamicCache`` (``_supports_default_dynamic_cache``, private): not for
-    the models that keep a cache of their own (MiniMax's, RWKV's, XLNet's memory, ...)."""
+    """Whether ``generate`` gives ``model`` a ``DynamicCache`` (not to models with a cache of their own: MiniMax's,
+    RWKV's, ...)."""
     return type(model)._supports_default_dynamic_cache()

@@ -1,6 +1,6 @@
-"""The mask of in-place decode attention over a pool's pages (``PagedBlockMask``): FlexAttention's ``BlockMask``
-lists built from the page tables directly, refilled in place step after step, and the storage views it covers
-(``view_pages``). ``hf_kvcache.attention.flex`` says how the lists are laid out and runs the kernel over them."""
+"""The mask of in-place decode attention (``PagedBlockMask``): FlexAttention's ``BlockMask`` lists built from the page
+tables, refilled in place step after step, and the storage views it covers (``view_pages``). ``attention.flex`` says
+how the lists are laid out."""
 
 import torch
 
@@ -31,10 +31,9 @@ class PagedBlockMask:
         window: a window's ``(window, sink_tokens)`` (``hf_kvcache.layers.window``): a row sees its last ``window``
             tokens and its first ``sink_tokens`` real ones; ``None``: every token.
 
-    ``update(...)`` refills it in place from a page table, ``advance(...)`` moves it one token on; ``arguments``
-    (the same tensors every time) then serve every layer of the layer group for the step. The compiled function
-    builds the ``BlockMask`` from them, so dynamo guards on a few tensors, not on a ``BlockMask`` and the closure of
-    its ``mask_mod``.
+    ``update`` refills its ``tensors`` in place from a page table (``advance``: one token on), for every layer of the
+    layer group in the step. The compiled function builds the ``BlockMask`` from them, so dynamo guards on a few
+    tensors, not on a ``BlockMask`` and its ``mask_mod``'s closure.
     """
 
     def __init__(
@@ -78,7 +77,7 @@ class PagedBlockMask:
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        """The mask's tensors."""
+        """The mask's tensors, in ``_paged_flex``'s argument order."""
         return (
             self.kv_num_blocks,
             self.kv_indices,

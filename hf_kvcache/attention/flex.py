@@ -1,34 +1,26 @@
 """FlexAttention over a pool's pages, in place: a decode step reads each row's keys and values where they lie.
 
 A layer's storage goes to ``flex_attention`` as a view of its first pages, ``[1, num_kv_heads, num_pages *
-page_size, head_dim]`` (one batch row, broadcast over the query's rows). The view covers only as many pages as the
-step needs, rounded up to a power of two extents (``block_mask.view_pages``), because inductor's CPU kernel allocates
-scratch the size of its whole key sequence at every call. What each query row may see is a ``BlockMask`` built from
-the page tables directly (no ``create_block_mask``):
+page_size, head_dim]`` (broadcast over the query's rows), rounded up to a power of two extents
+(``block_mask.view_pages``): inductor's CPU kernel allocates scratch the size of its whole key sequence at every call.
+Its ``BlockMask`` is built from the page tables directly (``PagedBlockMask``):
 
-- a KV block is one *extent* of ``extent_pages`` pages (``KV_BLOCK_TOKENS`` tokens; the allocator places each row's
-  pages in aligned extents), so a block's index is its extent id;
-- ``full_kv_indices``: extents all of whose pages are the row's and wholly visible (``mask_mod`` not evaluated:
-  attention does not depend on the order of the pages inside);
-- ``kv_indices``: the row's other extents (the first, after left padding; the last, partly filled; extents that
-  also hold other rows' pages), then fillers: extents other rows of the step visit, hidden for this row, so that
+- a KV block is one *extent* (the allocator places each row's pages in aligned extents): a block's index is its
+  extent id;
+- ``full_kv_indices``: extents whose pages are all the row's and wholly visible (``mask_mod`` not evaluated);
+- ``kv_indices``: the row's other extents, then fillers (extents other rows visit, hidden for this row), so that
   every row has the same counts (inductor's CPU decode kernel has a fast path only then).
 
-``mask_mod`` is the whole truth, the block lists only an optimization: it maps a slot to its row's logical position
-through ``page_position[row, page]`` (-1: not this row's page) and keeps ``pad[row] <= position < num_tokens``
-(a window's: also ``position >= num_tokens - window`` or before the row's sinks' end). A
-masked slot still enters the kernel's sums as ``0 x value``, so everything in the extents a row visits must be
-finite: the row's pages, other live rows' pages (``PagePool.foreign_pages``) and free pages (all zeros).
+``mask_mod`` is the whole truth, the block lists only an optimization: it maps a slot to its row's position through
+``page_position[row, page]`` (-1: not this row's) and keeps ``pads[row] <= position < num_tokens`` (a window's: also
+its last ``window`` tokens or before its sinks' end). A masked slot still enters the sums as ``0 x value``, so every
+page of a visited extent must be finite: the row's, other live rows' (``PagePool.foreign_pages``) and free pages
+(zeros). GQA is packed: the query heads of a KV head are its query rows, so each page is read once per KV head.
 
-GQA is packed: the query heads sharing a KV head become query rows of it, so every page is read once per KV head.
-
-Compiling: ``torch.compile(dynamic=False, fullgraph=True)`` (``dynamic=True`` does not compile this mask on CPU), one
-compiled function per *shape key* (batch, view pages, heads, dtype, page geometry, softmax scale, threads, grad
-mode), each with its own code object: dynamo counts ``recompile_limit`` per code object and past it runs flex
-uncompiled. The mask's tensors are refilled in place, so growing rows recompile only when their pages pass a power
-of two extents. Past ``MAX_SHAPE_KEYS`` keys, or where compiling is impossible (``unavailable``), callers take the
-gather path (``hf_kvcache.attention.kernels``), the slow twin. While a shape compiles, other threads wait at their
-next module call (``ForwardGate``); ``hf_kvcache.integration.warmup`` compiles the shapes before traffic.
+Compiling: ``torch.compile(dynamic=False, fullgraph=True)`` (``dynamic=True`` does not compile this mask on CPU),
+one function per *shape key*, each with its own code object (dynamo counts ``recompile_limit`` per code object, and
+past it runs flex uncompiled). Past ``MAX_SHAPE_KEYS`` keys, or where compiling is impossible (``unavailable``),
+callers gather (``attention.kernels``); while a shape compiles, other threads wait (``ForwardGate``).
 """
 
 import contextlib
@@ -53,12 +45,11 @@ MAX_SHAPE_KEYS = 32
 Q_BLOCK = 128
 """Query rows per block: one block for a decode step's packed query rows (the queries per KV head)."""
 MIN_IN_PLACE_TOKENS = 2048
-"""Decode steps with fewer tokens than this over all rows (``batch x tokens``) gather instead: a compiled call has
-a fixed cost over sdpa, which the copy it saves repays only past about 1-2k tokens (docs/attention.md)."""
+"""Decode steps with fewer tokens over all rows (``batch x tokens``) gather: a compiled call's fixed cost over sdpa
+is more than the copy it saves (docs/attention.md)."""
 WINDOW_IN_PLACE_FACTOR = 8
-"""A window's decode step reads in place only past ``WINDOW_IN_PLACE_FACTOR x MIN_IN_PLACE_TOKENS`` tokens over all
-rows: its gather copies the window alone, which FlexAttention's fixed cost does not repay sooner on the CPU
-(docs/benchmarks.md)."""
+"""A window's decode step reads in place only past this many times ``MIN_IN_PLACE_TOKENS``: its gather copies the
+window alone (docs/benchmarks.md)."""
 
 
 class FlexUnavailable(RuntimeError):
@@ -72,14 +63,11 @@ class FlexUnavailable(RuntimeError):
 class ForwardGate:
     """Holds every other thread's ``nn.Module`` calls while this process compiles.
 
-    While torch compiles, ``torch.compiler.is_compiling()`` is true in every thread, which switches state of
-    transformers meant per thread (the context variables of its kernelized attention and output capturing) to one
-    value for all, and another thread's forward fails (docs/attention.md). So a compile inside a request
-    (``CompiledKernels.run``) closes the gate: a global forward pre-hook, installed for the compile only, makes every
-    other thread wait at its next module call, where it holds no such state half set. Closing waits
-    ``PAUSE_SECONDS`` first, so that a thread past the hook but before its state is set finishes setting it.
-    Reentrant in its thread; a second thread that closes it waits for the first to open it. Inside a graph dynamo
-    traces the hook does nothing.
+    While torch compiles, ``torch.compiler.is_compiling()`` is true in every thread, which breaks other threads'
+    forwards (docs/attention.md). So a compile inside a request (``CompiledKernels.run``) closes the gate: a global
+    forward pre-hook, installed for the compile only, makes every other thread wait at its next module call. Closing
+    waits ``PAUSE_SECONDS`` first, so that a thread past the hook finishes setting its per-thread state. Reentrant in
+    its thread (another thread that closes it waits); inside a graph dynamo traces the hook does nothing.
     """
 
     PAUSE_SECONDS = 0.02
@@ -128,10 +116,9 @@ FORWARDS = ForwardGate()
 
 
 class CompiledKernels:
-    """What this process knows of compiled FlexAttention, behind one lock: the function compiled for each shape key
-    (its first call, the compile, succeeded: ready; or why it failed), the seconds each compile took, why a device
-    type cannot compile (checked once), the messages said once, and the in-place calls made. One instance,
-    ``KERNELS``; a test that needs a process where nothing was compiled yet swaps in a fresh one."""
+    """What this process knows of compiled FlexAttention, behind one lock: each shape key's function (ready once its
+    first call, the compile, succeeded; or why it failed), compile seconds, each device type's obstacle, the messages
+    said once and the in-place calls made. One instance, ``KERNELS`` (tests swap in a fresh one)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -374,13 +361,11 @@ def planned_attention(
     pages: torch.Tensor,
     scale: float | None,
 ) -> torch.Tensor:
-    """A planned decode step's attention over pool pages in place (``StepPlan.mask``), shapes as
-    ``decode_attention``; ``pages`` (``StepPlan.pages``, ``[batch, 1, capacity]``) serve a step that cannot run
-    FlexAttention (``FlexUnavailable``), gathered.
+    """A planned decode step's attention over pool pages in place (``StepPlan.mask``), shapes as ``decode_attention``;
+    a step that cannot run FlexAttention gathers ``pages`` (``StepPlan.pages``, ``[batch, 1, capacity]``).
 
-    Inside a graph being compiled (``generate``'s) this is one opaque op (``hf_kvcache::paged_decode``) that calls
-    the compiled ``decode_attention`` when the graph runs: torch 2.13's CPU FlexAttention template, lowered inside a
-    bigger graph, reads a view of a graph input at the input's start (docs/compiled.md)."""
+    One opaque op (``hf_kvcache::paged_decode``) inside a compiled graph: torch 2.13's CPU FlexAttention template,
+    lowered inside a bigger graph, reads a view of a graph input at the input's start (docs/compiled.md)."""
     arguments = (*mask.tensors, pages, mask.page_size, mask.block_tokens, scale)
     return torch.ops.hf_kvcache.paged_decode(query, keys, values, *arguments)
 
@@ -428,11 +413,9 @@ def gathered_decode(
     scale: float | None,
 ) -> torch.Tensor:
     """A decode step's attention over each row's ``pages`` (``[batch, 1, capacity]``) gathered from one layer's
-    storage, keys ``pads[row] <= position < num_tokens`` seen; shapes as ``decode_attention``.
-
-    The queries per KV head (the query heads sharing it) go in as query rows of that KV head (one token per row),
-    so sdpa gets no ``enable_gqa`` beside its mask: CUDA's fused kernels do not take both, and torch would run the
-    math kernel, which first copies every key and value once per query head sharing it."""
+    storage, keys ``pads[row] <= position < num_tokens`` seen; shapes as ``decode_attention``. Its query
+    heads are packed (``packed_decode_attention``): sdpa gets a mask and no ``enable_gqa``, which CUDA's fused kernels
+    do not take together."""
     batch, num_heads, _, head_dim = query.shape
     num_kv_heads = keys.shape[1]
     heads = torch.arange(num_kv_heads, device=keys.device).view(1, -1, 1)
@@ -455,10 +438,9 @@ def packed_decode_attention(
 ) -> torch.Tensor:
     """A decode step's attention with the query heads of each KV head packed as query rows of it.
 
-    Unmasked, transformers' sdpa takes torch's grouped path (``enable_gqa``), which on CPU reads a KV head's keys and
-    values once per query head; packed, the kernel reads them once per KV head. Masked, transformers' sdpa inside a
-    compiled graph copies every key and value once per query head first (``repeat_kv``); packed, the token's mask
-    serves every row. The same sums in another order: equal to float rounding.
+    Torch's grouped path (``enable_gqa``, unmasked) reads a KV head's keys and values once per query head on CPU, and
+    transformers' sdpa under a mask in a compiled graph repeats them per query head; packed, they are read once per KV
+    head and the token's mask serves every row. The same sums in another order: equal to float rounding.
 
     Args:
         query: ``[batch, heads, 1, head_dim]``. key, value: ``[batch, kv_heads, n, head_dim]``.

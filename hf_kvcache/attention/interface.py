@@ -1,29 +1,20 @@
 """``attn_implementation="hf_kvcache"``: transformers' sdpa attention that also reads what our layers hand over.
 
-It is ``"sdpa"`` with the same masks (``sdpa_mask``), except:
+It is ``"sdpa"`` with the same masks, except:
 
-- a window's step of several tokens comes with a ``KeyLayout`` (``hf_kvcache.layers.window``): its band (which keys
-  each new token may see: causality, window, sinks) is ANDed into the model's mask, so that each keeps to its window;
-- a decode step (``PagedRead``, or a planned step's ``PLANNED_READS``) hands over the pool's storage
-  itself: compiled FlexAttention reads the pages where they lie (``attention.flex``) once the model's mask is
-  checked to hide exactly each row's leading padding; what it cannot do in place (a mask with holes, training, a
-  shape that does not compile) it does on the same keys gathered, the slow twin. A single row on consecutive pages
-  comes as a plain view (``kernels.run_view``) and takes the sdpa path;
-- a decode step of grouped KV heads, under a mask or (on CPU) without one, packs each KV head's query heads as its
-  query rows (``flex.packed_decode_attention``), so its keys and values are read once per KV head.
+- a window's step of several tokens comes with a ``KeyLayout``: its band (causality, window, sinks) is ANDed into
+  the model's mask, so that each token keeps to its window;
+- a decode step (``PagedRead``, or a planned step's ``PLANNED_READS``) hands over the pool's storage itself:
+  compiled FlexAttention reads the pages where they lie (``attention.flex``) once the model's mask is checked to hide
+  exactly each row's leading padding; what it cannot do in place (a mask with holes, training, a shape that does not
+  compile) it does on the same keys gathered;
+- a decode step of grouped KV heads packs each KV head's query heads as its query rows
+  (``flex.packed_decode_attention``), so its keys and values are read once per KV head.
 
-What sdpa does not apply (softcapping, attention sinks, a position bias: ``NOT_APPLIED_BY_SDPA``), and every layer of
-a model that refuses sdpa, runs the model's own ``eager_attention_forward`` over the keys gathered in time order
-(``own_attention``), never sdpa without it. A model whose attention modules use the cache's keys or values besides
-handing them to this function (``hands_states_to_attention_only``) gets them in time order from its layers.
-
-Load the model with it, or switch an existing one::
-
-    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="hf_kvcache")
-    model.set_attn_implementation("hf_kvcache")
-
-``integration.register`` adds the name through transformers' public ``AttentionInterface`` and
-``AttentionMaskInterface`` (``model_attention_mask``); nothing about ``"sdpa"`` or ``"eager"`` changes.
+What sdpa does not apply (``NOT_APPLIED_BY_SDPA``), and every layer of a model that refuses sdpa, runs the model's own
+``eager_attention_forward`` over the keys gathered in time order (``own_attention``), never sdpa without it.
+``integration.seams`` registers the name through transformers' public ``AttentionInterface`` and
+``AttentionMaskInterface`` (``model_attention_mask``).
 """
 
 import ast
@@ -49,8 +40,7 @@ from hf_kvcache.transformers_internals import attn_implementation, sdpa_attentio
 ATTENTION_NAME = "hf_kvcache"
 PLANNED_READS = "hf_kvcache_planned_reads"
 """The forward kwarg through which a planned decode step (``PoolCache.start_planned``) hands attention, per layer, the
-``StepPlan`` of a layer that returns the pool's storage to read in place (``None`` for the others), as continuous
-batching hands its paged cache to its attention."""
+``StepPlan`` of a layer that returns the pool's storage to read in place (``None`` for the others)."""
 
 
 @contextlib.contextmanager
@@ -138,10 +128,9 @@ def banded_sdpa_attention(
 def _packs_decode(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict
 ) -> bool:
-    """Whether ``flex.packed_decode_attention`` computes what transformers' sdpa would: one decode token per row,
-    grouped KV heads, nothing else applied; under a mask, one for every head of the token (a compiled step's:
-    transformers builds the mask of a compileable cache, and inside dynamo its sdpa repeats every key and value once
-    per query head); without one on CPU only (elsewhere transformers' grouped kernel serves)."""
+    """Whether ``flex.packed_decode_attention`` computes what transformers' sdpa would, faster: one decode token per
+    row, grouped KV heads, not training; under a mask, one for every head of the token; without one, on CPU only
+    (elsewhere transformers' grouped kernel serves)."""
     if query.shape[2] != 1 or query.shape[1] == key.shape[1] or module.training:
         return False
     if attention_mask is None:
@@ -236,8 +225,8 @@ def _sparse_mask(
 
 
 NOT_APPLIED_BY_SDPA = ("softcap", "s_aux", "sinks", "position_bias")
-"""The attention kwargs a model passes for what sdpa does not compute: logit softcapping, attention sinks, a
-relative position bias. A layer whose attention passes one runs the model's own attention function instead."""
+"""The attention kwargs of what sdpa does not compute (logit softcapping, attention sinks, a relative position bias):
+a layer whose attention passes one runs the model's own attention function instead."""
 
 
 def _extras(kwargs: dict) -> str | None:
@@ -336,11 +325,9 @@ _MASKS = AttentionMaskInterface()  # transformers' mask builders by name
 
 
 def hands_states_to_attention_only(config: Any) -> bool:
-    """Whether every attention module of ``config``'s modeling file hands the keys and values its cache returns to
-    the attention function and to nothing else, read from their ``forward``'s source: only then may a layer return
-    the pool's storage or slots out of time order (with a ``PagedRead`` or ``KeyLayout``), which only this
-    attention reads. A module that computes attention itself (GIT) or reads the values besides (Doge) gets them
-    gathered in time order."""
+    """Whether every attention module of ``config``'s modeling file hands the keys and values its cache returns to the
+    attention function alone, read from their ``forward``'s source: only then may a layer return the pool's storage
+    or slots out of time order (with a ``PagedRead`` or ``KeyLayout``), which only this attention reads."""
     modeling = _modeling_name(type(config).__module__)
     if modeling is None:
         return False

@@ -1,15 +1,10 @@
-"""Moving keys and values between attention's tensors and pool slots (pure torch): the gather path.
+"""Moving keys and values between attention's tensors and pool slots (pure torch): the gather path, the slow twin of
+``attention.flex``'s in-place reads.
 
 A pool's storage holds keys or values as ``[num_layers, num_kv_heads, num_pages, page_size, last_dim]``
-(``hf_kvcache.memory.storage``). A step writes its tokens with one ``index_put_`` per layer at the pages and slots its
-plan names (``write_planned``), and gathers what attention reads with one ``index_select`` per layer: whole pages of
-rows that keep every token (``page_rows``, ``read_pages``), single slots (a window's visible tokens: ``slot_indices``,
-``read_slots``), over one layer's view of the storage kept from step to step (``PoolStorage.slots``). Row and slot
-indices depend on the storage's page count: build them for the storage they are used with.
-
-A single row whose pages are one run of consecutive ids hands its tokens over as a strided view (``run_view``), no
-copy. The in-place path for rows scattered over the pool is ``hf_kvcache.attention.flex``; the gathers are the slow
-twin of both.
+(``memory.storage``). A step writes its tokens with one ``index_put_`` per layer (``write_planned``) and gathers
+with one ``index_select`` per layer: whole pages (``page_rows``, ``read_pages``) or single slots, a window's
+(``slot_indices``, ``read_slots``). Indices depend on the storage's page count: build them for the storage they index.
 """
 
 from typing import Any
@@ -46,8 +41,7 @@ def read_pages(
         shape: ``(batch, heads, num_tokens, last_dim)``.
 
     Returns:
-        ``shape``: one ``index_select`` of whole pages (as fast as one of slots, with a page_size times smaller
-        index), then one view of its first ``num_tokens`` tokens of each row and head.
+        ``shape``, a view of one ``index_select`` of whole pages (a page_size times smaller index than of slots).
     """
     batch, heads, _, last_dim = shape
     row_numbers = rows.numel() // (batch * heads) * pages.shape[1]  # a row's pages, per head
@@ -56,15 +50,9 @@ def read_pages(
 
 
 def run_view(storage: torch.Tensor, layer_idx: int, first_page: int, num_tokens: int) -> torch.Tensor:
-    """A layer's tokens ``[0, num_tokens)`` of one row whose pages are ``first_page, first_page + 1, ...``, in place.
-
-    Args:
-        storage: the pool's keys (or values), ``[layers, heads, pages, page_size, last_dim]`` (contiguous: a page's
-            slots follow the page before in each head).
-
-    Returns:
-        ``[1, heads, num_tokens, last_dim]``, a view of ``storage`` (the same numbers ``read_slots`` copies out).
-    """
+    """A layer's tokens ``[0, num_tokens)`` of one row whose pages are ``first_page, first_page + 1, ...``, in place:
+    ``[1, heads, num_tokens, last_dim]``, a view of ``storage`` (``[layers, heads, pages, page_size, last_dim]``,
+    contiguous: a page's slots follow the page before in each head)."""
     _, heads, _, page_size, last_dim = storage.shape
     head_stride, slot_stride = storage.stride(1), storage.stride(3)
     offset = storage.storage_offset() + layer_idx * storage.stride(0) + first_page * storage.stride(2)
@@ -72,16 +60,13 @@ def run_view(storage: torch.Tensor, layer_idx: int, first_page: int, num_tokens:
 
 
 def read_slots(slots: torch.Tensor, index: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """Gathers slots of a layer, in the order given (a row's tokens; a window's in time order).
+    """Gathers slots of a layer in the order given: ``[batch, heads, n, last_dim]``, a fresh tensor.
 
     Args:
         slots: one layer as ``[heads * pages * page_size, last_dim]`` (``PoolStorage.slots``).
-        index: ``[batch * heads * n]`` slot indices from ``slot_indices``, flattened (kept flat for a step's layers).
+        index: ``[batch * heads * n]`` slot indices from ``slot_indices``, flattened (one ``index_select`` over a
+            flat index is faster than ``slots[index]``).
         shape: ``(batch, heads, n)``.
-
-    Returns:
-        ``[batch, heads, n, last_dim]``, a fresh tensor: one ``index_select`` over a flat index (faster than
-        ``slots[index]`` with a ``[batch, heads, n]`` index).
     """
     return slots.index_select(0, index).view(*shape, slots.shape[-1])
 

@@ -1,11 +1,9 @@
 """What a layer hands attention beyond the keys and values: how to read them where they lie.
 
-transformers hands an attention layer's keyword arguments to the cache (``cache.update(..., kwargs=kwargs)``) and
-then to the attention function (``attention_interface(..., **kwargs)``), the same dict. A layer that returns the
-pool's storage in place (``PagedRead``), or a window's keys with a band (``KeyLayout``), puts
-what attention must know into that dict under ``PAGED_READ`` / ``KEY_LAYOUT``; ``hf_kvcache.attention.interface``
-takes it out. Where a model's attention hands the cache no kwargs (``attention_kwargs`` is ``None``), its layers
-return their keys and values gathered in time order, which any attention reads as they are.
+transformers passes an attention layer's kwargs to the cache (``cache.update(..., kwargs=kwargs)``) and then to the
+attention function, the same dict. A layer that returns the pool's storage in place (``PagedRead``), or a window's
+keys with a band (``KeyLayout``), puts them there under ``PAGED_READ`` / ``KEY_LAYOUT`` for ``attention.interface``.
+Where a model passes no kwargs, layers return their keys and values gathered in time order, which any attention reads.
 """
 
 from collections.abc import Callable
@@ -17,14 +15,12 @@ import torch
 from hf_kvcache.attention.block_mask import PagedBlockMask
 
 PAGED_READ = "hf_kvcache_paged_read"
-"""The attention kwarg that carries a ``PagedRead``."""
 KEY_LAYOUT = "hf_kvcache_key_layout"
-"""The attention kwarg that carries a ``KeyLayout``."""
 
 
 def attention_kwargs(update_kwargs: dict[str, Any]) -> dict[str, Any] | None:
-    """The attention's keyword arguments that a cache layer's ``update`` got from transformers (``kwargs=``), where
-    a layer hands attention its ``PagedRead`` or ``KeyLayout``; ``None`` where the model passed none."""
+    """The attention's kwargs a cache layer's ``update`` got from transformers (``kwargs=``); ``None`` where the model
+    passed none."""
     handed = update_kwargs.get("kwargs")
     return handed if isinstance(handed, dict) else None
 
