@@ -11,7 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from transformers import AttentionInterface, AttentionMaskInterface, GenerationMixin, PreTrainedConfig
-from transformers.cache_utils import DummyLayer, LinearAttentionLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import DummyLayer, LinearAttentionLayer
+from transformers.cache_utils import get_layer_types_and_kwargs as layer_types_and_kwargs
 from transformers.dynamic_module_utils import check_python_requirements
 from transformers.generation import configuration_utils
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -47,12 +48,6 @@ __all__ = [
 def attn_implementation(config: PreTrainedConfig) -> str | None:
     """The attention a model of ``config`` runs (``"sdpa"``, ``"eager"``, ...); ``None`` when no model set it."""
     return getattr(config, "_attn_implementation", None)
-
-
-def layer_types_and_kwargs(config: PreTrainedConfig) -> tuple[list[str], list[dict[str, Any]]]:
-    """Each layer's type (``full_attention``, ``sliding_attention``, ``dummy``, ...) and its cache layer's keywords
-    (``sliding_window``), as transformers' own caches read them."""
-    return get_layer_types_and_kwargs(config)
 
 
 def commit_hash(config: PreTrainedConfig) -> str | None:

@@ -46,13 +46,11 @@ class PagedBlockMask:
         device: torch.device,
         window: tuple[int, int] | None = None,
     ) -> None:
-        self.batch, self.num_pages, self.page_size, self.extent_pages, self.queries_per_kv_head = (
-            batch,
-            num_pages,
-            page_size,
-            extent_pages,
-            queries_per_kv_head,
-        )
+        self.batch = batch
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.extent_pages = extent_pages
+        self.queries_per_kv_head = queries_per_kv_head
         num_extents = num_pages // extent_pages
         # Every list holds up to all extents: inductor asserts num_pages * page_size <= capacity * block size.
         as_int = {"dtype": torch.int32, "device": device}
@@ -94,11 +92,6 @@ class PagedBlockMask:
     def block_tokens(self) -> int:
         """Tokens per KV block: one extent."""
         return self.extent_pages * self.page_size
-
-    @property
-    def arguments(self) -> tuple[torch.Tensor | int, ...]:
-        """What ``_paged_flex`` takes after the query, keys and values (and before the scale)."""
-        return (*self.tensors, self.page_size, self.block_tokens)
 
     @torch.no_grad()
     def update(self, page_ids: torch.Tensor, num_tokens: int, pads: torch.Tensor) -> list[int]:

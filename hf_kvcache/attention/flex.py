@@ -53,11 +53,7 @@ window alone (docs/benchmarks.md)."""
 
 
 class FlexUnavailable(RuntimeError):
-    """In-place attention cannot run for this call; ``reason`` says why (the caller gathers instead)."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
+    """In-place attention cannot run for this call; the message says why (the caller gathers instead)."""
 
 
 class ForwardGate:
@@ -171,52 +167,40 @@ class CompiledKernels:
                 "hf_kvcache.attention.flex.MAX_SHAPE_KEYS to compile more; each costs 10-20 s)"
             )
 
-    def obstacle(self, kind: str) -> str | None:
-        """Why a device type cannot compile FlexAttention (``None``: it can), found once."""
-        with self.lock:
-            if kind not in self.obstacles:
-                self.obstacles[kind] = _find_obstacle(kind)
-            return self.obstacles[kind]
-
-    def first_time(self, key: str) -> bool:
-        """True the first time ``key`` is asked (a message to say once per process)."""
-        with self.lock:
-            if key in self.said:
-                return False
-            self.said.add(key)
-            return True
-
 
 KERNELS = CompiledKernels()
 
 
 def log_once(key: str, level: int, message: str) -> None:
     """Logs ``message`` on the ``hf_kvcache`` logger the first time ``key`` is seen in this process."""
-    if KERNELS.first_time(key):
-        logger.log(level, message)
+    with KERNELS.lock:
+        if key in KERNELS.said:
+            return
+        KERNELS.said.add(key)
+    logger.log(level, message)
 
 
-def log_path(key: str, why: str, level: int = logging.INFO) -> None:
-    """Says once per process (per ``key``) which path paged decode attention takes and why (``in_place*``: in place)."""
+def log_path(key: str, why: str) -> None:
+    """Says once per process (per ``key``) which path paged decode attention takes and why (``in_place*``: in place);
+    a shape past ``MAX_SHAPE_KEYS``, a slowdown the user did not ask for, as a warning."""
     if key.startswith("in_place"):
         message = f"Paged decode attention reads the pool's pages in place ({why})."
     else:
         message = f"Paged decode attention gathers the pages instead of reading them in place: {why}."
-    log_once(key, level, message)
+    log_once(key, logging.WARNING if "MAX_SHAPE_KEYS" in why else logging.INFO, message)
 
 
 def unavailable(device: torch.device) -> str | None:
     """Why compiled FlexAttention cannot run on ``device`` here (``None``: it can); checked once per device type."""
-    return KERNELS.obstacle(device.type)
+    with KERNELS.lock:
+        if device.type not in KERNELS.obstacles:
+            KERNELS.obstacles[device.type] = _find_obstacle(device.type)
+        return KERNELS.obstacles[device.type]
 
 
 def _find_obstacle(kind: str) -> str | None:
     if Version(torch.__version__.split("+")[0]) < MIN_TORCH:
         return f"torch {torch.__version__} is older than {MIN_TORCH}, the oldest release measured"
-    try:
-        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
-    except ImportError as error:
-        return f"this torch has no FlexAttention ({error})"
     if kind == "cpu":
         try:  # torch internals: inductor's own checks for its CPU flex kernel and C++ toolchain
             from torch._inductor.cpp_builder import get_cpp_compiler
@@ -315,13 +299,13 @@ def decode_attention(
     Raises:
         FlexUnavailable: this shape cannot be compiled (here, or any more: ``MAX_SHAPE_KEYS``).
     """
-    return _decode(query, keys, values, mask.arguments, scale)
+    return _decode(query, keys, values, (*mask.tensors, mask.page_size, mask.block_tokens), scale)
 
 
 def _decode(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, arguments: tuple, scale: float | None
 ) -> torch.Tensor:
-    """``decode_attention`` with the mask as ``PagedBlockMask.arguments``."""
+    """``decode_attention`` with the mask as ``(*mask.tensors, page_size, block_tokens)``, ``_paged_flex``'s order."""
     batch, num_heads, _, head_dim = query.shape
     num_kv_heads = keys.shape[1]
     # [batch, kv heads, queries per KV head, head_dim]
@@ -397,8 +381,7 @@ def _paged_decode(
     try:
         return _decode(query, keys, values, arguments, scale).clone()
     except FlexUnavailable as error:
-        limit = "MAX_SHAPE_KEYS" in error.reason
-        log_path(f"compile:{error.reason}", error.reason, logging.WARNING if limit else logging.INFO)
+        log_path(f"compile:{error}", str(error))
     return gathered_decode(query, keys, values, pages, pads, num_tokens, page_size, scale)
 
 
@@ -434,7 +417,7 @@ def packed_decode_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     scaling: float | None,
-    attention_mask: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None,
 ) -> torch.Tensor:
     """A decode step's attention with the query heads of each KV head packed as query rows of it.
 

@@ -94,23 +94,19 @@ def banded_sdpa_attention(
         key, value = read.gather()
     if sparse:  # the keys the model's indexer picked, as the model itself folds them into an eager or sdpa mask
         attention_mask = _sparse_mask(module, query, key, attention_mask, layout, read, kwargs, **sparse)
-    if layout is None:
-        if own is not None:
-            return own(module, query, key, value, _additive_mask(module, attention_mask, query, key), **kwargs)
-        if _packs_decode(module, query, key, attention_mask, kwargs):
-            return flex.packed_decode_attention(query, key, value, kwargs.get("scaling"), attention_mask), None
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    allowed = layout.band.unsqueeze(1)  # [batch, 1, n, num_keys]: includes causality
-    if attention_mask is None:
-        attention_mask = allowed
-    else:
-        if attention_mask.dtype == torch.bool:
+    if layout is not None:
+        allowed = layout.band.unsqueeze(1)  # [batch, 1, n, num_keys]: includes causality
+        if attention_mask is None:
+            attention_mask = allowed
+        elif attention_mask.dtype == torch.bool:
             attention_mask = attention_mask & allowed
         else:
             attention_mask = attention_mask.masked_fill(~allowed, torch.finfo(attention_mask.dtype).min)
     if own is not None:
         return own(module, query, key, value, _additive_mask(module, attention_mask, query, key), **kwargs)
-    if module.training:
+    if layout is None and _packs_decode(module, query, key, attention_mask):
+        return flex.packed_decode_attention(query, key, value, kwargs.get("scaling"), attention_mask), None
+    if layout is None or module.training:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     grouped = query.shape[1] != key.shape[1]
     if grouped and query.device.type != "cpu":
@@ -126,7 +122,7 @@ def banded_sdpa_attention(
 
 
 def _packs_decode(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None
 ) -> bool:
     """Whether ``flex.packed_decode_attention`` computes what transformers' sdpa would, faster: one decode token per
     row, grouped KV heads, not training; under a mask, one for every head of the token; without one, on CPU only
@@ -168,8 +164,7 @@ def paged_attention(
     try:
         output = flex.decode_attention(query, keys, values, read.mask, kwargs.get("scaling"))
     except flex.FlexUnavailable as error:
-        limit = "MAX_SHAPE_KEYS" in error.reason  # a slowdown the user did not ask for: said louder
-        flex.log_path(f"compile:{error.reason}", error.reason, logging.WARNING if limit else logging.INFO)
+        flex.log_path(f"compile:{error}", str(error))
         return None
     flex.log_path("in_place", f"compiled FlexAttention, KV blocks of {read.mask.block_tokens} tokens")
     return output.transpose(1, 2).contiguous()
@@ -229,11 +224,6 @@ NOT_APPLIED_BY_SDPA = ("softcap", "s_aux", "sinks", "position_bias")
 a layer whose attention passes one runs the model's own attention function instead."""
 
 
-def _extras(kwargs: dict) -> str | None:
-    """What the model's attention applies that sdpa and in-place FlexAttention do not (``None``: nothing)."""
-    return next((name for name in NOT_APPLIED_BY_SDPA if kwargs.get(name) is not None), None)
-
-
 OwnAttention = Callable[..., tuple[torch.Tensor, Any]]
 """A modeling file's ``eager_attention_forward(module, query, key, value, attention_mask, **kwargs)``."""
 
@@ -252,7 +242,8 @@ def own_attention(module: torch.nn.Module, kwargs: dict) -> OwnAttention | None:
     Raises:
         IncompatibleModelError: the model needs its own attention and its modeling file defines none.
     """
-    key = (type(module), _extras(kwargs))
+    feature = next((name for name in NOT_APPLIED_BY_SDPA if kwargs.get(name) is not None), None)
+    key = (type(module), feature)
     if key not in _OWN:
         _OWN[key] = _find_own_attention(*key)
     return _OWN[key]

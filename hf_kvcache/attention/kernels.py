@@ -29,9 +29,7 @@ def page_rows(page_ids: torch.Tensor, num_kv_heads: int, num_pages: int) -> torc
     return (heads * num_pages + page_ids.unsqueeze(1)).view(-1)
 
 
-def read_pages(
-    pages: torch.Tensor, rows: torch.Tensor, shape: tuple[int, int, int, int], first: int = 0
-) -> torch.Tensor:
+def read_pages(pages: torch.Tensor, rows: torch.Tensor, shape: tuple[int, int, int, int], first: int) -> torch.Tensor:
     """Gathers whole pages of one layer: ``num_tokens`` tokens of each row, from token ``first`` of its first page.
 
     Args:
@@ -71,7 +69,7 @@ def read_slots(slots: torch.Tensor, index: torch.Tensor, shape: tuple[int, ...])
     return slots.index_select(0, index).view(*shape, slots.shape[-1])
 
 
-def write_planned(storage: torch.Tensor, plan: "Any", layer_idx: int, states: torch.Tensor) -> None:
+def write_planned(storage: torch.Tensor, plan: Any, layer_idx: int, states: torch.Tensor) -> None:
     """Writes a step's new tokens, ``states [batch, heads, n, last_dim]``, to their slots of one layer
     (``StepPlan.write_pages`` / ``write_offsets``): one ``index_put_`` on the whole storage (no view of it is
     mutated, so a compiled step writes the slots in place rather than copying the storage)."""
@@ -80,7 +78,7 @@ def write_planned(storage: torch.Tensor, plan: "Any", layer_idx: int, states: to
     storage.index_put_(index, states if states.dtype == storage.dtype else states.to(storage.dtype))
 
 
-def read_planned_view(view: torch.Tensor, plan: "Any") -> torch.Tensor:
+def read_planned_view(view: torch.Tensor, plan: Any) -> torch.Tensor:
     """A planned step's whole pages (``StepPlan.pages``) from one layer's storage viewed as ``[1, heads, pages *
     page_size, last_dim]`` (a step that reads in place: ``StepPlan.mask``), for attention that must gather after all:
     ``[batch, heads, num_keys, last_dim]``."""
