@@ -1,10 +1,8 @@
-"""Every use of transformers beyond its public top-level names, in one place.
+"""Every use of transformers beyond its top-level names (the rest of hf_kvcache imports only those: test_layering).
 
-The rest of hf_kvcache imports only names of the top-level ``transformers`` package (``tests/test_layering.py``
-checks it). What transformers offers only through a submodule or a private attribute is re-exported here, or reached
-by one small function each; ``tests/test_transformers_internals.py`` pins each against the installed release, so an
-upgrade that moves one fails there first. Only ``integration.seams`` and ``bundled.model`` call the writers
-(``set_*``, ``remove_attention``, ``drop_quantizer``).
+Each is re-exported here or reached by one small function, and pinned against the installed release by
+``tests/test_transformers_internals.py``, so an upgrade that moves one fails there first. Only ``integration.seams``
+and ``bundled.model`` call the writers (``set_*``, ``remove_attention``, ``drop_quantizer``).
 """
 
 from collections.abc import Callable
@@ -75,7 +73,6 @@ def cache_implementations() -> tuple[str, ...]:
 
 
 def set_cache_implementations(names: tuple[str, ...]) -> None:
-    """Replaces the names ``GenerationConfig.validate`` accepts."""
     configuration_utils.ALL_CACHE_IMPLEMENTATIONS = names
 
 
@@ -85,7 +82,6 @@ def prepare_cache_method() -> Callable[..., Any]:
 
 
 def set_prepare_cache_method(method: Callable[..., Any]) -> None:
-    """Replaces ``GenerationMixin._prepare_cache_for_generation`` for every model."""
     GenerationMixin._prepare_cache_for_generation = method
 
 
@@ -105,7 +101,6 @@ def prefill_method() -> Callable[..., Any]:
 
 
 def set_prefill_method(method: Callable[..., Any]) -> None:
-    """Replaces ``GenerationMixin._prefill`` for every model."""
     GenerationMixin._prefill = method
 
 

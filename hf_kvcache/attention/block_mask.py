@@ -22,14 +22,12 @@ class PagedBlockMask:
     """A ``BlockMask`` over a pool's storage for ``batch`` rows of one layer group, one decode token each.
 
     Args:
-        batch: rows (the query's batch).
-        num_pages: page ids of the storage's view that attention gets (``view_pages``, a multiple of
-            ``extent_pages``): every page of the rows is below it.
+        num_pages: pages of the storage's view attention gets (``view_pages``, a multiple of ``extent_pages``): every
+            page of the rows is below it.
         page_size / extent_pages: the pool's page geometry; a KV block is one extent.
         queries_per_kv_head: query heads per KV head (the packed query rows of a decode step).
-        device: the pool's device.
-        window: a window's ``(window, sink_tokens)`` (``hf_kvcache.layers.window``): a row sees its last ``window``
-            tokens and its first ``sink_tokens`` real ones; ``None``: every token.
+        window: a window's ``(window, sink_tokens)``: a row sees its last ``window`` tokens and its first
+            ``sink_tokens`` real ones; ``None``: every token.
 
     ``update`` refills its ``tensors`` in place from a page table (``advance``: one token on), for every layer of the
     layer group in the step. The compiled function builds the ``BlockMask`` from them, so dynamo guards on a few
@@ -95,16 +93,9 @@ class PagedBlockMask:
 
     @torch.no_grad()
     def update(self, page_ids: torch.Tensor, num_tokens: int, pads: torch.Tensor) -> list[int]:
-        """Refills the mask from the rows' page table.
-
-        Args:
-            page_ids: ``[batch, n]`` each row's pages in logical order, ``n = ceil(num_tokens / page_size)``.
-            num_tokens: tokens every row holds, the step's new one included.
-            pads: ``[batch]`` leading padding tokens of each row (hidden).
-
-        Returns:
-            The extents the step visits (some row's pages, or fillers), for ``PagePool.foreign_pages``.
-        """
+        """Refills the mask from the rows' page table, ``page_ids [batch, ceil(num_tokens / page_size)]`` in logical
+        order, for ``num_tokens`` per row (the new one included) after ``pads [batch]`` leading padding tokens (hidden).
+        Returns the extents the step visits (some row's pages, or fillers), for ``PagePool.foreign_pages``."""
         batch, n = page_ids.shape
         size, device = self.extent_pages, page_ids.device
         first = torch.arange(n, device=device) * self.page_size  # [n] first position of each logical page

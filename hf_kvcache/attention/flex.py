@@ -1,26 +1,20 @@
 """FlexAttention over a pool's pages, in place: a decode step reads each row's keys and values where they lie.
 
-A layer's storage goes to ``flex_attention`` as a view of its first pages, ``[1, num_kv_heads, num_pages *
-page_size, head_dim]`` (broadcast over the query's rows), rounded up to a power of two extents
-(``block_mask.view_pages``): inductor's CPU kernel allocates scratch the size of its whole key sequence at every call.
-Its ``BlockMask`` is built from the page tables directly (``PagedBlockMask``):
+A layer's storage goes in as a view of its first pages, ``[1, num_kv_heads, num_pages * page_size, head_dim]``
+(``block_mask.view_pages``: inductor's CPU kernel allocates scratch the size of its keys at every call), broadcast
+over the query's rows, with a ``BlockMask`` built from the page tables (``PagedBlockMask``). A KV block is one
+*extent* (its index is the extent id); ``full_kv_indices`` lists the extents whose pages are all the row's and wholly
+visible, ``kv_indices`` the row's other extents, then fillers (extents other rows visit, hidden) so that every row has
+the same counts (inductor's CPU decode kernel has a fast path only then).
 
-- a KV block is one *extent* (the allocator places each row's pages in aligned extents): a block's index is its
-  extent id;
-- ``full_kv_indices``: extents whose pages are all the row's and wholly visible (``mask_mod`` not evaluated);
-- ``kv_indices``: the row's other extents, then fillers (extents other rows visit, hidden for this row), so that
-  every row has the same counts (inductor's CPU decode kernel has a fast path only then).
+``mask_mod`` is the whole truth, the block lists only an optimization: through ``page_position[row, page]`` (-1: not
+this row's) it keeps ``pads[row] <= position < num_tokens`` (a window's: its last ``window`` tokens and its sinks). A
+masked slot still enters the sums as ``0 x value``, so every page of a visited extent must be finite: the row's, other
+live rows' (``PagePool.foreign_pages``) and free pages (zeros).
 
-``mask_mod`` is the whole truth, the block lists only an optimization: it maps a slot to its row's position through
-``page_position[row, page]`` (-1: not this row's) and keeps ``pads[row] <= position < num_tokens`` (a window's: also
-its last ``window`` tokens or before its sinks' end). A masked slot still enters the sums as ``0 x value``, so every
-page of a visited extent must be finite: the row's, other live rows' (``PagePool.foreign_pages``) and free pages
-(zeros). GQA is packed: the query heads of a KV head are its query rows, so each page is read once per KV head.
-
-Compiling: ``torch.compile(dynamic=False, fullgraph=True)`` (``dynamic=True`` does not compile this mask on CPU),
-one function per *shape key*, each with its own code object (dynamo counts ``recompile_limit`` per code object, and
-past it runs flex uncompiled). Past ``MAX_SHAPE_KEYS`` keys, or where compiling is impossible (``unavailable``),
-callers gather (``attention.kernels``); while a shape compiles, other threads wait (``ForwardGate``).
+One compiled function per *shape key* (``dynamic=True`` does not compile this mask on CPU), each with its own code
+object: dynamo counts ``recompile_limit`` per code object. Past ``MAX_SHAPE_KEYS``, or where compiling is impossible
+(``unavailable``), callers gather (``attention.kernels``); while a shape compiles, other threads wait (``ForwardGate``).
 """
 
 import contextlib
@@ -127,8 +121,8 @@ class CompiledKernels:
         self.calls = 0  # in-place calls (a statistic for benchmarks: the hot path takes no lock, a race may lose one)
 
     def run(self, shape_key: tuple, arguments: tuple) -> torch.Tensor:
-        """Runs the function compiled for ``shape_key``, compiling it first in the first call (under the lock:
-        threads wait for one compile; other threads' module calls wait at ``FORWARDS`` while it compiles).
+        """Runs ``shape_key``'s function, compiled in its first call (under the lock; other threads held at
+        ``FORWARDS``).
 
         Raises:
             FlexUnavailable: the shape failed to compile, or would be past ``MAX_SHAPE_KEYS``.
@@ -274,8 +268,7 @@ def _paged_flex(
 
 
 def _compile(number: int) -> Callable[..., torch.Tensor]:
-    """A new shape key's compiled function (the ``number``-th): a fresh function object with its own code object
-    (dynamo's cache of compiled graphs is per code object)."""
+    """The ``number``-th shape key's compiled function, with its own code object (dynamo's cache is per code object)."""
     code = _paged_flex.__code__.replace(co_name=f"_paged_flex_{number}")
     fresh = types.FunctionType(code, _paged_flex.__globals__, code.co_name)
     return torch.compile(fresh, dynamic=False, fullgraph=True)
@@ -284,17 +277,9 @@ def _compile(number: int) -> Callable[..., torch.Tensor]:
 def decode_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: PagedBlockMask, scale: float | None
 ) -> torch.Tensor:
-    """One decode step's attention over pool pages in place.
-
-    Args:
-        query: ``[batch, num_heads, 1, head_dim]``.
-        keys / values: one layer's storage, its first ``mask.num_pages`` pages ``[1, num_kv_heads, num_pages *
-            page_size, head_dim]``.
-        mask: the step's mask, built for ``num_heads // num_kv_heads`` packed rows.
-        scale: the softmax scale (``None``: ``head_dim ** -0.5``).
-
-    Returns:
-        ``[batch, num_heads, 1, head_dim]``.
+    """One decode step's attention in place, ``query [batch, num_heads, 1, head_dim]`` over one layer's storage
+    ``keys`` / ``values``, its first ``mask.num_pages`` pages ``[1, num_kv_heads, num_pages * page_size, head_dim]``,
+    with softmax ``scale`` (``None``: ``head_dim ** -0.5``): ``[batch, num_heads, 1, head_dim]``.
 
     Raises:
         FlexUnavailable: this shape cannot be compiled (here, or any more: ``MAX_SHAPE_KEYS``).
@@ -419,7 +404,8 @@ def packed_decode_attention(
     scaling: float | None,
     attention_mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    """A decode step's attention with the query heads of each KV head packed as query rows of it.
+    """A decode step's attention with the query heads of each KV head packed as query rows of it: ``[batch, 1, heads,
+    head_dim]`` (transformers' attention output layout).
 
     Torch's grouped path (``enable_gqa``, unmasked) reads a KV head's keys and values once per query head on CPU, and
     transformers' sdpa under a mask in a compiled graph repeats them per query head; packed, they are read once per KV
@@ -428,9 +414,6 @@ def packed_decode_attention(
     Args:
         query: ``[batch, heads, 1, head_dim]``. key, value: ``[batch, kv_heads, n, head_dim]``.
         attention_mask: ``None``, or the token's ``[batch or 1, 1, 1, >= n]`` mask (boolean, or additive floats).
-
-    Returns:
-        ``[batch, 1, heads, head_dim]`` (transformers' attention output layout).
     """
     batch, heads, _, head_dim = query.shape
     # [batch, kv_heads, queries per KV head, head_dim], in and out

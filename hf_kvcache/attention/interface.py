@@ -1,20 +1,14 @@
-"""``attn_implementation="hf_kvcache"``: transformers' sdpa attention that also reads what our layers hand over.
+"""``attn_implementation="hf_kvcache"``: transformers' sdpa attention, with the same masks, that also reads what our
+layers hand over (``attention.reads``):
 
-It is ``"sdpa"`` with the same masks, except:
-
-- a window's step of several tokens comes with a ``KeyLayout``: its band (causality, window, sinks) is ANDed into
-  the model's mask, so that each token keeps to its window;
-- a decode step (``PagedRead``, or a planned step's ``PLANNED_READS``) hands over the pool's storage itself:
-  compiled FlexAttention reads the pages where they lie (``attention.flex``) once the model's mask is checked to hide
-  exactly each row's leading padding; what it cannot do in place (a mask with holes, training, a shape that does not
-  compile) it does on the same keys gathered;
-- a decode step of grouped KV heads packs each KV head's query heads as its query rows
-  (``flex.packed_decode_attention``), so its keys and values are read once per KV head.
+- a window's ``KeyLayout``: its band (causality, window, sinks) is ANDed into the model's mask;
+- a decode step's ``PagedRead``, or a planned step's ``PLANNED_READS``: the pool's storage itself, which compiled
+  FlexAttention reads in place (``attention.flex``) where the model's mask hides exactly each row's leading padding;
+  otherwise (a mask with holes, training, a shape that does not compile) the same keys gathered.
 
 What sdpa does not apply (``NOT_APPLIED_BY_SDPA``), and every layer of a model that refuses sdpa, runs the model's own
 ``eager_attention_forward`` over the keys gathered in time order (``own_attention``), never sdpa without it.
-``integration.seams`` registers the name through transformers' public ``AttentionInterface`` and
-``AttentionMaskInterface`` (``model_attention_mask``).
+``integration.seams`` registers the name (``AttentionInterface``, ``AttentionMaskInterface``).
 """
 
 import ast
@@ -45,10 +39,8 @@ PLANNED_READS = "hf_kvcache_planned_reads"
 
 @contextlib.contextmanager
 def model_attention(model: torch.nn.Module, name: str | None) -> Iterator[torch.nn.Module]:
-    """Runs ``model`` under ``attn_implementation=name`` for the block (``None``: its own), then under its own again.
-
-    ``model.set_attn_implementation`` walks the whole model: switch once for a run of forward passes, not per pass.
-    """
+    """Runs ``model`` under ``attn_implementation=name`` for the block (``None``: its own), then under its own again
+    (``set_attn_implementation`` walks the whole model: switch once for a run of forward passes, not per pass)."""
     own = attn_implementation(model.config)
     if name is None or name == own:
         yield model
@@ -68,14 +60,9 @@ def banded_sdpa_attention(
     attention_mask: torch.Tensor | None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' sdpa attention over ``[batch, heads, n, head_dim]`` states, within the keys' layout if any.
-
-    Args:
-        attention_mask: the model's ``[batch, 1, n, num_visible]`` mask (boolean, or additive floats), or
-            ``None`` for plain causal attention.
-        kwargs: passed on to ``sdpa_attention_forward`` or the model's own attention function (``scaling``,
-            ``dropout``, ``softcap``, ``s_aux``, ...).
-    """
+    """transformers' sdpa attention over ``[batch, heads, n, head_dim]`` states, within the keys' layout if any, under
+    the model's ``attention_mask`` ``[batch, 1, n, num_visible]`` (boolean, or additive floats; ``None``: causal).
+    ``kwargs`` go on to sdpa or the model's own attention function (``scaling``, ``dropout``, ``softcap``, ...)."""
     own = own_attention(module, kwargs)  # the model's own attention function where sdpa cannot compute it
     plans = kwargs.pop(PLANNED_READS, None)
     plan = plans[module.layer_idx] if plans is not None else None
@@ -143,16 +130,10 @@ def paged_attention(
     attention_mask: torch.Tensor | None,
     kwargs: dict,
 ) -> torch.Tensor | None:
-    """One decode step's attention over the pool's pages in place; ``None`` where it must gather instead.
-
-    Args:
-        query: ``[batch, heads, 1, head_dim]``.
-        keys / values: one layer's storage ``[1, kv_heads, storage pages * page_size, head_dim]``.
-        attention_mask: the model's ``[batch, 1, 1, num_tokens]`` mask (boolean or additive), or ``None``.
-
-    Returns:
-        ``[batch, 1, heads, head_dim]`` (transformers' attention output layout).
-    """
+    """One decode step's attention, ``query [batch, heads, 1, head_dim]`` over one layer's storage ``keys`` / ``values``
+    ``[1, kv_heads, storage pages * page_size, head_dim]`` in place, under the model's ``attention_mask`` ``[batch, 1,
+    1, num_tokens]`` (or ``None``): ``[batch, 1, heads, head_dim]`` (transformers' output layout); ``None`` where it
+    must gather instead."""
     if module.training or query.shape[2] != 1:
         return None
     if not _hides_padding_only(read, attention_mask):
@@ -235,9 +216,8 @@ _HANDS_STATES_ONLY: dict[str, bool] = {}  # hands_states_to_attention_only's ans
 
 
 def own_attention(module: torch.nn.Module, kwargs: dict) -> OwnAttention | None:
-    """The model's own attention function (its modeling file's ``eager_attention_forward``) where sdpa would compute
-    something else for ``module``: its call passes a kwarg of ``NOT_APPLIED_BY_SDPA``, or the model refuses
-    ``attn_implementation="sdpa"`` (``refuses_sdpa``). ``None``: sdpa computes what the model does.
+    """The modeling file's ``eager_attention_forward`` where sdpa would compute something else for ``module`` (a kwarg
+    of ``NOT_APPLIED_BY_SDPA``, or ``refuses_sdpa``); ``None``: sdpa computes what the model does.
 
     Raises:
         IncompatibleModelError: the model needs its own attention and its modeling file defines none.
@@ -303,9 +283,8 @@ def _additive_mask(
 
 
 def model_attention_mask(**kwargs) -> torch.Tensor | None:
-    """The mask builder of ``attn_implementation="hf_kvcache"`` (``AttentionMaskInterface``): sdpa's boolean mask,
-    or for a model that refuses sdpa the additive float mask that its own code was written for (GIT's attention
-    modules add the mask to their scores themselves). ``kwargs``: what transformers' mask functions take."""
+    """Our ``AttentionMaskInterface`` entry: sdpa's boolean mask, or for a model that refuses sdpa the additive float
+    mask its own code adds to its scores (GIT's). ``kwargs``: what transformers' mask functions take."""
     config = kwargs.get("config")
     modeling = _modeling_name(type(config).__module__) if config is not None else None
     kind = "eager" if modeling is not None and refuses_sdpa(modeling) else "sdpa"
@@ -410,13 +389,9 @@ def _hides_padding_only(read: PagedRead, attention_mask: torch.Tensor | None) ->
 def mask_hides_padding_only(
     attention_mask: torch.Tensor | None, pads: torch.Tensor, num_tokens: int, kv_offset: int = 0
 ) -> bool:
-    """Whether the model's mask for the step's (last) query hides exactly each row's first ``pads`` tokens.
-
-    Args:
-        attention_mask: ``[batch, 1, q, kv]`` boolean (true: seen) or additive (0: seen), or ``None`` (all seen).
-        pads: ``[batch]`` leading padding tokens of each row.
-        num_tokens / kv_offset: the mask's columns and the token of its first (a window's: ``get_mask_sizes``).
-    """
+    """Whether the model's ``attention_mask`` (``[batch, 1, q, kv]``, boolean (true: seen) or additive (0: seen), or
+    ``None``: all seen) hides, for the step's last query, exactly each row's first ``pads [batch]`` tokens; its
+    ``num_tokens`` columns start at token ``kv_offset`` (a window's first visible: ``get_mask_sizes``)."""
     if attention_mask is None:
         return not bool(pads.any())
     if attention_mask.shape[-1] != num_tokens:

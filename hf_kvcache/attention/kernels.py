@@ -30,17 +30,10 @@ def page_rows(page_ids: torch.Tensor, num_kv_heads: int, num_pages: int) -> torc
 
 
 def read_pages(pages: torch.Tensor, rows: torch.Tensor, shape: tuple[int, int, int, int], first: int) -> torch.Tensor:
-    """Gathers whole pages of one layer: ``num_tokens`` tokens of each row, from token ``first`` of its first page.
-
-    Args:
-        pages: one layer's keys (or values) as ``[heads * num_pages, page_size * last_dim]``
-            (``PoolStorage.slots`` with ``slots_per_row=page_size``).
-        rows: ``page_rows`` of the rows' pages.
-        shape: ``(batch, heads, num_tokens, last_dim)``.
-
-    Returns:
-        ``shape``, a view of one ``index_select`` of whole pages (a page_size times smaller index than of slots).
-    """
+    """Gathers whole pages of one layer, ``pages [heads * num_pages, page_size * last_dim]`` (``PoolStorage.slots``
+    with ``slots_per_row=page_size``), at ``rows`` (``page_rows``): ``shape`` ``(batch, heads, num_tokens, last_dim)``,
+    each row's tokens from token ``first`` of its first page, a view of one ``index_select`` (a page_size times smaller
+    index than of slots)."""
     batch, heads, _, last_dim = shape
     row_numbers = rows.numel() // (batch * heads) * pages.shape[1]  # a row's pages, per head
     strides = (heads * row_numbers, row_numbers, last_dim, 1)
@@ -58,14 +51,9 @@ def run_view(storage: torch.Tensor, layer_idx: int, first_page: int, num_tokens:
 
 
 def read_slots(slots: torch.Tensor, index: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """Gathers slots of a layer in the order given: ``[batch, heads, n, last_dim]``, a fresh tensor.
-
-    Args:
-        slots: one layer as ``[heads * pages * page_size, last_dim]`` (``PoolStorage.slots``).
-        index: ``[batch * heads * n]`` slot indices from ``slot_indices``, flattened (one ``index_select`` over a
-            flat index is faster than ``slots[index]``).
-        shape: ``(batch, heads, n)``.
-    """
+    """Gathers slots of one layer, ``slots [heads * pages * page_size, last_dim]`` (``PoolStorage.slots``), in the
+    order of ``index [batch * heads * n]`` (``slot_indices`` flattened: one ``index_select`` over a flat index is faster
+    than ``slots[index]``): ``[*shape, last_dim]`` for ``shape = (batch, heads, n)``, a fresh tensor."""
     return slots.index_select(0, index).view(*shape, slots.shape[-1])
 
 

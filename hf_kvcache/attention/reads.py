@@ -1,9 +1,8 @@
 """What a layer hands attention beyond the keys and values: how to read them where they lie.
 
-transformers passes an attention layer's kwargs to the cache (``cache.update(..., kwargs=kwargs)``) and then to the
-attention function, the same dict. A layer that returns the pool's storage in place (``PagedRead``), or a window's
-keys with a band (``KeyLayout``), puts them there under ``PAGED_READ`` / ``KEY_LAYOUT`` for ``attention.interface``.
-Where a model passes no kwargs, layers return their keys and values gathered in time order, which any attention reads.
+transformers passes an attention layer's kwargs to the cache (``update(..., kwargs=kwargs)``), then to the attention
+function, the same dict: a layer puts a ``PagedRead`` or a window's ``KeyLayout`` there (``PAGED_READ`` /
+``KEY_LAYOUT``). Where a model passes none, layers return keys and values gathered in time order.
 """
 
 from collections.abc import Callable
@@ -47,11 +46,8 @@ class PagedRead:
 
 @dataclass(frozen=True)
 class KeyLayout:
-    """What attention must know of the keys a window returned, beyond the model's mask (``KEY_LAYOUT``).
-
-    Attributes:
-        band: ``[batch, num_new, num_keys]``, true where a new token of a row may see a key (causality, window and
-            the row's sinks; false for a key that holds no token the step may see).
+    """What attention must know of the keys a window returned, beyond the model's mask (``KEY_LAYOUT``): its ``band``
+    ``[batch, num_new, num_keys]``, true where a new token of a row may see a key (causality, window, the row's sinks).
     """
 
     band: torch.Tensor
