@@ -14,7 +14,6 @@ from transformers.cache_utils import get_layer_types_and_kwargs as layer_types_a
 from transformers.dynamic_module_utils import check_python_requirements
 from transformers.generation import configuration_utils
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 __all__ = [
@@ -25,7 +24,6 @@ __all__ = [
     "cache_layer_state",
     "causal_lm_model_types",
     "check_python_requirements",
-    "commit_hash",
     "drop_quantizer",
     "layer_types_and_kwargs",
     "prefill_method",
@@ -33,7 +31,6 @@ __all__ = [
     "prepare_inputs_method",
     "remove_attention",
     "sdpa_attention_forward",
-    "sdpa_mask",
     "serves_dynamic_cache",
     "set_cache_implementations",
     "set_prefill_method",
@@ -46,11 +43,6 @@ __all__ = [
 def attn_implementation(config: PreTrainedConfig) -> str | None:
     """The attention a model of ``config`` runs (``"sdpa"``, ``"eager"``, ...); ``None`` when no model set it."""
     return getattr(config, "_attn_implementation", None)
-
-
-def commit_hash(config: PreTrainedConfig) -> str | None:
-    """The hub revision a config was loaded from; ``None`` with transformers 5, which pops ``_commit_hash``."""
-    return getattr(config, "_commit_hash", None)
 
 
 def tensor_parallel_group(model: Any) -> Any:

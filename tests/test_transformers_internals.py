@@ -14,6 +14,7 @@ from transformers import (
     GenerationConfig,
     GenerationMixin,
 )
+from transformers.masking_utils import sdpa_mask
 
 import hf_kvcache
 from hf_kvcache import transformers_internals as internals
@@ -76,7 +77,7 @@ def test_cache_names_set_here_are_the_ones_validate_reads():
 def test_attention_names_live_in_the_interfaces_mappings():
     """remove_attention pops the name from the mappings that AttentionInterface.register writes."""
     AttentionInterface.register("pinned_attention", internals.sdpa_attention_forward)
-    AttentionMaskInterface.register("pinned_attention", internals.sdpa_mask)
+    AttentionMaskInterface.register("pinned_attention", sdpa_mask)
     assert "pinned_attention" in AttentionInterface._global_mapping
     assert "pinned_attention" in AttentionMaskInterface._global_mapping
     internals.remove_attention("pinned_attention")
@@ -87,11 +88,11 @@ def test_attention_names_live_in_the_interfaces_mappings():
 
 def test_sdpa_functions_are_sdpas_and_take_what_we_pass():
     assert AttentionInterface._global_mapping["sdpa"] is internals.sdpa_attention_forward
-    assert AttentionMaskInterface._global_mapping["sdpa"] is internals.sdpa_mask
+    assert AttentionMaskInterface._global_mapping["sdpa"] is sdpa_mask
     forward = inspect.signature(internals.sdpa_attention_forward).parameters
     assert list(forward)[:5] == ["module", "query", "key", "value", "attention_mask"]
     assert {"scaling", "dropout", "position_bias"} <= set(forward)
-    mask = inspect.signature(internals.sdpa_mask).parameters
+    mask = inspect.signature(sdpa_mask).parameters
     assert list(mask)[:3] == ["batch_size", "q_length", "kv_length"]
 
 
@@ -119,14 +120,13 @@ def test_dummy_layer_is_what_a_cache_keeps_for_a_layer_without_a_cache():
     assert isinstance(DynamicCache(config=config).layers[1], internals.DummyLayer)
 
 
-def test_commit_hash_of_a_loaded_model(tmp_path):
+def test_a_loaded_config_keeps_no_hub_revision(tmp_path):
     tiny_llama().save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path)
     # This release resolves a hub revision per load and no longer keeps it on the config (it pops
     # "_commit_hash"), so the eval records no model_revision for a model other than the bundled one.
     # Whichever way that changes, this fails and says so.
     assert not hasattr(model.config, "_commit_hash")
-    assert internals.commit_hash(model.config) is None
 
 
 def test_a_dropped_quantizer_no_longer_refuses_save_pretrained(tmp_path):
