@@ -1,6 +1,5 @@
-"""Admission of a request to a cache's pools (``Admission``, a base of ``PoolCache``): before any compute, whether
-the request's rows could fit in the worst case (every token of every row in pages of its own), so that a request
-that cannot fit fails at once and names what to change rather than midway through a generation."""
+"""Admission of a request to a cache's pools (``Admission``, a base of ``PoolCache``): a request whose rows could not
+fit in the worst case fails before any compute, naming what to change, rather than midway through a generation."""
 
 import functools
 import logging
@@ -24,17 +23,13 @@ def _log_unchecked_admission() -> None:
 
 
 class Admission:
-    """The admission checks of ``PoolCache`` (which it is a base of): its attributes are ``PoolCache``'s
-    (``_binder``, ``cache_config``, ``_held_pages``)."""
+    """The admission checks of ``PoolCache``, over its ``_binder``, ``cache_config`` and ``_held_pages``."""
 
     def worst_case_pages(
         self, num_rows: int, num_tokens: int, page_size: int, device: torch.device | None = None
     ) -> int:
-        """Most pages ``num_rows`` rows of ``num_tokens`` tokens each can hold on one pool, no page shared.
-
-        Each layer group takes its own pages: every token's for a layer group that keeps them all, at most
-        a window's worth (``window_pages_per_row``) for a window. Rows that share pages (beams, identical prompts)
-        only need fewer.
+        """Most pages ``num_rows`` rows of ``num_tokens`` tokens each can hold on one pool, no page shared: each
+        layer group's own, every token's or at most a window's worth.
 
         Args:
             device: count the layer groups whose pages live on this device only (a split model); ``None``: all.
@@ -50,21 +45,19 @@ class Admission:
     def check_admission(self, num_rows: int, num_tokens: int, device: torch.device, dtype: torch.dtype) -> None:
         """Refuses, before any compute, a request that could not fit in the pool in the worst case.
 
-        A check, not a reservation: pages stay free for anyone until the cache writes, so requests
-        running at the same time can still exhaust the pool mid-generation. Pages the cache already holds
-        (a cache passed back to ``generate`` to continue) count towards the request. A split model checks the
-        pool of each of its devices; the ranks of a tensor-parallel model refuse together: the fewest pages any
-        rank's pool has available count.
+        A check, not a reservation: requests running at the same time can still exhaust the pool. Pages the cache
+        already holds count towards the request; a split model checks each device's pool; the ranks of a
+        tensor-parallel model refuse together, on the fewest pages any rank has available.
 
         Args:
             num_rows: rows the request runs (batch size x beams or returned sequences).
-            num_tokens: tokens each row may hold at most (prompt + ``max_new_tokens`` - 1 in ``generate``).
-            device / dtype: where the cache's pool lives (it is bound now if it was not).
+            num_tokens: tokens each row may hold at most.
+            device / dtype: where the cache's pool lives (bound now if it was not).
 
         Raises:
             PoolExhaustedError: the worst case needs more pages than a pool has free or can still grow into.
-            IncompatibleModelError: the model's parameters are offloaded without a device map (no pool to check) and
-                ``admission_check`` is ``True`` (by default such a request is not checked, logged once).
+            IncompatibleModelError: ``admission_check`` is ``True`` on a model offloaded without a device map (by
+                default such a request is not checked, logged once).
         """
         binder = self._binder
         placed_devices = binder.placement.devices_for(device)
@@ -83,15 +76,14 @@ class Admission:
                 self._admit(pool, groups, num_rows, num_tokens, placed)
 
     def _groups_by_part(self, device: torch.device) -> dict[KVPool, list[int]]:
-        """The layer groups on ``device`` that draw from each part of its pool (one part but for a model of several
-        geometries)."""
+        """The layer groups on ``device`` by the part of its pool they draw from."""
         parts: dict[KVPool, list[int]] = {}
         for idx in self._binder.layer_groups_on(device):
             parts.setdefault(self._binder.part_of(idx, device), []).append(idx)
         return parts
 
     def _admit(self, pool: KVPool, groups: list[int], num_rows: int, num_tokens: int, placed: torch.device) -> None:
-        """``check_admission`` on one pool (a part of a ``KVPoolSet``), for the layer groups drawing from it."""
+        """``check_admission`` on one pool (a part of a ``KVPoolSet``) for the layer groups drawing from it."""
         binder = self._binder
         page_size = pool.format.page_size
         worst = self._worst_pages(groups, num_rows, num_tokens, page_size)

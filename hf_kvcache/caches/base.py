@@ -1,9 +1,4 @@
-"""Plumbing shared by our caches: finding the pool, row changes, returning pages.
-
-A cache is a thin ``transformers.Cache`` whose attention layers draw pages from one pool per device; its other
-layers (linear attention, convolution state, ...) are transformers' own (``StateLayers``). Subclasses state only
-which layer kind each attention layer gets (``_make_layer``).
-"""
+"""``PoolCache``: the plumbing shared by our caches (layer groups, pools, row changes, returning pages)."""
 
 import functools
 import weakref
@@ -41,25 +36,18 @@ from hf_kvcache.transformers_internals import DummyLayer, layer_types_and_kwargs
 
 
 class PoolCache(Admission, PlannedDecoding):
-    """A ``transformers.Cache`` whose layers live in pool pages.
+    """A ``transformers.Cache`` whose attention layers live in pool pages.
 
-    The model's attention layers are split into layer groups of one attention type (``config.layer_groups``); each
-    layer group has its own page table, and a subclass says which tokens each one keeps
-    (``_row_policy``): every token, or the last ``window``. Layers of other types (a hybrid model's linear
-    attention or convolution layers) keep the layer objects transformers' ``DynamicCache`` makes for them, outside
-    the pool (``StateLayers``); a model with no attention layer to page is refused.
-
-    On a model split over devices (``placement.layer_devices``), the layers of each device make their own layer
-    groups, which draw from a pool on that device cut for them only.
+    The attention layers are split into layer groups (one page table each; per device on a split model, each device
+    with a pool of its own), and a subclass says which tokens each keeps (``_row_policy``). Other layers keep
+    transformers' own objects (``StateLayers``); a model with no attention layer to page is refused.
 
     Args:
         config: the model's config (its decoder config is used).
         cache_config: the cache's config (``config_class``), or a dict of its settings; ``None``: the defaults.
-        dtype / device: bind the pool now rather than at the first write (both or neither); a split model binds
-            the pool of each of its devices.
-        placement: where the model's KV lives (``hf_kvcache.integration.seams.placement_of(model)``, which
-            ``generate(cache_implementation=...)`` reads); ``None``: in this process, on the device of the first
-            write, with the config's heads.
+        dtype / device: bind the pool now rather than at the first write (both or neither).
+        placement: where the model's KV lives (``hf_kvcache.integration.seams.placement_of(model)``); ``None``: in
+            this process, on the device of the first write, with the config's heads.
     """
 
     def __init__(
@@ -123,21 +111,17 @@ class PoolCache(Admission, PlannedDecoding):
         if (dtype is None) != (device is None):
             raise ValueError("Give both dtype and device to bind the pool early, or neither.")
         if dtype is not None:
-            for placed in placement.devices_for(device):
-                self._binder.bind(placed, dtype)
+            self.bind_pools(device, dtype)
 
     config_class = PagedConfig
     reuses_read_buffers = False
-    """Whether a layer returns its keys and values in buffers that the next layer of its layer group to update
-    overwrites (decoded codes: the quantized caches). A layer whose states later layers read (``kv_sharing_modes``
-    "store") must then be the last of its layer group (``_check_kv_sharing``)."""
+    """Whether a layer returns its keys and values in buffers the next layer of its layer group overwrites (decoded
+    codes): a layer whose states later layers reuse must then be its layer group's last (``_check_kv_sharing``)."""
 
     @staticmethod
     def _check_kv_sharing(config: PreTrainedConfig, groups: list[list[int]]) -> None:
-        """Refuses a model whose layers read another layer's keys and values (``kv_sharing_modes`` "reuse") where
-        those could be overwritten before they are read: the layer that stores them is not the last layer of its
-        layer group (Gemma 3n's stores are: the last layer of each type before the layers that reuse them), or no
-        layer is named as storing them."""
+        """Refuses a model whose layers reuse another layer's keys and values (``kv_sharing_modes``) where the layer
+        storing them is not the last of its layer group (they would be overwritten first), or none is named."""
         modes = list(getattr(config, "kv_sharing_modes", None) or ())
         stores = [idx for idx, mode in enumerate(modes) if mode == "store"]
         overwritten = [(idx, group[group.index(idx) + 1]) for group in groups for idx in stores if idx in group[:-1]]
@@ -153,8 +137,7 @@ class PoolCache(Admission, PlannedDecoding):
     def _place_layer_groups(
         layer_types: list[str], geometries: list[Any], groups: list[list[int]], placement: Placement
     ) -> tuple[list[list[int]], list[torch.device | None]]:
-        """The layer groups and the device each is placed on: the model's (on no device in particular), or those
-        of the layers of each device of a split model, in the order of the devices."""
+        """The layer groups and each one's device: the model's (no device), or each device's of a split model."""
         devices = placement.layer_devices
         if devices is None:
             return groups, [None] * len(groups)
@@ -175,12 +158,13 @@ class PoolCache(Admission, PlannedDecoding):
         return self._binder.placement
 
     def _row_policy(self, layer_type: str, layer_kwargs: dict[str, Any]) -> RowPolicy:
-        """Which tokens a layer of ``layer_type`` keeps (``layer_kwargs`` carry its ``sliding_window``)."""
-        raise NotImplementedError
+        """Which tokens a layer of ``layer_type`` keeps: a sliding layer the model's window, the others every token."""
+        if layer_type == "sliding_attention":
+            return RowPolicy(window=layer_kwargs["sliding_window"], is_sliding=True)
+        return RowPolicy()
 
     def _make_layer(self, layer_idx: int, layer_in_group: int, bind, policy: RowPolicy) -> CacheLayerMixin:
-        """A layer on the pool, with its indexer's keys (``IndexerKeys``) or its compressor's state
-        (``CompressedLayer``: a window) beside, or a state half (``StateLayers.layer_class``) where it carries one."""
+        """A layer on the pool: paged or a window (a compressed layer's), with an indexer's keys or a state half."""
         kind = self._state_layers.types.get(layer_idx)
         indexed = kind == INDEXED_ATTENTION  # its indexer's keys beside
         if policy.window is None:
@@ -192,8 +176,7 @@ class PoolCache(Admission, PlannedDecoding):
 
     @property
     def pools(self) -> dict[torch.device, KVPool | KVPoolSet]:
-        """The pool of each device this cache has written to (or was bound to): a ``KVPoolSet`` where the model's
-        layers write several geometries."""
+        """The pool of each device the cache wrote to or was bound to (a ``KVPoolSet`` for several geometries)."""
         return dict(self._binder.pools)
 
     @property
@@ -212,14 +195,11 @@ class PoolCache(Admission, PlannedDecoding):
     def plan(self, num_tokens: int, attention_mask: torch.Tensor | None = None) -> None:
         """Says how long rows will grow and where each starts, before the first write (``generate`` does both).
 
-        A compiled step sizes its reads for ``num_tokens`` (``capacity_bucket``). The attention mask tells each row's
-        leading padding, whose whole pages the rows do not take, so that a window's sinks are the row's first *real*
-        tokens, and so that layers reading in place hide it (``PagedRows.read``).
+        A row's leading padding takes no whole page, so that a window's sinks are its first real tokens.
 
         Args:
-            num_tokens: tokens a row may hold at most (``generate``: prompt + ``max_new_tokens`` - 1).
-            attention_mask: ``[rows, prompt_length]`` the mask the prompt is fed with (1: token, 0: padding);
-                ``None`` for rows without padding.
+            num_tokens: tokens a row may hold at most (a compiled step's capacity bucket is sized for them).
+            attention_mask: ``[rows, prompt_length]`` the prompt's mask (1: token, 0: padding); ``None``: no padding.
         """
         release_deferred()
         pad_lengths = None
@@ -231,10 +211,9 @@ class PoolCache(Admission, PlannedDecoding):
             rows.set_plan(pad_lengths, None)
 
     def feeds(self, num_tokens: int | None) -> None:
-        """The tokens ``generate``'s first forward pass feeds (``None``: not known): the padding ``plan`` was told
-        is where the rows hold it only if the model writes as many. A model that writes others (CPM-Ant puts prompt
-        tokens of its own in front of the input) holds its first tokens where the mask shows padding, so its rows
-        then skip no page and hide no token (``PagedRows.begin_step``)."""
+        """The tokens ``generate``'s first forward pass feeds (``None``: not known). A model that writes others than
+        its mask shows (CPM-Ant prepends tokens of its own) holds tokens where the mask shows padding: its rows then
+        skip no page and hide no token."""
         self._binder.fed_tokens = num_tokens
         for rows in self._binder.rows.values():
             rows.set_plan(self._binder.pad_lengths, num_tokens)
@@ -242,11 +221,9 @@ class PoolCache(Admission, PlannedDecoding):
     def memory_stats(self) -> dict[str, int]:
         """Pages this cache holds (shared pages once), the bytes it holds, and the tokens per row.
 
-        ``bytes_held`` counts the pages plus what the cache holds outside the pool: ``residual_bytes``, the
-        full-precision values of the newest ``residual_length`` tokens a quantized cache keeps, and ``state_bytes``,
-        the states transformers' own layers of a hybrid model hold (``StateLayers``: linear attention's recurrent and
-        convolution states, ...). ``pages_unfilled``: pages held that hold no token (a page of padding a row shares
-        its first tokens with counts its tokens).
+        ``bytes_held`` counts the pages plus what the cache holds outside the pool: ``residual_bytes`` (a quantized
+        cache's full-precision newest values) and ``state_bytes`` (``StateLayers``). ``pages_unfilled``: pages held
+        that hold no token.
         """
         pages = self._held_pages()
         unfilled = sum(
@@ -267,9 +244,7 @@ class PoolCache(Admission, PlannedDecoding):
 
     def read_counts(self) -> dict[str, int]:
         """How attention has read this cache's layers so far, one count per layer and forward pass, by path:
-        ``"gather"`` (copied out of the pages), ``"run"`` (a view of a row's consecutive pages), ``"in place"``
-        (``attn_implementation="hf_kvcache"`` over the pages where they lie). Planned (compiled) steps are not
-        counted."""
+        ``"gather"``, ``"run"`` (a view of a row's consecutive pages), ``"in place"``. Planned steps are not counted."""
         counts = dict.fromkeys((GATHER, RUN, IN_PLACE), 0)
         for rows in self._binder.rows.values():
             for path, count in rows.path.reads.items():
@@ -277,8 +252,7 @@ class PoolCache(Admission, PlannedDecoding):
         return counts
 
     def _held_pages(self) -> set[tuple[PagePool, int]]:
-        """``(pool, page id)`` of every page this cache's rows hold (``pool``: the ``PagePool`` behind the part
-        its layer group draws from), shared ones once."""
+        """``(PagePool, page id)`` of every page this cache's rows hold, shared ones once."""
         bound = self._binder.rows.values()
         pages = {(rows.pool, page) for rows in bound for row in rows.table.rows for page in row}
         return {(pool, page) for pool, page in pages if page != NULL_PAGE}  # holes: none
@@ -288,8 +262,8 @@ class PoolCache(Admission, PlannedDecoding):
         return [layer for layer in self.layers if isinstance(layer, PagedLayer)]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Tokens each row holds: layer ``layer_idx``'s count, or the first layer on the pool's where that one is
-        transformers' own (a linear-attention layer counts in a tensor) or holds nothing (``DummyLayer``)."""
+        """Tokens each row holds: layer ``layer_idx``'s count, or the first pool layer's where that one is not on the
+        pool."""
         layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
         if not isinstance(layer, PagedLayer):
             layer = next(iter(self._row_layers()), None)
@@ -297,16 +271,14 @@ class PoolCache(Admission, PlannedDecoding):
 
     @property
     def is_compileable(self) -> bool:
-        """``PlannedDecoding.is_compileable``, and transformers' own layers say so too (a linear-attention layer's
-        states keep static addresses, updated in place, unless it records its past)."""
+        """``PlannedDecoding.is_compileable``, and transformers' own layers say so too."""
         return super().is_compileable and self._state_layers.is_compileable
 
     # ----- prompt reuse (hf_kvcache.caches.prefix; driven by hf_kvcache.integration.seams) ---------
 
     @property
     def prefix(self) -> PrefixTracker | None:
-        """The cache's side of its pool's prefix index; ``None`` unless the cache reuses prompts (its pool keeps a
-        prefix index, and ``PagedConfig.prefix_caching`` says to use it; known once the pool is bound)."""
+        """The cache's side of its pool's prefix index; ``None`` unless the cache reuses prompts (known once bound)."""
         return self._binder.prefix
 
     def begin_generation(
@@ -316,16 +288,13 @@ class PoolCache(Admission, PlannedDecoding):
         next_sequence_length: int | None,
         inputs: dict[str, Any],
     ) -> int | None:
-        """Before a ``generate`` call's first forward pass: attaches the longest cached prefix of the prompt.
-
-        Only where ``generate`` slices the prompt itself (``next_sequence_length`` given: a plain prefill, not
-        chunked prefill or assisted decoding) and the cache is empty.
+        """Before a ``generate`` call's first forward pass: attaches the longest cached prefix of the prompt to an
+        empty cache, where ``generate`` slices the prompt itself (``next_sequence_length`` given).
 
         Args:
-            model: the model generating.
             input_ids: ``[rows, length]`` the prompt.
-            next_sequence_length: the tokens ``generate`` is about to feed (``None``: it feeds all of ``input_ids``).
-            inputs: the other ``prepare_inputs_for_generation`` arguments (mask, position ids, ...).
+            next_sequence_length: the tokens ``generate`` is about to feed (``None``: all of ``input_ids``).
+            inputs: the other ``prepare_inputs_for_generation`` arguments.
 
         Returns:
             the tokens to feed: ``next_sequence_length`` less the tokens reused.
@@ -346,8 +315,7 @@ class PoolCache(Admission, PlannedDecoding):
 
     @property
     def splits_prefill(self) -> bool:
-        """Whether a prefill runs as passes ending where the state layers keep their states for prompt reuse
-        (``PrefixTracker.pass_ends``): the cache reuses prompts and has such layers."""
+        """Whether a prefill runs as passes ending where the state layers keep their states (``pass_ends``)."""
         return self._binder.prefix is not None and self._state_layers.tails is not None
 
     def record_inputs(self, fed_ids: torch.Tensor | None) -> None:
@@ -358,8 +326,7 @@ class PoolCache(Admission, PlannedDecoding):
             tracker.record(self.get_seq_length(), fed_ids, self._binder.layer_group_rows(tracker.pool.device))
 
     def prefill_ran(self) -> None:
-        """A prefill run as passes (``splits_prefill``) has run its last one: the state layers keep their states where
-        it ended if a later call may start there (``PrefixTracker.passed``)."""
+        """A prefill run as passes (``splits_prefill``) has run its last one (``PrefixTracker.passed``)."""
         tracker = self._binder.prefix
         if tracker is not None:
             tracker.passed(self.get_seq_length(), self._binder.layer_group_rows(tracker.pool.device))
@@ -388,13 +355,11 @@ class PoolCache(Admission, PlannedDecoding):
         self._select_rows(indices.flatten().tolist())
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Removes the last ``-tokens_to_remove`` tokens (``tokens_to_remove <= 0``), returning emptied pages.
-
-        transformers' own layers are cropped as transformers crops them: a recurrent state only where it records
-        its past (``activate_past_recording``); ``crop(0)`` shrinks recorded states back to their working size.
+        """Removes the last ``-tokens_to_remove`` tokens (``tokens_to_remove <= 0``), returning emptied pages;
+        transformers' own layers are cropped as transformers crops them (``StateLayers.crop``).
 
         Raises:
-            ValueError: ``tokens_to_remove > 0``, or a window or a recurrent state cannot give back what the crop needs
+            ValueError: ``tokens_to_remove > 0``, or a window or a state cannot give back what the crop needs
                 (nothing is cropped then).
         """
         if tokens_to_remove > 0:
@@ -415,15 +380,13 @@ class PoolCache(Admission, PlannedDecoding):
         for layer in self._row_layers():
             layer.num_tokens = keep
 
-    def reset(self) -> None:
-        """Empties the cache and returns its pages to the pool (the cache stays usable)."""
-        self.release()
-
     def release(self) -> None:
-        """Returns every page to the pool and drops the states of transformers' own layers; the cache is empty
-        afterwards."""
+        """Returns every page to the pool and drops the states of transformers' own layers: the cache is empty and
+        stays usable."""
         self.end_planning()
         self._binder.release()
         self._state_layers.release(self.layers)
         for layer in self._row_layers():
             layer.num_tokens = 0
+
+    reset = release

@@ -1,6 +1,5 @@
-"""Finding the pool a cache's layers write to, once per device, and returning its pages (``PoolBinder``); kept
-apart from the cache so that layers and the cache's finalizer hold it without a reference cycle back to the cache.
-"""
+"""``PoolBinder``: the pool a cache's layers write to, found once per device, and its pages returned; apart from the
+cache so that layers and the cache's finalizer hold it without a reference cycle back to the cache."""
 
 import dataclasses
 import functools
@@ -31,20 +30,16 @@ FORMAT_FIELDS += ("value_bits", "value_group_size", "key_bits", "key_group_size"
 class PoolBinder:
     """Finds (once per device) the pool a cache's layers write to, and each layer group's rows on it.
 
-    Kept apart from the cache so that layers and the cache's finalizer can hold it without a
-    reference cycle back to the cache.
-
     Args:
         config: the model's decoder config.
         cache_config: the cache's config.
         policies: the row policy of each layer group.
-        placement: where the model's KV lives (a tensor-parallel rank's share of the heads, a split model's layers).
-        layer_groups: the layers of each layer group (``config.layer_groups``, per device for a split model).
-        layer_group_devices: the device each layer group's layers are placed on; ``None``: learnt at the first
-            write, and the pool of every device the cache writes on is cut for all layer groups.
-        layer_group_geometries: the ``(num_kv_heads, head_dim, value_head_dim)`` each layer group writes
-            (``geometry_groups``): the layer groups of each geometry draw from a pool of their own page format, the
-            parts of a ``KVPoolSet`` where there are several.
+        placement: where the model's KV lives.
+        layer_groups: the layers of each layer group (per device for a split model).
+        layer_group_devices: each layer group's device; ``None``: learnt at the first write, and each device's pool
+            is cut for all layer groups.
+        layer_group_geometries: the ``(num_kv_heads, head_dim, value_head_dim)`` each layer group writes: each
+            geometry draws from a pool of its own page format (the parts of a ``KVPoolSet``).
     """
 
     def __init__(
@@ -92,33 +87,33 @@ class PoolBinder:
 
         Raises:
             IncompatibleModelError: the states come on another device than the layer group was placed on, or do
-                not have the geometry of the pool (its heads come from the tensor-parallel plan, or the config).
+                not have the geometry of the pool.
         """
         device = key_states.device
         rows = self.rows.get((device, layer_group_idx))
-        if rows is None:
-            placed = self.layer_group_devices[layer_group_idx]
-            if placed is not None and device != placed:
-                raise IncompatibleModelError(
-                    f"Layers {self.layer_groups[layer_group_idx]} were placed on {placed} (the model's "
-                    f"hf_device_map) but write their states on {device}. Build the cache for the model as it runs: "
-                    "generate(cache_implementation=...) reads the placement when generate starts."
-                )
-            self.bind(device, key_states.dtype)
-            pool = self.part_of(layer_group_idx, device)
-            seen = (key_states.shape[1], key_states.shape[-1])  # [batch, heads, n, head_dim]
-            if seen != (pool.format.num_kv_heads, pool.format.head_dim):
-                source = "the tensor-parallel plan" if self.placement.num_kv_heads is not None else "the config"
-                raise IncompatibleModelError(
-                    f"The model writes {seen[0]} KV heads of size {seen[1]}, but the pool on {device} holds "
-                    f"{pool.format.num_kv_heads} of size {pool.format.head_dim} (from {source}, for layers "
-                    f"{self.layer_groups[layer_group_idx]}). A tensor-parallel "
-                    "rank holds its share of the heads: let generate build the cache (cache_implementation=...), or "
-                    "build it with placement=hf_kvcache.integration.seams.placement_of(model) and its pool with "
-                    "KVPool.for_model(model, ...)."
-                )
-            rows = self.rows_on(layer_group_idx, device, key_states.dtype)
-        return rows
+        if rows is not None:
+            return rows
+        placed = self.layer_group_devices[layer_group_idx]
+        if placed is not None and device != placed:
+            raise IncompatibleModelError(
+                f"Layers {self.layer_groups[layer_group_idx]} were placed on {placed} (the model's "
+                f"hf_device_map) but write their states on {device}. Build the cache for the model as it runs: "
+                "generate(cache_implementation=...) reads the placement when generate starts."
+            )
+        self.bind(device, key_states.dtype)
+        pool = self.part_of(layer_group_idx, device)
+        seen = (key_states.shape[1], key_states.shape[-1])  # [batch, heads, n, head_dim]
+        if seen != (pool.format.num_kv_heads, pool.format.head_dim):
+            source = "the tensor-parallel plan" if self.placement.num_kv_heads is not None else "the config"
+            raise IncompatibleModelError(
+                f"The model writes {seen[0]} KV heads of size {seen[1]}, but the pool on {device} holds "
+                f"{pool.format.num_kv_heads} of size {pool.format.head_dim} (from {source}, for layers "
+                f"{self.layer_groups[layer_group_idx]}). A tensor-parallel "
+                "rank holds its share of the heads: let generate build the cache (cache_implementation=...), or "
+                "build it with placement=hf_kvcache.integration.seams.placement_of(model) and its pool with "
+                "KVPool.for_model(model, ...)."
+            )
+        return self.rows_on(layer_group_idx, device, key_states.dtype)
 
     def rows_on(self, layer_group_idx: int, device: torch.device, dtype: torch.dtype) -> PagedRows:
         """The rows of layer group ``layer_group_idx`` on ``device`` (made on first use, binding the pool)."""
@@ -139,8 +134,8 @@ class PoolBinder:
         return rows
 
     def page_formats(self, device: torch.device, dtype: torch.dtype) -> list[PageFormat]:
-        """The formats of the pool on ``device``, one per geometry of its layers (``geometries_on``): the config's,
-        cut for the heads this rank holds and the layers placed on ``device``.
+        """The formats of the pool on ``device``, one per geometry of its layers: the config's, cut for the heads
+        this rank holds and the layers placed on ``device``.
 
         Raises:
             IncompatibleModelError: no layer is placed on ``device``, or a tensor-parallel model's layers write
@@ -176,30 +171,23 @@ class PoolBinder:
         if pool is not None:
             return pool
         pool = self._pool_for(self.page_formats(device, dtype), device)
+        prefix_caching = self.cache_config.prefix_caching  # None: a given pool's index (not another cache's asking)
         if self.pools and self.prefix is not None:
             log_once("the cache spans several devices; prompts are reused on a cache with one pool.")
             self.prefix.active = False
-        elif pool.prefix_caching and self._uses_prefix_index():
+        elif pool.prefix_caching and (prefix_caching or (prefix_caching is None and self.pool is not None)):
             self._check_prefix_placement()
             pool.pages.configure_tiers(self.cache_config.prefix_tiers)
             self.prefix = PrefixTracker(pool.pages, self.policies, self.cache_config.prefix_namespace)
         self.pools[device] = pool
         return pool
 
-    def _uses_prefix_index(self) -> bool:
-        """``prefix_caching`` True, or None on a pool given to the cache (another cache may have started the default
-        pool's index: that is not this cache's asking)."""
-        prefix_caching = self.cache_config.prefix_caching
-        return bool(prefix_caching) or (prefix_caching is None and self.pool is not None)
-
     def _check_prefix_placement(self) -> None:
         """Refuses prompt reuse where the ranks or devices would have to agree on it.
 
         Raises:
-            ValueError: the model is tensor parallel (each rank's pool keeps its own index, whose lookups could find
-                prefixes of different lengths on different ranks, which would then feed different tokens into the
-                model's collectives), or split over several devices (one pool per device, each with a part of the
-                layer groups, none of which holds a whole prefix).
+            ValueError: the model is tensor parallel (each rank's index could find prefixes of other lengths, feeding
+                the ranks' collectives different tokens), or split over devices (no pool holds a whole prefix).
         """
         if self.placement.process_group is not None:
             raise ValueError(
@@ -222,8 +210,8 @@ class PoolBinder:
         return {idx: rows for (rows_device, idx), rows in self.rows.items() if rows_device == device}
 
     def _pool_for(self, formats: list[PageFormat], device: torch.device) -> KVPool | KVPoolSet:
-        """The pool of ``formats`` on ``device``: the one given to the cache (checked against them), else a part per
-        format (the default pools, or fixed ones of ``max_tokens``), a ``KVPoolSet`` where there are several."""
+        """The pool of ``formats`` on ``device``: the one given to the cache (checked), else a new part per format
+        (a ``KVPoolSet`` where there are several)."""
         prefix_caching = bool(self.cache_config.prefix_caching)
         if prefix_caching and len(formats) > 1:
             log_once(
@@ -314,8 +302,8 @@ def _tracing() -> bool:
 
 
 def release_when_safe(binder: PoolBinder) -> None:
-    """Releases a collected cache's pages, or, when the garbage collector ran it while torch.compile traced (where
-    zeroing freed pages would act on fake tensors and fail), at the next ``release_deferred``."""
+    """Releases a collected cache's pages, or at the next ``release_deferred`` if torch.compile is tracing (zeroing
+    freed pages would act on fake tensors)."""
     if _tracing():
         with _DEFERRED_LOCK:
             _DEFERRED.append(binder)
@@ -324,12 +312,10 @@ def release_when_safe(binder: PoolBinder) -> None:
 
 
 def release_deferred() -> None:
-    """Releases the caches collected while torch.compile traced (``release_when_safe``), and the caches a compile
-    left held: dynamo keeps every object it traced (a compiled step's cache among them) in a reference cycle of its
-    own trackers that outlives the compile, which only Python's cyclic collector frees. Where dynamo compiled a
-    graph since the last call, this runs that collection once, so that a cache the compile traced is finalized (its
-    pages returned) as soon as nothing else holds it. Called before each planned step and each generation of our
-    caches, and by ``warmup`` after each shape."""
+    """Releases the caches collected while torch.compile traced (``release_when_safe``), and those a compile left
+    held: dynamo keeps what it traced in a reference cycle only the cyclic collector frees, so where a graph was
+    compiled since the last call, this collects once. Called before each planned step and generation, and by
+    ``warmup``."""
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     if (graphs == _GRAPHS_SEEN[0] and not _DEFERRED) or _tracing():
         return

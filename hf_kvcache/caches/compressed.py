@@ -1,22 +1,13 @@
-"""Compressed attention on the pool (``CompressedLayer``: DeepSeek-V4's compressed sparse and heavily compressed
-attention layers, ``COMPRESSED_LAYER_TYPES``).
+"""Compressed attention on the pool (``CompressedLayer``: DeepSeek-V4's layers of ``COMPRESSED_LAYER_TYPES``).
 
-Such a layer attends to a sliding window of the model's ``sliding_window`` tokens of one shared key-and-value head, and
-to the entries its compressor makes of every ``compress_rate`` tokens, which the model concatenates after the window's
-keys itself. transformers keeps both in one ``DynamicSlidingWindowLayer`` (``DeepseekV4HCACache``,
-``DeepseekV4CSACache``); here the window is one of our windows over pages, and the compressor's state (the tokens
-buffered until a window of ``compress_rate`` closes, the compressed entries, their count, a compressed sparse layer's
-overlap and its indexer's entries) stays in transformers' own layer object (``compressor``, held by ``StateLayers``:
-moved with the rows, counted in ``state_bytes``), reached by the model through the methods it calls on its cache
-layer.
+Such a layer attends to a window of the model's ``sliding_window`` tokens of one shared key-and-value head, and to
+the entries its compressor makes of every ``compress_rate`` tokens. The window is one of our windows over pages; the
+compressor's state stays in transformers' own layer object (``compressor``, held by ``StateLayers``).
 
-The model writes the same tensor as keys and as values (``update(kv, kv)``, on its sliding layers too); the pool
-stores it once, as keys (``PageFormat.values_are_keys``: the values are the keys on every read path), and the model
-reads the keys ``update`` returns as both. A quantized cache therefore has no values to code: ``quantized_values``
-keeps the tensor in full precision, ``quantized_kv`` as its key codes, whose decoded keys are the values.
-transformers can neither crop the compressor's state (``is_croppable = False``) nor compile these layers
-(``_can_compile_fullgraph = False``): a crop is refused by name, and the cache says it does not compile
-(``StateLayers.is_compileable``)."""
+The model writes one tensor as keys and values (``update(kv, kv)``): the pool stores it once, as keys
+(``PageFormat.values_are_keys``; ``quantized_values`` keeps it exact, ``quantized_kv`` as key codes). transformers can
+neither crop the compressor's state nor compile these layers: a crop is refused by name, and the cache does not
+compile."""
 
 from typing import Any
 
@@ -26,10 +17,8 @@ from hf_kvcache.layers import WindowLayer
 
 
 class CompressedLayer(WindowLayer):
-    """A compressed-attention layer: its window's keys and values on the pool, its compressor's state in
-    transformers' own layer (``compressor``: a ``DeepseekV4HCACache`` or ``DeepseekV4CSACache``, placed by
-    ``StateLayers.place``), which the model drives through ``store_compression_weights``,
-    ``update_compressor_states`` and (compressed sparse layers) ``update_overlap_state``."""
+    """A compressed-attention layer: its window on the pool, its compressor's state in transformers' own layer
+    (``compressor``), which the model drives through the methods below."""
 
     is_croppable = False  # the compressor's state cannot be cut back, as in transformers
     compressor: Any = None  # placed by StateLayers.place

@@ -1,7 +1,5 @@
-"""``PagedConfig``: the settings every cache takes (``generate``'s ``cache_config``), a frozen dataclass that checks
-itself on construction and names the setting to change; each cache's config extends it with its own settings
-(``SlidingRingConfig``, ``QuantizedValueConfig``, ``QuantizedKVConfig``, next to their caches).
-"""
+"""``PagedConfig``: the settings every cache takes (``generate``'s ``cache_config``), checked on construction; each
+cache's config extends it with its own."""
 
 import dataclasses
 from collections.abc import Mapping
@@ -18,7 +16,7 @@ from hf_kvcache.memory.tiers import TierSettings
 
 def check_count(name: str, value: Any, low: int, optional: bool = False) -> None:
     """Raises ``TypeError`` unless ``value`` is an int (or ``None`` where ``optional``), ``ValueError`` if it is below
-    ``low``; both name the setting and the value."""
+    ``low``, naming the setting and the value."""
     if optional and value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int):
@@ -39,32 +37,21 @@ class PagedConfig:
 
     Attributes:
         page_size: token slots per page (of a pool the cache makes, and of ``KVPool.for_model(model, config)``).
-        pool: a ``KVPool`` (a ``KVPoolSet`` for a model of several geometries), or the name of one, to draw pages
-            from; ``None`` for the default pool.
+        pool: a ``KVPool`` (a ``KVPoolSet`` for several geometries) or a pool's name; ``None``: the default pool.
         max_tokens: give this cache a fixed-budget pool of its own holding this many tokens.
-        admission_check: before any compute, ``generate`` refuses a request whose worst-case page need
-            (rows x pages for prompt + ``max_new_tokens``) exceeds what the pool has free or can still grow
-            into, with a ``PoolExhaustedError`` (``exceeds_pool``: more than the whole pool), so that a request
-            that cannot fit fails alone instead of taking the pages other requests need. A check, not a
-            reservation: requests running at the same time may still take the pages, and a request that passes
-            can then fail mid-generation. ``None`` (the default): on wherever the pool is known before the first
-            write (not for a model offloaded without a device map); ``True``: on, and such a model is refused;
-            ``False``: off.
-        prefix_caching: reuse prompt pages across ``generate`` calls through the pool's prefix index
-            (``hf_kvcache.caches.prefix``). ``True``: the default pool or ``max_tokens`` pool the cache draws from
-            keeps one (a given ``pool`` must have been built with ``prefix_caching=True``); ``None``: only where a
-            given ``pool`` keeps one; ``False``: never.
-        prefix_namespace: a name the cache's pages are published and found under, besides the model and the
-            cache's attention: caches of other namespaces (tenants, experiments) never share pages on one pool.
-        prefix_host_bytes: host memory (bytes) that prefix pages the pool evicts spill to, and that a later lookup
-            brings them back from (``hf_kvcache.memory.tiers``); 0: none.
-        prefix_disk_dir / prefix_disk_bytes: a local directory, within a budget of bytes, for the pages pushed out of
-            host memory (or evicted, with no host memory); it survives restarts.
-        prefix_store: a Redis URL (``"redis://host:port/0"``) that published prefix pages also go to, so that other
-            processes and machines on the same model reuse them; fail-open (docs/prefix-caching.md).
+        admission_check: refuse, before any compute, a request whose worst-case pages exceed what the pool has free
+            or can grow into (``PoolExhaustedError``); a check, not a reservation. ``None``: wherever the pool is
+            known before the first write; ``True``: always (a model offloaded without a device map is refused).
+        prefix_caching: reuse prompt pages across calls through the pool's prefix index. ``True``: the pool the
+            cache makes keeps one (a given ``pool`` must); ``None``: only where a given ``pool`` keeps one.
+        prefix_namespace: pages are published and found under it only (tenants, experiments).
+        prefix_host_bytes: host memory for prefix pages the pool evicts (``hf_kvcache.memory.tiers``); 0: none.
+        prefix_disk_dir / prefix_disk_bytes: a local directory, within a budget of bytes, for pages pushed out of
+            host memory; it survives restarts.
+        prefix_store: a Redis URL that published prefix pages also go to, for other processes; fail-open.
 
-        Any of the last four turns ``prefix_caching`` on (``False`` with one of them is refused). The tiers are the
-        pool's: the first cache that asks for them sets them; a cache on a pool that has them may leave them unset.
+        Any of the last four turns ``prefix_caching`` on (``False`` with one of them is refused); the tiers are the
+        pool's, set by the first cache that asks for them.
     """
 
     page_size: int = DEFAULT_PAGE_SIZE
@@ -112,12 +99,11 @@ class PagedConfig:
 
     @classmethod
     def parse(cls, value: "PagedConfig | Mapping[str, Any] | None") -> Self:
-        """This class's config from a ``cache_config``: an instance as is; a dict (or ``None``: every default) by its
-        keys, rejecting unknown ones with the list of valid ones.
+        """This class's config from a ``cache_config``: an instance as is, a dict (or ``None``: the defaults) by keys.
 
         Raises:
-            TypeError: ``value`` is another cache's config, or neither a config nor a dict.
-            ValueError: an unknown key, or a setting out of range.
+            TypeError: another cache's config, or neither a config nor a dict.
+            ValueError: an unknown key (the valid ones named), or a setting out of range.
         """
         if type(value) is cls:
             return value

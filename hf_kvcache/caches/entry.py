@@ -1,9 +1,5 @@
-"""``CacheEntry``: what the registry (``hf_kvcache.integration.registry``) knows of one cache name.
-
-Each cache module declares its entry next to its class; the tests, the soak, the evaluation and the
-benchmarks take the settings they run a cache with from here, so a new cache is covered by all of them
-the day its entry is registered.
-"""
+"""``CacheEntry``: what the registry (``hf_kvcache.integration.registry``) knows of one cache name. The tests, soak,
+evaluation and benchmarks take their settings from it, so a new cache is covered the day its entry is registered."""
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,17 +17,12 @@ class CacheEntry:
     Attributes:
         name: the ``generate(cache_implementation=...)`` name.
         cache_class: the cache it builds (``cache_class(model.config, cache_config)``).
-        example_config: a ``cache_config`` that works on a tiny full-attention model (head_dim 16); the tests run
-            every registered name with it.
-        eval_presets: label -> ``cache_config`` of each run of the cache in the default evaluation
-            (``hf_kvcache.eval``).
-        bench_presets: label -> ``cache_config`` of each run of the cache in the lossy decode benchmark (``--suite
-            quantized``, next to transformers' ``QuantizedCache``); empty for a lossless cache, which the ``paged``
-            and ``sliding`` suites time (``hf_kvcache.bench.catalogue``).
-        soak_config: the ``cache_config`` the soak runs it with (``hf_kvcache.bench.soak``); defaults to
-            ``example_config``.
-        attn_implementation: the attention docs/caches.md recommends running the cache under (the evaluation does),
-            ``None`` for the model's own.
+        example_config: a ``cache_config`` that works on a tiny full-attention model (head_dim 16).
+        eval_presets: label -> ``cache_config`` of each run in the default evaluation.
+        bench_presets: label -> ``cache_config`` of each run in the lossy decode benchmark; empty for a lossless
+            cache.
+        soak_config: the ``cache_config`` the soak runs (default: ``example_config``).
+        attn_implementation: the attention docs/caches.md recommends for the cache; ``None``: the model's own.
     """
 
     name: str

@@ -19,11 +19,10 @@ class UnreadableWeights(Exception):
 
 
 def model_fingerprint(model: torch.nn.Module) -> bytes:
-    """Identifies what computes a model's keys and values, recomputed at every call (weights written in place keep
-    their pointers and version counters, so nothing cheaper can tell): its class, its config (``to_dict()`` less
-    ``VOLATILE_CONFIG_KEYS``), its dtype, the state of every adapter layer (PEFT's active, disabled and merged
-    adapters), and ``FINGERPRINT_VALUES`` evenly spaced values of every parameter and buffer (a sample: a write that
-    misses every sampled value goes unseen; ``KVPool.reset_prefix_index`` drops the index after such writes).
+    """Identifies what computes a model's keys and values: its class, config (less ``VOLATILE_CONFIG_KEYS``), dtype,
+    adapter state (PEFT) and ``FINGERPRINT_VALUES`` evenly spaced values of every parameter and buffer. Recomputed
+    at every call, since weights written in place keep their pointers; a write missing every sampled value goes
+    unseen (``KVPool.reset_prefix_index``).
 
     Raises:
         UnreadableWeights: a parameter or buffer is on the meta device (offloaded by accelerate).

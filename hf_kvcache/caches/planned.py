@@ -1,6 +1,5 @@
-"""Compiled decoding on a ``PoolCache`` (``PlannedDecoding``, a base of it): whether ``generate`` may compile it
-(``is_compileable``), and each decode step planned before the forward pass in the seam that sees every forward
-(``hf_kvcache.integration.seams``), then run as tensor operations only."""
+"""Compiled decoding on a ``PoolCache`` (``PlannedDecoding``, a base of it): whether ``generate`` may compile it, and
+each decode step planned on the host before the forward pass, which then runs tensor operations only."""
 
 import math
 from typing import Any
@@ -12,52 +11,42 @@ from hf_kvcache.attention import flex
 from hf_kvcache.attention.interface import PLANNED_READS
 from hf_kvcache.caches.binder import release_deferred
 from hf_kvcache.caches.state_layers import IndexerKeys
-from hf_kvcache.layers import PagedLayer
 from hf_kvcache.layers.plan import capacity_bucket
 
 
 class PlannedDecoding(Cache):
-    """The base of ``PoolCache`` that decodes compiled: it plans each step over the layers and the binder
-    ``PoolCache`` sets up (``_binder``, ``layers``, ``options``, ``compiled_decoding``)."""
+    """The base of ``PoolCache`` that plans decode steps over the layers and binder ``PoolCache`` sets up."""
 
     @property
     def is_compileable(self) -> bool:
-        """Whether ``generate`` may compile the model's forward with this cache (as it does for ``StaticCache``):
-        every layer group keeps its tokens (all of them, or a window's; in full precision or as codes, with or without
-        an exact sink) on one device, so a decode step can be planned before the forward pass (``plan_decode``) and
-        run as tensor operations only (a pool's storage never moves: what a step reads stays where it was)."""
-        binder = self._binder
-        # generate's rule said no for this request, or its steps feed several tokens (seams.check_request): masks
-        # may then be skipped as Dynamic's
+        """Whether ``generate`` may compile the model's forward with this cache, as with ``StaticCache``: every layer
+        group on one device of one process, so that a decode step is planned before the forward pass; not where
+        ``generate``'s rule said no for the request (``compiled_decoding`` False: masks may then be skipped)."""
         if self.compiled_decoding is False:
             return False
+        binder = self._binder
         return binder.placement.process_group is None and len({at for at in binder.layer_group_devices if at}) <= 1
 
     def plan_decode(self, num_rows: int, num_new: int | None, attention_mask: torch.Tensor | None = None) -> bool:
-        """Before a decode step of ``generate``, and before its inputs are prepared (they may build the attention
-        mask, whose size the plan sets): the bookkeeping of the step (pages, copy-on-write, where the new token goes
-        and which pages attention reads) done here, on the host, into tensors the step reads
-        (``PagedRows.plan_decode``); ``start_planned`` then counts the step. Only steps that run compiled
-        (``compiled_decoding``) are planned into these tensors (their graph does no host work); an eager decode step is
-        planned here as its layers' first would (``PagedRows.plan_eager_step``), reading exactly its tokens rather
-        than a capacity bucket (the model's mask is built for them). Other steps (a prefill, several tokens, a direct
-        ``model(...)`` call) are planned by each layer group's first layer (``PagedRows.plan_step``).
+        """Before a decode step of ``generate`` and before its inputs are prepared (they may build the mask, whose
+        size the plan sets): the step's bookkeeping on the host (``PagedRows.plan_decode``) into tensors a compiled
+        step reads, sized by a capacity bucket; ``start_planned`` then counts the step. An eager decode step is
+        planned for exactly its tokens (``PagedRows.plan_eager_step``); other steps by each layer group's first layer.
 
         Args:
             attention_mask: ``generate``'s ``[rows, tokens]`` mask (``None``: all ones): where it hides no more than
-                each row's leading padding, attention may read the pages in place (``PagedRows.plan_decode``).
+                each row's leading padding, attention may read the pages in place.
         """
         release_deferred()
         binder = self._binder
         rows_of = list(binder.rows.values())
+        start = self.get_seq_length()
         if not (self.compiled_decoding and num_new == 1 and rows_of):
             self.end_planning()
             if num_new == 1:  # an eager decode step: planned here too, so that its layers only execute the plan
-                start = self.get_seq_length()
                 for rows in rows_of:
                     rows.plan_eager_step(start, num_rows)
             return False
-        start = self.get_seq_length()
         page_size = rows_of[0].pool.format.page_size
         # A capacity bucket of what generate may reach: one graph for the whole generation.
         capacity = capacity_bucket(math.ceil(max(start + 1, binder.planned_tokens) / page_size))
@@ -84,13 +73,13 @@ class PlannedDecoding(Cache):
         return True
 
     def start_planned(self, inputs: dict[str, Any]) -> None:
-        """After a planned step's inputs are prepared (``plan_decode``): counts its token in every layer, and hands
-        the step's position over as a tensor where the model takes ``position_ids`` and ``generate`` left them out
-        (a Python int would make each step a new graph)."""
+        """After a planned step's inputs are prepared: counts its token in every layer, hands attention the plans
+        that read in place, and the step's position as a tensor where ``generate`` left ``position_ids`` out (a
+        Python int would make each step a new graph)."""
         layers = self._row_layers()
         if self._query_offset is None or not layers or not getattr(layers[0], "planned", False):
             return
-        for layer in self._row_layers():
+        for layer in layers:
             layer.num_tokens += 1
         plans = [getattr(layer, "rows", None) and layer.rows.step_plan for layer in self.layers]
         plans = tuple(plan if plan is not None and plan.mask is not None else None for plan in plans)
@@ -108,8 +97,7 @@ class PlannedDecoding(Cache):
         for rows in self._binder.rows.values():
             rows.end_planning()
         for layer in self._row_layers():
-            if isinstance(layer, PagedLayer):
-                layer.planned = False
+            layer.planned = False
 
     def get_query_offset(self, layer_idx: int = 0) -> Any:
         """A planned step's offset as a tensor (a Python int would make each step a new graph)."""
@@ -120,8 +108,8 @@ class PlannedDecoding(Cache):
 
 
 def _hides_padding_only(attention_mask: torch.Tensor | None, pad_lengths: list[int] | None, num_tokens: int) -> bool:
-    """Whether ``generate``'s ``[rows, num_tokens]`` mask (``None``: all ones) hides exactly each row's first
-    ``pad_lengths`` tokens (``None``: none)."""
+    """Whether ``generate``'s ``[rows, num_tokens]`` mask (``None``: all ones) hides exactly each row's leading
+    ``pad_lengths``."""
     if attention_mask is None:
         return not any(pad_lengths or ())
     if attention_mask.ndim != 2 or attention_mask.shape[-1] != num_tokens:

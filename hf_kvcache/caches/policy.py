@@ -1,5 +1,4 @@
-"""Which tokens a layer group keeps (``RowPolicy``): every token, or a window of the last ``window``; and the rows
-that keep them."""
+"""Which tokens a layer group keeps (``RowPolicy``), and the rows that keep them."""
 
 import math
 from collections.abc import Callable
@@ -35,23 +34,17 @@ class RowPolicy:
     exact_tokens: int = 0
 
     def max_pages_per_row(self, num_tokens: int, page_size: int) -> int:
-        """Most pages one row holds with ``num_tokens`` tokens: all of them, or at most a window's worth
-        (``window_pages_per_row``)."""
+        """Most pages one row holds with ``num_tokens`` tokens: all of them, or at most a window's worth."""
         pages = math.ceil(num_tokens / page_size)
         if self.window is not None:
             pages = min(pages, window_pages_per_row(self.window, self.sink_tokens, page_size))
         return pages
 
     def make_rows(
-        self, pool: PagePool, our_attention: Callable[[], bool], queries_per_kv_head: int = 1, process_group: Any = None
+        self, pool: PagePool, our_attention: Callable[[], bool], queries_per_kv_head: int, process_group: Any
     ) -> PagedRows:
-        """The rows of a layer group on ``pool`` (a ``KVPool``'s ``pages``).
-
-        Args:
-            our_attention: does the model's attention read a ``KeyLayout`` (and a ``PagedRead``).
-            queries_per_kv_head: query heads per KV head.
-            process_group: the process group of a tensor-parallel model's ranks (``Placement.process_group``).
-        """
+        """The rows of a layer group on ``pool`` (a ``KVPool``'s ``pages``); ``our_attention``: whether the model's
+        attention reads a ``KeyLayout`` and a ``PagedRead``; ``process_group``: a tensor-parallel model's ranks'."""
         if self.window is None:
             return PagedRows(
                 pool,

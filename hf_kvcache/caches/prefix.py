@@ -1,44 +1,21 @@
 """Prompt reuse across ``generate`` calls: a cache's side of its pool's prefix index (``memory.prefix_index``).
 
-``generate`` never shows a cache its token ids; ``hf_kvcache.integration.seams`` hands them over from
-``prepare_inputs_for_generation``: the whole prompt before the first forward pass, then the ids each forward pass
-feeds. A ``PrefixTracker`` keeps them (``[rows, tokens]``, CPU) with each row's chain keys, and
+``generate`` never shows a cache its token ids: ``hf_kvcache.integration.seams`` hands them over, the prompt before
+the first forward pass, then the ids each pass feeds. A ``PrefixTracker`` keeps them with each row's chain keys and
 
-- **looks up** a prompt before the first forward pass (``reuse``): the longest prefix of whole pages, at most
-  ``prompt - 1`` tokens (the last one must be fed for its logits), that every row of the batch finds in the index
-  for every layer group; its pages are attached to the cache's empty page tables (shared, copy-on-write as any
-  shared page), and ``generate`` then feeds only the rest. Where the pool has tiers (``memory.tiers``: host memory,
-  a directory, a shared store), the pages of the longest prefix the index and the tiers hold together are fetched
-  first, outside the pool's lock, and written back into the pool (``PagePool.restore``) before the index is asked;
-- **publishes** each full page once every layer of its layer group has written it (at each forward pass, and the
-  rest when the cache is released), so that concurrent requests find each other's pages while they run.
+- **looks up** a prompt before the first pass (``reuse``): the longest prefix of whole pages, at most ``prompt - 1``
+  tokens (the last one is fed for its logits), that every row finds for every layer group, attached to the empty
+  page tables (shared, copy-on-write); pages the pool's tiers hold are fetched first, outside the pool's lock;
+- **publishes** each full page once every layer of its layer group has written it, so that concurrent requests find
+  each other's pages while they run.
 
-What a page holds must not depend on how the tokens before it were split into forward passes, so a tracker only
-publishes pages a plain prefill would compute alike (up to float rounding) and refuses what it cannot make exact
-(docs/prefix-caching.md lists each case): rows with padding or custom position ids, inputs other than token ids,
-4-D attention masks, offloaded weights; caches with layers whose state lives outside the pool and cannot be kept at a
-page boundary (``StateLayers.refusal``); windows imposed on full-attention layers under an attention other than
-``hf_kvcache``. Other windows are rebuilt from their sink pages and the pages of the last tokens of the prefix (all
-their window sees), published while the window held them (``WindowRows.prefix_layout``; holes between). A hybrid
-model's linear-attention and convolution states are kept at page boundaries as tails (``states``:
-``hf_kvcache.caches.state_tails``), for which a prefill ends its forward passes there (``pass_ends``).
-
-Caches that store codes reuse a prefix as a continuation: the rows then hold what the rows that wrote it held when
-they had written exactly that prefix, so the call gives what that cache, passed on, would have given (not what a
-fresh prefill gives: a prefill reads the prompt's own keys and values exact). Pages hold every token as codes; what
-the rows held besides them in full precision (the residual window's newest values, the exact sink's first tokens)
-is an ``ExactTail``, kept beside the index entry of the prefix's last page (``PrefixIndex.add_tail``; and in the
-pool's tiers, under ``tail_key``) for the boundaries a later call is likely to start from: where a prompt's whole
-pages end, where it parts from what the index held (so that the next prompt with the same head finds one), and the
-last boundary the rows wrote before they were let go (a next turn's); only at the end of a forward pass or inside
-the rows' first one (``SlotStore._capturing``). A lookup reuses the longest prefix whose pages and tails it finds.
-
-The index is keyed on what computes the keys and values (``model_fingerprint``, recomputed at every call: the
-model's class, config, dtype, adapters and a sample of its weights and buffers), the cache's ``prefix_namespace``,
-its attention semantics (each layer group's window, sinks and whether the model's mask applies it) and the page
-size: pools shared by several models, configs, adapters, namespaces or caches of other windows never mix their
-pages. ``KVPool.reset_prefix_index`` drops the index at once (weights updated in place); a tracker whose cache
-held pages across a reset publishes nothing more (``epoch``).
+A page must not depend on how the tokens before it were split into passes, so a tracker refuses what it cannot make
+exact (``_refusal``, ``StateLayers.refusal``; docs/prefix-caching.md lists each case). What rows hold besides their
+pages (a quantized cache's exact values, a hybrid model's states) is a tail kept beside the entry of the prefix's last
+page, at the boundaries a later call is likely to start from (``_capture``): caches that store codes reuse a prefix
+as a continuation of the cache that wrote it. Pages are keyed on ``model_fingerprint``, ``prefix_namespace``, each
+layer group's window and the page size; a tracker whose cache held pages across ``KVPool.reset_prefix_index``
+publishes nothing more (``epoch``).
 """
 
 import logging
@@ -62,8 +39,7 @@ from hf_kvcache.transformers_internals import attn_implementation
 logger = logging.getLogger("hf_kvcache")
 
 TOKEN_INPUTS = ("attention_mask", "position_ids")
-"""Tensor inputs a call may bring besides its token ids and still take part (any other, e.g. ``pixel_values``,
-conditions the keys and values on something the token ids do not say)."""
+"""Tensor inputs a call may bring besides its token ids and still take part (``pixel_values`` and others refuse)."""
 MAX_TIER_ASKS = 4
 """Times one lookup asks the pool's tiers (each a round trip to a store) for the pages of a shorter prefix."""
 
@@ -342,11 +318,8 @@ class PrefixTracker:
         self, rows_of: "dict[int, PagedRows]", num_pages: int
     ) -> tuple[int, dict[PageKey, tuple[str, PageData]]]:
         """Outside the pool's lock (the tiers may be a network away): the longest prefix (at most ``num_pages`` token
-        pages) that the index and the pool's tiers hold together, and the pages the tiers hold of it, with their tier.
-
-        A layer group that keeps every token needs token pages 0..n-1 for a prefix of n: a page missing from both
-        bounds the prefix below it; otherwise the prefix shrinks a page at a time (a window wants other pages then),
-        asking the tiers ``MAX_TIER_ASKS`` times at most."""
+        pages) the index and the tiers hold together, and the pages fetched of it with their tier. The prefix stops
+        below a growing layer group's first missing page, else shrinks a page at a time; ``MAX_TIER_ASKS`` asks."""
         fetched: dict[PageKey, tuple[str, PageData]] = {}
         asked: set[PageKey] = set()
         num_asks = 0
@@ -431,9 +404,8 @@ class PrefixTracker:
                     holder.captures.append(pages * page_size)
 
     def passed(self, end: int, rows_of: "dict[int, PagedRows]") -> None:
-        """A prefill's last pass has run: the states hold the first ``end`` tokens, kept if a later call may start there
-        and published with the pages (``record`` does it before a pass: a call that feeds nothing more, as one of one
-        new token, would keep none)."""
+        """A prefill's last pass has run: keeps the states of its first ``end`` tokens if a later call may start there
+        (``record`` keeps them before a pass only, and none may follow) and publishes."""
         if self.active and self.states is not None:
             self.states.capture(end, self.page_size)
             self.publish(rows_of)
@@ -445,9 +417,8 @@ class PrefixTracker:
         return sorted({end for end in captures if start < end < length} | {length})
 
     def _with_tails(self, rows_of: "dict[int, PagedRows]", num_pages: int) -> tuple[int, dict[int, list[Any]]]:
-        """The most token pages (at most ``num_pages``) at whose end every row finds a tail for every tail holder
-        (``_holders``: an ``ExactTail`` of its lengths, the state layers' ``StateTail``), and those tails (layer group
-        -> one per row). Hold the pool's lock."""
+        """The most token pages (at most ``num_pages``) at whose end every row finds a tail for every holder
+        (``_holders``), and those tails (layer group -> one per row). Hold the pool's lock."""
         holders = self._holders(rows_of)
         for pages in range(num_pages, 0, -1):
             tails = {layer_group: self._tails(holder, layer_group, pages) for layer_group, holder in holders.items()}

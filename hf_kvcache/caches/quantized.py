@@ -24,8 +24,8 @@ class QuantizedValueConfig(PagedConfig):
 
     Attributes:
         bits: bits per stored value, 8 or 4.
-        group_size: value channels sharing one scale and zero; divides the model's value width, its head_dim
-            unless values are of another (default: 64, or the whole value where its width is not a multiple of 64).
+        group_size: value channels sharing one scale and zero; divides the model's value width (default: 64, or the
+            whole value where its width is not a multiple of 64).
         residual_length: newest tokens whose values attention gets in full precision.
     """
 
@@ -43,11 +43,8 @@ class QuantizedValueConfig(PagedConfig):
 
 
 def check_quant_options(options: PagedConfig, bit_names: tuple[str, ...]) -> None:
-    """Checks a quantized cache's config: its bits (8 or 4), ``group_size`` and ``residual_length``.
-
-    Raises:
-        TypeError / ValueError: naming the setting and the value.
-    """
+    """Checks a quantized cache's config: its bits (8 or 4), ``group_size`` and ``residual_length``, raising
+    ``TypeError`` / ``ValueError`` that name the setting and the value."""
     for name in bit_names:
         bits = getattr(options, name)
         check_count(name, bits, 1)
@@ -58,8 +55,8 @@ def check_quant_options(options: PagedConfig, bit_names: tuple[str, ...]) -> Non
 
 
 def group_size_for(group_size: int | None, width: int, name: str = "head_dim") -> int:
-    """The scale group size of a ``cache_config``'s ``group_size`` on vectors of ``width`` channels, the model's
-    ``name`` (its head_dim, or its value width where values are of another: default 64, or the whole vector).
+    """The scale group size of a ``cache_config``'s ``group_size`` on vectors of ``width`` channels (the model's
+    ``name``; default 64, or the whole vector).
 
     Raises:
         ValueError: ``group_size`` does not divide the width (naming the ones that do).
@@ -92,16 +89,14 @@ def residual_row_policy(
 class QuantizedValueCache(PoolCache):
     """Keys in full precision, values as int8 or int4 codes with per-token scales, on the shared pool.
 
-    Each token's values are quantized once, when stored; attention gets them dequantized into a reused
-    buffer, the newest ``residual_length`` in full precision. Sliding layers of hybrid models keep window
-    semantics (their memory stays bounded by the window) with quantized values too.
+    Values are quantized once, when stored; attention gets them dequantized into a reused buffer, the newest
+    ``residual_length`` in full precision. Sliding layers keep their window.
 
     Args:
         config: the model's config.
-        cache_config: a ``QuantizedValueConfig`` (or a dict of its settings): bits per stored value, channels per
-            scale group, the newest tokens served in full precision, and ``PagedConfig``'s settings (a pool given
-            must be built with ``KVPool.for_model(model, cache_config, ...)``).
-        dtype / device / placement: as for ``PagedCache``.
+        cache_config: a ``QuantizedValueConfig`` (or a dict of its settings); a pool given must be built with
+            ``KVPool.for_model(model, cache_config, ...)``.
+        dtype / device / placement: as for ``PoolCache``.
     """
 
     config_class = QuantizedValueConfig

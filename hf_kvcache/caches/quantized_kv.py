@@ -1,9 +1,5 @@
-"""``QuantizedKVCache``: keys and values both stored as codes on the shared pool.
-
-Keys are encoded a page at a time, once, when the page fills (``hf_kvcache.layers.keys``): int8 per token, or int4
-per channel over the page's tokens (keys have outlier channels: KIVI); values as in ``quantized_values``. Scales
-are stored in 2 bytes (float16 for a float32 model), the int4 keys' zeros as int8 (bytes per token: docs/caches.md).
-"""
+"""``QuantizedKVCache``: keys and values both stored as codes on the shared pool (key pages encoded once, when they
+fill: ``hf_kvcache.layers.keys``); bytes per token in docs/caches.md."""
 
 import dataclasses
 from dataclasses import dataclass
@@ -24,13 +20,10 @@ from hf_kvcache.caches.quantized import (
 )
 from hf_kvcache.memory.format import PageFormat
 
-DEFAULT_SINK_TOKENS = 0
-"""First tokens of a row kept in full precision by default."""
-
 
 def scale_dtype_for(dtype: torch.dtype) -> torch.dtype:
-    """Scales in 2 bytes: the model's dtype where it has 2 bytes, else float16 (inputs up to 32,752 in magnitude keep
-    the error bound of ``hf_kvcache.memory.quant``; larger ones stay finite)."""
+    """Scales in 2 bytes: the model's dtype where it has 2 bytes, else float16 (inputs up to 32,752 in magnitude
+    keep ``hf_kvcache.memory.quant``'s error bound)."""
     return dtype if dtype.itemsize == 2 else torch.float16
 
 
@@ -42,20 +35,18 @@ class QuantizedKVConfig(PagedConfig):
         key_bits: 8 (per token, per scale group of ``group_size`` channels) or 4 (per channel over each page's tokens).
         value_bits: 8 or 4, per token and scale group.
         group_size: channels sharing one scale and zero (values, and int8 keys); divides the model's head_dim and
-            its value width where values are of another (default: 64, or the whole vector where its width is not a
-            multiple of 64).
-        residual_length: newest tokens whose values attention gets in full precision (the keys of a row's page
-            still filling are always exact).
-        sink_tokens: first tokens of a row whose keys and values attention gets in full precision (attention sinks,
-            IntactKV), held outside the pool next to their codes; full-attention layers (a window's first tokens leave
-            it).
+            value width (default: 64, or the whole vector).
+        residual_length: newest tokens whose values attention gets in full precision (the keys of a page still
+            filling are always exact).
+        sink_tokens: first tokens of a row whose keys and values attention gets in full precision (attention
+            sinks), held outside the pool beside their codes; full-attention layers only.
     """
 
     key_bits: int = 4
     value_bits: int = 4
     group_size: int | None = None
     residual_length: int = DEFAULT_RESIDUAL_LENGTH
-    sink_tokens: int = DEFAULT_SINK_TOKENS
+    sink_tokens: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -81,17 +72,15 @@ class QuantizedKVConfig(PagedConfig):
 class QuantizedKVCache(PoolCache):
     """Keys and values as codes on the shared pool: int8 per-token or int4 per-channel keys, int8/int4 values.
 
-    A row's page still filling keeps its keys in full precision (outside the pool, counted in ``memory_stats()``)
-    until it fills, then its keys are encoded once; values are quantized per token when stored, the newest
-    ``residual_length`` served in full precision. Sliding layers of hybrid models stay windows (of encoded pages
-    too). Attention gets keys and values decoded into reused buffers (never read in place).
+    A row's page still filling keeps its keys in full precision outside the pool until it fills, then they are
+    encoded once; values are quantized per token when stored, the newest ``residual_length`` served in full
+    precision. Attention gets keys and values decoded into reused buffers (never read in place).
 
     Args:
         config: the model's config.
-        cache_config: a ``QuantizedKVConfig`` (or a dict of its settings): bits of keys and values, channels per
-            scale group, the newest and first tokens served in full precision, and ``PagedConfig``'s settings (a
-            pool given must be built with ``KVPool.for_model(model, cache_config, ...)``).
-        dtype / device / placement: as for ``PagedCache``.
+        cache_config: a ``QuantizedKVConfig`` (or a dict of its settings); a pool given must be built with
+            ``KVPool.for_model(model, cache_config, ...)``.
+        dtype / device / placement: as for ``PoolCache``.
     """
 
     config_class = QuantizedKVConfig

@@ -23,9 +23,9 @@ class SlidingRingConfig(PagedConfig):
     """The settings of ``SlidingRingCache``: ``PagedConfig``'s and these.
 
     Attributes:
-        window: tokens each query of a full-attention layer attends to, itself included; the model's
-            sliding layers keep the model's own window. Required on a model without sliding layers.
-        sink_tokens: first tokens of each row kept for good in the layers where the cache imposes the window.
+        window: tokens each query of a full-attention layer attends to, itself included (the model's sliding layers
+            keep their own); required on a model without sliding layers.
+        sink_tokens: first tokens of each row kept for good where the cache imposes the window.
     """
 
     window: int | None = None
@@ -45,19 +45,15 @@ class SlidingRingConfig(PagedConfig):
 class SlidingRingCache(PoolCache):
     """A cache of bounded memory: each layer keeps the pages of its last ``window`` tokens and gives back the rest.
 
-    Sliding layers of the model (Mistral, Gemma 3) keep the model's window: outputs equal
-    ``DynamicCache``'s. Full-attention layers keep ``window`` tokens: each token attends
-    to the last ``window`` tokens (and the ``sink_tokens`` first ones, StreamingLLM's attention
-    sinks), with memory that stops growing once the window is full. Within a prompt or prefill chunk
-    that reaches past the window, only ``attn_implementation="hf_kvcache"`` keeps to that band (the
-    model's own mask there is plainly causal); with another attention the cache warns, once.
+    The model's sliding layers keep the model's window (outputs equal ``DynamicCache``'s); full-attention layers keep
+    ``window`` tokens and the ``sink_tokens`` first ones (StreamingLLM's attention sinks). Within a step that reaches
+    past the window, only ``attn_implementation="hf_kvcache"`` keeps to that band (the model's own mask is plainly
+    causal there); with another attention the cache warns, once.
 
     Args:
         config: the model's config.
-        cache_config: a ``SlidingRingConfig`` (or a dict of its settings): the window of full-attention layers
-            (``None``: keep them whole, on a model with sliding layers), the sinks kept in those windows, and
-            ``PagedConfig``'s settings.
-        dtype / device / placement: as for ``PagedCache``.
+        cache_config: a ``SlidingRingConfig`` (or a dict of its settings).
+        dtype / device / placement: as for ``PoolCache``.
     """
 
     config_class = SlidingRingConfig
@@ -86,7 +82,7 @@ class SlidingRingCache(PoolCache):
 
     def _warn_if_unbanded(self, layer: Any, num_new: int, handed: bool) -> None:
         """Warns (once) when a step reaches past an imposed window and the model's attention ignores the band, or
-        gets none: it hands the cache no kwargs to put the band in (``hf_kvcache.attention.reads``)."""
+        hands the cache no kwargs to put it in."""
         attention = attn_implementation(self._binder.config)  # None: no model set it
         if (
             not isinstance(layer, WindowLayer)

@@ -1,26 +1,15 @@
-"""The layers of a cache that hold no attention KV we page keep transformers' own cache layers (``StateLayers``):
-linear attention's recurrent and convolution states, state-space and short-convolution states, a
-compressed-attention layer's compressor state (``hf_kvcache.caches.compressed``: its window is on the pool), and
-cross-attention layers' keys of an image or encoder output (``CROSS_ATTENTION``: Mllama). Each is the object
-``DynamicCache`` makes for its layer (same class, same construction), but a cross-attention layer's, which is the
-``StaticLayer`` transformers' ``StaticCache`` makes for Mllama, sized by the image's keys when they are written
-(``ImageKeysLayer``: written once, read at every step, so decoding compiles); all held outside the pool. Beside
-them, the keys of an indexed-attention layer's lightning indexer (``IndexerKeys``: the layer's own keys and values
-are on the pool) are kept as transformers' ``StaticCache`` keeps them, at a fixed address written in place
-(``IndexerRing``), so that its decode steps compile too. A layer that fuses attention with a state-space block
-(``FUSED_LAYER_TYPES``: Falcon-H1, Zaya, Inkling) is one of our layers on the pool with the state half of
-transformers' ``LinearAttentionLayer`` mixed in (``with_state``), kept here for its states. The model reads and
-writes them through ``Cache``'s own methods (``update``, ``update_conv_state``, ``update_indexer``, ...) or their
-``keys``, which find them in ``cache.layers``.
+"""The layers of a cache that hold no attention KV we page keep transformers' own cache layers (``StateLayers``),
+outside the pool: linear attention's recurrent and convolution states, state-space states, a compressed-attention
+layer's compressor state (``CompressedLayer``), cross-attention keys of an image (``ImageKeysLayer``). Each is the
+object ``DynamicCache`` makes for its layer, but a cross-attention layer's and an indexer's keys (``IndexerRing``),
+which are kept at a fixed address, written in place, as ``StaticCache`` keeps them, so that decoding compiles. A
+layer fusing attention with a state-space block (``FUSED_LAYER_TYPES``) is one of our layers with the state half of
+``LinearAttentionLayer`` mixed in (``with_state``). The model reaches them all through ``Cache``'s own methods.
 
-A recurrent state exists only at the end of the tokens it has seen: it moves with its rows (beams, returned
-sequences), but it cannot be cut back to a page boundary. Linear-attention and convolution layers
-and layers fusing attention with a state-space block (``SNAPSHOT_LAYER_TYPES``) keep copies of their states at the
-page boundaries a later call may start from (``tails``: ``hf_kvcache.caches.state_tails``) and so take part in prompt
-reuse; state layers of types a model registers do not (``refusal``; nor does one with an indexer's keys, which a
-cached prefix's pages do not hold). A state can be cropped only where transformers' layer records its past
-(``activate_past_recording``, as assisted decoding does). An image's keys are not a function of the prompt's tokens a
-prefix is keyed on: no reuse either; a crop of the prompt's tokens leaves them whole."""
+A recurrent state exists only at the end of the tokens it has seen: it moves with its rows but cannot be cut back to
+a page boundary. So ``SNAPSHOT_LAYER_TYPES`` keep copies of their states at page boundaries for prompt reuse
+(``tails``); other state layers refuse reuse (``refusal``), and a state is cropped only where its layer records its
+past (``activate_past_recording``)."""
 
 import functools
 from typing import Any
@@ -43,18 +32,14 @@ from hf_kvcache.memory.format import (
 from hf_kvcache.transformers_internals import LinearAttentionLayer, cache_layer_state
 
 SNAPSHOT_LAYER_TYPES = ("conv", "linear_attention", *FUSED_LAYER_TYPES)
-"""Layer types whose states (transformers' ``LinearAttentionLayer``'s, or the state half of a fused layer) are kept
-at page boundaries for prompt reuse."""
+"""Layer types whose states are kept at page boundaries for prompt reuse (``StateTails``)."""
 
 
 class IndexerRing:
-    """An indexed-attention layer's indexer keys (``IndexerKeys``) at a fixed address, written in place, as
-    transformers' ``StaticIndexedLayer`` keeps them: token ``t`` of each row in slot ``t % capacity`` of ``keys
-    [batch, capacity, index_head_dim]``. Growing rows' capacity is a capacity bucket of their tokens
-    (``capacity_bucket`` pages: it never wraps, and grows with the bucket a compiled step reads, one new graph at
-    most, as the pages' reads); a window's is its reach (``window - 1 + page_size`` tokens: what the next step sees,
-    and a crop of up to a page). The cache's token count says which slots hold the rows' tokens: a crop leaves the
-    slots as they are."""
+    """An indexed-attention layer's indexer keys at a fixed address, written in place, as transformers'
+    ``StaticIndexedLayer`` keeps them: token ``t`` of each row in slot ``t % capacity`` of ``keys [batch, capacity,
+    index_head_dim]``. Growing rows' capacity is a capacity bucket of their tokens (it never wraps); a window's is its
+    reach (``window - 1 + page_size``). The cache's token count says which slots hold tokens: a crop changes none."""
 
     is_compileable = True  # a fixed address, written in place
 
@@ -86,14 +71,11 @@ class IndexerRing:
 
 
 class IndexerKeys:
-    """An indexed-attention layer on the pool (``IndexedLayer``, ``IndexedWindowLayer``): its keys and values in pages,
-    its lightning indexer's keys in an ``IndexerRing`` (``indexer``, held by ``StateLayers``, which moves it with the
-    rows and counts its bytes), which the model writes and reads through ``cache.update_indexer``. The indexer scores
-    the keys attention reads and its picks index them, so it gets the same keys in the same order: an eager step the
-    tokens ``[first, end)`` of the window's ``visible_span`` (every token where there is no window), a planned step
-    the tokens of its plan's ``num_keys`` keys from ``kv_offset`` on (``plan_indexer``), those past the step's token
-    holding whatever their slots hold: the model's mask, which hides them from attention, hides them from the
-    indexer's scores too (transformers' ``StaticIndexedLayer`` returns its unwritten slots the same way)."""
+    """An indexed-attention layer on the pool: its keys and values in pages, its indexer's keys in an ``IndexerRing``
+    (``indexer``, held by ``StateLayers``), written and read through ``cache.update_indexer``. The indexer scores the
+    keys attention reads, so it gets the same keys in the same order: an eager step the window's ``visible_span`` (or
+    every token), a planned step its plan's ``num_keys`` keys from ``kv_offset`` on (``plan_indexer``); slots past
+    the step's token hold stale keys, which the model's mask hides from the scores as from attention."""
 
     indexer: IndexerRing | None = None  # placed by StateLayers.place
     window: int | None = None  # a window's (``WindowLayer``)
@@ -108,10 +90,9 @@ class IndexerKeys:
         return capacity_bucket(-(-num_tokens // page_size)) * page_size
 
     def plan_indexer(self, start: int, planned: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Before a planned step at ``start`` (``PlannedDecoding.plan_decode``, after its rows' plan): the slot its
-        token goes to and the slots of the keys it reads, in tensors kept from step to step and refilled in place
-        once per layer group: its first indexed layer's, which the others share (``planned``: this step's, by rows
-        and ring capacity); growing rows' ring grown to the keys the plan reads (a window's holds its reach)."""
+        """Before a planned step at ``start``, after its rows' plan: the slot its token goes to and the slots of the
+        keys it reads, in tensors kept from step to step, refilled once per layer group by its first indexed layer
+        and shared by the others (``planned``: this step's, by rows and ring capacity)."""
         plan = self.rows.step_plan
         if self.window is None:
             self.indexer.reserve(plan.num_keys)
@@ -155,11 +136,10 @@ class IndexedLayer(IndexerKeys, PagedLayer):
 
 
 class IndexedWindowLayer(IndexerKeys, WindowLayer):
-    """An indexed-attention layer keeping a window imposed by the cache (``IndexerKeys``).
+    """An indexed-attention layer keeping a window imposed by the cache.
 
     Raises:
-        IncompatibleModelError: the window keeps sinks, which a padded row keeps at its own first real tokens: the
-            indexer's keys do not follow them.
+        IncompatibleModelError: the window keeps sinks, which the indexer's keys do not follow.
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -172,9 +152,8 @@ class IndexedWindowLayer(IndexerKeys, WindowLayer):
 
 
 class ImageKeysLayer(StaticLayer):
-    """A cross-attention layer's keys and values (an image's, an encoder output's): transformers' ``StaticLayer``,
-    as its ``StaticCache`` makes for Mllama's cross-attention layers, sized by its first write (the prefill's image)
-    instead of from the vision config: a fixed address, read at every decode step, which a compiled step can read."""
+    """A cross-attention layer's keys and values (an image's): transformers' ``StaticLayer``, as ``StaticCache``
+    makes for Mllama, sized by its first write instead of the vision config, so that a compiled step can read it."""
 
     def __init__(self) -> None:
         super().__init__(max_cache_len=0)
@@ -198,12 +177,9 @@ class ImageKeysLayer(StaticLayer):
 
 
 class StateHalf:
-    """The state half of a layer that carries both keys and a state (``FUSED_LAYER_TYPES``: Falcon-H1, Zaya, Inkling),
-    mixed into one of our paged layer classes with transformers' ``LinearAttentionLayer`` (``with_state``), as
-    transformers mixes it into ``DynamicLayer`` (``LinearAttentionAndFullAttentionLayer``): the model writes the keys
-    through ``update`` (to the pool) and the states through ``update_conv_state`` / ``update_recurrent_state``, all
-    on the one layer ``Cache``'s methods find at its index. Row changes move the pages once per layer group (the
-    cache's rows) and the states here (``reorder_cache``)."""
+    """The state half of a layer carrying both keys and a state (``FUSED_LAYER_TYPES``: Falcon-H1, Zaya, Inkling),
+    mixed with ``LinearAttentionLayer`` into one of our layer classes (``with_state``), as transformers mixes it into
+    ``DynamicLayer``: keys go to the pool through ``update``, states stay here."""
 
     def __init__(self, *args: Any, number_of_states: int = 1, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -240,19 +216,15 @@ def with_state(layer_class: type[PagedLayer]) -> type[PagedLayer]:
 
 
 class StateLayers:
-    """transformers' own layers of one cache, by model layer index: every layer whose type is neither paged
-    (``PAGED_LAYER_TYPES``) nor ``dummy``, the indexer keys of each indexed-attention layer (an ``IndexerRing``
-    beside the cache's layer on the pool: ``IndexerKeys``), and the cache's own layers that carry keys and a state
-    (``FUSED_LAYER_TYPES``), for their states.
+    """transformers' own layers of one cache, by model layer index: every layer whose type is neither paged nor
+    ``dummy``, each indexed-attention layer's ``IndexerRing``, and the states of the cache's fused layers.
 
     Args:
         config: the model's decoder config.
-        layer_types: each layer's type, as transformers' caches read them (``layer_types_and_kwargs``), with
-            cross-attention layers typed ``CROSS_ATTENTION`` (``with_cross_attention``).
+        layer_types: each layer's type (``layer_types_and_kwargs``, cross-attention typed ``CROSS_ATTENTION``).
 
     Raises:
-        IncompatibleModelError: a layer type has no layer class in transformers' ``DynamicCache`` (its modeling module
-            registers it; import the model first).
+        IncompatibleModelError: a layer type has no layer class in ``DynamicCache`` (import the model first).
     """
 
     def __init__(self, config: PreTrainedConfig, layer_types: list[str]) -> None:
@@ -265,16 +237,12 @@ class StateLayers:
         self.tails = StateTails(self) if snapshots else None  # their states kept for prompt reuse
 
     def layer_class(self, layer_idx: int, paged_class: type[PagedLayer]) -> Any:
-        """What makes layer ``layer_idx`` on the pool: ``paged_class``, with a state half (``with_state``) and
-        ``DynamicCache``'s number of states where the layer carries both keys and a state (the cache's own layer,
-        which ``place`` then keeps for its states)."""
+        """What makes layer ``layer_idx`` on the pool: ``paged_class``, with a state half (``with_state``) where the
+        layer carries both keys and a state."""
         if layer_idx not in self.fused:
             return paged_class
         states = DynamicCache(config=self.config).layers[layer_idx].number_of_states
         return functools.partial(with_state(paged_class), number_of_states=states)
-
-    def __bool__(self) -> bool:
-        return bool(self.types)
 
     def _made(self) -> dict[int, Any]:
         """Fresh layers, as ``DynamicCache`` makes them."""
@@ -292,9 +260,8 @@ class StateLayers:
         return {idx: layer for idx, layer in layers.items() if idx not in self.fused}
 
     def place(self, cache_layers: list[Any]) -> None:
-        """Puts these layers in their places of a cache's ``layers``; an indexer's keys beside its layer's keys and
-        values (``IndexerKeys.indexer``), a compressor's state beside its window (``CompressedLayer.compressor``);
-        keeps the cache's layers that carry keys and a state (``layer_class``)."""
+        """Puts these layers in their places of a cache's ``layers``, an indexer's keys and a compressor's state beside
+        their layers; keeps the cache's fused layers for their states."""
         for idx, layer in self.layers.items():
             if self.types[idx] == INDEXED_ATTENTION:
                 cache_layers[idx].indexer = layer
@@ -305,8 +272,7 @@ class StateLayers:
         self.layers.update({idx: cache_layers[idx] for idx in self.fused})
 
     def release(self, cache_layers: list[Any]) -> None:
-        """Drops the states and their memory: fresh layers take their places in ``cache_layers`` (a reset layer would
-        keep its tensors, whose batch size the next prompt may not share), fresh states those of fused layers."""
+        """Drops the states and their memory: fresh layers (a reset one would keep its batch size), fresh states."""
         for idx in self.fused:
             cache_layers[idx].fresh_state()
         self.layers = self._made()
@@ -316,8 +282,7 @@ class StateLayers:
 
     @property
     def is_compileable(self) -> bool:
-        """Whether every layer is (transformers' rule: a linear-attention layer keeps static addresses, updated in
-        place, unless it records its past; a layer that grows its keys, as a compressor's state does, is not)."""
+        """Whether every layer is (a linear-attention layer unless it records its past; a compressor's state not)."""
         return all(layer.is_compileable for layer in self.layers.values())
 
     def refusal(self) -> str | None:
@@ -359,8 +324,7 @@ class StateLayers:
         return [idx for idx, kind in self.types.items() if kind in COMPRESSED_LAYER_TYPES]
 
     def select_rows(self, indices: list[int]) -> None:
-        """Row ``i`` becomes old row ``indices[i]`` in every state (beams, repeats, kept rows): each layer's own
-        ``reorder_cache``, which moves all it holds (transformers' linear-attention layers have no other row change)."""
+        """Row ``i`` becomes old row ``indices[i]`` in every state (beams, repeats, kept rows)."""
         order = torch.tensor(indices, dtype=torch.long)
         for layer in self.layers.values():
             layer.reorder_cache(order)
@@ -391,17 +355,15 @@ class StateLayers:
             )
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Crops every layer that can (``check_crop`` first); ``crop(0)`` shrinks recorded states back to their
-        working size, as in transformers. A cross-attention layer's keys are the image's, not the prompt's tokens:
-        kept whole."""
+        """Crops every layer that can (``check_crop`` first); ``crop(0)`` shrinks recorded states to their working
+        size. A cross-attention layer's image keys are kept whole."""
         for idx, layer in self.layers.items():
             if getattr(layer, "record_past", True) and self.types[idx] != CROSS_ATTENTION:
                 layer.crop(tokens_to_remove)
 
     def state_bytes(self) -> int:
-        """Bytes of the tensors these layers hold (states, their recorded past, keys of their own), each once, their
-        token counters aside, and of the copies of their states kept for prompt reuse and not yet published
-        (``tails``)."""
+        """Bytes of the tensors these layers hold, each once, counters aside, and of the state copies not yet
+        published (``tails``)."""
         seen: dict[tuple[int, int], int] = {}
         pending = [value for layer in self.layers.values() for value in cache_layer_state(layer)]
         pending += self.tails.held() if self.tails is not None else []

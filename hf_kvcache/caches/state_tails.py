@@ -1,19 +1,9 @@
-"""Prompt reuse on a hybrid model: its state layers' tensors kept at page boundaries (``StateTail``).
+"""Prompt reuse on a hybrid model: its state layers' states kept at page boundaries (``StateTail``).
 
-A linear-attention or convolution layer (transformers' ``LinearAttentionLayer``, held by ``StateLayers``), or the
-state half of a layer fusing attention with a state-space block, keeps states of fixed size that exist only where a
-forward pass ends: they cannot be cut back to a page of the prompt. So
-the boundaries a later call is likely to start from (the prompt's last whole page short of its last token, where it
-parts from what the index held: ``PrefixTracker._capture``) end a forward pass of the prefill
-(``PrefixTracker.pass_ends``, run by ``hf_kvcache.integration.seams``), and the states there are copied, one
+A linear-attention or convolution state exists only where a forward pass ends, so the boundaries a later call is
+likely to start from end a pass of the prefill (``PrefixTracker.pass_ends``); the states there are copied, one
 ``StateTail`` per row, kept beside the index entry of the boundary's page (layer group ``STATE_GROUP``) as an
-``ExactTail`` is. During decoding the newest page boundary a step starts at is copied too, and published when the rows
-are let go (a chat's next turn starts there). A lookup reuses the longest prefix whose pages and states it finds, and
-restores each row's states (``StateTails.attach``) before the rest of the prompt is fed: a continuation of those
-states, which a chunked prefill computes alike up to float rounding.
-
-Cost: every state layer's conv and recurrent state, per row and boundary kept (a copy on the device), and a prefill
-of up to three forward passes where the index lacks states at those boundaries.
+``ExactTail`` is, and restored into the rows of a lookup that reuses the prefix (``StateTails.attach``).
 """
 
 from dataclasses import dataclass
@@ -49,8 +39,7 @@ class StateTail:
         return sum(tensor.numel() * tensor.element_size() for tensor in self.states.values())
 
     def to_tensors(self) -> tuple[torch.Tensor, ...]:
-        """The tail as host tensors, to travel to a pool's tiers (``from_tensors``): a header (``end``, the count and
-        the keys of the states), then the states."""
+        """The tail as host tensors for a pool's tiers: a header (``end``, the count and keys of states), the states."""
         header = torch.tensor([self.end, len(self.states), *(part for key in self.states for part in key)])
         return header, *(tensor.cpu() for tensor in self.states.values())
 
@@ -69,14 +58,12 @@ class StateTail:
 
 
 class StateTails:
-    """The states a cache's state layers keep for prompt reuse: those copied at the boundaries asked for
-    (``captures``, set by ``PrefixTracker._capture``) until the tracker publishes them (``take_tails``), the newest
-    page boundary decoding reached (``keeps_newest``: taken when the rows are let go), and the restore of a reused
-    prefix's (``attach``). Its protocol is ``SlotStore``'s for ``ExactTail``s, so that the tracker treats both alike.
+    """The state copies a cache's state layers keep for prompt reuse: at the boundaries asked for (``captures``)
+    until the tracker takes them (``take_tails``), and at the newest page boundary decoding reached
+    (``keeps_newest``); ``attach`` restores a reused prefix's. Its protocol is ``SlotStore``'s for ``ExactTail``s.
 
     Args:
-        layers: what holds the state layers (``StateLayers``: its ``layers``, by model layer index, change when
-            it is released).
+        layers: the ``StateLayers`` (its ``layers`` change when it is released).
     """
 
     keeps_exact = True  # a reused prefix must bring the states
@@ -90,9 +77,8 @@ class StateTails:
         self._captured: dict[int, dict[StateKey, torch.Tensor]] = {}  # boundary -> [batch, ...] copies
 
     def capture(self, num_tokens: int, page_size: int) -> None:
-        """Before a forward pass, with the rows' first ``num_tokens`` tokens written (the states are theirs): copies
-        the states if ``num_tokens`` is a boundary asked for, or the newest page boundary (``keeps_newest``). Layers
-        recording their past (assisted decoding) hold no state of one boundary: nothing is copied."""
+        """Before a forward pass, the rows' first ``num_tokens`` tokens written: copies the states if ``num_tokens`` is
+        a boundary asked for or the newest page boundary (``keeps_newest``); none while layers record their past."""
         newest = self.keeps_newest and num_tokens and num_tokens % page_size == 0
         if not (num_tokens in self.captures or newest) or num_tokens in self._captured:
             return
@@ -130,8 +116,8 @@ class StateTails:
         return tails
 
     def attach(self, num_tokens: int, tails: list[StateTail] | None = None) -> None:
-        """The rows start from a reused prefix of ``num_tokens`` tokens: each row's states from its ``tails`` (rows
-        that wrote them), written through transformers' own updates into the cache's fresh layers."""
+        """The rows start from a reused prefix of ``num_tokens`` tokens: each row's states from its ``tails``, written
+        through transformers' own updates into the cache's fresh layers."""
         for key in tails[0].states:
             layer_idx, kind, idx = key
             states = torch.stack([tail.states[key] for tail in tails])  # [batch, ...]

@@ -1,10 +1,5 @@
-"""The registry: every ``cache_implementation`` name hf_kvcache adds to ``generate``, one ``CacheEntry`` each.
-
-Adding a cache is one module under ``hf_kvcache/caches/`` (the class and its ``ENTRY``) and its entry here.
-``hf_kvcache.integration.seams`` registers these names with transformers; the tests (``tests/conftest.py``'s
-``cache_name``), the soak, the evaluation and the benchmarks read the settings they run each cache with from
-its entry.
-"""
+"""The registry: every ``cache_implementation`` name hf_kvcache adds to ``generate``, one ``CacheEntry`` each. Adding
+a cache is one module under ``hf_kvcache/caches/`` (the class and its ``ENTRY``) and its entry here."""
 
 from hf_kvcache.caches import paged, quantized, quantized_kv, ring
 from hf_kvcache.caches.entry import CacheEntry

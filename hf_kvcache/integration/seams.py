@@ -1,28 +1,17 @@
 """Teaches ``model.generate(cache_implementation=NAME, cache_config={...})`` our cache names.
 
-The only module that changes transformers, through exactly four seams (plus one public registry,
-``AttentionInterface``/``AttentionMaskInterface``, where ``attn_implementation="hf_kvcache"`` is added: see
-``hf_kvcache.attention.interface``), all reached through ``hf_kvcache.transformers_internals``:
+The only module that changes transformers, through four seams reached through ``hf_kvcache.transformers_internals``
+(plus ``AttentionInterface``/``AttentionMaskInterface``, where ``attn_implementation="hf_kvcache"`` is added):
 
-1. ``transformers.generation.configuration_utils.ALL_CACHE_IMPLEMENTATIONS``, the tuple that
-   ``GenerationConfig.validate`` reads: our names are appended, so configs naming them validate,
-   save and load.
-2. ``GenerationMixin._prepare_cache_for_generation``: wrapped so that our names build our cache;
-   every other name goes to the original method untouched. It runs before any forward pass, so the
-   wrapper also checks requests on our caches there (``check_request``: empty prompts, ``admission_check``,
-   whether the request's steps compile).
-3. ``GenerationMixin.prepare_inputs_for_generation``: wrapped so that one of our caches that reuses prompts
-   (``PoolCache.prefix``) sees the token ids: before the first forward pass it attaches the prompt's cached prefix
-   and ``generate`` feeds only the rest; before every forward pass it records the ids fed, to publish full pages.
-   Any other cache goes to the original method untouched.
-4. ``GenerationMixin._prefill``: wrapped so that a chunked prefill (``prefill_chunk_size``) on one of our caches
-   runs its chunks, steps of several tokens, eager (the cache says it is not compileable while they run) and its
-   decode steps compiled, through the forward ``generate`` picked before the prefill; and so that a hybrid model's
-   prefill on a cache that reuses prompts runs as passes ending where the cache keeps its state layers' states
-   (``_prefill_in_passes``).
+1. ``ALL_CACHE_IMPLEMENTATIONS``, the tuple ``GenerationConfig.validate`` reads: our names are appended.
+2. ``GenerationMixin._prepare_cache_for_generation``: our names build our cache, and requests on our caches are
+   checked before any forward pass (``check_request``); every other name goes to the original untouched.
+3. ``GenerationMixin.prepare_inputs_for_generation``: our caches see the token ids (prompt reuse) and plan each
+   decode step before its inputs are prepared (``PlannedDecoding.plan_decode``).
+4. ``GenerationMixin._prefill``: a chunked prefill's chunks run eager and its decode steps compiled; a hybrid
+   model's prefill that reuses prompts runs as passes ending where the states are kept (``_prefill_in_passes``).
 
-Our names are those of ``integration.registry.REGISTRY``. ``register()`` is idempotent and ``unregister()`` puts
-all of them back exactly as they were.
+``register()`` is idempotent and ``unregister()`` puts everything back exactly as it was.
 """
 
 import functools
@@ -58,8 +47,7 @@ from hf_kvcache.transformers_internals import (
 )
 
 SUPPORTED_TRANSFORMERS = (Version("5.24"), Version("6.0"))
-"""The releases hf_kvcache runs on (CI tests the lowest too); 5.23 and earlier pass the cache to the model as
-``past_key_values``, not ``cache``."""
+"""The releases hf_kvcache runs on; 5.23 and earlier pass the cache to the model as ``past_key_values``."""
 
 _lock = threading.Lock()
 _original_prepare: Callable[..., Any] | None = None
@@ -79,11 +67,8 @@ def check_transformers_version(version: str = transformers_version) -> None:
 
 
 def build_cache(name: str, model: Any, cache_config: Any) -> Cache:
-    """Builds the cache registered as ``name`` for ``model`` from a ``cache_config`` (its config class, or a dict).
-
-    The pool is bound to the model's dtype and device right away (each device's, for a split model), cut for the
-    KV heads this process holds (a tensor-parallel rank's share) and the layers on its device (``placement_of``);
-    unknown keys are rejected.
+    """Builds the cache registered as ``name`` for ``model`` from a ``cache_config``, its pool bound to the model's
+    dtype and device(s) and cut for the KV heads this process holds (``placement_of``).
 
     Raises:
         IncompatibleModelError: the model keeps a cache of its own (transformers gives it no ``DynamicCache``).
@@ -99,12 +84,9 @@ def build_cache(name: str, model: Any, cache_config: Any) -> Cache:
 
 
 def placement_of(model: Any) -> Placement:
-    """Where ``model``'s KV lives, as seen from this process: the KV heads this rank holds and its ranks' process
-    group (a tensor-parallel model), the device each layer runs on (a model split over devices).
-
-    Reads what transformers sets up: ``model.tp_size`` and ``model.tp_plan`` (public properties; ``from_pretrained(
-    ..., tp_plan="auto")`` under ``torchrun``) for the heads, the device mesh's ``"tp"`` axis for the process group,
-    and ``model.hf_device_map`` (``from_pretrained(..., device_map=...)``) where it names more than one device.
+    """Where ``model``'s KV lives, as seen from this process: a tensor-parallel rank's KV heads and process group
+    (``model.tp_size``, ``model.tp_plan``, the device mesh's ``"tp"`` axis), each layer's device where
+    ``model.hf_device_map`` names several.
 
     Raises:
         IncompatibleModelError: the KV heads do not split evenly over the ranks, the ranks' process group is
@@ -159,12 +141,10 @@ def check_request(
 ) -> None:
     """Checks a request on one of our caches before ``generate`` runs any forward pass.
 
-    Rejects an empty prompt (the model itself would fail on it with an obscure reshape error) and, unless the
-    cache's ``admission_check`` option is off, a request whose worst case does not fit its pool; tells the cache how
-    long its rows will grow (``PoolCache.plan``); decides whether ``generate`` compiles the request's steps: where
-    its own rule says so and every compiled step feeds one token (``several_tokens_a_step`` tells the requests whose
-    steps feed more, which run eager: the cache is then not compileable for them; a chunked prefill's chunks run
-    eager, ``_prefill``).
+    Rejects an empty prompt (the model would fail with an obscure reshape error) and, unless ``admission_check`` is
+    off, a request whose worst case does not fit the pool; tells the cache how long its rows will grow
+    (``PoolCache.plan``); decides whether the request's steps compile: where ``generate``'s own rule says so and
+    every compiled step feeds one token (``several_tokens_a_step``).
 
     Args:
         batch_size: prompts in the request; each runs ``max(num_beams, num_return_sequences)`` rows.
@@ -201,14 +181,9 @@ def check_request(
 
 
 def several_tokens_a_step(generation_config: Any, generation_mode: str | None) -> tuple[str, str] | None:
-    """Why ``generate`` would run steps of several tokens through the compiled forward of a request: a key to say it
-    once by and the message; ``None`` where every compiled step feeds one token (a decode step).
-
-    ``generate`` picks the compiled forward once for a loop of steps: assisted decoding (prompt lookup, an assistant
-    model) runs every step after the prompt through it, each feeding the candidate tokens. Only one-token steps are
-    planned, so these requests run eager. (A chunked prefill's chunks go through a forward ``_prefill`` picks, which
-    runs them eager.)
-    """
+    """Why ``generate`` would feed several tokens a step through a request's compiled forward (assisted decoding
+    and prompt lookup do, after the prompt): a key to log it once by and the message; ``None``: one token a step.
+    Only one-token steps are planned, so such requests run eager."""
     if generation_mode == "assisted_generation":
         return "assisted", (
             "Compiled decoding is off for prompt lookup and assisted decoding: every step after the prompt feeds the "
@@ -267,10 +242,9 @@ def _prefill(self, input_ids: torch.LongTensor, generation_config: Any, model_kw
 
 
 def _prefill_in_passes(model: Any, input_ids: torch.LongTensor, model_kwargs: dict) -> Any:
-    """A prompt's prefill on a cache whose state layers keep their states for prompt reuse (``splits_prefill``): the
-    cached prefix is attached first (``PoolCache.begin_generation``), then the rest is fed in forward passes that end
-    where the states are kept (a state exists only where a pass ends: ``PrefixTracker.pass_ends``), each prepared as
-    transformers' chunked prefill prepares a chunk. Returns the last pass's outputs."""
+    """A prompt's prefill on a cache that keeps its state layers' states for prompt reuse (``splits_prefill``): the
+    cached prefix attached, the rest fed in passes ending where the states are kept (``PrefixTracker.pass_ends``),
+    each prepared as a chunk of transformers' chunked prefill. Returns the last pass's outputs."""
     cache = model_kwargs["cache"]
     length = input_ids.shape[1]
     start = length - cache.begin_generation(model, input_ids, length, model_kwargs)
@@ -311,8 +285,7 @@ def _prepare_inputs_for_generation(
 
 
 def _num_fed(inputs: dict[str, Any]) -> int | None:
-    """The tokens a forward pass's prepared ``inputs`` feed: ``input_ids [rows, n]`` or ``inputs_embeds [rows, n,
-    hidden]`` (``None``: neither)."""
+    """The tokens prepared ``inputs`` feed (``input_ids [rows, n]`` or ``inputs_embeds [rows, n, hidden]``)."""
     ids, embeds = inputs.get("input_ids"), inputs.get("inputs_embeds")
     if isinstance(ids, torch.Tensor) and ids.ndim == 2:
         return ids.shape[-1]

@@ -1,15 +1,10 @@
 """Compiles ahead of traffic: ``warmup`` runs, once, the decode shapes a serving loop will meet, so that no request
 pays a compile or a CUDA graph recording, and no compile runs while other threads serve (``flex.ForwardGate``).
 
-A compiled decode step's shape is its batch and the keys it reads per row: a capacity bucket of pages for layers
-that keep every token (``hf_kvcache.layers.plan.capacity_bucket``, from the request's prompt + ``max_new_tokens``),
-a window's ``sink_tokens + window`` whatever the length. The same ``compile_config`` as the requests matters:
-``generate`` keeps one compiled forward per model and compiles again when the config changes.
-
-A step that reads pages in place (``attn_implementation="hf_kvcache"``, eager or compiled) also has the view of the
-pool's storage attention gets (``block_mask.view_pages``): it covers the rows' highest page id, so on a pool that
-other requests share their pages push it to a larger view, a new kernel and a new graph; ``warmup`` runs those
-views too, with the pages below held as other requests' would be.
+A compiled decode step's shape is its batch and the keys it reads per row: a capacity bucket of pages for growing
+layers, a window's ``sink_tokens + window``. A step that reads pages in place also has the view of the pool's
+storage attention gets (``block_mask.view_pages``), which other requests' pages push to larger views: ``warmup`` runs
+those too. Use the requests' ``compile_config``: ``generate`` compiles again when it changes.
 """
 
 import functools
@@ -42,10 +37,9 @@ class WarmedShape:
     Attributes:
         batch_size: rows of the step.
         max_tokens: tokens a row was planned to reach (prompt + ``max_new_tokens`` - 1): the bucket's last.
-        seconds: wall time of the short generation (its first decode step's compile included).
+        seconds: wall time of the short generation, its compile included.
         graphs: graphs dynamo compiled during it (0: an earlier one served the shape).
-        held_pages: pages held below the rows' while it ran, as other requests' would be (0: none), so that its
-            rows' pages lie in a larger view of the pool's storage.
+        held_pages: pages held below the rows' while it ran, as other requests' would be.
         in_place_calls: calls of the in-place attention kernel during it (0: every step gathered its pages).
     """
 
@@ -80,20 +74,10 @@ def _is_int(value: Any) -> bool:
 
 
 def _check_arguments(
-    model: Any,
-    cache_implementation: Any,
-    batch_sizes: Any,
-    max_tokens: Any,
-    cache_config: Any,
-    compile_config: Any,
-    prompt_tokens: Any,
+    model: Any, cache_implementation: Any, batch_sizes: Any, max_tokens: Any, compile_config: Any, prompt_tokens: Any
 ) -> None:
-    """Checks ``warmup``'s arguments before any work.
-
-    Raises:
-        TypeError: an argument of the wrong type (named, with its value and the type allowed).
-        ValueError: an argument out of its range (named, with its value and the range allowed).
-    """
+    """Checks ``warmup``'s arguments before any work, raising ``TypeError`` / ``ValueError`` that name the argument,
+    its value and what is allowed."""
     if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "generate", None)):
         raise TypeError(f"model={type(model).__name__}: give the transformers model requests will run (with generate).")
     if not isinstance(cache_implementation, str):
@@ -132,14 +116,11 @@ def warmup(
 ) -> list[WarmedShape]:
     """Compiles, before any request, the decode steps of ``cache_implementation`` for every batch size and capacity
     bucket up to ``max_tokens``, and the in-place attention kernels of every view of a shared pool: a short
-    ``generate`` per shape (two new tokens), logged and returned.
-
-    With a ``compile_config``, the steps ``generate`` compiles (one graph per batch, bucket and view); without one,
-    the eager steps that read pages in place under ``attn_implementation="hf_kvcache"`` (one kernel per batch and
-    view: on a CPU too, where ``generate`` compiles nothing unasked).
+    ``generate`` per shape (two new tokens). With a ``compile_config``, the steps ``generate`` compiles; without one,
+    the eager steps that read pages in place under ``attn_implementation="hf_kvcache"``.
 
     Args:
-        model: the model requests will run (its compiled forward is kept on it by ``generate``).
+        model: the model requests will run.
         cache_implementation: one of our cache names.
         batch_sizes: the batch sizes requests will run (rows: batch x beams or returned sequences).
         max_tokens: the most tokens a row of a request may hold (prompt + ``max_new_tokens``).
@@ -150,11 +131,10 @@ def warmup(
         One ``WarmedShape`` per generation, in the order run.
 
     Raises:
-        TypeError / ValueError: an argument of the wrong type or value, named, before any work.
-        ValueError: nothing to compile: ``generate`` would not compile this cache here (with a ``compile_config``),
-            or no step reads pages in place (without one); the message says what to change.
+        TypeError / ValueError: a bad argument, named, before any work; or nothing to compile (``generate`` would
+            not compile this cache here, or no step reads pages in place), saying what to change.
     """
-    _check_arguments(model, cache_implementation, batch_sizes, max_tokens, cache_config, compile_config, prompt_tokens)
+    _check_arguments(model, cache_implementation, batch_sizes, max_tokens, compile_config, prompt_tokens)
     cache_config = REGISTRY[cache_implementation].config(cache_config or {})  # checked before any work
     page_size = cache_config.page_size
     run = functools.partial(_generate, model, cache_implementation, cache_config, compile_config)
@@ -195,20 +175,16 @@ def warmup(
 
 
 def _shares_pool(cache_config: PagedConfig) -> bool:
-    """Whether requests write to one pool (the default, or one given), where other requests' pages may lie below
-    theirs; with ``max_tokens`` (and no prefix caching) each cache makes a fresh pool of its own."""
+    """Whether requests write to one pool, where other requests' pages may lie below theirs (not with ``max_tokens``
+    and no prefix caching: each cache then makes a pool of its own)."""
     return cache_config.max_tokens is None or bool(cache_config.prefix_caching)
 
 
 def _warm_views(run: Callable, pools: list[PagePool], batch_size: int, prompt: int, length: int) -> list[WarmedShape]:
     """Runs a generation of ``batch_size`` rows of ``length`` tokens whose pages lie in each larger view of the
-    storage that in-place attention may read (``block_mask.view_pages``: powers of two extents from
-    ``MIN_VIEW_EXTENTS``, up to the whole storage), the pages below held as other requests would hold them.
-
-    ``pools``: the pool of each geometry the model's layers write (``KVPoolSet.parts``; one for most models). Their
-    views grow together, as other requests' pages fill every part alike; a part whose views are all run stays in its
-    largest one while the others go on.
-    """
+    storage in-place attention may read (``block_mask.view_pages``), the pages below held as other requests would.
+    ``pools``: the pool of each geometry (``KVPoolSet.parts``), whose views grow together; a part whose views are all
+    run stays in its largest."""
     starts = [_view_starts(pool) for pool in pools]
     shapes = []
     for step in range(max(map(len, starts))):
@@ -235,8 +211,8 @@ def _view_starts(pool: PagePool) -> list[int]:
 
 
 def _hold_extents_below(pool: PagePool, first_page: int) -> list[int]:
-    """Takes the pool's wholly free extents below ``first_page``, lowest first, as other requests' rows would hold
-    them, so that the next rows start at ``first_page`` or above (where the pool has room). Returns the pages."""
+    """Takes the pool's wholly free extents below ``first_page``, lowest first, so that the next rows start at
+    ``first_page`` or above (where the pool has room). Returns the pages."""
     held: list[int] = []
     try:
         while True:
