@@ -28,12 +28,8 @@ class Admission:
     def worst_case_pages(
         self, num_rows: int, num_tokens: int, page_size: int, device: torch.device | None = None
     ) -> int:
-        """Most pages ``num_rows`` rows of ``num_tokens`` tokens each can hold on one pool, no page shared: each
-        layer group's own, every token's or at most a window's worth.
-
-        Args:
-            device: count the layer groups whose pages live on this device only (a split model); ``None``: all.
-        """
+        """Most pages ``num_rows`` rows of ``num_tokens`` tokens each can hold on one pool, no page shared (each
+        layer group's own), on ``device`` only where given (a split model)."""
         binder = self._binder
         groups = range(len(binder.policies)) if device is None else binder.layer_groups_on(normalize_device(device))
         return self._worst_pages(groups, num_rows, num_tokens, page_size)
@@ -43,21 +39,16 @@ class Admission:
         return num_rows * sum(self._binder.policies[idx].max_pages_per_row(num_tokens, page_size) for idx in groups)
 
     def check_admission(self, num_rows: int, num_tokens: int, device: torch.device, dtype: torch.dtype) -> None:
-        """Refuses, before any compute, a request that could not fit in the pool in the worst case.
-
-        A check, not a reservation: requests running at the same time can still exhaust the pool. Pages the cache
-        already holds count towards the request; a split model checks each device's pool; the ranks of a
-        tensor-parallel model refuse together, on the fewest pages any rank has available.
+        """Refuses, before any compute, a request that could not fit in the pool in the worst case
+        (``PoolExhaustedError``). A check, not a reservation: requests running at the same time can still exhaust
+        the pool. Pages the cache holds count towards the request; a split model checks each device's pool; the
+        ranks of a tensor-parallel model refuse together, on the fewest pages any rank has available. A model
+        offloaded without a device map is not checked (logged once), or refused where ``admission_check`` is ``True``.
 
         Args:
             num_rows: rows the request runs (batch size x beams or returned sequences).
             num_tokens: tokens each row may hold at most.
             device / dtype: where the cache's pool lives (bound now if it was not).
-
-        Raises:
-            PoolExhaustedError: the worst case needs more pages than a pool has free or can still grow into.
-            IncompatibleModelError: ``admission_check`` is ``True`` on a model offloaded without a device map (by
-                default such a request is not checked, logged once).
         """
         binder = self._binder
         placed_devices = binder.placement.devices_for(device)
@@ -72,15 +63,11 @@ class Admission:
             )
         for placed in placed_devices:
             binder.bind(placed, dtype)
-            for pool, groups in self._groups_by_part(placed).items():
+            parts: dict[KVPool, list[int]] = {}  # the layer groups drawing from each part of the pool
+            for idx in binder.layer_groups_on(placed):
+                parts.setdefault(binder.part_of(idx, placed), []).append(idx)
+            for pool, groups in parts.items():
                 self._admit(pool, groups, num_rows, num_tokens, placed)
-
-    def _groups_by_part(self, device: torch.device) -> dict[KVPool, list[int]]:
-        """The layer groups on ``device`` by the part of its pool they draw from."""
-        parts: dict[KVPool, list[int]] = {}
-        for idx in self._binder.layer_groups_on(device):
-            parts.setdefault(self._binder.part_of(idx, device), []).append(idx)
-        return parts
 
     def _admit(self, pool: KVPool, groups: list[int], num_rows: int, num_tokens: int, placed: torch.device) -> None:
         """``check_admission`` on one pool (a part of a ``KVPoolSet``) for the layer groups drawing from it."""

@@ -46,8 +46,7 @@ class PoolCache(Admission, PlannedDecoding):
         config: the model's config (its decoder config is used).
         cache_config: the cache's config (``config_class``), or a dict of its settings; ``None``: the defaults.
         dtype / device: bind the pool now rather than at the first write (both or neither).
-        placement: where the model's KV lives (``hf_kvcache.integration.seams.placement_of(model)``); ``None``: in
-            this process, on the device of the first write, with the config's heads.
+        placement: where the model's KV lives (``seams.placement_of(model)``); ``None``: this process, its heads.
     """
 
     def __init__(
@@ -193,14 +192,9 @@ class PoolCache(Admission, PlannedDecoding):
             self._binder.bind(placed, dtype)
 
     def plan(self, num_tokens: int, attention_mask: torch.Tensor | None = None) -> None:
-        """Says how long rows will grow and where each starts, before the first write (``generate`` does both).
-
-        A row's leading padding takes no whole page, so that a window's sinks are its first real tokens.
-
-        Args:
-            num_tokens: tokens a row may hold at most (a compiled step's capacity bucket is sized for them).
-            attention_mask: ``[rows, prompt_length]`` the prompt's mask (1: token, 0: padding); ``None``: no padding.
-        """
+        """Says how long rows will grow (``num_tokens``: a compiled step's capacity bucket is sized for them) and where
+        each starts, before the first write: a row's leading padding (``attention_mask [rows, prompt_length]``, 0:
+        padding; ``None``: none) takes no whole page, so that a window's sinks are its first real tokens."""
         release_deferred()
         pad_lengths = None
         if attention_mask is not None:
@@ -219,12 +213,9 @@ class PoolCache(Admission, PlannedDecoding):
             rows.set_plan(self._binder.pad_lengths, num_tokens)
 
     def memory_stats(self) -> dict[str, int]:
-        """Pages this cache holds (shared pages once), the bytes it holds, and the tokens per row.
-
-        ``bytes_held`` counts the pages plus what the cache holds outside the pool: ``residual_bytes`` (a quantized
-        cache's full-precision newest values) and ``state_bytes`` (``StateLayers``). ``pages_unfilled``: pages held
-        that hold no token.
-        """
+        """Pages this cache holds (shared pages once), the bytes it holds, and the tokens per row: ``bytes_held``
+        counts the pages, ``residual_bytes`` (a quantized cache's exact newest values) and ``state_bytes``
+        (``StateLayers``); ``pages_unfilled``: pages held that hold no token."""
         pages = self._held_pages()
         unfilled = sum(
             1 for rows in self._binder.rows.values() for count in rows.table.filled_slots().values() if count == 0
@@ -288,17 +279,10 @@ class PoolCache(Admission, PlannedDecoding):
         next_sequence_length: int | None,
         inputs: dict[str, Any],
     ) -> int | None:
-        """Before a ``generate`` call's first forward pass: attaches the longest cached prefix of the prompt to an
-        empty cache, where ``generate`` slices the prompt itself (``next_sequence_length`` given).
-
-        Args:
-            input_ids: ``[rows, length]`` the prompt.
-            next_sequence_length: the tokens ``generate`` is about to feed (``None``: all of ``input_ids``).
-            inputs: the other ``prepare_inputs_for_generation`` arguments.
-
-        Returns:
-            the tokens to feed: ``next_sequence_length`` less the tokens reused.
-        """
+        """Before a ``generate`` call's first forward pass: attaches the longest cached prefix of the prompt
+        (``input_ids [rows, length]``) to an empty cache, where ``generate`` slices the prompt itself
+        (``next_sequence_length`` given); returns the tokens left to feed. ``inputs``: the other
+        ``prepare_inputs_for_generation`` arguments."""
         for device in self._binder.placement.devices_for(model.device)[:1]:  # the first layer's
             self._binder.bind(device, model.dtype)
         tracker = self._binder.prefix
@@ -355,13 +339,9 @@ class PoolCache(Admission, PlannedDecoding):
         self._select_rows(indices.flatten().tolist())
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Removes the last ``-tokens_to_remove`` tokens (``tokens_to_remove <= 0``), returning emptied pages;
-        transformers' own layers are cropped as transformers crops them (``StateLayers.crop``).
-
-        Raises:
-            ValueError: ``tokens_to_remove > 0``, or a window or a state cannot give back what the crop needs
-                (nothing is cropped then).
-        """
+        """Removes the last ``-tokens_to_remove`` tokens (``<= 0``), returning emptied pages; transformers' own layers
+        are cropped as transformers crops them. Raises ``ValueError`` for ``tokens_to_remove > 0``, or where a window
+        or a state cannot give back what the crop needs (nothing is cropped then)."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}.")
         self._state_layers.check_crop(tokens_to_remove)

@@ -31,10 +31,6 @@ class PoolBinder:
     """Finds (once per device) the pool a cache's layers write to, and each layer group's rows on it.
 
     Args:
-        config: the model's decoder config.
-        cache_config: the cache's config.
-        policies: the row policy of each layer group.
-        placement: where the model's KV lives.
         layer_groups: the layers of each layer group (per device for a split model).
         layer_group_devices: each layer group's device; ``None``: learnt at the first write, and each device's pool
             is cut for all layer groups.
@@ -73,22 +69,15 @@ class PoolBinder:
         placed = [idx for idx, at in enumerate(self.layer_group_devices) if at == device]
         return placed or [idx for idx, at in enumerate(self.layer_group_devices) if at is None]
 
-    def geometries_on(self, device: torch.device) -> list[tuple[int, int, int]]:
-        """The geometries of the layer groups on ``device``, in order: one part of its pool each."""
-        return list(dict.fromkeys(self.layer_group_geometries[idx] for idx in self.layer_groups_on(device)))
-
     def part_of(self, layer_group_idx: int, device: torch.device) -> KVPool:
         """The pool (the part of a ``KVPoolSet``) on ``device`` that layer group ``layer_group_idx`` draws from."""
-        geometry = self.geometries_on(device).index(self.layer_group_geometries[layer_group_idx])
+        on_device = dict.fromkeys(self.layer_group_geometries[idx] for idx in self.layer_groups_on(device))
+        geometry = list(on_device).index(self.layer_group_geometries[layer_group_idx])  # one part per geometry
         return pool_parts(self.pools[device])[geometry]
 
     def rows_for(self, layer_group_idx: int, key_states: torch.Tensor) -> PagedRows:
-        """The rows of layer group ``layer_group_idx`` on the device of ``key_states`` (made on first use).
-
-        Raises:
-            IncompatibleModelError: the states come on another device than the layer group was placed on, or do
-                not have the geometry of the pool.
-        """
+        """The rows of layer group ``layer_group_idx`` on the device of ``key_states`` (made on first use);
+        ``IncompatibleModelError`` where they come on another device than placed, or not of the pool's geometry."""
         device = key_states.device
         rows = self.rows.get((device, layer_group_idx))
         if rows is not None:
@@ -135,12 +124,8 @@ class PoolBinder:
 
     def page_formats(self, device: torch.device, dtype: torch.dtype) -> list[PageFormat]:
         """The formats of the pool on ``device``, one per geometry of its layers: the config's, cut for the heads
-        this rank holds and the layers placed on ``device``.
-
-        Raises:
-            IncompatibleModelError: no layer is placed on ``device``, or a tensor-parallel model's layers write
-                several geometries.
-        """
+        this rank holds and the layers placed there. ``IncompatibleModelError`` where no layer is placed there, or a
+        tensor-parallel model's layers write several geometries."""
         layer_groups = [self.layer_groups[idx] for idx in self.layer_groups_on(device)]
         if not layer_groups:
             raise IncompatibleModelError(
@@ -162,11 +147,7 @@ class PoolBinder:
         ]
 
     def bind(self, device: torch.device, dtype: torch.dtype) -> KVPool:
-        """The pool on ``device``, resolved on first use.
-
-        Raises:
-            IncompatibleModelError: the given pool does not match the model's geometry.
-        """
+        """The pool on ``device``, resolved on first use (``IncompatibleModelError`` if a given one does not fit)."""
         pool = self.pools.get(device)
         if pool is not None:
             return pool
@@ -183,12 +164,8 @@ class PoolBinder:
         return pool
 
     def _check_prefix_placement(self) -> None:
-        """Refuses prompt reuse where the ranks or devices would have to agree on it.
-
-        Raises:
-            ValueError: the model is tensor parallel (each rank's index could find prefixes of other lengths, feeding
-                the ranks' collectives different tokens), or split over devices (no pool holds a whole prefix).
-        """
+        """Refuses prompt reuse (``ValueError``) on a tensor-parallel model (each rank's index could find prefixes of
+        other lengths, feeding the ranks' collectives different tokens) or a split one (no pool holds a prefix)."""
         if self.placement.process_group is not None:
             raise ValueError(
                 "Prefix caching is not supported under tensor parallelism: the ranks' prefix indexes are not agreed, "
@@ -243,12 +220,8 @@ class PoolBinder:
     def _checked(
         self, pool: KVPool | KVPoolSet, formats: list[PageFormat], device: torch.device, prefix_caching: bool
     ) -> KVPool | KVPoolSet:
-        """The pool given to the cache, if it holds a part of each of ``formats`` on ``device``.
-
-        Raises:
-            IncompatibleModelError: it was built for another model or placement (naming each difference).
-            ValueError: ``prefix_caching`` is asked of a pool without a prefix index.
-        """
+        """The pool given to the cache, if it holds a part of each of ``formats`` on ``device``:
+        ``IncompatibleModelError`` naming each difference; ``ValueError`` if it has no index ``prefix_caching`` asks."""
         if prefix_caching and not pool.prefix_caching:
             raise ValueError(
                 "cache_config prefix_caching=True, but the given pool keeps no prefix index: build it with "

@@ -1,13 +1,10 @@
-"""Compressed attention on the pool (``CompressedLayer``: DeepSeek-V4's layers of ``COMPRESSED_LAYER_TYPES``).
-
-Such a layer attends to a window of the model's ``sliding_window`` tokens of one shared key-and-value head, and to
-the entries its compressor makes of every ``compress_rate`` tokens. The window is one of our windows over pages; the
-compressor's state stays in transformers' own layer object (``compressor``, held by ``StateLayers``).
+"""Compressed attention on the pool (``CompressedLayer``: DeepSeek-V4's layers of ``COMPRESSED_LAYER_TYPES``): a
+window of the model's ``sliding_window`` tokens of one shared key-and-value head on our pages, and the entries a
+compressor makes of every ``compress_rate`` tokens, whose state stays in transformers' own layer (``compressor``).
 
 The model writes one tensor as keys and values (``update(kv, kv)``): the pool stores it once, as keys
-(``PageFormat.values_are_keys``; ``quantized_values`` keeps it exact, ``quantized_kv`` as key codes). transformers can
-neither crop the compressor's state nor compile these layers: a crop is refused by name, and the cache does not
-compile."""
+(``PageFormat.values_are_keys``). transformers can neither crop the compressor's state nor compile these layers: a
+crop is refused by name, and the cache does not compile."""
 
 from typing import Any
 

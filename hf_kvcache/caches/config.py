@@ -39,19 +39,14 @@ class PagedConfig:
         page_size: token slots per page (of a pool the cache makes, and of ``KVPool.for_model(model, config)``).
         pool: a ``KVPool`` (a ``KVPoolSet`` for several geometries) or a pool's name; ``None``: the default pool.
         max_tokens: give this cache a fixed-budget pool of its own holding this many tokens.
-        admission_check: refuse, before any compute, a request whose worst-case pages exceed what the pool has free
-            or can grow into (``PoolExhaustedError``); a check, not a reservation. ``None``: wherever the pool is
-            known before the first write; ``True``: always (a model offloaded without a device map is refused).
+        admission_check: refuse, before any compute, a request whose worst-case pages exceed what the pool can give
+            (``PoolExhaustedError``). ``None``: wherever the pool is known before the first write; ``True``: always.
         prefix_caching: reuse prompt pages across calls through the pool's prefix index. ``True``: the pool the
             cache makes keeps one (a given ``pool`` must); ``None``: only where a given ``pool`` keeps one.
         prefix_namespace: pages are published and found under it only (tenants, experiments).
-        prefix_host_bytes: host memory for prefix pages the pool evicts (``hf_kvcache.memory.tiers``); 0: none.
-        prefix_disk_dir / prefix_disk_bytes: a local directory, within a budget of bytes, for pages pushed out of
-            host memory; it survives restarts.
-        prefix_store: a Redis URL that published prefix pages also go to, for other processes; fail-open.
-
-        Any of the last four turns ``prefix_caching`` on (``False`` with one of them is refused); the tiers are the
-        pool's, set by the first cache that asks for them.
+        prefix_host_bytes / prefix_disk_dir / prefix_disk_bytes / prefix_store: the pool's prefix tiers (host
+            memory, a directory, a Redis URL: ``hf_kvcache.memory.tiers``), set by the first cache that asks; any
+            of them turns ``prefix_caching`` on (``False`` with one is refused).
     """
 
     page_size: int = DEFAULT_PAGE_SIZE
@@ -100,11 +95,7 @@ class PagedConfig:
     @classmethod
     def parse(cls, value: "PagedConfig | Mapping[str, Any] | None") -> Self:
         """This class's config from a ``cache_config``: an instance as is, a dict (or ``None``: the defaults) by keys.
-
-        Raises:
-            TypeError: another cache's config, or neither a config nor a dict.
-            ValueError: an unknown key (the valid ones named), or a setting out of range.
-        """
+        ``TypeError`` for another cache's config or neither; ``ValueError`` naming the valid keys for an unknown one."""
         if type(value) is cls:
             return value
         valid = [field.name for field in dataclasses.fields(cls)]

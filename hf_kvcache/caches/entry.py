@@ -15,12 +15,10 @@ class CacheEntry:
     """One registered ``cache_implementation`` name and the settings it runs with everywhere.
 
     Attributes:
-        name: the ``generate(cache_implementation=...)`` name.
         cache_class: the cache it builds (``cache_class(model.config, cache_config)``).
         example_config: a ``cache_config`` that works on a tiny full-attention model (head_dim 16).
-        eval_presets: label -> ``cache_config`` of each run in the default evaluation.
-        bench_presets: label -> ``cache_config`` of each run in the lossy decode benchmark; empty for a lossless
-            cache.
+        eval_presets / bench_presets: label -> ``cache_config`` of each run in the default evaluation / the lossy
+            decode benchmark (empty for a lossless cache).
         soak_config: the ``cache_config`` the soak runs (default: ``example_config``).
         attn_implementation: the attention docs/caches.md recommends for the cache; ``None``: the model's own.
     """

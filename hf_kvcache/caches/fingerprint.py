@@ -22,10 +22,7 @@ def model_fingerprint(model: torch.nn.Module) -> bytes:
     """Identifies what computes a model's keys and values: its class, config (less ``VOLATILE_CONFIG_KEYS``), dtype,
     adapter state (PEFT) and ``FINGERPRINT_VALUES`` evenly spaced values of every parameter and buffer. Recomputed
     at every call, since weights written in place keep their pointers; a write missing every sampled value goes
-    unseen (``KVPool.reset_prefix_index``).
-
-    Raises:
-        UnreadableWeights: a parameter or buffer is on the meta device (offloaded by accelerate).
+    unseen (``KVPool.reset_prefix_index``). ``UnreadableWeights`` where weights are offloaded (on meta).
     """
     tensors = [*model.parameters(), *model.buffers()]
     if any(tensor.is_meta for tensor in tensors):

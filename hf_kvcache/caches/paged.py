@@ -6,13 +6,7 @@ from hf_kvcache.caches.entry import CacheEntry
 
 class PagedCache(PoolCache):
     """A drop-in for ``DynamicCache`` whose keys and values live in pages of a ``KVPool``; a model's sliding-window
-    layers (Mistral, Gemma 3) keep the model's window, so their memory stays bounded.
-
-    Args:
-        config: the model's config.
-        cache_config: a ``PagedConfig`` (or a dict of its settings); ``None``: the defaults (the shared default pool).
-        dtype / device / placement: as for ``PoolCache``.
-    """
+    layers (Mistral, Gemma 3) keep the model's window. Takes ``PoolCache``'s arguments."""
 
 
 ENTRY = CacheEntry(

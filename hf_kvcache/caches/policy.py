@@ -22,9 +22,8 @@ class RowPolicy:
         window: tokens each query attends to, itself included; ``None`` keeps every token.
         sink_tokens: first real tokens of a row a window keeps for good.
         is_sliding: the model's own mask applies the window (a sliding layer of the model).
-        residual_length: newest tokens whose values stay in full precision (quantized pools only).
-        exact_tokens: first tokens of a row whose keys and values attention gets in full precision over their codes
-            (quantized pools, rows that keep every page).
+        residual_length / exact_tokens: newest tokens whose values, first tokens whose keys and values stay in full
+            precision beside their codes (quantized pools; exact tokens in growing rows only).
     """
 
     window: int | None = None

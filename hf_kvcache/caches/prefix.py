@@ -1,21 +1,15 @@
 """Prompt reuse across ``generate`` calls: a cache's side of its pool's prefix index (``memory.prefix_index``).
 
-``generate`` never shows a cache its token ids: ``hf_kvcache.integration.seams`` hands them over, the prompt before
-the first forward pass, then the ids each pass feeds. A ``PrefixTracker`` keeps them with each row's chain keys and
-
-- **looks up** a prompt before the first pass (``reuse``): the longest prefix of whole pages, at most ``prompt - 1``
-  tokens (the last one is fed for its logits), that every row finds for every layer group, attached to the empty
-  page tables (shared, copy-on-write); pages the pool's tiers hold are fetched first, outside the pool's lock;
-- **publishes** each full page once every layer of its layer group has written it, so that concurrent requests find
-  each other's pages while they run.
+``hf_kvcache.integration.seams`` hands a cache the token ids ``generate`` never shows it. A ``PrefixTracker`` keeps
+them with each row's chain keys, **looks up** a prompt before the first pass (``reuse``: the longest prefix of whole
+pages, at most ``prompt - 1`` tokens, every row finds for every layer group, attached copy-on-write; the pool's tiers
+asked first, outside its lock) and **publishes** each full page once every layer of its group wrote it.
 
 A page must not depend on how the tokens before it were split into passes, so a tracker refuses what it cannot make
-exact (``_refusal``, ``StateLayers.refusal``; docs/prefix-caching.md lists each case). What rows hold besides their
-pages (a quantized cache's exact values, a hybrid model's states) is a tail kept beside the entry of the prefix's last
-page, at the boundaries a later call is likely to start from (``_capture``): caches that store codes reuse a prefix
-as a continuation of the cache that wrote it. Pages are keyed on ``model_fingerprint``, ``prefix_namespace``, each
-layer group's window and the page size; a tracker whose cache held pages across ``KVPool.reset_prefix_index``
-publishes nothing more (``epoch``).
+exact (docs/prefix-caching.md lists each case). What rows hold besides their pages (a quantized cache's exact values,
+a hybrid model's states) is a tail kept beside the entry of the prefix's last page, at the boundaries a later call is
+likely to start from (``_capture``). A tracker whose cache held pages across ``KVPool.reset_prefix_index`` publishes
+nothing more (``epoch``).
 """
 
 import logging
@@ -54,13 +48,9 @@ def log_once(reason: str) -> None:
 
 
 class PrefixTracker:
-    """The token ids a cache's rows hold, their chain keys, and what the cache has published, on one pool.
-
-    Args:
-        pool: the pages of the cache's pool (``KVPool.pages``), with a prefix index.
-        policies: the row policy of each layer group (``PoolCache``).
-        namespace: ``PagedConfig.prefix_namespace``: pages are published and found under it only.
-    """
+    """The token ids a cache's rows hold, their chain keys, and what the cache has published, on one pool (a
+    ``KVPool``'s ``pages`` with a prefix index); ``policies``: each layer group's; pages are published and found
+    under ``namespace`` only."""
 
     def __init__(self, pool: PagePool, policies: list[RowPolicy], namespace: str = "") -> None:
         self.pool = pool
@@ -82,13 +72,8 @@ class PrefixTracker:
     def begin_call(
         self, model: torch.nn.Module, input_ids: torch.Tensor, inputs: dict[str, Any], refusal: str | None = None
     ) -> bool:
-        """Checks a call's first inputs; False (and nothing published from now on) if it cannot take part.
-
-        Args:
-            input_ids: ``[rows, length]`` every token of the call's sequences so far (the prompt).
-            inputs: the other ``prepare_inputs_for_generation`` arguments.
-            refusal: the cache's own reason not to take part (its layers hold state outside the pool), if any.
-        """
+        """Checks a call's first inputs (``input_ids [rows, length]``, the other ``prepare_inputs_for_generation``
+        arguments, the cache's own ``refusal``); False, and nothing published from now on, if it cannot take part."""
         reason = refusal or self._refusal(model, inputs)
         root = None
         if reason is None:
@@ -109,12 +94,8 @@ class PrefixTracker:
         return True
 
     def reuse(self, rows_of: "dict[int, PagedRows]", input_ids: torch.Tensor) -> int:
-        """Attaches the longest prefix of whole pages every row finds for every layer group; returns its tokens.
-
-        Args:
-            rows_of: the empty rows of each layer group on the pool.
-            input_ids: ``[rows, length]`` the prompt.
-        """
+        """Attaches to the empty rows of each layer group the longest prefix of whole pages of ``input_ids [rows,
+        length]`` every row finds for every layer group; returns its tokens."""
         num_rows, length = input_ids.shape
         self._record(0, input_ids)
         lookup = max(0, length - 1) // self.page_size
@@ -151,11 +132,8 @@ class PrefixTracker:
         return num_pages, found
 
     def record(self, start: int, fed_ids: torch.Tensor | None, rows_of: "dict[int, PagedRows]") -> None:
-        """Records the ids a forward pass is about to write at ``start`` and publishes the pages written so far.
-
-        Args:
-            fed_ids: ``[rows, n]`` the ids fed; ``None`` (embeddings fed instead) stops the tracking.
-        """
+        """Records the ids ``[rows, n]`` a forward pass is about to write at ``start`` (``None``, embeddings: stops
+        the tracking) and publishes the pages written so far."""
         if not self.active:
             return
         if fed_ids is None or start > self.num_recorded:  # tokens the tracker never saw: nothing more is known

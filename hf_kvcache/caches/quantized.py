@@ -56,11 +56,7 @@ def check_quant_options(options: PagedConfig, bit_names: tuple[str, ...]) -> Non
 
 def group_size_for(group_size: int | None, width: int, name: str = "head_dim") -> int:
     """The scale group size of a ``cache_config``'s ``group_size`` on vectors of ``width`` channels (the model's
-    ``name``; default 64, or the whole vector).
-
-    Raises:
-        ValueError: ``group_size`` does not divide the width (naming the ones that do).
-    """
+    ``name``; default 64, or the whole vector); ``ValueError`` naming the divisors where it does not divide."""
     group_size = group_size or (DEFAULT_GROUP_SIZE if width % DEFAULT_GROUP_SIZE == 0 else width)
     if width % group_size:
         divisors = [size for size in range(1, width + 1) if width % size == 0]
@@ -90,13 +86,8 @@ class QuantizedValueCache(PoolCache):
     """Keys in full precision, values as int8 or int4 codes with per-token scales, on the shared pool.
 
     Values are quantized once, when stored; attention gets them dequantized into a reused buffer, the newest
-    ``residual_length`` in full precision. Sliding layers keep their window.
-
-    Args:
-        config: the model's config.
-        cache_config: a ``QuantizedValueConfig`` (or a dict of its settings); a pool given must be built with
-            ``KVPool.for_model(model, cache_config, ...)``.
-        dtype / device / placement: as for ``PoolCache``.
+    ``residual_length`` in full precision. Sliding layers keep their window. Takes ``PoolCache``'s arguments; a pool
+    given must be built with ``KVPool.for_model(model, cache_config, ...)``.
     """
 
     config_class = QuantizedValueConfig

@@ -74,13 +74,8 @@ class QuantizedKVCache(PoolCache):
 
     A row's page still filling keeps its keys in full precision outside the pool until it fills, then they are
     encoded once; values are quantized per token when stored, the newest ``residual_length`` served in full
-    precision. Attention gets keys and values decoded into reused buffers (never read in place).
-
-    Args:
-        config: the model's config.
-        cache_config: a ``QuantizedKVConfig`` (or a dict of its settings); a pool given must be built with
-            ``KVPool.for_model(model, cache_config, ...)``.
-        dtype / device / placement: as for ``PoolCache``.
+    precision. Attention gets keys and values decoded into reused buffers (never read in place). Takes
+    ``PoolCache``'s arguments; a pool given must be built with ``KVPool.for_model(model, cache_config, ...)``.
     """
 
     config_class = QuantizedKVConfig

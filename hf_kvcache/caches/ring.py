@@ -48,15 +48,11 @@ class SlidingRingCache(PoolCache):
     The model's sliding layers keep the model's window (outputs equal ``DynamicCache``'s); full-attention layers keep
     ``window`` tokens and the ``sink_tokens`` first ones (StreamingLLM's attention sinks). Within a step that reaches
     past the window, only ``attn_implementation="hf_kvcache"`` keeps to that band (the model's own mask is plainly
-    causal there); with another attention the cache warns, once.
-
-    Args:
-        config: the model's config.
-        cache_config: a ``SlidingRingConfig`` (or a dict of its settings).
-        dtype / device / placement: as for ``PoolCache``.
+    causal there); with another attention the cache warns, once. Takes ``PoolCache``'s arguments.
     """
 
     config_class = SlidingRingConfig
+    _warned_unbanded = False
 
     def __init__(
         self,
@@ -70,7 +66,6 @@ class SlidingRingCache(PoolCache):
         text_config = config.get_text_config(decoder=True)
         self._has_sliding_layers = "sliding_attention" in layer_types_and_kwargs(text_config)[0]
         super().__init__(config, cache_config, dtype=dtype, device=device, placement=placement)
-        self._warned_unbanded = False
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs

@@ -1,15 +1,12 @@
 """The layers of a cache that hold no attention KV we page keep transformers' own cache layers (``StateLayers``),
-outside the pool: linear attention's recurrent and convolution states, state-space states, a compressed-attention
-layer's compressor state (``CompressedLayer``), cross-attention keys of an image (``ImageKeysLayer``). Each is the
-object ``DynamicCache`` makes for its layer, but a cross-attention layer's and an indexer's keys (``IndexerRing``),
-which are kept at a fixed address, written in place, as ``StaticCache`` keeps them, so that decoding compiles. A
-layer fusing attention with a state-space block (``FUSED_LAYER_TYPES``) is one of our layers with the state half of
-``LinearAttentionLayer`` mixed in (``with_state``). The model reaches them all through ``Cache``'s own methods.
+outside the pool, as ``DynamicCache`` makes them: recurrent, convolution and state-space states, a compressor's state
+(``CompressedLayer``); an image's cross-attention keys (``ImageKeysLayer``) and an indexer's keys (``IndexerRing``)
+as ``StaticCache`` keeps them, so that decoding compiles. A fused layer (``FUSED_LAYER_TYPES``) is one of our layers
+with ``LinearAttentionLayer``'s state half mixed in (``with_state``).
 
-A recurrent state exists only at the end of the tokens it has seen: it moves with its rows but cannot be cut back to
-a page boundary. So ``SNAPSHOT_LAYER_TYPES`` keep copies of their states at page boundaries for prompt reuse
-(``tails``); other state layers refuse reuse (``refusal``), and a state is cropped only where its layer records its
-past (``activate_past_recording``)."""
+A recurrent state exists only at the end of the tokens it has seen, so ``SNAPSHOT_LAYER_TYPES`` keep copies at page
+boundaries for prompt reuse (``tails``), other state layers refuse reuse (``refusal``), and a state is cropped only
+where its layer records its past (``activate_past_recording``)."""
 
 import functools
 from typing import Any
@@ -136,11 +133,8 @@ class IndexedLayer(IndexerKeys, PagedLayer):
 
 
 class IndexedWindowLayer(IndexerKeys, WindowLayer):
-    """An indexed-attention layer keeping a window imposed by the cache.
-
-    Raises:
-        IncompatibleModelError: the window keeps sinks, which the indexer's keys do not follow.
-    """
+    """An indexed-attention layer keeping a window imposed by the cache, without sinks (the indexer's keys do not
+    follow them: ``IncompatibleModelError``)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -216,16 +210,10 @@ def with_state(layer_class: type[PagedLayer]) -> type[PagedLayer]:
 
 
 class StateLayers:
-    """transformers' own layers of one cache, by model layer index: every layer whose type is neither paged nor
-    ``dummy``, each indexed-attention layer's ``IndexerRing``, and the states of the cache's fused layers.
-
-    Args:
-        config: the model's decoder config.
-        layer_types: each layer's type (``layer_types_and_kwargs``, cross-attention typed ``CROSS_ATTENTION``).
-
-    Raises:
-        IncompatibleModelError: a layer type has no layer class in ``DynamicCache`` (import the model first).
-    """
+    """transformers' own layers of one cache by model layer index (every layer neither paged nor ``dummy``), each
+    indexed-attention layer's ``IndexerRing``, and the states of the cache's fused layers. ``layer_types``: as
+    ``layer_types_and_kwargs`` reads them, cross-attention typed ``CROSS_ATTENTION``; a type ``DynamicCache`` has no
+    layer class for raises ``IncompatibleModelError`` (import the model first)."""
 
     def __init__(self, config: PreTrainedConfig, layer_types: list[str]) -> None:
         self.config = config
@@ -332,12 +320,8 @@ class StateLayers:
             self.tails.select_rows(indices)
 
     def check_crop(self, tokens_to_remove: int) -> None:
-        """Refuses a crop a layer cannot make, before anything is cropped.
-
-        Raises:
-            ValueError: a layer keeps a compressor's state (never croppable, as in transformers), or a recurrent state
-                that does not record its past.
-        """
+        """Refuses a crop a layer cannot make, before anything is cropped (``ValueError``): a compressor's state is
+        never croppable (as in transformers), a recurrent state only where it records its past."""
         compressed = self._compressed()
         if tokens_to_remove < 0 and compressed:
             raise ValueError(

@@ -18,13 +18,9 @@ CONV, RECURRENT = 0, 1
 
 @dataclass(frozen=True, eq=False)
 class StateTail:
-    """One row's states of every state layer once its first ``end`` tokens (whole pages) are written.
-
-    Attributes:
-        end: the tokens written.
-        states: ``StateKey`` -> the row's tensor (a conv state ``[channels, kernel]``, a recurrent state ``[heads,
-            key_dim, value_dim]``; whatever the layer holds, without its batch dimension).
-    """
+    """One row's states of every state layer once its first ``end`` tokens (whole pages) are written: ``StateKey`` ->
+    the row's tensor without its batch dimension (a conv state ``[channels, kernel]``, a recurrent state ``[heads,
+    key_dim, value_dim]``)."""
 
     end: int
     states: dict[StateKey, torch.Tensor]

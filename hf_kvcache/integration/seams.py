@@ -1,17 +1,12 @@
 """Teaches ``model.generate(cache_implementation=NAME, cache_config={...})`` our cache names.
 
 The only module that changes transformers, through four seams reached through ``hf_kvcache.transformers_internals``
-(plus ``AttentionInterface``/``AttentionMaskInterface``, where ``attn_implementation="hf_kvcache"`` is added):
-
-1. ``ALL_CACHE_IMPLEMENTATIONS``, the tuple ``GenerationConfig.validate`` reads: our names are appended.
-2. ``GenerationMixin._prepare_cache_for_generation``: our names build our cache, and requests on our caches are
-   checked before any forward pass (``check_request``); every other name goes to the original untouched.
-3. ``GenerationMixin.prepare_inputs_for_generation``: our caches see the token ids (prompt reuse) and plan each
-   decode step before its inputs are prepared (``PlannedDecoding.plan_decode``).
-4. ``GenerationMixin._prefill``: a chunked prefill's chunks run eager and its decode steps compiled; a hybrid
-   model's prefill that reuses prompts runs as passes ending where the states are kept (``_prefill_in_passes``).
-
-``register()`` is idempotent and ``unregister()`` puts everything back exactly as it was.
+(and ``AttentionInterface``/``AttentionMaskInterface`` for ``attn_implementation="hf_kvcache"``):
+``ALL_CACHE_IMPLEMENTATIONS`` (our names appended); ``GenerationMixin._prepare_cache_for_generation`` (our names
+build our cache; requests on our caches are checked, ``check_request``); ``prepare_inputs_for_generation`` (our caches
+see the token ids and plan each decode step before its inputs are prepared); ``_prefill`` (a chunked prefill's chunks
+run eager; a hybrid prefill reusing prompts runs as passes, ``_prefill_in_passes``). Every other cache goes to the
+original untouched. ``register()`` is idempotent and ``unregister()`` puts everything back exactly as it was.
 """
 
 import functools
@@ -67,12 +62,8 @@ def check_transformers_version(version: str = transformers_version) -> None:
 
 
 def build_cache(name: str, model: Any, cache_config: Any) -> Cache:
-    """Builds the cache registered as ``name`` for ``model`` from a ``cache_config``, its pool bound to the model's
-    dtype and device(s) and cut for the KV heads this process holds (``placement_of``).
-
-    Raises:
-        IncompatibleModelError: the model keeps a cache of its own (transformers gives it no ``DynamicCache``).
-    """
+    """Builds the cache registered as ``name`` for ``model``, its pool bound to the model's dtype and device(s) and
+    cut for the KV heads this process holds; ``IncompatibleModelError`` if the model keeps a cache of its own."""
     if not serves_dynamic_cache(model):
         raise IncompatibleModelError(
             f"{type(model).__name__} keeps a cache of its own, not a DynamicCache (transformers gives it none), so no "
@@ -86,12 +77,8 @@ def build_cache(name: str, model: Any, cache_config: Any) -> Cache:
 def placement_of(model: Any) -> Placement:
     """Where ``model``'s KV lives, as seen from this process: a tensor-parallel rank's KV heads and process group
     (``model.tp_size``, ``model.tp_plan``, the device mesh's ``"tp"`` axis), each layer's device where
-    ``model.hf_device_map`` names several.
-
-    Raises:
-        IncompatibleModelError: the KV heads do not split evenly over the ranks, the ranks' process group is
-            unknown, or the layers of a split model cannot be told apart.
-    """
+    ``model.hf_device_map`` names several. Raises ``IncompatibleModelError`` where the heads do not split evenly,
+    the process group is unknown, or a split model's layers cannot be told apart."""
     config = model.config.get_text_config(decoder=True)
     num_kv_heads = process_group = layer_devices = None
     tp_size = getattr(model, "tp_size", None) or 1
@@ -111,11 +98,8 @@ def placement_of(model: Any) -> Placement:
 
 
 def attention_modules(model: Any, num_layers: int) -> list[str]:
-    """The name of each layer's attention module: the deepest module carrying that ``layer_idx``.
-
-    Raises:
-        IncompatibleModelError: no module carries the ``layer_idx`` of some layer.
-    """
+    """The name of each layer's attention module, the deepest carrying that ``layer_idx``
+    (``IncompatibleModelError`` where none does)."""
     names: dict[int, str] = {}
     for name, module in model.named_modules():
         idx = getattr(module, "layer_idx", None)
@@ -139,21 +123,15 @@ def check_request(
     max_cache_length: int,
     generation_mode: str | None = None,
 ) -> None:
-    """Checks a request on one of our caches before ``generate`` runs any forward pass.
-
-    Rejects an empty prompt (the model would fail with an obscure reshape error) and, unless ``admission_check`` is
-    off, a request whose worst case does not fit the pool; tells the cache how long its rows will grow
-    (``PoolCache.plan``); decides whether the request's steps compile: where ``generate``'s own rule says so and
-    every compiled step feeds one token (``several_tokens_a_step``).
+    """Checks a request on one of our caches before ``generate`` runs any forward pass: rejects an empty prompt (the
+    model would fail with an obscure reshape error) and, unless ``admission_check`` is off, a request whose worst case
+    does not fit the pool (``PoolExhaustedError``); tells the cache how long its rows will grow; decides whether the
+    steps compile: where ``generate``'s own rule says so and every step feeds one token (``several_tokens_a_step``).
 
     Args:
         batch_size: prompts in the request; each runs ``max(num_beams, num_return_sequences)`` rows.
         max_cache_length: tokens a row may hold at most (``max_length - 1``, as transformers sizes static caches).
         generation_mode: ``generate``'s decoding method (a ``GenerationMode``, which is a ``str``).
-
-    Raises:
-        ValueError: the prompt has no tokens.
-        PoolExhaustedError: ``admission_check`` is not off and the request could overflow the pool.
     """
     for key in ("attention_mask", "position_ids"):  # [rows, prompt_length] where generate has made them
         value = model_kwargs.get(key)
@@ -295,11 +273,8 @@ def _num_fed(inputs: dict[str, Any]) -> int | None:
 
 
 def register() -> None:
-    """Makes our names valid ``cache_implementation`` values (idempotent).
-
-    Raises:
-        ImportError: the installed transformers is outside ``SUPPORTED_TRANSFORMERS``.
-    """
+    """Makes our names valid ``cache_implementation`` values (idempotent); ``ImportError`` outside
+    ``SUPPORTED_TRANSFORMERS``."""
     global _original_prepare, _original_inputs, _original_prefill, _original_names
     check_transformers_version()
     with _lock:

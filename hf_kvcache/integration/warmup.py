@@ -32,16 +32,9 @@ logger = logging.getLogger("hf_kvcache")
 
 @dataclass(frozen=True)
 class WarmedShape:
-    """One decode shape ``warmup`` ran.
-
-    Attributes:
-        batch_size: rows of the step.
-        max_tokens: tokens a row was planned to reach (prompt + ``max_new_tokens`` - 1): the bucket's last.
-        seconds: wall time of the short generation, its compile included.
-        graphs: graphs dynamo compiled during it (0: an earlier one served the shape).
-        held_pages: pages held below the rows' while it ran, as other requests' would be.
-        in_place_calls: calls of the in-place attention kernel during it (0: every step gathered its pages).
-    """
+    """One decode shape ``warmup`` ran: its ``batch_size``, the tokens a row was planned to reach (``max_tokens``,
+    the bucket's last), the ``seconds`` its generation took, the ``graphs`` dynamo compiled during it (0: an earlier
+    one served), the ``held_pages`` held below its rows, and its ``in_place_calls`` of in-place attention."""
 
     batch_size: int
     max_tokens: int
@@ -116,19 +109,14 @@ def warmup(
 ) -> list[WarmedShape]:
     """Compiles, before any request, the decode steps of ``cache_implementation`` for every batch size and capacity
     bucket up to ``max_tokens``, and the in-place attention kernels of every view of a shared pool: a short
-    ``generate`` per shape (two new tokens). With a ``compile_config``, the steps ``generate`` compiles; without one,
-    the eager steps that read pages in place under ``attn_implementation="hf_kvcache"``.
+    ``generate`` per shape (two new tokens), one ``WarmedShape`` each, in the order run. With a ``compile_config``,
+    the steps ``generate`` compiles; without one, the eager steps that read pages in place.
 
     Args:
-        model: the model requests will run.
-        cache_implementation: one of our cache names.
         batch_sizes: the batch sizes requests will run (rows: batch x beams or returned sequences).
         max_tokens: the most tokens a row of a request may hold (prompt + ``max_new_tokens``).
         cache_config / compile_config: those the requests will pass to ``generate``.
         prompt_tokens: the prompt of each warm-up generation (random token ids).
-
-    Returns:
-        One ``WarmedShape`` per generation, in the order run.
 
     Raises:
         TypeError / ValueError: a bad argument, named, before any work; or nothing to compile (``generate`` would
