@@ -1,9 +1,6 @@
-"""Tokens a quantized pool's layers keep in full precision beside their codes: the newest values
-(``ResidualValues``, the residual window) and the first tokens' keys and values (``ExactSink``, attention sinks).
-
-At a page boundary the pool's pages hold every token as codes; what a layer group holds besides them there, one row's
-share, is an ``ExactTail``: kept beside the prefix index's entry of the boundary's page, so that rows reusing that
-prefix continue as the rows that wrote it would have (``hf_kvcache.caches.prefix``).
+"""Tokens a quantized pool's layers keep in full precision beside their codes: the newest values (``ResidualValues``)
+and the first tokens' keys and values (``ExactSink``). One row's share of them at a page boundary is an
+``ExactTail``, kept beside that page in the prefix index so that rows reusing the prefix continue as its writers would.
 """
 
 from dataclasses import dataclass
@@ -20,11 +17,10 @@ class ExactTail:
     """What one row of a layer group holds in full precision once its first ``end`` tokens (whole pages) are written.
 
     Attributes:
-        end: the tokens written.
-        values: each layer's residual window, the values of tokens ``[end - r, end)``, ``[heads, r, head_dim]``
-            (``r = min(end, residual_length)``; empty without a residual window).
-        sink_keys / sink_values: each layer's exact sink, tokens ``[0, s)``, ``[heads, s, head_dim]`` (``s = min(end,
-            sink length)``; empty without a sink).
+        values: per layer, the residual window's tokens ``[end - r, end)``, ``[heads, r, head_dim]`` (``r = min(end,
+            residual_length)``; empty without one).
+        sink_keys / sink_values: per layer, the exact sink's tokens ``[0, s)``, ``[heads, s, head_dim]`` (``s =
+            min(end, sink length)``; empty without one).
     """
 
     end: int
@@ -46,8 +42,8 @@ class ExactTail:
         return sum(tensor.numel() * tensor.element_size() for tensor in held)
 
     def to_tensors(self) -> tuple[torch.Tensor, ...]:
-        """The tail as host tensors, to travel to a pool's tiers (``from_tensors``): a header (``end``, the counts
-        and ids of the layers of values and of the sink), then the values, the sink's keys and its values."""
+        """Host tensors for a pool's tiers (``from_tensors``): a header (``end``, the counts and ids of the layers of
+        values and of the sink), then the values, the sink's keys and its values."""
         header = torch.tensor([self.end, len(self.values), len(self.sink_keys), *self.values, *self.sink_keys])
         held = (*self.values.values(), *self.sink_keys.values(), *self.sink_values.values())
         return header, *(tensor.cpu() for tensor in held)
@@ -100,9 +96,7 @@ class ResidualValues:
     """Full-precision values of the newest ``length`` tokens of every row, for each layer of a layer group.
 
     Token ``t`` of a row sits in slot ``t % length`` of its layer's ``[batch, heads, length, head_dim]`` buffer.
-    Tokens from ``first`` on are held (older ones only as codes, e.g. after a ``crop``). A step's plan says once, for
-    all its layers, which slots it writes (``slots``) and where attention reads the held tokens (``reads``,
-    ``tokens``).
+    Tokens from ``first`` on are held (older ones only as codes, e.g. after a ``crop``).
     """
 
     def __init__(self, length: int) -> None:
@@ -125,10 +119,10 @@ class ResidualValues:
     def reads(
         self, newest: int, low: int, high: int, offset: int, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Where attention gets the held tokens ``[low, high)`` once ``newest`` are written: ``(sources, positions)``,
-        ``[length]`` each: slot ``sources[i]``'s values go over position ``positions[i]`` of what attention reads
-        (position ``p`` holding token ``p + offset``). A fixed count, so one compiled graph serves every step: a slot
-        holding none of those tokens repeats the newest one's. ``None``: there is none."""
+        """``(sources, positions)``, ``[length]`` each: slot ``sources[i]`` goes over position ``positions[i]`` (token
+        ``positions[i] + offset``) of what attention reads, for the held tokens ``[low, high)`` once ``newest`` are
+        written. A fixed count, for one graph over every step: a slot holding none repeats the newest token's.
+        ``None``: none held."""
         tokens = self.tokens(newest, low, high)
         fallback = max(tokens)
         if fallback < 0:
@@ -138,8 +132,7 @@ class ResidualValues:
         return torch.tensor(sources, device=device), torch.tensor(positions, device=device)
 
     def write(self, layer_in_group: int, value_states: torch.Tensor, slots: torch.Tensor) -> None:
-        """Keeps the newest of a step's tokens, given as ``[batch, heads, n, head_dim]`` states, in ``slots``
-        (``ResidualValues.slots``; the step's plan moved ``first`` on: ``SlotStore.plan_window``)."""
+        """Keeps the newest of a step's ``[batch, heads, n, head_dim]`` values in ``slots`` (from ``slots()``)."""
         batch, heads, num_new, head_dim = value_states.shape
         buffer = self.buffers.get(layer_in_group)
         if buffer is None or buffer.shape[0] != batch:
@@ -149,16 +142,15 @@ class ResidualValues:
         buffer.index_copy_(2, slots, newest)
 
     def overlay(self, layer_in_group: int, values: torch.Tensor, reads: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Puts the held tokens over their positions in ``values`` ``[batch, heads, n, head_dim]`` as ``reads``
-        says (``ResidualValues.reads``)."""
+        """Puts the held tokens over their positions in ``values [batch, heads, n, head_dim]`` (``reads``)."""
         buffer = self.buffers.get(layer_in_group)
         if buffer is not None:
             values.index_copy_(2, reads[1], buffer.index_select(2, reads[0]).to(values.dtype))  # autocast may widen
 
     def capture(self, layer_in_group: int, start: int, value_states: torch.Tensor, end: int) -> torch.Tensor:
-        """The values of tokens ``[end - r, end)`` (``r = min(end, length)``) once a step writing ``value_states
-        [batch, heads, n, head_dim]`` at ``start`` (``start < end <= start + n``) has, before it writes them: those
-        before ``start`` from the window, the rest from the step. ``[batch, heads, r, head_dim]``, a copy."""
+        """A copy ``[batch, heads, r, head_dim]`` of tokens ``[end - r, end)`` (``r = min(end, length)``) of a step
+        writing ``value_states [batch, heads, n, head_dim]`` at ``start`` (``start < end <= start + n``), taken
+        before it writes them."""
         low = end - min(end, self.length)
         step = value_states[:, :, max(low, start) - start : end - start]
         if low >= start:
@@ -167,8 +159,7 @@ class ResidualValues:
         return torch.cat([self.buffers[layer_in_group].index_select(2, slots).to(step.dtype), step], dim=2)
 
     def restore(self, end: int, values: dict[int, torch.Tensor]) -> None:
-        """Holds what rows that wrote their first ``end`` tokens hold: ``values`` ``[batch, heads, r, head_dim]`` of
-        tokens ``[end - r, end)`` for each layer (``r = min(end, length)``; ``capture``)."""
+        """Holds ``values [batch, heads, r, head_dim]`` per layer, tokens ``[end - r, end)`` (``capture``)."""
         low = end - min(end, self.length)
         for layer_in_group, held in values.items():
             batch, heads, _, head_dim = held.shape
@@ -178,8 +169,7 @@ class ResidualValues:
         self.first = low
 
     def take_all(self, slots: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-        """Every layer's tokens held in ``slots`` at once: ``(layers, [layers, batch, heads, n, head_dim])``, three
-        ops for the layer group."""
+        """Every layer's tokens in ``slots``: ``(layers, [layers, batch, heads, n, head_dim])``, in three ops."""
         layers = sorted(self.buffers)
         windows = torch.stack([self.buffers[layer] for layer in layers])  # [layers, batch, heads, length, head_dim]
         return layers, windows.index_select(3, slots)
@@ -199,9 +189,8 @@ class ResidualValues:
 class ExactSink:
     """Full-precision keys and values of the first ``length`` tokens of every row, for each layer of a layer group.
 
-    Attention sinks: the first tokens draw much of every query's attention, so their coding error weighs on every
-    step (IntactKV); attention reads them exact over their codes (which the pool still holds). Rows that keep every
-    page only (token ``t`` at position ``t`` of what they read); a row's leading padding counts as its first tokens.
+    The first tokens draw much of every query's attention, so their coding error weighs on every step (IntactKV):
+    attention reads them exact over their codes. Rows that keep every page only; leading padding counts as tokens.
     """
 
     def __init__(self, length: int) -> None:
@@ -210,8 +199,7 @@ class ExactSink:
         self.values: dict[int, torch.Tensor] = {}
 
     def write(self, layer_in_group: int, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Keeps those of tokens ``[start, start + n)`` that are among the first ``length``, ``[batch, heads, n,
-        head_dim]`` states."""
+        """Keeps those of tokens ``[start, start + n)`` (``[batch, heads, n, head_dim]``) among the first ``length``."""
         if start >= self.length:
             return
         batch, heads, num_new, head_dim = key_states.shape
@@ -224,8 +212,7 @@ class ExactSink:
 
     def overlay(self, layer_in_group: int, keys: torch.Tensor | None, values: torch.Tensor | None) -> None:
         """Puts the held tokens over the first positions of ``keys`` / ``values`` ``[batch, heads, n, head_dim]``
-        (tokens in order from 0; ``None``: full precision already). Past the tokens written, the model's mask hides
-        what it puts."""
+        (``None``: full precision already); the model's mask hides those past the tokens written."""
         if layer_in_group not in self.keys:
             return
         for out, held in ((keys, self.keys), (values, self.values)):
@@ -234,13 +221,12 @@ class ExactSink:
                 out[:, :, :count] = held[layer_in_group][:, :, :count]
 
     def capture(self, layer_in_group: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values of tokens ``[0, min(end, length))`` held, ``[batch, heads, s, head_dim]`` copies."""
+        """Copies of the keys and values of tokens ``[0, min(end, length))``, ``[batch, heads, s, head_dim]``."""
         count = min(end, self.length)
         return self.keys[layer_in_group][:, :, :count].clone(), self.values[layer_in_group][:, :, :count].clone()
 
     def restore(self, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor]) -> None:
-        """Holds the first tokens' ``keys`` and ``values`` ``[batch, heads, s, head_dim]`` of each layer (``capture``:
-        rows that wrote ``s`` tokens or more)."""
+        """Holds the first tokens' ``keys`` and ``values`` ``[batch, heads, s, head_dim]`` per layer (``capture``)."""
         self.release()
         for layer_in_group, held_keys in keys.items():
             held_values = values[layer_in_group]
@@ -251,9 +237,8 @@ class ExactSink:
             self.values[layer_in_group][:, :, :count] = held_values
 
     def plan(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Before a planned step at ``start``: ``(sink_write [1], sink_writes [1, 1, 1, 1])``, where the step's token
-        goes in the sink and whether it is one of the first ``length`` (``StepPlan``). The rows' first step wrote
-        the sink, or their reused prefix brought it (``restore``)."""
+        """``(sink_write [1], sink_writes [1, 1, 1, 1])`` of a planned step at ``start`` (``StepPlan``); the rows'
+        first step or their reused prefix wrote the sink."""
         if not self.keys:
             raise RuntimeError("A planned step needs the exact sink its rows' first step wrote; this cache has none.")
         write = torch.tensor([min(start, self.length - 1)], device=next(iter(self.keys.values())).device)

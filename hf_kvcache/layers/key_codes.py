@@ -1,9 +1,7 @@
-"""Full key pages to and from their codes in the pool (a pool whose format sets ``key_bits``): ``KeyCodes``.
+"""Full key pages to and from their codes in the pool (a format that sets ``key_bits``): ``KeyCodes``.
 
-At 8 bits a page's keys are coded per token (a scale and zero per scale group of channels), at 4 per channel over
-the page's tokens (``memory.quant``, compact parameters), stored row-major so that they decode a token row at a time
-(``memory.storage`` lays the pool out). ``hf_kvcache.layers.keys`` decides which pages are full and holds the page
-still filling.
+At 8 bits a page's keys are coded per token, at 4 per channel over the page's tokens (compact parameters), stored
+row-major so that they decode a token row at a time. ``hf_kvcache.layers.keys`` holds the page still filling.
 """
 
 import sys
@@ -48,8 +46,7 @@ class KeyCodes:
     def store(
         self, layer_in_group: int, storage: PoolStorage, pages: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor]
     ) -> None:
-        """Encodes full pages ``[batch, heads, m, page_size, head_dim]`` into the pool pages of ``index``
-        (``store_index``)."""
+        """Encodes full pages ``[batch, heads, m, page_size, head_dim]`` into the pool pages ``index`` names."""
         fmt, quant = self.format, self.quant
         if fmt.keys_per_channel:  # each channel's page_size tokens: [batch, heads, m, head_dim, page_size]
             codes, scale, zero = quantize(pages.transpose(-1, -2), quant)  # codes [..., head_dim, page_size // 2]
@@ -70,9 +67,9 @@ class KeyCodes:
         dtype: torch.dtype,
         ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The keys of pages ``page_ids [batch, m]`` (``ids``: the same flattened, a step's ``StepPlan.key_ids``) as
-        ``[heads, batch * m, page_size, head_dim]`` in ``dtype``, decoded into a reused buffer (slots of a page still
-        filling read as whatever its codes were)."""
+        """The keys of pages ``page_ids [batch, m]`` (``ids``: the same flattened, ``StepPlan.key_ids``) as
+        ``[heads, batch * m, page_size, head_dim]`` in ``dtype``, decoded into a reused buffer (a page still filling
+        reads as whatever its codes were)."""
         fmt, quant = self.format, self.quant
         heads, page_size, head_dim = fmt.num_kv_heads, self.page_size, fmt.head_dim
         batch, m = page_ids.shape
@@ -105,8 +102,8 @@ class KeyCodes:
         return self._halves[1]
 
     def decode_indexed(self, storage: PoolStorage, index: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
-        """The keys of the pages ``storage.keys[index]`` selects (``(layer, heads, pages)`` index tensors, a planned
-        step's: tensor operations only) as ``[batch, heads, pages, page_size, head_dim]``, bitwise as ``decode``."""
+        """The keys of the pages ``storage.keys[index]`` selects (a planned step's ``(layer, heads, pages)``) as
+        ``[batch, heads, pages, page_size, head_dim]``, bitwise as ``decode``, in tensor operations only."""
         fmt, quant = self.format, self.quant
         codes = storage.keys[index]  # [batch, heads, pages, page_size, last]
         batch, heads, num_pages = codes.shape[:3]

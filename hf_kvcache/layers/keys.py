@@ -1,17 +1,13 @@
-"""Keys stored as codes a page at a time (a pool whose format sets ``key_bits``): encoded once, when a page fills.
+"""Keys stored as codes a page at a time (a format that sets ``key_bits``): encoded once, when a page fills.
 
-A row's tokens fill its pages in order. The page still filling is held here in full precision (``partial``, one
-page per row and layer, counted in ``memory_stats()``) and its slots in the pool stay unwritten; when its last slot
-is written the whole page is encoded (``memory.quant``: per token at 8 bits, per channel over the page's tokens
-at 4) and its codes written to the pool, once: they never change while the page stays full. Attention gets the pages
-it reads decoded into a buffer reused from layer to layer, with the page still filling put over its slots.
+The page still filling is held in full precision (``partial``, one page per row and layer) and its pool slots stay
+unwritten; when its last slot is written the page is encoded (``KeyCodes``), and its codes never change while it
+stays full. Attention gets the pages decoded into a reused buffer, the page still filling over its slots.
 
-Every row counts tokens from 0, its padding included (``PageTable``): token ``t`` lies in token page ``t //
-page_size``, at that position of the row's page table, so one plan serves every row. A window reads a slice of its
-table (``first_page`` on): the pages from its first visible one.
-
-A ``crop`` into a page already encoded takes its codes back as the page still filling (decoded: the kept tokens
-lose what their encoding lost); when it fills again it is encoded again. Nothing else re-encodes a page.
+Every row counts tokens from 0, its padding included: token ``t`` lies in token page ``t // page_size`` of every
+row's table, so one plan serves every row (a window reads its table from ``first_page`` on). A ``crop`` into an
+encoded page decodes it back as the page still filling (its kept tokens lose what their encoding lost); nothing else
+re-encodes a page.
 """
 
 from collections.abc import Callable
@@ -29,8 +25,7 @@ class KeyPages:
     """One layer group's keys as codes in the pool, and each row's page still filling in full precision.
 
     Args:
-        page_format: the pool's format (``key_bits`` set).
-        buffer: where decoded keys go (reused; a view of it is valid until the next layer's read).
+        page_format / buffer: as for ``KeyCodes``.
     """
 
     def __init__(self, page_format: PageFormat, buffer: Buffer) -> None:
@@ -49,12 +44,9 @@ class KeyPages:
     # ----- an eager step's plan --------------------------------------------------------------
 
     def plan_eager(self, plan: "Any", start: int, num_new: int, page_ids: torch.Tensor, first_page: int = 0) -> None:
-        """What every layer of an eager step writing tokens ``[start, start + n)`` does with its keys
-        (``StepPlan.key_ids``, ``key_filling``, ``key_step``): the pages read ``page_ids`` (the rows' table from token
-        page ``first_page`` on) flattened, to decode; where each row's page still filling lies among them once the
-        step has written; and for a one-token step, where its key goes in each row's page still filling and, if it
-        fills that page, the pool pages it is encoded to. (A planned step's is ``plan_decode``'s: it encodes a page
-        the step after it fills, as a graph cannot branch on the fill.)"""
+        """An eager step's ``StepPlan.key_ids``, ``key_filling`` and ``key_step`` for tokens ``[start, start + n)``
+        over ``page_ids`` (the rows' table from token page ``first_page`` on); ``key_step`` is a one-token step's
+        slot in the page still filling and, if it fills that page, the pool pages it is encoded to."""
         (batch, m), device, end = page_ids.shape, page_ids.device, start + num_new
         plan.key_ids = page_ids.reshape(-1)
         if end % self.page_size:
@@ -107,9 +99,8 @@ class KeyPages:
     def _write_in_place(
         self, layer_in_group: int, storage: PoolStorage, start: int, key_states: torch.Tensor, plan: "Any"
     ) -> bool:
-        """A one-token step's key put in its slot of each row's page still filling (one op), as ``plan`` says
-        (``StepPlan.key_step``); the rows whose page it fills get that page encoded to their pool page, and a page
-        still filling of zeros. ``False``: not such a step, nothing written."""
+        """A one-token step's key put in its slot of each row's page still filling in one op (``StepPlan.key_step``),
+        encoding the page if it fills. ``False``: not such a step, nothing written."""
         partial = self.partial.get(layer_in_group)
         step = plan.key_step if plan is not None else None
         batch, _, num_new, _ = key_states.shape
@@ -176,13 +167,11 @@ class KeyPages:
         plan: "Any" = None,
         first_page: int = 0,
     ) -> torch.Tensor:
-        """Every slot of the pages ``page_ids [batch, m]`` (the rows' table from token page ``first_page`` on),
-        decoded, with the pages still filling over theirs (where the step's ``plan`` says, ``plan_eager``; without
-        one: worked out).
+        """The first ``num_tokens`` slots (default: all) of the pages ``page_ids [batch, m]`` (the rows' table from
+        token page ``first_page`` on), decoded, the pages still filling over theirs (where ``plan`` says, if given).
 
         Returns:
-            ``[batch, heads, num_tokens, head_dim]`` (a strided view of a reused buffer), in page order: the first
-            ``num_tokens`` slots of each row (all ``m * page_size`` if ``None``).
+            ``[batch, heads, num_tokens, head_dim]``, a strided view of a reused buffer.
         """
         ids = plan.key_ids if plan is not None else None
         pages = self.codes.decode(layer_in_group, storage, page_ids, dtype, ids)  # [heads, batch * m, page_size, hd]
@@ -210,22 +199,15 @@ class KeyPages:
         tokens: torch.Tensor,
         window: tuple[int, int] | None = None,
     ) -> tuple[torch.Tensor | None, ...]:
-        """Before a planned step at ``start``: encodes the pages planned steps filled (one step late: the step that
-        filled a page only wrote its last key to the page still filling), then plans what the step's keys read
-        (``StepPlan.keys_read``).
+        """Before a planned step at ``start``: encodes the page the last planned step filled (one step late: a
+        graph cannot branch on the fill), then returns ``StepPlan``'s ``(key_pages, key_slots, filling_page,
+        filling_coded)``.
 
         Args:
             page_ids: ``[batch, num_pages]`` the rows' pages.
             tokens: ``[batch or 1, num_keys]`` the token of each key attention gets (``-1``: none).
-            window: a window's ``(first_page, window_pages)``: it reads ``window_pages`` pages from token page
-                ``first_page`` on (``None``: rows that read every page).
-
-        Returns:
-            ``(key_pages, key_slots, filling_page, filling_coded)``: a window's pages ``[batch, 1, window_pages]`` (the
-            null page past the rows' own) and each key's slot among them ``[batch, 1, num_keys, 1]`` (``None`` both for
-            rows that read every page: they read ``StepPlan.pages``); where the rows' page still filling lies among the
-            pages read ``[1, 1]``, and whether the step fills it ``[1, 1, 1, 1]`` (it is then read through its
-            encoding).
+            window: a window's ``(first_page, window_pages)`` it reads; ``None``: every page (``key_pages`` and
+                ``key_slots`` are then ``None``).
         """
         page_size, device = self.page_size, page_ids.device
         if self.filled_unencoded == start:  # the last step, planned, filled pages: encode them from there
@@ -245,13 +227,11 @@ class KeyPages:
         return pages, slots.unsqueeze(1).unsqueeze(-1), *filling
 
     def replan_decode(self, plan: "Any", start: int) -> None:
-        """``plan_decode`` for a planned step at ``start`` that keeps the step before's plan (growing rows, the same
-        page still filling): only whether the step fills that page changes (one op)."""
+        """``plan_decode`` for a step that keeps the step before's plan: only ``filling_coded`` changes (one op)."""
         plan.filling_coded.fill_(self._advance_planned(start))
 
     def _advance_planned(self, start: int) -> bool:
-        """A planned step at ``start`` writes its token in every layer; whether it fills the rows' page (encoded the
-        step after, ``filled_unencoded``)."""
+        """Counts a planned step's token in every layer; returns whether it fills the rows' page."""
         fills = self._fills(start + 1)
         self.filled_unencoded = start + 1 if fills else None
         for layer_in_group in self.partial:
@@ -263,15 +243,12 @@ class KeyPages:
         return end > 0 and end % self.page_size == 0
 
     def _filled_targets(self, page_ids: torch.Tensor, end: int, first_page: int = 0) -> torch.Tensor:
-        """The pool page of the page token ``end - 1`` fills, ``[batch, 1]`` (``page_ids``: the table from token page
-        ``first_page`` on)."""
+        """``[batch, 1]`` the pool page token ``end - 1`` fills (``page_ids``: the table from ``first_page`` on)."""
         column = end // self.page_size - 1 - first_page
         return page_ids[:, column : column + 1]
 
     def _encode_partial(self, storage: PoolStorage, page_ids: torch.Tensor, end: int) -> None:
-        """Encodes the page ending at token ``end`` that the rows hold whole as their page still filling (the page a
-        planned step filled: planned steps encode it one step late, the step that filled it only wrote its last key
-        there)."""
+        """Encodes the page ending at token ``end``, held whole as the page still filling (a planned step's)."""
         index = self.codes.store_index(self._filled_targets(page_ids, end))
         for layer_in_group, partial in self.partial.items():
             self.codes.store(layer_in_group, storage, partial.unsqueeze(2), index)
@@ -279,14 +256,13 @@ class KeyPages:
         self.filled_unencoded = None
 
     def write_planned(self, layer_in_group: int, plan: "Any", key_states: torch.Tensor) -> None:
-        """A planned step's new keys ``[batch, heads, 1, head_dim]`` to their slot of the page still filling (never
-        encoding it: a graph cannot branch on the fill; ``plan_decode`` encodes it the step after)."""
+        """A planned step's new keys ``[batch, heads, 1, head_dim]`` to their slot of the page still filling."""
         partial = self.partial[layer_in_group]  # [batch, heads, page_size, head_dim]
         partial.index_put_((plan.rows, plan.heads, plan.write_offsets), key_states.detach().to(partial.dtype))
 
     def read_planned(self, layer_in_group: int, storage: PoolStorage, plan: "Any", dtype: torch.dtype) -> torch.Tensor:
-        """A planned step's keys ``[batch, heads, num_keys, head_dim]``: its pages decoded with the page still filling
-        over its own (a window's, then each key's slot among them)."""
+        """A planned step's keys ``[batch, heads, num_keys, head_dim]``: its pages decoded, the page still filling over
+        its own."""
         index = (plan.layers[layer_in_group], plan.heads, plan.pages if plan.key_pages is None else plan.key_pages)
         decoded = self.codes.decode_indexed(storage, index, dtype)  # [batch, heads, pages, page_size, head_dim]
         batch, heads, num_pages, page_size, head_dim = decoded.shape
@@ -306,8 +282,8 @@ class KeyPages:
             self.partial[layer_in_group] = partial[torch.tensor(indices, device=partial.device)]
 
     def crop(self, num_tokens: int, storage: PoolStorage, page_ids: torch.Tensor) -> None:
-        """Keeps tokens ``[0, num_tokens)``: where the page still filling moves back to an encoded page, the rows take
-        that page's decoded keys as their page still filling (call it after the page table's crop)."""
+        """Keeps tokens ``[0, num_tokens)``; a page still filling that moves back to an encoded page is decoded (call
+        it after the page table's crop)."""
         end = self.filled_unencoded
         if end is not None and num_tokens >= end - self.page_size and page_ids.numel():
             self._encode_partial(storage, page_ids, end)  # a page a planned step filled, kept
@@ -322,7 +298,7 @@ class KeyPages:
             self.written[layer_in_group] = min(written, num_tokens)
 
     def attach(self) -> None:
-        """Rows start from a reused prefix: whole pages, already encoded (none is still filling)."""
+        """Rows start from a reused prefix: whole pages, encoded."""
         self.release()
 
     def release(self) -> None:

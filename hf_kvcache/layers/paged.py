@@ -12,15 +12,13 @@ from hf_kvcache.layers.window import visible_span
 
 
 class PagedLayer(CacheLayerMixin):
-    """One model layer's KV store on the pool; keeps every token (policy: grow by a page).
-
-    Row bookkeeping (page tables, copy-on-write, beam reorders) lives in the ``PagedRows`` shared
-    by all layers of the cache on one device; this layer only counts its tokens.
+    """One model layer's KV store on the pool; keeps every token. Row bookkeeping lives in its layer group's
+    ``PagedRows``; the layer only counts its tokens.
 
     Args:
         layer_idx: the model layer.
-        layer_in_group: the layer's index within its layer group, i.e. which slots of each page are its own.
-        bind: returns the ``PagedRows`` of the layer's layer group for the device and dtype of the first states written.
+        layer_in_group: the layer's index within its layer group.
+        bind: returns the layer group's ``PagedRows`` for the device and dtype of the first states written.
     """
 
     is_sliding = False
@@ -50,11 +48,8 @@ class PagedLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stores ``[batch, heads, n, head_dim]`` new states; returns all ``[batch, heads, seq_len, head_dim]``, or the
-        pool's storage for attention to read in place with a ``PagedRead`` put in the attention's kwargs, which
-        transformers hands over as ``kwargs=`` (``PagedRows.read``). The step's plan says where each goes: planned
-        before the forward pass for a compiled step (``PoolCache.plan_decode``), else by the layer group's first
-        layer (``PagedRows.plan_step``)."""
+        """Stores ``[batch, heads, n, head_dim]`` new states and returns what attention reads (``PagedRows.read``), as
+        the step's plan says (planned before the forward pass, else by the layer group's first layer)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         handoff = attention_kwargs(kwargs)
@@ -99,14 +94,11 @@ class PagedLayer(CacheLayerMixin):
 
 
 class WindowLayer(PagedLayer):
-    """One model layer's KV store over the last ``window`` tokens (plus ``sink_tokens`` kept), in its layer group's
-    ``WindowRows``, which give back the pages behind the window.
+    """One model layer's KV store over the last ``window`` tokens (plus ``sink_tokens``), in ``WindowRows``.
 
     Args:
         layer_idx / layer_in_group / bind: as for ``PagedLayer`` (``bind`` returns ``WindowRows``).
-        window / sink_tokens: as for ``WindowRows``.
-        is_sliding: the model's own mask applies this window (a sliding layer); ``False`` where the cache imposes
-            the window on a full-attention layer.
+        window / sink_tokens / is_sliding: as for ``WindowRows``.
     """
 
     def __init__(

@@ -1,11 +1,8 @@
-"""A step's plan: what every layer of a layer group writes and reads, decided once per forward pass.
+"""A step's plan (``StepPlan``): what every layer of a layer group writes and reads, decided once per forward pass.
 
-``generate``'s decode steps are planned before the forward pass, in the seam that sees every step
-(``PoolCache.plan_decode``): a compiled one into tensors kept from step to step (``PagedRows.plan_decode``), an eager
-one as its layers' first would (``PagedRows.plan_eager_step``). Other steps (a prefill, several tokens, a direct
-``model(...)`` call) are planned by each layer group's first layer (``PagedRows.plan_step``). The layers write with
-one kernel (``kernels.write_planned``) and gather with another (``kernels.read_pages``, a window's slots
-``kernels.read_slots``), eager and compiled alike.
+``PagedRows.plan_decode`` plans a compiled decode step, ``plan_eager_step`` an eager one, both before the forward
+pass; ``plan_step`` plans other steps (a prefill, several tokens, a direct ``model(...)`` call) at the layer group's
+first layer.
 """
 
 from dataclasses import dataclass
@@ -16,66 +13,49 @@ import torch
 
 @dataclass
 class StepPlan:
-    """A step's writes and reads. A compiled step (``ahead``: one new token per row, planned before the forward pass
-    by ``PagedRows.plan_decode``) keeps its tensors from step to step, refilled in place, so that a compiled step
-    (and a CUDA graph replay) reads them without a recompile while the batch and the number of keys stay; an eager
-    step's (``PagedRows.plan_step``, ``plan_eager_step``) are made for it. Index tensors broadcast to ``[batch,
-    heads, ...]`` over the storage's ``[layers, heads, pages, page_size, head_dim]`` (``kernels.write_planned``).
+    """A step's writes and reads. A compiled step's tensors (``ahead``) are kept from step to step and refilled in
+    place, so that its graph (and a CUDA graph replay) reads them where they lie; an eager step's are made for it.
+    Index tensors broadcast to ``[batch, heads, ...]`` over the storage's ``[layers, heads, pages, page_size,
+    head_dim]``.
 
     Attributes:
-        pages: a planned step's ``[batch, 1, pages]``: the pages each row reads (a row's pages, then the null page up
-            to a capacity bucket: ``capacity_bucket``; a window's, from its first visible token's), which coded keys
-            decode and attention gathers where it cannot read in place.
-        write_pages / write_offsets: ``[batch, 1, n]`` the page and the slot in it of each row's new tokens.
+        pages: ``[batch, 1, pages]`` a planned step's pages per row, padded with the null page to
+            ``capacity_bucket`` (a window's: from its first visible token's).
+        write_pages / write_offsets: ``[batch, 1, n]`` the page and slot of each row's new tokens.
         heads: ``[1, heads, 1]`` the KV heads.
-        layers: ``[1, 1, 1]`` each layer's index (kept, so that a step makes none).
-        num_keys: keys attention gets per row: the model's mask is built for this many (a constant of the graph);
-            it hides the keys past the rows' tokens.
-        kv_offset: the token of the first key (the model's mask: ``get_mask_sizes``; it is built outside the graph).
-        rows: ``[batch, 1, 1]`` the rows (keys coded a page at a time: each row's page still filling).
-        window_write: quantized values with a residual window (``ResidualValues``): ``[n]`` the window's slots the
-            step's newest tokens' full-precision values go to.
-        window_sources / window_positions: ``[window length]`` where attention gets the window's tokens: slot
-            ``window_sources[i]``'s values go over position ``window_positions[i]`` of the values it reads (gathered
-            reads; a fixed count); ``None``: none to read.
-        key_pages / key_slots: keys coded a page at a time in a window: ``[batch, 1, window pages]`` the pages decoded
-            (from the first visible token's; the null page past the rows'), and ``[batch, 1, num_keys, 1]`` each key's
-            slot among them (``None`` both for rows that read every page: they decode ``pages``).
-        filling_page / filling_coded: keys coded a page at a time: ``[1, 1]`` where the rows' page still filling lies
-            among the pages the step decodes (its keys go over that page's), and ``[1, 1, 1, 1]`` whether the step
-            fills it (then it is read through its encoding). Every row counts tokens from 0 (``KeyPages``).
-        mask: a ``PagedBlockMask`` where attention reads the pages in place (FlexAttention over the storage, in
-            the graph), refilled before each step; ``None``: the step gathers ``pages``.
-        reads: what a step gathers: ``[batch * heads * pages]`` the rows' pages, as rows of a layer's storage viewed
-            as ``[heads * pages, page_size * last_dim]`` (``kernels.page_rows``), cut at token ``kv_offset`` of the
-            first page, or with ``slot_reads`` ``[batch * heads * num_keys]`` slot indices (``kernels.slot_indices``: a
-            window's visible tokens in time order, the null page's first slot where a key holds none); ``None`` where
-            the step does not gather.
+        layers: ``[1, 1, 1]`` per layer, its index.
+        num_keys: keys attention gets per row (the model's mask is built for this many; a constant of the graph).
+        kv_offset: the token of the first key (``get_mask_sizes``).
+        rows: ``[batch, 1, 1]`` the rows.
+        window_write: ``[n]`` the residual window's slots the newest tokens' values go to (``ResidualValues``).
+        window_sources / window_positions: ``[window length]`` slot ``window_sources[i]`` goes over position
+            ``window_positions[i]`` of the values read (``None``: none).
+        key_pages / key_slots: a window's coded keys: ``[batch, 1, window pages]`` the pages decoded and
+            ``[batch, 1, num_keys, 1]`` each key's slot among them (``None``: rows that decode ``pages``).
+        filling_page / filling_coded: coded keys: ``[1, 1]`` the page still filling among those decoded, and
+            ``[1, 1, 1, 1]`` whether the step fills it (then it is read through its encoding).
+        mask: a ``PagedBlockMask`` where attention reads the pages in place; ``None``: the step gathers.
+        reads: ``[batch * heads * pages]`` page rows to gather (``kernels.page_rows``, cut at token ``kv_offset``),
+            or with ``slot_reads`` ``[batch * heads * num_keys]`` slots (``kernels.slot_indices``); ``None``: none.
         slot_reads: ``reads`` names slots, not pages.
-        start / num_new: an eager step's first token and its number of new tokens.
-        version: the page table's version an eager plan was made for (a shared prefill's rows that turn out to
-            differ change it mid-step).
-        mode: how an eager step's attention reads: ``"gather"``, ``"run"`` or ``"in place"`` (``ReadPath``).
+        start / num_new: an eager step's first token and number of new tokens.
+        version: the page table's version an eager plan was made for (rows of a shared prefill found to differ
+            change it mid-step).
+        mode: how an eager step's attention reads: ``GATHER``, ``RUN`` or ``IN_PLACE`` (``ReadPath``).
         ahead: planned before the forward pass for a compiled step (``PagedRows.plan_decode``).
-        slots: a window's gathered step: ``[batch, num_keys]`` the token of each key, in time order (``WindowRows``),
-            which ``reads`` reads (and keys coded a page at a time decode).
-        layout: a window's step of several tokens: the ``KeyLayout`` attention gets (``None``: a single new token
-            sees every key).
-        value_extents: quantized values read in place: ``[n]`` the extents the mask visits (a compiled step's padded
-            with the last one to a fixed count), whose codes are dequantized into ``value_buffer``.
-        window_pages / window_offsets: ``[batch, 1, residual length]`` the page and slot of the token each slot
-            of the residual window holds (the null page's first slot where it holds none), where its
-            full-precision values go over the dequantized ones.
-        value_buffer: ``[heads, view pages * page_size, head_dim]`` quantized values laid out as the storage's
-            first pages (the view attention reads), rewritten by each layer.
-        value_runs: an eager step's ``value_extents`` as ``(first, end)`` runs of consecutive ids
-            (``SlotStore.values_in_place``).
-        key_ids / key_filling / key_step: an eager step's keys coded a page at a time (``KeyPages.plan_eager``): the
-            rows' pages flattened ``[batch * pages]``, to decode; each row's page still filling among them ``[batch]``
-            (rows counted from 0, ``None``: none); a one-token step's slot in the pages still filling ``[batch, heads,
-            1, head_dim]`` and, where it fills them, the pool pages they are encoded to and the rows that fill.
-        sink_write / sink_writes: an exact sink (``ExactSink``): ``[1]`` where the new token goes in it, and ``[1, 1,
-            1, 1]`` whether it is one of the first tokens the sink holds (else the sink keeps what it held).
+        slots: a window's gathered step: ``[batch, num_keys]`` the token of each key, in time order.
+        layout: a window's step of several tokens: the ``KeyLayout`` attention gets.
+        value_extents: quantized values read in place: ``[n]`` the extents the mask visits, dequantized into
+            ``value_buffer`` (a compiled step's padded with the last to a fixed count).
+        window_pages / window_offsets: ``[batch, 1, residual length]`` the page and slot of each residual window
+            slot's token (the null page's first slot: none), its values going over the dequantized ones.
+        value_buffer: ``[heads, view pages * page_size, head_dim]`` quantized values laid out as the storage.
+        value_runs: an eager step's ``value_extents`` as ``(first, end)`` runs of consecutive ids.
+        key_ids / key_filling / key_step: an eager step's coded keys (``KeyPages.plan_eager``): ``[batch * pages]``
+            the pages to decode, ``[batch]`` each row's page still filling among them (``None``: none), and a
+            one-token step's ``(slot, filled)``.
+        sink_write / sink_writes: an exact sink: ``[1]`` where the new token goes in it, ``[1, 1, 1, 1]`` whether
+            it is one of the tokens the sink holds.
     """
 
     pages: torch.Tensor | None

@@ -1,10 +1,8 @@
 """Planned decode steps of ``PagedRows`` (``PlannedRows``): planned outside the graph, run inside it.
 
-Before a compiled decode step (``PoolCache.plan_decode``, in the seam that sees every forward pass), the rows grow
-their table, encode what filled, and write where the step's token goes and what it reads into the persistent
-tensors of a ``StepPlan``; inside the graph a layer only writes at the planned slots and reads the planned pages
-with the eager step's functions (``PagedRows.write``, ``read``): tensor operations, no host read, nothing dynamo
-specializes on.
+Before a compiled decode step the rows grow their table, encode what filled, and write the step's slots and reads
+into a ``StepPlan``'s persistent tensors; inside the graph the layers run the eager step's ``write`` and ``read`` on
+them: tensor operations, no host read, nothing dynamo specializes on.
 """
 
 import torch
@@ -17,8 +15,7 @@ from hf_kvcache.memory.allocator import NULL_PAGE
 
 
 def _fresh_copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    """A copy with the strides of a new tensor (a compiled graph guards on them): ``clone()`` keeps a view's strides,
-    even along dimensions of size 1."""
+    """A copy with a new tensor's strides (a compiled graph guards on them; ``clone()`` keeps a view's)."""
     if tensor is None:
         return None
     return torch.empty_like(tensor, memory_format=torch.contiguous_format).copy_(tensor)
@@ -32,14 +29,13 @@ class PlannedRows:
     """The planned-step half of ``PagedRows`` (which it is a base of): its attributes are ``PagedRows``'."""
 
     def plan_decode(self, start: int, batch: int, capacity_pages: int, padding_only: bool = True) -> StepPlan:
-        """Before a decode step of one new token per row at ``start``: grows the table (page allocation,
-        copy-on-write) and writes the step's slots and what attention reads into the ``step_plan`` tensors, in place
-        where the batch and the number of reads are the same as the last step's.
+        """Before a decode step of one token per row at ``start``: grows the table and writes the step's slots and
+        reads into ``step_plan``, in place where the shapes are the last step's.
 
         Args:
             capacity_pages: pages read per row (``capacity_bucket``; a window reads its visible tokens instead).
-            padding_only: the model's mask hides nothing but each row's leading padding and the keys past its tokens
-                (then attention may read the pages in place: ``StepPlan.mask``).
+            padding_only: the model's mask hides only each row's leading padding and the keys past its tokens (then
+                attention may read in place).
 
         Raises:
             ValueError: the batch is not the cache's.
@@ -134,11 +130,10 @@ class PlannedRows:
     def _planned_mask(
         self, start: int, batch: int, capacity_pages: int, padding_only: bool
     ) -> "block_mask.PagedBlockMask | None":
-        """The mask of a planned step that reads its pages where they lie (``StepPlan.mask``), or ``None``: it
-        gathers them. In place takes rows that keep every page with full-precision keys, under
-        ``attn_implementation="hf_kvcache"``, where the step's reads (``batch x capacity``) reach
-        ``flex.MIN_IN_PLACE_TOKENS`` (a constant of the graph: the capacity, not the length, decides) and the model's
-        mask hides only padding (FlexAttention applies the mask's rule, not the model's mask)."""
+        """``StepPlan.mask`` of a planned step, or ``None``: it gathers. In place takes growing rows with
+        full-precision keys and no sink, under our attention, where ``batch x capacity`` (a constant of the graph)
+        reaches ``flex.MIN_IN_PLACE_TOKENS`` and the model's mask hides only padding (FlexAttention applies the block
+        mask's rule, not the model's mask)."""
         reads = batch * capacity_pages * self.pool.format.page_size
         wanted = (
             padding_only
@@ -154,9 +149,9 @@ class PlannedRows:
     def _plan_values_in_place(
         self, start: int, batch: int, capacity_pages: int
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """Quantized values of a step read in place at ``start`` (``StepPlan.in_place_values``): the extents the
-        mask visits, padded with the last to ``batch x (capacity extents + 1)`` so that their count is a constant of
-        the graph (``None`` each where they are more: the step gathers), and the residual window's slots."""
+        """``StepPlan.value_extents``, ``window_pages`` and ``window_offsets`` of a step at ``start`` reading in place:
+        the extents padded with the last to ``batch x (capacity extents + 1)``, a constant of the graph (``None`` each
+        where they are more: the step gathers)."""
         fmt = self.pool.format
         extents, num_pages = self.path.extents[0], self.path.mask.num_pages
         count = min(num_pages // fmt.extent_pages, batch * (-(-capacity_pages // fmt.extent_pages) + 1))
@@ -168,8 +163,8 @@ class PlannedRows:
         return extents, *self._window_slots(start + 1)
 
     def _value_buffer(self) -> torch.Tensor:
-        """``StepPlan.value_buffer`` for the current mask's view, kept while the view stays; zeros where no step
-        wrote (a gather of the null page's slots, hidden by the mask, must not read NaN: 0 x NaN is NaN)."""
+        """``StepPlan.value_buffer`` for the mask's view, kept while it stays; zeros, as slots no step wrote are read
+        under the mask (0 x NaN is NaN)."""
         fmt = self.pool.format
         shape = (fmt.num_kv_heads, self.path.mask.num_pages * fmt.page_size, fmt.value_dim)
         if self._planned_values is None or self._planned_values.shape != shape:
@@ -178,21 +173,19 @@ class PlannedRows:
         return self._planned_values
 
     def _key_window(self, start: int) -> tuple[int, int] | None:
-        """What a planned step's coded keys read (``KeyPages.plan_decode``'s ``window``): growing rows, every page."""
+        """``KeyPages.plan_decode``'s ``window``: growing rows read every page."""
         return None
 
     def _window_low(self, start: int) -> int:
-        """The first token of the consecutive tokens a step at ``start`` reads, the last ones read (growing rows: all
-        from 0); the residual window's values go over those only."""
+        """The first of the consecutive tokens a step at ``start`` reads last, where the residual window may go."""
         return 0
 
     def _planned_reads(
         self, start: int, batch: int, capacity_pages: int
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int]:
-        """What a planned step at ``start`` reads: ``(pages [batch, 1, reads], offsets or None, tokens, kv_offset)``
-        (``StepPlan``), ``tokens [batch or 1, num_keys]`` the token of each key attention gets (``-1``: none). Rows
-        that keep every token read their pages, then the null page up to ``capacity_pages``. (A fixed count, for one
-        graph over many steps; an eager step reads exactly its tokens, ``_plan_gather``, as the model's mask says.)"""
+        """What a planned step at ``start`` reads: ``(pages [batch, 1, reads], offsets or None, tokens [batch or 1,
+        num_keys], kv_offset)``, ``tokens`` the token of each key (``-1``: none). Growing rows read their pages, then
+        the null page up to ``capacity_pages``: a fixed count, for one graph over many steps."""
         ids = self._page_ids()  # [batch, pages]
         if ids.shape[1] > capacity_pages:
             raise ValueError(f"Rows of {ids.shape[1]} pages do not fit a step planned for {capacity_pages}.")
@@ -202,16 +195,14 @@ class PlannedRows:
         return padded, None, tokens, 0
 
     def _read_index(self, pages: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
-        """``StepPlan.reads`` of pages ``[batch, n]``, eager and planned steps alike: whole pages
-        (``kernels.page_rows``), or with ``offsets [batch, n]`` one slot of each (``slot_reads``:
-        ``kernels.slot_indices``)."""
+        """``StepPlan.reads`` of pages ``[batch, n]``: whole pages, or with ``offsets [batch, n]`` one slot of each."""
         fmt, num_pages = self.pool.format, self.pool.storage.num_pages
         if offsets is None:
             return page_rows(pages, fmt.num_kv_heads, num_pages)
         return slot_indices(pages, offsets, fmt.num_kv_heads, num_pages, fmt.page_size).view(-1)
 
     def end_planning(self) -> None:
-        """The next step is not a planned one (a prefill, a crop): written catches up, the plan is dropped."""
+        """The next step is not a planned one (a prefill, a crop): drops the plan."""
         if self.step_plan is not None and self.step_plan.ahead:
             self.written = self.num_tokens
             self.step_plan = None

@@ -1,9 +1,16 @@
-"""How attention reads a layer group's pages at a step (``ReadPath``): gathered, as a view of one run of pages, or in
-place through a block mask over the pool's storage, chosen once per step for its plan (``PagedRows.plan_step``).
+"""How attention reads a layer group's pages at a step, chosen once per step for its plan (``ReadPath.choose``):
 
-The block mask is kept from step to step and refilled in place: a step that only adds a token moves its end, a
-change of the table or of the rows' padding refills it. In place needs the extents the mask visits to hold nothing
-but the rows' pages (``PagePool.foreign_pages``).
+- ``GATHER`` (the slow twin; prefill, short contexts, ``sdpa``/``eager``): the rows' pages copied out in token order,
+  ``[batch, heads, num_tokens, head_dim]``;
+- ``RUN`` (our attention, a single row whose pages are consecutive ids, as a fresh pool places them): the same shape
+  as a view of the storage (``kernels.run_view``), which plain sdpa reads with no copy;
+- ``IN_PLACE`` (our attention, a decode step where ``batch x tokens`` reaches ``flex.MIN_IN_PLACE_TOKENS``): the
+  layer's storage as ``[1, heads, pages * page_size, head_dim]`` views and a ``PagedRead`` with the step's
+  ``PagedBlockMask`` for compiled FlexAttention; quantized values are dequantized into a buffer of the storage's
+  layout (``SlotStore.values_in_place``).
+
+The block mask is kept from step to step and refilled in place (a step that only adds a token moves its end). In
+place needs the extents it visits to hold nothing but the rows' pages (``PagePool.foreign_pages``).
 """
 
 from collections.abc import Callable
@@ -17,15 +24,15 @@ from hf_kvcache.memory.page_pool import PagePool
 from hf_kvcache.memory.page_table import PageTable
 
 GATHER, RUN, IN_PLACE = "gather", "run", "in place"
-"""How a step's attention reads a layer's pages (``ReadPath.choose``)."""
+"""How a step's attention reads a layer's pages."""
 
 MaskInputs = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
-"""``batch -> (page_ids [batch, num_pages], pads [batch])``: the rows' table and leading padding as tensors (passed
-at each call, not kept: the rows own the path, which must not hold them back)."""
+"""``batch -> (page_ids [batch, num_pages], pads [batch])``: the rows' table and leading padding (passed at each call:
+the rows own the path, which must not hold them back)."""
 
 
 class ReadPath:
-    """The read path of one layer group's steps, the block mask in-place reads use, and the reads so far by path.
+    """The read path of one layer group's steps, the block mask in place uses, and the reads so far by path.
 
     Args:
         pool / table: the layer group's pool and page table.
@@ -56,13 +63,11 @@ class ReadPath:
             self._one_run = None
 
     def choose(self, num_tokens: int, num_new: int, encoded_keys: bool, hands_over: bool, inputs: MaskInputs) -> str:
-        """How a step's attention reads the pages (``GATHER``, ``RUN``, ``IN_PLACE``), for its plan
-        (``PagedRows.plan_step``).
+        """How a step's attention reads the pages: ``GATHER``, ``RUN`` or ``IN_PLACE``.
 
         Args:
             encoded_keys: the keys are stored as codes (always gathered and decoded).
-            hands_over: the model's attention hands the cache its kwargs, where an in-place read puts its
-                ``PagedRead`` (``hf_kvcache.attention.reads``).
+            hands_over: the model's attention hands the cache its kwargs, where an in-place read puts its ``PagedRead``.
         """
         batch, pool = self.table.num_rows, self.pool
         if not batch or not self.our_attention():
@@ -90,9 +95,8 @@ class ReadPath:
         return IN_PLACE if self.refresh_mask(batch, num_tokens, inputs) else GATHER
 
     def refresh_mask(self, batch: int, num_tokens: int, inputs: MaskInputs) -> bool:
-        """Brings the mask to the table and ``num_tokens``: moves its end where only that changed, else refills it
-        (a new one where the batch changed or the rows' pages passed its view). Returns whether attention may read
-        in place with it: the extents it visits hold no other request's pages."""
+        """Brings the mask to the table and ``num_tokens`` (a new one where the batch changed or the rows' pages
+        passed its view); returns whether the extents it visits hold no other request's pages."""
         pool, fmt = self.pool, self.pool.format
         if self._fresh and self.mask.batch == batch:
             self.mask.advance(num_tokens)

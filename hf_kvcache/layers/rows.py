@@ -1,26 +1,9 @@
-"""The rows of one layer group of a cache on one pool: its page table, and each step's plan.
+"""The rows of one layer group of a cache on one pool (``PagedRows``): its page table, and each step's plan.
 
-All layers of a layer group that live on the same device share one ``PagedRows``. Every step has one plan
-(``StepPlan``), made once: an eager step's by the layer group's first layer (``plan_step``: it grows the page table,
-allocating and copying-on-write for every layer at once, since a page id addresses the same slots in every layer), a
-compiled step's before the forward pass (``plan_decode``). Every layer then writes and reads as the plan says
-(``write``, ``read``).
-
-Attention gets a layer's keys and values in one of three ways (the plan's ``mode``, ``ReadPath.choose``):
-
-- gathered (the slow twin, and the path of prefill, short contexts, ``sdpa``/``eager``): the rows' pages copied
-  out in token order, ``[batch, heads, num_tokens, head_dim]``;
-- as a run (any step under ``attn_implementation="hf_kvcache"`` of a single row whose pages are one run of
-  consecutive ids in order, as a fresh pool places them): the same ``[1, heads, num_tokens, head_dim]`` as gathered,
-  but a view of the storage (``kernels.run_view``), so plain sdpa reads it in place, with no copy and nothing to
-  compile; quantized values are dequantized from their codes' view into a reused buffer;
-- in place over scattered pages (a decode step under ``attn_implementation="hf_kvcache"`` of other rows, where
-  ``batch x tokens`` reaches ``flex.MIN_IN_PLACE_TOKENS``): the layer's whole storage as
-  ``[1, heads, pages * page_size, head_dim]`` views, and in the attention's kwargs a ``PagedRead`` with the step's
-  ``PagedBlockMask`` (built once per step by the layer group's first layer, shared by the rest) that
-  ``attention.interface`` hands to compiled FlexAttention. Quantized values cannot be read as they lie: the pages
-  the mask visits are dequantized into a buffer of the storage's layout (``SlotStore.values_in_place``), while the
-  keys are read in place.
+All layers of a layer group on one device share one ``PagedRows``. An eager step's plan is made once, by the layer
+group's first layer (``plan_step``: it grows the table for every layer at once, since a page id addresses the same
+slots in every layer); every layer then writes and reads as the plan says (``write``, ``read``; ``read_path`` lists
+the three ways attention reads).
 """
 
 import dataclasses
@@ -45,26 +28,19 @@ from hf_kvcache.memory.storage import PoolStorage
 
 
 class PagedRows(PlannedRows):
-    """Page table of one layer group of a cache on one pool, with cached read/write indices.
+    """Page table of one layer group of a cache on one pool, with its index tensors (rebuilt when the table changes).
 
     Args:
         pool: where the pages live.
-        residual_length: newest tokens whose values attention gets in full precision (quantized pools only).
-        row_extents: place each row's pages in aligned extents (``PageTable``), so attention can read them in
-            place in blocks of an extent (``hf_kvcache.attention.flex``).
-        our_attention: whether the model's attention reads a ``PagedRead`` (``attn_implementation="hf_kvcache"``),
-            asked once per step.
-        queries_per_kv_head: query heads per KV head (the packed query rows of a decode step).
-        process_group: the process group of a tensor-parallel model's ranks, whose tables must stay alike: their page
-            allocations and the sharing of identical rows are agreed over it (``hf_kvcache.memory.placement``).
-        exact_tokens: first tokens of a row whose keys and values attention gets in full precision (quantized pools).
-
-    Index tensors depend on the table: they are rebuilt when it changes (the pool's storage never does).
+        residual_length / exact_tokens: as for ``SlotStore``.
+        row_extents: place each row's pages in aligned extents (``PageTable``), so attention can read them in place.
+        our_attention / queries_per_kv_head: as for ``ReadPath``.
+        process_group: a tensor-parallel model's ranks, over which page allocations and identical rows are agreed
+            so that their tables stay alike.
     """
 
     defers_codes = True
-    """Quantized values with a residual window: a one-token step codes every layer's token at once, after the layer
-    group's last layer (``SlotStore.code_step``)."""
+    """``SlotStore``'s ``defers_codes``."""
 
     def __init__(
         self,
@@ -106,14 +82,12 @@ class PagedRows(PlannedRows):
     def plan_step(
         self, layer_in_group: int, start: int, key_states: torch.Tensor, value_states: torch.Tensor, hands_over: bool
     ) -> StepPlan:
-        """The plan of an eager step writing tokens ``[start, start + n)``: the layer group's first layer grows the
-        table and plans what every layer writes and reads (``_plan_eager``); the layers after it execute that plan.
-        (In a shared prefill, rows found to differ at a later layer get pages of their own, and a new plan.)
+        """The plan of an eager step writing tokens ``[start, start + n)``, made by the layer group's first layer
+        (and again where rows of a shared prefill turn out to differ).
 
         Args:
             key_states / value_states: ``[batch, heads, n, head_dim]``.
-            hands_over: the model's attention hands the cache its kwargs (where an in-place read puts its
-                ``PagedRead``).
+            hands_over: as for ``ReadPath.choose``.
         """
         self.begin_step(start, key_states, value_states)
         num_new, plan = key_states.shape[-2], self.step_plan
@@ -124,19 +98,17 @@ class PagedRows(PlannedRows):
         return plan
 
     def plan_eager_step(self, start: int, batch: int) -> None:
-        """Before the forward pass of an eager decode step of one token per row at ``start`` (``generate``'s seam,
-        ``PoolCache.plan_decode``): what the layer group's first layer would do in ``plan_step``, so that every
-        layer only executes the plan. A step that is not the table's next is left to the layers (which raise). Not
-        ``plan_decode``: an eager step reads exactly its tokens (the model's mask is built for them), not a bucket."""
+        """Before the forward pass of an eager decode step at ``start``: what ``plan_step`` would do at the first layer
+        (a step that is not the table's next is left to the layers, which raise). Unlike ``plan_decode`` it reads
+        exactly the rows' tokens, not a capacity bucket."""
         if start != self.num_tokens or not self.table.num_rows or batch != self.table.num_rows:
             return
         self._grow(batch, start, 1, None)
         self.step_plan = self._plan_eager(start, 1, hands_over=True)
 
     def _plan_eager(self, start: int, num_new: int, hands_over: bool) -> StepPlan:
-        """What every layer of an eager step writes and reads (``StepPlan``): the slots of tokens ``[start, end)``,
-        and how attention reads the rows' ``end`` tokens (``ReadPath.choose``): gathered (``StepPlan.reads``, exactly
-        ``end`` keys), as a view of one run of pages, or in place through the path's block mask."""
+        """An eager step's plan: the slots of tokens ``[start, start + n)`` and how attention reads the rows'
+        tokens (``ReadPath.choose``)."""
         end = start + num_new
         mode = self.path.choose(end, num_new, self.store.keys is not None, hands_over, self.mask_inputs)
         plan = StepPlan(None, *self._write_slots(start, num_new), *self._constants(), end)
@@ -155,12 +127,11 @@ class PagedRows(PlannedRows):
         return plan
 
     def _plan_span(self, plan: StepPlan) -> None:
-        """Which tokens an eager step reads (``StepPlan.num_keys``, ``kv_offset``; growing rows: all, from 0), and
-        where its residual window's go (``SlotStore.plan_window``)."""
+        """Which tokens an eager step reads (growing rows: all, from 0), and its residual window."""
         self.store.plan_window(plan, plan.start, plan.num_new)
 
     def _plan_gather(self, plan: StepPlan) -> None:
-        """A gathered step's reads (``StepPlan.reads``): the rows' pages up to the step's end."""
+        """A gathered step's ``StepPlan.reads``: the rows' pages up to the step's end."""
         plan.reads = self._read_index(self._page_ids()[:, : -(-plan.num_keys // self.pool.format.page_size)])
 
     def _plan_keys(self, plan: StepPlan) -> None:
@@ -175,8 +146,7 @@ class PagedRows(PlannedRows):
         return 0
 
     def _write_slots(self, start: int, num_new: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[batch, 1, n]`` the page and the slot in it of each row's tokens ``[start, start + n)``
-        (``StepPlan.write_pages``, ``write_offsets``)."""
+        """``StepPlan.write_pages`` and ``write_offsets`` ``[batch, 1, n]`` of tokens ``[start, start + n)``."""
         page_size = self.pool.format.page_size
         tokens = torch.arange(start, start + num_new, device=self.pool.device)
         pages = self._page_ids()[:, tokens // page_size].unsqueeze(1)
@@ -191,10 +161,8 @@ class PagedRows(PlannedRows):
         return self._heads, self._layers
 
     def write(self, plan: StepPlan, layer_in_group: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Stores one layer's ``[batch, heads, n, head_dim]`` new states where ``plan`` puts them, eager and planned
-        steps alike: tensor operations that a compiled step's graph runs, and no lock (the pool's storage never moves
-        and the rows' pages are their own). With ``defers_codes``, a one-token step codes every layer's token at once,
-        after the layer group's last layer."""
+        """Stores one layer's ``[batch, heads, n, head_dim]`` new states where ``plan`` puts them: tensor operations
+        only, and no lock (the pool's storage never moves and the rows' pages are their own)."""
         storage, deferred, keys = self.pool.storage, self.store.defers_codes and plan.num_new == 1, self.store.keys
 
         def put(tensor: torch.Tensor, states: torch.Tensor) -> None:
@@ -212,9 +180,8 @@ class PagedRows(PlannedRows):
             self.written = plan.start + plan.num_new  # every layer holds them: what a prefix index may publish
 
     def _read_keys(self, layer_in_group: int, storage: PoolStorage, plan: StepPlan) -> torch.Tensor:
-        """Encoded keys, decoded: the ``[batch, heads, num_keys, head_dim]`` keys ``plan`` reads. Two ways, as they
-        are written: a planned step reads the page it fills through its encoding (encoded the step after), an eager
-        step encodes it in that step (a graph cannot branch on the fill, and eager steps keep their op count)."""
+        """Coded keys, decoded: the ``[batch, heads, num_keys, head_dim]`` keys ``plan`` reads (a planned step reads
+        the page it fills through its encoding; an eager step encodes it in that step)."""
         dtype = self.pool.format.dtype
         if plan.ahead:
             keys = self.store.keys.read_planned(layer_in_group, storage, plan, dtype)
@@ -236,16 +203,15 @@ class PagedRows(PlannedRows):
         value_states: torch.Tensor,
         handoff: dict[str, Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's keys and values for attention, after the step's ``[batch, heads, n, head_dim]`` states were
-        written, read as ``plan`` says. A step of several tokens reads its own as given (``SlotStore.read``'s
-        ``step``).
+        """One layer's keys and values for attention, read as ``plan`` says after the step's ``[batch, heads, n,
+        head_dim]`` states were written (a step of several tokens gets its own exact: ``SlotStore.read``).
 
         Args:
-            handoff: the attention's kwargs (``attention_kwargs``), where an in-place read puts its ``PagedRead``.
+            handoff: the attention's kwargs, where an in-place read puts its ``PagedRead``.
 
         Returns:
-            ``[batch, heads, num_keys, head_dim]`` (gathered; a view of the storage as a run), or ``[1, heads, view
-            pages * page_size, head_dim]`` views of the storage (in place).
+            ``[batch, heads, num_keys, head_dim]`` (gathered, or a run's view), or ``[1, heads, view pages *
+            page_size, head_dim]`` views of the storage (in place).
         """
         num_tokens = plan.num_keys
         step = (key_states, value_states) if plan.num_new > 1 else None
@@ -272,8 +238,7 @@ class PagedRows(PlannedRows):
         return keys, values
 
     def _storage_view(self, storage: torch.Tensor, layer_in_group: int) -> torch.Tensor:
-        """One layer's first ``mask.num_pages`` pages (all the rows' among them) as ``[1, heads, pages * page_size,
-        width]`` (the keys' or the values' width): what in-place attention reads."""
+        """One layer's first ``mask.num_pages`` pages as ``[1, heads, pages * page_size, width]``."""
         fmt, num_pages = self.pool.format, self.path.mask.num_pages
         shape = (1, fmt.num_kv_heads, num_pages * fmt.page_size, storage.shape[-1])
         return storage[layer_in_group][:, :num_pages].view(shape)
@@ -285,10 +250,8 @@ class PagedRows(PlannedRows):
         plan: StepPlan | None = None,
         step: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[batch, heads, num_keys, head_dim]`` of one layer, gathered for attention as the step's
-        ``plan`` says (its ``reads``, ``window_reads`` and keys), eager and planned steps alike; a gather of its own
-        where the plan has none (without a plan, the slow twin: the rows' first ``num_tokens``; a step that reads in
-        place).
+        """Keys and values ``[batch, heads, num_keys, head_dim]`` of one layer, gathered as ``plan`` says; without a
+        plan (the slow twin), the rows' first ``num_tokens``; a plan that reads in place gets a gather of its own.
 
         Args:
             step: as for ``SlotStore.read``.
@@ -325,10 +288,8 @@ class PagedRows(PlannedRows):
         return plan
 
     def begin_step(self, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Makes room for tokens ``[start, start + n)``: the first layer of a step grows the table.
-
-        The layers after it check the batch, and in a shared prefill give rows whose states turn
-        out to differ their own pages.
+        """Makes room for tokens ``[start, start + n)``: the first layer of a step grows the table; the layers after
+        it check the batch, and in a shared prefill give rows whose states differ their own pages.
 
         Args:
             key_states / value_states: ``[batch, heads, n, head_dim]``.
@@ -413,7 +374,7 @@ class PagedRows(PlannedRows):
 
     def prefix_layout(self, num_pages: int) -> list[int | None]:
         """Which token page each page of a row holds right after its first ``num_pages`` full token pages were
-        written (``None``: a page that holds none the row still needs). Growing rows: all of them, in order."""
+        written (``None``: none the row still needs). Growing rows: all, in order."""
         return list(range(num_pages))
 
     def token_page_position(self, token_page: int) -> int | None:
@@ -421,16 +382,14 @@ class PagedRows(PlannedRows):
         return token_page
 
     def attach(self, pages: list[list[int]], num_tokens: int, tails: list[ExactTail] | None = None) -> None:
-        """Starts the empty rows from a reused prefix: ``pages`` (laid out as ``prefix_layout`` says, already taken
-        from the pool) hold each row's first ``num_tokens`` tokens, in every layer of the layer group; ``tails``, what
-        each row holds beside them in full precision (``SlotStore.keeps_exact``)."""
+        """Starts the empty rows from a reused prefix: ``pages`` (as ``prefix_layout`` lays them out, already taken
+        from the pool) hold each row's first ``num_tokens`` tokens; ``tails`` as for ``SlotStore.attach``."""
         self._apply(lambda: self.table.attach(pages, num_tokens))
         self.written = num_tokens
         self.store.attach(num_tokens, tails)
 
     def _apply(self, change: Callable[[], list[tuple[int, int]] | None]) -> None:
-        """Runs a table change holding the pool (``PagePool.held``), copies the pages it asks for, drops cached
-        indices."""
+        """Runs a table change holding the pool, copies the pages it asks for, drops cached indices."""
         self._shared_prefill = None
         self.path.stale()
         with self.pool.held():
@@ -451,8 +410,8 @@ class PagedRows(PlannedRows):
         return identical_rows if same else None
 
     def _split_differing_rows(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """In a shared prefill, gives private pages to rows whose states differ from the first row they were
-        identical to in the layers before (on any rank of a tensor-parallel model)."""
+        """In a shared prefill, gives private pages to rows whose states differ from the row they were identical to
+        in the layers before (on any rank)."""
         end, firsts = self._shared_prefill
         differs = [
             int(
@@ -472,17 +431,15 @@ class PagedRows(PlannedRows):
             self._shared_prefill = (end, [row if row in differing else first for row, first in enumerate(firsts)])
 
     def _page_ids(self) -> torch.Tensor:
-        """The page table as a ``[batch, num_pages]`` tensor on the pool's device, page ``i`` holding tokens ``[i *
-        page_size, (i + 1) * page_size)``: the null page where a row holds only padding (``PageTable.skips``)."""
+        """The page table ``[batch, num_pages]``, page ``i`` holding tokens ``[i * page_size, (i + 1) * page_size)``
+        (the null page where a row holds only padding)."""
         if self._ids is None:
             rows = [[NULL_PAGE] * skip + row for row, skip in zip(self.table.rows, self.table.row_skips)]
             self._ids = torch.tensor(rows, dtype=torch.long, device=self.pool.device).view(len(rows), -1)
         return self._ids
 
     def _window_slots(self, newest: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where the token each slot of the residual window holds once ``newest`` tokens are written lies in the
-        pool: ``(window_pages, window_offsets)`` ``[batch, 1, window length]`` each (``StepPlan``; the null page's
-        first slot where a slot holds none)."""
+        """``StepPlan.window_pages`` and ``window_offsets`` once ``newest`` tokens are written."""
         page_size = self.pool.format.page_size
         tokens = torch.tensor(self.store.residual.tokens(newest), device=self.pool.device)
         held = tokens >= 0

@@ -1,17 +1,9 @@
-"""Moving a layer's keys and values between attention and the pool, quantized where the pool says so.
+"""A layer group's keys and values between attention and the pool (``SlotStore``), quantized where the format says.
 
-With a full-precision pool, keys and values are stored and gathered as they are. With a pool
-whose format sets ``value_bits``, each new token's values are quantized once, when they are
-stored (``hf_kvcache.memory.quant``: per-token scales, so the codes do not depend on any other token and
-never change afterwards); keys stay in the model's dtype. Attention gets the values dequantized
-into a buffer the rows reuse from step to step and layer to layer, never a new full-precision copy
-of the history: gathered in token order (``read``), or, where attention reads the keys in place, laid
-out as the storage's slots, the visited pages only (``values_in_place``). The newest ``residual_length``
-tokens are served in full precision from ``ResidualValues`` instead of their codes; with that window, a one-token
-step of rows that keep every page codes its token for every layer at once, after the layer group's last layer
-(``code_step``: one quantization per step instead of one per layer; attention reads the token from the window).
-With a format that sets ``key_bits``, keys are stored as codes a page at a time
-(``hf_kvcache.layers.keys``): the rows write and read them through ``SlotStore.keys``.
+With ``value_bits``, each token's values are quantized once, when stored (per-token scales: the codes never
+change), and attention gets them dequantized into buffers reused from layer to layer and step to step: in token order
+(``read``) or laid out as the storage's visited pages (``values_in_place``). The newest ``residual_length`` tokens
+come in full precision from ``ResidualValues``. With ``key_bits``, keys are codes a page at a time (``KeyPages``).
 """
 
 import math
@@ -54,15 +46,14 @@ def extent_runs(extents: list[int]) -> list[tuple[int, int]]:
 
 
 class SlotStore:
-    """Writes and reads one layer group's slots (keys and values) in a pool, quantizing values if its format says so.
+    """Writes and reads one layer group's slots in a pool.
 
     Args:
         pool: where the pages live.
-        residual_length: newest tokens whose values attention gets in full precision (quantized pools only).
-        defers_codes: a one-token step's value codes are written after the layer group's last layer, for all its
-            layers at once (``code_step``), where there is a residual window (rows that keep every page).
-        exact_tokens: first tokens of a row whose keys and values attention gets in full precision (``ExactSink``;
-            encoded pools, rows that keep every page).
+        residual_length: newest tokens whose values attention gets in full precision (quantized values only).
+        defers_codes: with a residual window, a one-token step's value codes are written for all layers at once,
+            after the last (``code_step``).
+        exact_tokens: first tokens of a row whose keys and values attention gets in full precision (``ExactSink``).
     """
 
     def __init__(
@@ -91,12 +82,8 @@ class SlotStore:
         value_states: torch.Tensor,
         code_values: bool = True,
     ) -> None:
-        """Stores new states ``[batch, heads, n, head_dim]`` into their slots of ``storage`` with ``put``.
-
-        The pool holds inference state: what is stored is detached from any autograd graph. Encoded keys are not
-        written here (``KeyPages.write``, a page at a time), nor quantized values with ``code_values=False``
-        (``code_step``).
-        """
+        """Stores new states ``[batch, heads, n, head_dim]`` (detached) into their slots with ``put``; not coded keys
+        (``KeyPages.write``), nor quantized values with ``code_values=False`` (``code_step``)."""
         shared = storage.values is storage.keys  # values that are the keys: stored once, as the keys (no codes)
         if shared and value_states is not key_states:
             raise IncompatibleModelError(
@@ -115,10 +102,8 @@ class SlotStore:
             put(storage.value_scales, join_scales(scale, zero))
 
     def code_step(self, storage: PoolStorage, plan: "Any") -> None:
-        """After the last layer of a one-token step that deferred its codes (``defers_codes``): the codes of the
-        step's token of every layer of the layer group, from the residual windows, stored into the slots ``plan``
-        writes (``StepPlan.write_pages`` / ``write_offsets``) at once (one quantization for all layers keeps the
-        step's op count low)."""
+        """After a one-token step's last layer (``defers_codes``): every layer's token, from the residual windows,
+        quantized once and stored at ``plan``'s slots (one quantization per step instead of one per layer)."""
         layers, values = self.residual.take_all(plan.window_write)  # [layers, batch, heads, 1, head_dim]
         codes, scale, zero = quantize(values, self.quant)
         layer_index = torch.tensor(layers, device=values.device).view(-1, 1, 1, 1)
@@ -127,11 +112,9 @@ class SlotStore:
             tensor.index_put_(where, part if part.dtype == tensor.dtype else part.to(tensor.dtype))
 
     def plan_window(self, plan: "Any", start: int, num_new: int, low: int = 0, offset: int = 0) -> None:
-        """A step's residual window (quantized values), eager and planned steps alike: ``StepPlan.window``, the slots
-        its tokens ``[start, start + n)`` go to, and where attention gets the window's tokens from ``low`` on,
-        position ``p`` of what it reads holding token ``p + offset``: a fixed count (a slot holding none of them
-        repeats the step's newest token), so one graph serves every step. A planned step's tensors, once made, are
-        refilled in place (a graph reads them where they lie)."""
+        """A step's ``StepPlan.window_write``, ``window_sources`` and ``window_positions`` for tokens ``[start,
+        start + n)``: the window's tokens from ``low`` on, position ``p`` holding token ``p + offset``
+        (``ResidualValues.reads``); a planned step's tensors are refilled in place."""
         residual = self.residual
         if residual is None:
             return
@@ -147,8 +130,7 @@ class SlotStore:
         plan.window_positions.copy_(positions)
 
     def _window_over_slots(self, layer_in_group: int, slots: torch.Tensor, plan: "Any") -> None:
-        """The residual window's values over their slots of ``slots`` ``[heads, pages * page_size, head_dim]``, a
-        layer's values laid out as the storage's first pages (``StepPlan.window_pages`` / ``window_offsets``)."""
+        """The residual window's values over their slots of ``slots [heads, pages * page_size, head_dim]``."""
         window = self.residual.buffers.get(layer_in_group) if plan.window_pages is not None else None
         if window is not None:  # [batch, heads, length, head_dim]
             by_page = slots.view(slots.shape[0], -1, self.pool.format.page_size, slots.shape[-1])
@@ -156,7 +138,7 @@ class SlotStore:
 
     @property
     def residual_bytes(self) -> int:
-        """Bytes held outside the pool: the full-precision residual values and the keys of pages still filling."""
+        """Bytes held outside the pool: residual values, exact sinks, keys of pages still filling."""
         total = self.keys.partial_bytes if self.keys is not None else 0
         total += self.sink.bytes if self.sink is not None else 0
         if self.residual is None:
@@ -164,10 +146,8 @@ class SlotStore:
         return total + sum(buffer.numel() * buffer.element_size() for buffer in self.residual.buffers.values())
 
     def remember(self, layer_in_group: int, plan: "Any", key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Keeps the full-precision values of a step's tokens for the residual window (``StepPlan.window_write``), and
-        the first tokens' keys and values for the exact sink: an eager step's from its start (the rows' first step
-        makes the sink), a planned step's at its plan's slot (``StepPlan.sink``: a graph cannot slice at a start that
-        moves)."""
+        """Keeps a step's values for the residual window and its first tokens for the exact sink (a planned step's at
+        ``StepPlan.sink_write``: a graph cannot slice at a start that moves), and the ``ExactTail`` parts it crosses."""
         key_states, value_states = _detached(key_states), _detached(value_states)
         ends = [] if plan.ahead else self._capturing(plan.start, value_states.shape[2])
         captured = [self._captured.setdefault(end, ({}, {}, {})) for end in ends]
@@ -184,9 +164,8 @@ class SlotStore:
                 sink_keys[layer_in_group], sink_values[layer_in_group] = self.sink.capture(layer_in_group, end)
 
     def _capturing(self, start: int, num_new: int) -> list[int]:
-        """The page boundaries whose ``ExactTail`` a step writing tokens ``[start, start + n)`` keeps: its end, or
-        inside the rows' first step (a later step's tokens read earlier ones through the residual window as it
-        stands at the step's end, so what they hold depends on where the step ends)."""
+        """The page boundaries whose ``ExactTail`` a step writing tokens ``[start, start + n)`` keeps: its end, or any
+        inside the rows' first step (a later step's tail depends on where it ends: it reads the window as of then)."""
         end, page_size = start + num_new, self.pool.format.page_size
         ends = [boundary for boundary in self.captures if start < boundary <= end and (not start or boundary == end)]
         newest = end // page_size * page_size
@@ -206,20 +185,15 @@ class SlotStore:
         keys: torch.Tensor | None = None,
         step: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of the slots ``gather`` reads, for attention.
+        """Keys and values ``[batch, heads, n, head_dim]`` of the slots ``gather`` reads, for attention (quantized
+        values dequantized into a reused buffer; in a compiled graph, computed by it).
 
         Args:
-            storage: the pool's storage ``gather``'s indices were built for (a snapshot: see ``PoolStorage``).
             gather: reads one storage tensor (``kernels.read_pages``, ``kernels.read_slots``, a ``run_view``).
-            window: where the residual window's values go over what is read (``StepPlan.window_reads``).
-            keys: the keys, read already (encoded keys: ``KeyPages.read``); default: gathered.
-            step: a step of several tokens, the last ones read: their key and value states ``[batch, heads, n,
-                head_dim]``, which attention gets as given rather than through their codes (the prompt's own, in a
-                prefill: what it stores is coded from exact states, and no coding error compounds through its layers).
-
-        Returns:
-            keys, values ``[batch, heads, n, head_dim]``; quantized values come dequantized in a reused buffer (in a
-            compiled step: computed by the graph).
+            window: ``(window_sources, window_positions)``: the residual window's values over what is read.
+            keys: the keys, read already (coded keys: ``KeyPages.read``); default: gathered.
+            step: a step of several tokens, read last: its ``[batch, heads, n, head_dim]`` states, which attention gets
+                exact rather than through their codes (no coding error compounds through a prefill's layers).
         """
         keys = gather(storage.keys) if keys is None else keys
         if storage.values is storage.keys:  # the values are the keys (decoded, where they are codes)
@@ -242,18 +216,11 @@ class SlotStore:
         return keys, values
 
     def values_in_place(self, layer_in_group: int, storage: PoolStorage, plan: "Any") -> torch.Tensor:
-        """One layer's quantized values laid out as the storage's slots, for attention that reads the keys in place
-        (``StepPlan.mask``), eager and compiled steps alike.
-
-        Only the extents the step's mask visits (``StepPlan.value_extents``) are dequantized, into
-        ``StepPlan.value_buffer``, shaped as the storage's first pages, which the layers of the layer group reuse
-        (pages outside them are never read); the residual window's tokens then go over their slots in full precision.
-        An eager step whose extents lie in at most ``MAX_RUNS`` runs of consecutive ids (``StepPlan.value_runs``: a
-        fresh pool's rows) dequantizes them straight from their codes' slices into their slots'; otherwise they are
-        gathered, dequantized and scattered (two more passes over the values).
-
-        Returns:
-            ``[1, heads, view pages * page_size, head_dim]``.
+        """One layer's quantized values ``[1, heads, view pages * page_size, head_dim]`` laid out as the storage, for
+        attention that reads the keys in place: only the extents the mask visits are dequantized into
+        ``StepPlan.value_buffer`` (the rest is never read), then the residual window goes over its slots. An eager
+        step's extents in up to ``MAX_RUNS`` runs decode slice by slice; others are gathered and scattered (two more
+        passes).
         """
         fmt, quant, buffer = self.pool.format, self.quant, plan.value_buffer
         heads, slots_per_extent = fmt.num_kv_heads, fmt.extent_pages * fmt.page_size
@@ -279,8 +246,8 @@ class SlotStore:
         return self._buffer("in_place", (fmt.num_kv_heads, num_pages * fmt.page_size, fmt.value_dim), fmt.dtype)
 
     def _dequantized(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Values ``[..., head_dim]`` of ``codes`` and their joined ``scales``: in a reused buffer, or where a graph is
-        compiled, computed by it (no buffer kept across steps)."""
+        """Values ``[..., head_dim]`` of ``codes`` and joined ``scales``: in a reused buffer, or computed by a
+        compiled graph."""
         if torch.compiler.is_compiling():
             groups = self.quant.num_scale_groups
             return dequantize(codes, scales[..., :groups], scales[..., groups:], self.quant, dtype)
@@ -289,7 +256,7 @@ class SlotStore:
         return values
 
     def _dequantize(self, out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
-        """``dequantize_into`` with the joined scales of ``join_scales`` and reused work buffers."""
+        """``dequantize_joined_into`` with reused work buffers."""
         work = None if out.dtype == torch.float32 else self._buffer("work", tuple(out.shape), torch.float32)
         spread = None
         if self.quant.bits == 4:
@@ -333,8 +300,7 @@ class SlotStore:
 
     @property
     def keeps_exact(self) -> bool:
-        """Whether the rows hold tokens in full precision beside their codes (a residual window, an exact sink): what
-        a reused prefix must bring (``ExactTail``)."""
+        """Whether the rows hold tokens in full precision beside their codes, which a reused prefix must bring."""
         return self.residual is not None or self.sink is not None
 
     @property
@@ -343,15 +309,14 @@ class SlotStore:
         return self.residual.length if self.residual else 0, self.sink.length if self.sink else 0
 
     def take_tails(self, final: bool = False) -> list[list[ExactTail]]:
-        """The ``ExactTail`` of each row at each boundary of ``captures`` the rows' steps crossed since the last call
-        (every layer wrote them), with ``final`` the newest boundary's too (``keeps_newest``), and forgets them."""
+        """Takes each row's ``ExactTail`` at each boundary of ``captures`` crossed since the last call (``final``:
+        and the newest boundary's, ``keeps_newest``)."""
         taken = [end for end in self._captured if final or end in self.captures]
         self.captures = [end for end in self.captures if end not in taken]
         return [split_tail(end, *self._captured.pop(end)) for end in taken]
 
     def attach(self, num_tokens: int, tails: list[ExactTail] | None = None) -> None:
-        """The rows start from a reused prefix of ``num_tokens`` tokens (whole pages of codes), and hold what rows
-        that wrote them hold in full precision: each row's ``tails`` (needed where ``keeps_exact``)."""
+        """The rows start from a reused prefix of ``num_tokens`` tokens, with each row's ``tails`` (``keeps_exact``)."""
         if self.keys is not None:  # whole pages, encoded
             self.keys.attach()
         if not self.keeps_exact:

@@ -1,37 +1,24 @@
-"""Windows over pages: a layer group whose layers keep each row's last ``window`` tokens and its first
-``sink_tokens`` real ones, in pages in token order (``WindowRows``).
+"""Windows over pages (``WindowRows``): rows that keep each row's last ``window`` tokens and its first
+``sink_tokens`` real ones, in pages in token order (page ``i`` holds tokens ``[i * page_size, (i + 1) * page_size)``).
 
-A window's rows keep their pages as growing rows do (``PagedRows``): page ``i`` of a row holds its tokens ``[i *
-page_size, (i + 1) * page_size)``, whole pages of leading padding are not taken. What falls behind the window goes
-back to the pool, as vLLM's sliding-window manager frees its blocks. After a step ending at ``end`` a row holds
-its last ``reach = window - 1 + page_size`` tokens: what the next step sees, and a page more, so that a crop of up
-to ``page_size`` tokens (assisted decoding, prompt lookup) stays exact and a prompt's pages serve a later prompt that
-repeats it up to its last page (``prefix_layout``). So before a step the pages wholly behind both what it sees and
-its last ``reach`` tokens leave the table, but those holding the row's sinks (their entries become holes, the null
-page: ``PageTable.drop``), and a step longer than ``reach`` takes no page for its tokens before its last ``reach``
-(``PageTable.grow``'s ``keeps``). A row holds the pages its sinks and its last ``reach`` tokens touch
-(``window_pages_per_row``), whatever its length; a chunk of a chunked prefill past the window also holds, until the
-next step, the pages of the ``window - 1`` tokens before it.
+After a step ending at ``end`` a row holds its last ``reach = window - 1 + page_size`` tokens: what the next step
+sees, and a page more, so that a crop of up to ``page_size`` tokens stays exact and a prompt's pages serve a later
+prompt that repeats it up to its last page (``prefix_layout``). Before a step the pages wholly behind both what it
+sees and its last ``reach`` tokens go back to the pool, but those holding the row's sinks (their entries become holes,
+the null page); a step longer than ``reach`` takes no page for its tokens before its last ``reach``. A row holds
+``window_pages_per_row`` pages at most (a chunk of a chunked prefill past the window also holds, until the next
+step, the pages of the ``window - 1`` tokens before it).
 
-Attention gets the visible tokens in time order (sinks first), gathered slot by slot:
+Attention gets the visible tokens in time order, the sinks then ``[first, start + n)``, ``first = max(0, start -
+window + 1)`` (``visible_span``): what transformers' sliding layer returns, so its sliding mask, padding and chunked
+prefill apply unchanged. Once the window has left the sinks behind, the model's mask has ``sink_tokens`` columns
+before the window (``get_mask_sizes``), holding each row's own sinks, tokens ``[pad, pad + sink_tokens)``, or where a
+padded row's window still reaches them, its tokens ``[first - sink_tokens, first)``: a real, earlier token under a
+real, earlier column either way, so every attention masks a padded row exactly as the row alone.
 
-    visible(start, n) = sinks + [first, start + n),    first = max(0, start - window + 1)
-
-which is what transformers' sliding-window layer returns (``window - 1`` past tokens plus the new ones), so its
-sliding mask, padding and chunked prefill apply unchanged. Once the window has left the sinks behind (``first >
-sink_tokens``) the model's mask has ``sink_tokens`` columns before the window (``get_mask_sizes``); they hold each
-row's own sinks, tokens ``[pad, pad + sink_tokens)``, or where a padded row's window still reaches its sinks, its
-tokens ``[first - sink_tokens, first)`` in time order. Both put a real, earlier token under a real, earlier column of
-the model's mask, so every attention (``sdpa``, ``eager``) masks a padded row exactly as the row alone.
-
-Under ``attn_implementation="hf_kvcache"`` (``hf_kvcache.attention.interface``):
-
-- a step of several new tokens hands attention a ``KeyLayout``, its *band* ``[batch, n, num_keys]``: which key each
-  new token may see, itself and the ``window - 1`` before it plus the sinks. On a model's sliding layer the model's
-  mask says the same; on a full-attention layer, where the cache imposes the window and the model's mask is plainly
-  causal, the band makes prefill see exactly what decoding does;
-- a decode step whose rows hold enough tokens reads the pages in place, as growing rows do (``ReadPath``): the block
-  mask hides what lies outside each row's sinks and window.
+Under our attention a step of several tokens hands attention its ``band`` (a ``KeyLayout``): on a full-attention
+layer, where the cache imposes the window and the model's mask is plainly causal, it makes prefill see exactly what
+decoding does. A decode step may read the pages in place, the block mask hiding what lies outside sinks and window.
 """
 
 from collections.abc import Callable
@@ -167,18 +154,17 @@ class WindowRows(PagedRows):
     # ----- an eager step's plan ------------------------------------------------------------------
 
     def _plan_span(self, plan: StepPlan) -> None:
-        """The visible tokens (``visible_span``): ``num_keys`` of them, the first under the model's mask column of
-        token ``kv_offset``; the residual window's over those from ``first`` on."""
+        """The visible tokens (``visible_span``): ``num_keys`` of them from mask column ``kv_offset``; the residual
+        window's over those from ``first`` on."""
         start, num_new = plan.start, plan.num_new
         sinks, first = visible_span(start, num_new, self.window, self.sink_tokens)
         plan.num_keys, plan.kv_offset = sinks + start + num_new - first, first - sinks
         self.store.plan_window(plan, start, num_new, first, first - sinks)
 
     def _plan_gather(self, plan: StepPlan) -> None:
-        """The visible tokens, each row's in time order (``StepPlan.slots``), and what reads them (``reads``): whole
-        pages from the first visible token's, cut at it (``kernels.read_pages``: a page_size times smaller index),
-        or with sinks, which differ per row, slot by slot (``slot_reads``); a step of several tokens also hands
-        attention its band (``StepPlan.layout``)."""
+        """The visible tokens (``StepPlan.slots``) and their ``reads``: whole pages from the first visible token's
+        (an index page_size times smaller), or with sinks, which differ per row, slot by slot; a step of several
+        tokens also gets its band (``StepPlan.layout``)."""
         start, num_new = plan.start, plan.num_new
         visible = self._visible(start, num_new)  # [batch, num_keys]
         if num_new > 1:
@@ -242,10 +228,9 @@ class WindowRows(PagedRows):
     def _planned_reads(
         self, start: int, batch: int, capacity_pages: int
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int]:
-        """A planned step's visible tokens, each row's in time order as an eager step gathers them, read slot by
-        slot: ``sink_tokens + window`` keys whatever the step, so that one graph serves the window as it fills and
-        slides. Before the window has left the sinks behind, keys past the step's token read the null page (the
-        causal mask hides them) and the mask starts at token 0; after, every key holds a token."""
+        """A planned step's visible tokens, as an eager step gathers them, slot by slot: ``sink_tokens + window`` keys
+        whatever the step, so that one graph serves the window as it fills and slides (keys past the step's token
+        read the null page, which the causal mask hides)."""
         num_keys = self.sink_tokens + self.window
         sinks, first = visible_span(start, 1, self.window, self.sink_tokens)
         if first:  # the window has left the sinks behind
