@@ -94,31 +94,6 @@ class StepPlan:
     slots: torch.Tensor | None = None
     layout: Any = None
 
-    @property
-    def window(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """``(window_write, window_sources, window_positions)``."""
-        return self.window_write, self.window_sources, self.window_positions
-
-    @property
-    def window_reads(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(window_sources, window_positions)``, ``None`` where there are none."""
-        return None if self.window_sources is None else (self.window_sources, self.window_positions)
-
-    @property
-    def in_place_values(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """``(value_extents, window_pages, window_offsets)``."""
-        return self.value_extents, self.window_pages, self.window_offsets
-
-    @property
-    def sink(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(sink_write, sink_writes)``."""
-        return self.sink_write, self.sink_writes
-
-    @property
-    def keys_read(self) -> tuple[torch.Tensor | None, ...]:
-        """``(key_pages, key_slots, filling_page, filling_coded)``."""
-        return self.key_pages, self.key_slots, self.filling_page, self.filling_coded
-
 
 def capacity_bucket(num_pages: int) -> int:
     """The pages a planned step reads for rows of ``num_pages`` pages: the next of 4, 5, 6, 7, 8, 10, 12, 14, 16,

@@ -13,6 +13,11 @@ from hf_kvcache.layers.plan import StepPlan
 from hf_kvcache.layers.read_path import GATHER, IN_PLACE
 from hf_kvcache.memory.allocator import NULL_PAGE
 
+KEPT = ("pages", "reads", "write_pages", "write_offsets", "key_pages", "key_slots", "filling_page", "filling_coded")
+KEPT += ("value_extents", "window_pages", "window_offsets", "sink_write", "sink_writes")
+"""The ``StepPlan`` tensors a planned step refills in place while their shapes stay (the residual window's too:
+``SlotStore.plan_window``)."""
+
 
 def _fresh_copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
     """A copy with a new tensor's strides (a compiled graph guards on them; ``clone()`` keeps a view's)."""
@@ -21,8 +26,8 @@ def _fresh_copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return torch.empty_like(tensor, memory_format=torch.contiguous_format).copy_(tensor)
 
 
-def _shapes(tensors: tuple[torch.Tensor | None, ...]) -> list[torch.Size | None]:
-    return [None if tensor is None else tensor.shape for tensor in tensors]
+def _shape(tensor: torch.Tensor | None) -> torch.Size | None:
+    return None if tensor is None else tensor.shape
 
 
 class PlannedRows:
@@ -68,61 +73,43 @@ class PlannedRows:
             return plan
         self._step_key = step_key
         pages, offsets, tokens, kv_offset = self._planned_reads(start, batch, capacity_pages)
-        reads = self._read_index(pages[:, 0], None if offsets is None else offsets[:, 0])
-        write_pages, write_offsets = self._write_slots(start, 1)
+        first = self._span(start, 1)[1]
         keys_read = (None,) * 4
-        if self.store.keys is not None:
+        if store.keys is not None:  # a window's coded keys: its pages from the first visible one's (it has no sinks)
+            key_window = None if self.window is None else (first // page_size, -(-self.window // page_size) + 1)
             with self.pool.held() as storage:
-                keys_read = self.store.keys.plan_decode(
-                    storage, start, self._page_ids(), tokens, self._key_window(start)
-                )
-        sink = self.store.sink.plan(start) if self.store.sink is not None else (None, None)
+                keys_read = store.keys.plan_decode(storage, start, self._page_ids(), tokens, key_window)
         mask = self._planned_mask(start, batch, capacity_pages, padding_only)
         in_place_values = (None, None, None)
-        if mask is not None and self.store.quant is not None:
+        if mask is not None and store.quant is not None:
             in_place_values = self._plan_values_in_place(start, batch, capacity_pages)
             mask = mask if in_place_values[0] is not None else None
-        fresh = (
-            plan is None
-            or not plan.ahead
-            or plan.reads.shape != reads.shape
-            or plan.slot_reads != (offsets is not None)
-        )
-        fresh = fresh or _shapes(plan.in_place_values) != _shapes(in_place_values)
-        fresh = fresh or _shapes(plan.keys_read) != _shapes(keys_read) or _shapes(plan.sink) != _shapes(sink)
-        if fresh:
-            device = pages.device
-            self.step_plan = plan = StepPlan(
-                _fresh_copy(pages),
-                _fresh_copy(write_pages),
-                _fresh_copy(write_offsets),
-                *self._constants(),
-                tokens.shape[-1],
-                kv_offset,
-                torch.arange(batch, device=device).view(-1, 1, 1),
-            )
-            plan.key_pages, plan.key_slots, plan.filling_page, plan.filling_coded = map(_fresh_copy, keys_read)
-            self.store.plan_window(plan, start, 1, self._window_low(start), kv_offset)
-            plan.value_extents, plan.window_pages, plan.window_offsets = map(_fresh_copy, in_place_values)
-            plan.sink_write, plan.sink_writes = map(_fresh_copy, sink)
-            plan.reads, plan.slot_reads, plan.ahead = _fresh_copy(reads), offsets is not None, True
-            kept = (plan.pages, plan.reads, plan.write_pages, plan.write_offsets, *plan.window)
-            kept = (*kept, *plan.keys_read, *plan.in_place_values, *plan.sink)
-            held = self.store.residual.buffers.values() if self.store.residual is not None else ()
-            if self.store.sink is not None:
-                held = (*held, *self.store.sink.keys.values(), *self.store.sink.values.values())
-            for tensor in (*kept, *self.pool.storage.tensors, *held):
+        sink = store.sink.plan(start) if store.sink is not None else (None, None)
+        reads = self._read_index(pages[:, 0], None if offsets is None else offsets[:, 0])
+        planned = dict(zip(KEPT, (pages, reads, *self._write_slots(start, 1), *keys_read, *in_place_values, *sink)))
+        fresh = plan is None or not plan.ahead or plan.slot_reads != (offsets is not None)
+        if fresh or any(_shape(getattr(plan, name)) != _shape(tensor) for name, tensor in planned.items()):
+            rows = torch.arange(batch, device=pages.device).view(-1, 1, 1)
+            plan = StepPlan(None, None, None, self._heads, self._layers, tokens.shape[-1], rows=rows, ahead=True)
+            self.step_plan = plan
+            for name, tensor in planned.items():
+                setattr(plan, name, _fresh_copy(tensor))
+            plan.slot_reads = offsets is not None
+            store.plan_window(plan, start, 1, first, kv_offset)
+            window = (plan.window_write, plan.window_sources, plan.window_positions)
+            held = store.residual.buffers.values() if store.residual is not None else ()
+            if store.sink is not None:
+                held = (*held, *store.sink.keys.values(), *store.sink.values.values())
+            for tensor in (*(getattr(plan, name) for name in KEPT), *window, *self.pool.storage.tensors, *held):
                 if tensor is not None:
                     torch._dynamo.mark_static_address(tensor)  # CUDA graphs read them where they lie
         else:
-            self.store.plan_window(plan, start, 1, self._window_low(start), kv_offset)
-            planned = (pages, reads, write_pages, write_offsets, *keys_read, *in_place_values, *sink)
-            kept = (plan.pages, plan.reads, plan.write_pages, plan.write_offsets)
-            kept = (*kept, *plan.keys_read, *plan.in_place_values, *plan.sink)
-            for into, tensor in zip(kept, planned):
-                if into is not None:
-                    into.copy_(tensor)
-            plan.num_keys, plan.kv_offset = tokens.shape[-1], kv_offset
+            store.plan_window(plan, start, 1, first, kv_offset)
+            for name, tensor in planned.items():
+                kept = getattr(plan, name)
+                if kept is not None:
+                    kept.copy_(tensor)
+        plan.num_keys, plan.kv_offset = tokens.shape[-1], kv_offset
         plan.mask, plan.mode = mask, GATHER if mask is None else IN_PLACE
         plan.value_buffer = self._value_buffer() if in_place_values[0] is not None else None
         return plan
@@ -171,14 +158,6 @@ class PlannedRows:
             self._planned_values = torch.zeros(shape, dtype=self.pool.storage.keys.dtype, device=self.pool.device)
             torch._dynamo.mark_static_address(self._planned_values)
         return self._planned_values
-
-    def _key_window(self, start: int) -> tuple[int, int] | None:
-        """``KeyPages.plan_decode``'s ``window``: growing rows read every page."""
-        return None
-
-    def _window_low(self, start: int) -> int:
-        """The first of the consecutive tokens a step at ``start`` reads last, where the residual window may go."""
-        return 0
 
     def _planned_reads(
         self, start: int, batch: int, capacity_pages: int

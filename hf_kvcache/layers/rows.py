@@ -65,8 +65,9 @@ class PagedRows(PlannedRows):
         self.path = ReadPath(pool, self.table, our_attention, queries_per_kv_head)
         self._version = -1  # table version the cached indices below were built for
         self._ids: torch.Tensor | None = None
-        self._heads: torch.Tensor | None = None  # StepPlan.heads, see _constants
-        self._layers: tuple[torch.Tensor, ...] = ()  # StepPlan.layers
+        fmt = pool.format
+        self._heads = torch.arange(fmt.num_kv_heads, device=pool.device).view(1, -1, 1)  # StepPlan.heads
+        self._layers = tuple(torch.full((1, 1, 1), layer, device=pool.device) for layer in range(fmt.num_layers))
         self._shared_prefill: tuple[int, list[int]] | None = None  # (num_tokens, identical_rows) of a prefill
         self.window: int | None = None  # tokens a query sees (WindowRows); None: the rows keep every token
         self.reach = 0  # a window's tokens a row keeps behind its end, besides its sinks (WindowRows)
@@ -111,10 +112,14 @@ class PagedRows(PlannedRows):
         tokens (``ReadPath.choose``)."""
         end = start + num_new
         mode = self.path.choose(end, num_new, self.store.keys is not None, hands_over, self.mask_inputs)
-        plan = StepPlan(None, *self._write_slots(start, num_new), *self._constants(), end)
+        sinks, first = self._span(start, num_new)
+        plan = StepPlan(None, *self._write_slots(start, num_new), self._heads, self._layers, sinks + end - first)
         plan.start, plan.num_new, plan.version, plan.mode = start, num_new, self.table.version, mode
-        self._plan_span(plan)
-        self._plan_keys(plan)
+        plan.kv_offset = first - sinks
+        self.store.plan_window(plan, start, num_new, first, first - sinks)
+        if self.store.keys is not None:  # a window's coded keys: its pages from the first visible one's (no sinks)
+            first_page = first // self.pool.format.page_size
+            self.store.keys.plan_eager(plan, start, num_new, self._page_ids()[:, first_page:], first_page)
         if mode == GATHER:
             self._plan_gather(plan)
         elif mode == IN_PLACE:
@@ -126,24 +131,14 @@ class PagedRows(PlannedRows):
                 plan.window_pages, plan.window_offsets = self._window_slots(end)
         return plan
 
-    def _plan_span(self, plan: StepPlan) -> None:
-        """Which tokens an eager step reads (growing rows: all, from 0), and its residual window."""
-        self.store.plan_window(plan, plan.start, plan.num_new)
+    def _span(self, start: int, num_new: int) -> tuple[int, int]:
+        """``(num_sinks, first)``: a step writing tokens ``[start, start + n)`` reads tokens ``[0, num_sinks)`` and
+        ``[first, start + n)`` (growing rows: all, from 0; a window's: ``visible_span``)."""
+        return 0, 0
 
     def _plan_gather(self, plan: StepPlan) -> None:
         """A gathered step's ``StepPlan.reads``: the rows' pages up to the step's end."""
         plan.reads = self._read_index(self._page_ids()[:, : -(-plan.num_keys // self.pool.format.page_size)])
-
-    def _plan_keys(self, plan: StepPlan) -> None:
-        """An eager step's keys coded a page at a time (``KeyPages.plan_eager``)."""
-        if self.store.keys is not None:
-            first_page = self._first_key_page(plan.start, plan.num_new)
-            ids = self._page_ids()[:, first_page:]
-            self.store.keys.plan_eager(plan, plan.start, plan.num_new, ids, first_page)
-
-    def _first_key_page(self, start: int, num_new: int) -> int:
-        """The first token page whose keys a step reads (growing rows: all, from 0)."""
-        return 0
 
     def _write_slots(self, start: int, num_new: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``StepPlan.write_pages`` and ``write_offsets`` ``[batch, 1, n]`` of tokens ``[start, start + n)``."""
@@ -151,14 +146,6 @@ class PagedRows(PlannedRows):
         tokens = torch.arange(start, start + num_new, device=self.pool.device)
         pages = self._page_ids()[:, tokens // page_size].unsqueeze(1)
         return pages, (tokens % page_size).expand_as(pages)
-
-    def _constants(self) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """``StepPlan.heads`` and ``StepPlan.layers`` (the same for every step)."""
-        if self._heads is None:
-            fmt, device = self.pool.format, self.pool.device
-            self._heads = torch.arange(fmt.num_kv_heads, device=device).view(1, -1, 1)
-            self._layers = tuple(torch.full((1, 1, 1), layer, device=device) for layer in range(fmt.num_layers))
-        return self._heads, self._layers
 
     def write(self, plan: StepPlan, layer_in_group: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Stores one layer's ``[batch, heads, n, head_dim]`` new states where ``plan`` puts them: tensor operations
@@ -225,7 +212,7 @@ class PagedRows(PlannedRows):
         if plan.mode == RUN:
             first_page = self.table.rows[0][0]
             view = functools.partial(run_view, layer_idx=layer_in_group, first_page=first_page, num_tokens=num_tokens)
-            return self.store.read(layer_in_group, storage, view, plan.window_reads, step=step)
+            return self.store.read(layer_in_group, storage, view, plan, step=step)
         keys = self._storage_view(storage.keys, layer_in_group)
         if self.store.quant is None:
             values = self._storage_view(storage.values, layer_in_group)
@@ -268,7 +255,7 @@ class PagedRows(PlannedRows):
             return read_pages(pages, plan.reads, (*shape, tensor.shape[-1]), plan.kv_offset % fmt.page_size)
 
         keys = None if self.store.keys is None else self._read_keys(layer_in_group, storage, plan)
-        keys, values = self.store.read(layer_in_group, storage, gather, plan.window_reads, keys, step)
+        keys, values = self.store.read(layer_in_group, storage, gather, plan, keys, step)
         if step is not None and self.window is not None and plan.num_new > self.reach:
             for out, states, coded in ((keys, step[0], self.store.keys), (values, step[1], self.store.quant)):
                 if coded is None:  # a window's tokens the step kept nowhere: as given (coded ones are, by read)
@@ -278,7 +265,7 @@ class PagedRows(PlannedRows):
     def _gather_plan(self, num_tokens: int, plan: StepPlan | None) -> StepPlan:
         """The gather of a step that reads in place (``plan``), or without a plan the rows' first ``num_tokens``."""
         if plan is None:
-            plan = StepPlan(None, None, None, *self._constants(), num_tokens)
+            plan = StepPlan(None, None, None, self._heads, self._layers, num_tokens)
             if self.store.residual is not None:
                 window = self.store.residual.reads(num_tokens, 0, num_tokens, 0, self.pool.device)
                 plan.window_sources, plan.window_positions = window or (None, None)

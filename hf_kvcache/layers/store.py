@@ -181,7 +181,7 @@ class SlotStore:
         layer_in_group: int,
         storage: PoolStorage,
         gather: Gather,
-        window: tuple[torch.Tensor, torch.Tensor] | None = None,
+        plan: "Any",
         keys: torch.Tensor | None = None,
         step: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,7 +190,7 @@ class SlotStore:
 
         Args:
             gather: reads one storage tensor (``kernels.read_pages``, ``kernels.read_slots``, a ``run_view``).
-            window: ``(window_sources, window_positions)``: the residual window's values over what is read.
+            plan: the step's; its ``window_sources`` / ``window_positions`` put the residual window over the values.
             keys: the keys, read already (coded keys: ``KeyPages.read``); default: gathered.
             step: a step of several tokens, read last: its ``[batch, heads, n, head_dim]`` states, which attention gets
                 exact rather than through their codes (no coding error compounds through a prefill's layers).
@@ -204,8 +204,8 @@ class SlotStore:
             codes = gather(storage.values)  # [batch, heads, n, code_dim]
             scales = gather(storage.value_scales)  # [batch, heads, n, 2 * num_scale_groups]
             values = self._dequantized(codes, scales, keys.dtype)  # [batch, heads, n, head_dim]
-            if window is not None:
-                self.residual.overlay(layer_in_group, values, window)
+            if plan.window_sources is not None:
+                self.residual.overlay(layer_in_group, values, (plan.window_sources, plan.window_positions))
         coded = (keys if self.keys is not None else None, values if self.quant is not None else None)
         if self.sink is not None:  # rows that keep every page: tokens in order from 0
             self.sink.overlay(layer_in_group, *coded)

@@ -153,13 +153,8 @@ class WindowRows(PagedRows):
 
     # ----- an eager step's plan ------------------------------------------------------------------
 
-    def _plan_span(self, plan: StepPlan) -> None:
-        """The visible tokens (``visible_span``): ``num_keys`` of them from mask column ``kv_offset``; the residual
-        window's over those from ``first`` on."""
-        start, num_new = plan.start, plan.num_new
-        sinks, first = visible_span(start, num_new, self.window, self.sink_tokens)
-        plan.num_keys, plan.kv_offset = sinks + start + num_new - first, first - sinks
-        self.store.plan_window(plan, start, num_new, first, first - sinks)
+    def _span(self, start: int, num_new: int) -> tuple[int, int]:
+        return visible_span(start, num_new, self.window, self.sink_tokens)
 
     def _plan_gather(self, plan: StepPlan) -> None:
         """The visible tokens (``StepPlan.slots``) and their ``reads``: whole pages from the first visible token's
@@ -178,10 +173,6 @@ class WindowRows(PagedRows):
             plan.reads = self._read_index(self._page_ids()[:, first_page:end_page])
         else:
             plan.reads = self._read_index(*self._token_slots(visible))
-
-    def _first_key_page(self, start: int, num_new: int) -> int:
-        """Coded keys are read from the first visible token's page on (a window with coded keys has no sinks)."""
-        return visible_span(start, num_new, self.window, 0)[1] // self.pool.format.page_size
 
     def _visible(self, start: int, num_new: int) -> torch.Tensor:
         """``[batch, n]`` each row's tokens a step at ``start`` sees, in time order (``visible_span``): its own sinks,
@@ -210,20 +201,13 @@ class WindowRows(PagedRows):
     ) -> torch.Tensor:
         """Coded keys of the visible tokens: the pages from the first visible one's, decoded, then each token's."""
         page_size = self.pool.format.page_size
-        first_page = self._first_key_page(plan.start, plan.num_new)
+        first_page = self._span(plan.start, plan.num_new)[1] // page_size  # a window with coded keys has no sinks
         ids = self._page_ids()[:, first_page:]
         keys = self.store.keys.read(layer_in_group, storage, ids, dtype, None, plan, first_page)
         index = (plan.slots - first_page * page_size).clamp(min=0).view(plan.slots.shape[0], 1, -1, 1)
         return keys.gather(2, index.expand(-1, keys.shape[1], -1, keys.shape[-1]))
 
     # ----- planned (compiled) steps ----------------------------------------------------------
-
-    def _window_low(self, start: int) -> int:
-        return visible_span(start, 1, self.window, self.sink_tokens)[1]
-
-    def _key_window(self, start: int) -> tuple[int, int]:
-        page_size = self.pool.format.page_size
-        return self._first_key_page(start, 1), -(-self.window // page_size) + 1
 
     def _planned_reads(
         self, start: int, batch: int, capacity_pages: int
