@@ -14,13 +14,9 @@ Tensors = dict[int, torch.Tensor]
 
 @dataclass(frozen=True, eq=False)
 class ExactTail:
-    """What one row of a layer group holds in full precision once its first ``end`` tokens (whole pages) are written.
-
-    Attributes:
-        values: per layer, the residual window's tokens ``[end - r, end)``, ``[heads, r, head_dim]`` (``r = min(end,
-            residual_length)``; empty without one).
-        sink_keys / sink_values: per layer, the exact sink's tokens ``[0, s)``, ``[heads, s, head_dim]`` (``s =
-            min(end, sink length)``; empty without one).
+    """What one row of a layer group holds in full precision once its first ``end`` tokens (whole pages) are written:
+    per layer, ``[heads, n, head_dim]``, the residual window's tokens ``[end - r, end)`` (``values``, ``r = min(end,
+    residual_length)``) and the exact sink's ``[0, s)`` (``sink_keys``, ``sink_values``, ``s = min(end, sink length)``).
     """
 
     end: int
@@ -78,9 +74,8 @@ def split_tail(end: int, values: Tensors, sink_keys: Tensors, sink_values: Tenso
 
 
 def stack_tails(tails: list[ExactTail], residual_length: int, sink_length: int) -> tuple[Tensors, Tensors, Tensors]:
-    """The rows' ``tails`` (one per row, each ``covers`` these lengths) as a batch: ``(values, sink_keys,
-    sink_values)``, ``[batch, heads, n, head_dim]`` each, the last ``min(end, residual_length)`` values and the first
-    ``min(end, sink_length)`` sink tokens."""
+    """The rows' ``tails`` (each ``covers`` these lengths) as a batch: ``(values, sink_keys, sink_values)``, ``[batch,
+    heads, n, head_dim]`` each, cut to these lengths."""
     end = tails[0].end
     count, sinks = min(end, residual_length), min(end, sink_length)
 
@@ -121,8 +116,8 @@ class ResidualValues:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(sources, positions)``, ``[length]`` each: slot ``sources[i]`` goes over position ``positions[i]`` (token
         ``positions[i] + offset``) of what attention reads, for the held tokens ``[low, high)`` once ``newest`` are
-        written. A fixed count, for one graph over every step: a slot holding none repeats the newest token's.
-        ``None``: none held."""
+        written (``None``: none). A fixed count, for one graph over every step: a slot holding none repeats the
+        newest."""
         tokens = self.tokens(newest, low, high)
         fallback = max(tokens)
         if fallback < 0:
@@ -148,9 +143,8 @@ class ResidualValues:
             values.index_copy_(2, reads[1], buffer.index_select(2, reads[0]).to(values.dtype))  # autocast may widen
 
     def capture(self, layer_in_group: int, start: int, value_states: torch.Tensor, end: int) -> torch.Tensor:
-        """A copy ``[batch, heads, r, head_dim]`` of tokens ``[end - r, end)`` (``r = min(end, length)``) of a step
-        writing ``value_states [batch, heads, n, head_dim]`` at ``start`` (``start < end <= start + n``), taken
-        before it writes them."""
+        """A copy of tokens ``[end - r, end)`` (``r = min(end, length)``) of a step writing ``value_states [batch,
+        heads, n, head_dim]`` at ``start`` (``start < end <= start + n``), taken before it writes them."""
         low = end - min(end, self.length)
         step = value_states[:, :, max(low, start) - start : end - start]
         if low >= start:

@@ -1,12 +1,8 @@
-"""Keys stored as codes a page at a time (a format that sets ``key_bits``): encoded once, when a page fills.
+"""Keys stored as codes a page at a time (``KeyPages``; a format that sets ``key_bits``), encoded once a page fills.
 
-The page still filling is held in full precision (``partial``, one page per row and layer) and its pool slots stay
-unwritten; when its last slot is written the page is encoded (``KeyCodes``), and its codes never change while it
-stays full. Attention gets the pages decoded into a reused buffer, the page still filling over its slots.
-
-Every row counts tokens from 0, its padding included: token ``t`` lies in token page ``t // page_size`` of every
-row's table, so one plan serves every row (a window reads its table from ``first_page`` on). A ``crop`` into an
-encoded page decodes it back as the page still filling (its kept tokens lose what their encoding lost); nothing else
+The page still filling is held in full precision (``partial``) and its pool slots stay unwritten. Every row counts
+tokens from 0, its padding included, so token ``t`` lies in token page ``t // page_size`` of every row's table and one
+plan serves every row. A ``crop`` into an encoded page decodes it back as the page still filling; nothing else
 re-encodes a page.
 """
 
@@ -22,11 +18,7 @@ from hf_kvcache.memory.storage import PoolStorage
 
 
 class KeyPages:
-    """One layer group's keys as codes in the pool, and each row's page still filling in full precision.
-
-    Args:
-        page_format / buffer: as for ``KeyCodes``.
-    """
+    """One layer group's keys as codes in the pool (``page_format`` and ``buffer`` as for ``KeyCodes``)."""
 
     def __init__(self, page_format: PageFormat, buffer: Buffer) -> None:
         self.page_size = page_format.page_size
@@ -123,13 +115,9 @@ class KeyPages:
     def _joined(
         self, layer_in_group: int, start: int, key_states: torch.Tensor
     ) -> tuple[Callable[[torch.Tensor], torch.Tensor], int, int]:
-        """The keys of a step's tokens and of the page still filling before it, by token.
-
-        Returns:
-            ``(take, first_page, end_page)``: ``take`` maps tokens ``[1, *shape]`` (from the page still filling before
-            the step to the step's last) to keys ``[batch, heads, *shape, head_dim]``; the token page still filling
-            before and after the step.
-        """
+        """``(take, first_page, end_page)``: ``take`` maps tokens ``[1, *shape]``, from the page still filling before
+        the step to the step's last, to keys ``[batch, heads, *shape, head_dim]``; the token page still filling before
+        and after the step."""
         batch, heads, num_new, head_dim = key_states.shape
         page_size = self.page_size
         partial = self.partial.get(layer_in_group)
@@ -167,12 +155,9 @@ class KeyPages:
         plan: "Any" = None,
         first_page: int = 0,
     ) -> torch.Tensor:
-        """The first ``num_tokens`` slots (default: all) of the pages ``page_ids [batch, m]`` (the rows' table from
-        token page ``first_page`` on), decoded, the pages still filling over theirs (where ``plan`` says, if given).
-
-        Returns:
-            ``[batch, heads, num_tokens, head_dim]``, a strided view of a reused buffer.
-        """
+        """``[batch, heads, num_tokens, head_dim]`` (a strided view of a reused buffer): the first ``num_tokens`` slots
+        (default: all) of the pages ``page_ids [batch, m]`` (the table from token page ``first_page`` on), decoded,
+        the pages still filling over theirs."""
         ids = plan.key_ids if plan is not None else None
         pages = self.codes.decode(layer_in_group, storage, page_ids, dtype, ids)  # [heads, batch * m, page_size, hd]
         (heads, _, page_size, head_dim), (batch, m) = pages.shape, page_ids.shape
@@ -239,7 +224,6 @@ class KeyPages:
         return fills
 
     def _fills(self, end: int) -> bool:
-        """Whether token ``end - 1`` is the last of a page."""
         return end > 0 and end % self.page_size == 0
 
     def _filled_targets(self, page_ids: torch.Tensor, end: int, first_page: int = 0) -> torch.Tensor:
@@ -261,8 +245,7 @@ class KeyPages:
         partial.index_put_((plan.rows, plan.heads, plan.write_offsets), key_states.detach().to(partial.dtype))
 
     def read_planned(self, layer_in_group: int, storage: PoolStorage, plan: "Any", dtype: torch.dtype) -> torch.Tensor:
-        """A planned step's keys ``[batch, heads, num_keys, head_dim]``: its pages decoded, the page still filling over
-        its own."""
+        """A planned step's keys ``[batch, heads, num_keys, head_dim]``, the page still filling over its own."""
         index = (plan.layers[layer_in_group], plan.heads, plan.pages if plan.key_pages is None else plan.key_pages)
         decoded = self.codes.decode_indexed(storage, index, dtype)  # [batch, heads, pages, page_size, head_dim]
         batch, heads, num_pages, page_size, head_dim = decoded.shape

@@ -1,8 +1,5 @@
-"""A step's plan (``StepPlan``): what every layer of a layer group writes and reads, decided once per forward pass.
-
-``PagedRows.plan_decode`` plans a compiled decode step, ``plan_eager_step`` an eager one, both before the forward
-pass; ``plan_step`` plans other steps (a prefill, several tokens, a direct ``model(...)`` call) at the layer group's
-first layer.
+"""A step's plan (``StepPlan``): what every layer of a layer group writes and reads, decided once per forward pass
+(``PagedRows.plan_step``, ``plan_eager_step``, ``plan_decode``).
 """
 
 from dataclasses import dataclass
@@ -13,10 +10,9 @@ import torch
 
 @dataclass
 class StepPlan:
-    """A step's writes and reads. A compiled step's tensors (``ahead``) are kept from step to step and refilled in
-    place, so that its graph (and a CUDA graph replay) reads them where they lie; an eager step's are made for it.
-    Index tensors broadcast to ``[batch, heads, ...]`` over the storage's ``[layers, heads, pages, page_size,
-    head_dim]``.
+    """A compiled step's tensors (``ahead``) are kept and refilled in place, so that its graph (and a CUDA graph replay)
+    reads them where they lie. Index tensors broadcast to ``[batch, heads, ...]`` over the storage's ``[layers, heads,
+    pages, page_size, head_dim]``.
 
     Attributes:
         pages: ``[batch, 1, pages]`` a planned step's pages per row, padded with the null page to
@@ -37,10 +33,8 @@ class StepPlan:
         mask: a ``PagedBlockMask`` where attention reads the pages in place; ``None``: the step gathers.
         reads: ``[batch * heads * pages]`` page rows to gather (``kernels.page_rows``, cut at token ``kv_offset``),
             or with ``slot_reads`` ``[batch * heads * num_keys]`` slots (``kernels.slot_indices``); ``None``: none.
-        slot_reads: ``reads`` names slots, not pages.
         start / num_new: an eager step's first token and number of new tokens.
-        version: the page table's version an eager plan was made for (rows of a shared prefill found to differ
-            change it mid-step).
+        version: the table version an eager plan was made for (a shared prefill's split rows change it).
         mode: how an eager step's attention reads: ``GATHER``, ``RUN`` or ``IN_PLACE`` (``ReadPath``).
         ahead: planned before the forward pass for a compiled step (``PagedRows.plan_decode``).
         slots: a window's gathered step: ``[batch, num_keys]`` the token of each key, in time order.

@@ -15,8 +15,7 @@ from hf_kvcache.memory.allocator import NULL_PAGE
 
 KEPT = ("pages", "reads", "write_pages", "write_offsets", "key_pages", "key_slots", "filling_page", "filling_coded")
 KEPT += ("value_extents", "window_pages", "window_offsets", "sink_write", "sink_writes")
-"""The ``StepPlan`` tensors a planned step refills in place while their shapes stay (the residual window's too:
-``SlotStore.plan_window``)."""
+"""The ``StepPlan`` tensors a planned step refills in place while their shapes stay."""
 
 
 def _fresh_copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -35,15 +34,13 @@ class PlannedRows:
 
     def plan_decode(self, start: int, batch: int, capacity_pages: int, padding_only: bool = True) -> StepPlan:
         """Before a decode step of one token per row at ``start``: grows the table and writes the step's slots and
-        reads into ``step_plan``, in place where the shapes are the last step's.
+        reads into ``step_plan``, in place where the shapes are the last step's. Raises ``ValueError`` for another
+        batch than the cache's.
 
         Args:
             capacity_pages: pages read per row (``capacity_bucket``; a window reads its visible tokens instead).
             padding_only: the model's mask hides only each row's leading padding and the keys past its tokens (then
                 attention may read in place).
-
-        Raises:
-            ValueError: the batch is not the cache's.
         """
         if self.table.num_rows and batch != self.table.num_rows:
             raise ValueError(

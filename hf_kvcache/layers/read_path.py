@@ -36,8 +36,7 @@ class ReadPath:
 
     Args:
         pool / table: the layer group's pool and page table.
-        our_attention: whether the model's attention reads a ``PagedRead`` (``attn_implementation="hf_kvcache"``),
-            asked once per step.
+        our_attention: asked once per step: does the model's attention read a ``PagedRead``?
         queries_per_kv_head: query heads per KV head (the packed query rows of a decode step).
     """
 

@@ -1,9 +1,6 @@
-"""The rows of one layer group of a cache on one pool (``PagedRows``): its page table, and each step's plan.
-
-All layers of a layer group on one device share one ``PagedRows``. An eager step's plan is made once, by the layer
-group's first layer (``plan_step``: it grows the table for every layer at once, since a page id addresses the same
-slots in every layer); every layer then writes and reads as the plan says (``write``, ``read``; ``read_path`` lists
-the three ways attention reads).
+"""The rows of one layer group of a cache on one pool (``PagedRows``), shared by its layers on one device: its page
+table, and each step's plan, made once (a page id addresses the same slots in every layer) and executed by every
+layer (``write``, ``read``).
 """
 
 import dataclasses
@@ -83,13 +80,8 @@ class PagedRows(PlannedRows):
     def plan_step(
         self, layer_in_group: int, start: int, key_states: torch.Tensor, value_states: torch.Tensor, hands_over: bool
     ) -> StepPlan:
-        """The plan of an eager step writing tokens ``[start, start + n)``, made by the layer group's first layer
-        (and again where rows of a shared prefill turn out to differ).
-
-        Args:
-            key_states / value_states: ``[batch, heads, n, head_dim]``.
-            hands_over: as for ``ReadPath.choose``.
-        """
+        """The plan of an eager step writing ``[batch, heads, n, head_dim]`` states at ``start``, made by the layer
+        group's first layer (and again where rows of a shared prefill turn out to differ)."""
         self.begin_step(start, key_states, value_states)
         num_new, plan = key_states.shape[-2], self.step_plan
         made_for = (start, num_new, self.table.version)
@@ -167,8 +159,7 @@ class PagedRows(PlannedRows):
             self.written = plan.start + plan.num_new  # every layer holds them: what a prefix index may publish
 
     def _read_keys(self, layer_in_group: int, storage: PoolStorage, plan: StepPlan) -> torch.Tensor:
-        """Coded keys, decoded: the ``[batch, heads, num_keys, head_dim]`` keys ``plan`` reads (a planned step reads
-        the page it fills through its encoding; an eager step encodes it in that step)."""
+        """Coded keys, decoded: the ``[batch, heads, num_keys, head_dim]`` keys ``plan`` reads."""
         dtype = self.pool.format.dtype
         if plan.ahead:
             keys = self.store.keys.read_planned(layer_in_group, storage, plan, dtype)
@@ -190,15 +181,9 @@ class PagedRows(PlannedRows):
         value_states: torch.Tensor,
         handoff: dict[str, Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's keys and values for attention, read as ``plan`` says after the step's ``[batch, heads, n,
-        head_dim]`` states were written (a step of several tokens gets its own exact: ``SlotStore.read``).
-
-        Args:
-            handoff: the attention's kwargs, where an in-place read puts its ``PagedRead``.
-
-        Returns:
-            ``[batch, heads, num_keys, head_dim]`` (gathered, or a run's view), or ``[1, heads, view pages *
-            page_size, head_dim]`` views of the storage (in place).
+        """One layer's keys and values for attention after the step's states were written, as ``plan`` says:
+        ``[batch, heads, num_keys, head_dim]`` (gathered, or a run's view), or ``[1, heads, view pages * page_size,
+        head_dim]`` views of the storage with a ``PagedRead`` put in ``handoff``, the attention's kwargs (in place).
         """
         num_tokens = plan.num_keys
         step = (key_states, value_states) if plan.num_new > 1 else None
@@ -237,12 +222,8 @@ class PagedRows(PlannedRows):
         plan: StepPlan | None = None,
         step: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[batch, heads, num_keys, head_dim]`` of one layer, gathered as ``plan`` says; without a
-        plan (the slow twin), the rows' first ``num_tokens``; a plan that reads in place gets a gather of its own.
-
-        Args:
-            step: as for ``SlotStore.read``.
-        """
+        """Keys and values ``[batch, heads, num_keys, head_dim]`` of one layer, gathered as ``plan`` says (``step``:
+        as for ``SlotStore.read``); without a plan (the slow twin), the rows' first ``num_tokens``."""
         if plan is None or plan.reads is None:
             plan = self._gather_plan(num_tokens, plan)
         storage, fmt = self.pool.storage, self.pool.format
@@ -275,12 +256,8 @@ class PagedRows(PlannedRows):
         return plan
 
     def begin_step(self, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Makes room for tokens ``[start, start + n)``: the first layer of a step grows the table; the layers after
-        it check the batch, and in a shared prefill give rows whose states differ their own pages.
-
-        Args:
-            key_states / value_states: ``[batch, heads, n, head_dim]``.
-        """
+        """Makes room for ``[batch, heads, n, head_dim]`` states at ``start``: the first layer of a step grows the
+        table; the layers after it check the batch, and in a shared prefill give rows that differ their own pages."""
         batch, _, num_new, _ = key_states.shape
         # Checked first, here: a step may take no new page, so the page table's own check would not run.
         if self.table.num_rows and batch != self.table.num_rows:
@@ -308,8 +285,7 @@ class PagedRows(PlannedRows):
         self._apply(lambda: self.table.grow(batch, num_new, identical_rows))
 
     def set_plan(self, pad_lengths: list[int] | None, fed_tokens: int | None) -> None:
-        """Each row's leading padding, and the tokens the first forward pass feeds (``PoolCache.plan``,
-        ``PoolCache.feeds``; ``None``: not known)."""
+        """Each row's leading padding, and the tokens the first forward pass feeds (``None``: not known)."""
         self.pad_lengths, self._pads, self.fed_tokens = pad_lengths, None, fed_tokens
         self.table.pads = list(pad_lengths) if pad_lengths is not None else None
         self.path.stale()
@@ -397,8 +373,7 @@ class PagedRows(PlannedRows):
         return identical_rows if same else None
 
     def _split_differing_rows(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """In a shared prefill, gives private pages to rows whose states differ from the row they were identical to
-        in the layers before (on any rank)."""
+        """In a shared prefill, gives rows whose states differ (on any rank) private pages."""
         end, firsts = self._shared_prefill
         differs = [
             int(

@@ -1,9 +1,6 @@
-"""A layer group's keys and values between attention and the pool (``SlotStore``), quantized where the format says.
-
-With ``value_bits``, each token's values are quantized once, when stored (per-token scales: the codes never
-change), and attention gets them dequantized into buffers reused from layer to layer and step to step: in token order
-(``read``) or laid out as the storage's visited pages (``values_in_place``). The newest ``residual_length`` tokens
-come in full precision from ``ResidualValues``. With ``key_bits``, keys are codes a page at a time (``KeyPages``).
+"""A layer group's keys and values between attention and the pool (``SlotStore``). With ``value_bits`` values are
+quantized once, when stored (per-token scales), and dequantized for attention into reused buffers, the newest
+``residual_length`` in full precision (``ResidualValues``); with ``key_bits`` keys are codes a page at a time.
 """
 
 import math
@@ -185,13 +182,10 @@ class SlotStore:
         keys: torch.Tensor | None = None,
         step: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[batch, heads, n, head_dim]`` of the slots ``gather`` reads, for attention (quantized
-        values dequantized into a reused buffer; in a compiled graph, computed by it).
+        """Keys and values ``[batch, heads, n, head_dim]`` of the slots ``gather`` reads, for attention, the residual
+        window over the values as ``plan`` says; ``keys``: read already (coded keys).
 
         Args:
-            gather: reads one storage tensor (``kernels.read_pages``, ``kernels.read_slots``, a ``run_view``).
-            plan: the step's; its ``window_sources`` / ``window_positions`` put the residual window over the values.
-            keys: the keys, read already (coded keys: ``KeyPages.read``); default: gathered.
             step: a step of several tokens, read last: its ``[batch, heads, n, head_dim]`` states, which attention gets
                 exact rather than through their codes (no coding error compounds through a prefill's layers).
         """
@@ -246,8 +240,7 @@ class SlotStore:
         return self._buffer("in_place", (fmt.num_kv_heads, num_pages * fmt.page_size, fmt.value_dim), fmt.dtype)
 
     def _dequantized(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Values ``[..., head_dim]`` of ``codes`` and joined ``scales``: in a reused buffer, or computed by a
-        compiled graph."""
+        """Values ``[..., head_dim]`` of ``codes`` and joined ``scales``, in a reused buffer (compiled: the graph's)."""
         if torch.compiler.is_compiling():
             groups = self.quant.num_scale_groups
             return dequantize(codes, scales[..., :groups], scales[..., groups:], self.quant, dtype)

@@ -1,24 +1,18 @@
-"""Windows over pages (``WindowRows``): rows that keep each row's last ``window`` tokens and its first
-``sink_tokens`` real ones, in pages in token order (page ``i`` holds tokens ``[i * page_size, (i + 1) * page_size)``).
+"""Windows over pages (``WindowRows``): each row's last ``window`` tokens and first ``sink_tokens`` real ones, in
+pages in token order (page ``i`` holds tokens ``[i * page_size, (i + 1) * page_size)``).
 
-After a step ending at ``end`` a row holds its last ``reach = window - 1 + page_size`` tokens: what the next step
-sees, and a page more, so that a crop of up to ``page_size`` tokens stays exact and a prompt's pages serve a later
-prompt that repeats it up to its last page (``prefix_layout``). Before a step the pages wholly behind both what it
-sees and its last ``reach`` tokens go back to the pool, but those holding the row's sinks (their entries become holes,
-the null page); a step longer than ``reach`` takes no page for its tokens before its last ``reach``. A row holds
-``window_pages_per_row`` pages at most (a chunk of a chunked prefill past the window also holds, until the next
-step, the pages of the ``window - 1`` tokens before it).
+A row keeps its last ``reach = window - 1 + page_size`` tokens: what the next step sees and a page more, so that a
+crop of up to ``page_size`` tokens stays exact and a repeated prompt's pages serve up to its last page. Pages behind
+that go back to the pool, but its sinks' (their entries become holes, the null page): a row holds
+``window_pages_per_row`` pages at most (a chunk of a chunked prefill past the window also holds, until the next step,
+the pages of the ``window - 1`` tokens before it).
 
-Attention gets the visible tokens in time order, the sinks then ``[first, start + n)``, ``first = max(0, start -
-window + 1)`` (``visible_span``): what transformers' sliding layer returns, so its sliding mask, padding and chunked
-prefill apply unchanged. Once the window has left the sinks behind, the model's mask has ``sink_tokens`` columns
-before the window (``get_mask_sizes``), holding each row's own sinks, tokens ``[pad, pad + sink_tokens)``, or where a
-padded row's window still reaches them, its tokens ``[first - sink_tokens, first)``: a real, earlier token under a
-real, earlier column either way, so every attention masks a padded row exactly as the row alone.
-
-Under our attention a step of several tokens hands attention its ``band`` (a ``KeyLayout``): on a full-attention
-layer, where the cache imposes the window and the model's mask is plainly causal, it makes prefill see exactly what
-decoding does. A decode step may read the pages in place, the block mask hiding what lies outside sinks and window.
+Attention gets the visible tokens in time order (``visible_span``), as transformers' sliding layer returns them, so
+its mask, padding and chunked prefill apply unchanged. Once the window has left the sinks behind, the mask's
+``sink_tokens`` columns before the window hold each row's sinks, tokens ``[pad, pad + sink_tokens)``, or where a
+padded row's window still reaches them its tokens just before the window: a real, earlier token under a real, earlier
+column, so every attention masks a padded row as the row alone. Under our attention a step of several tokens also
+gets its ``band``: on a full-attention layer it makes prefill see exactly what decoding does.
 """
 
 from collections.abc import Callable
@@ -51,9 +45,8 @@ def band(
     Args:
         tokens: ``[batch, n]`` the token each key holds.
         pad_lengths: ``[batch]`` leading padding tokens of each row.
-        step_sees_itself: each new token sees the step's earlier tokens and the ``window - 1`` tokens before the step
-            (what transformers' sliding layer returns: the model's own mask applies its window among them), rather
-            than only the ``window`` tokens up to itself.
+        step_sees_itself: each new token sees the step's earlier tokens and the ``window - 1`` before the step, as
+            transformers' sliding layer returns them (the model's own mask applies its window among them).
     """
     query = torch.arange(start, start + num_new, device=tokens.device).view(1, -1, 1)  # [1, num_new, 1]
     keys = tokens.unsqueeze(1)  # [batch, 1, n]
@@ -79,16 +72,15 @@ def window_pages_per_row(window: int, sink_tokens: int, page_size: int) -> int:
 
 
 class WindowRows(PagedRows):
-    """Page table of one cache's window layers on one pool (one layer group).
+    """The rows of one layer group of window layers.
 
     Args:
         pool: where the pages live.
         window: tokens each query attends to, itself included (transformers' ``sliding_window``).
         sink_tokens: first real tokens of a row kept for good (attention sinks).
         residual_length / our_attention / process_group: as for ``PagedRows``.
-        is_sliding: the model's own mask applies the window (a sliding layer of the model): a step of several tokens
-            sees itself and the ``window - 1`` tokens before it, as with transformers' sliding layer, and the model's
-            mask decides among them; ``False`` where the cache imposes the window on a full-attention layer.
+        is_sliding: the model's own mask applies the window (``band``'s ``step_sees_itself``); ``False`` where the
+            cache imposes it on a full-attention layer.
     """
 
     defers_codes = False  # a window's oldest pages leave: each token's value codes are written with it
