@@ -90,10 +90,11 @@ def math_squared_errors(keys, values, key_bits, value_bits, group_size):
     return ((coded - pages) ** 2).sum(), ((math_fake_quant(values, value_bits, group_size) - values.float()) ** 2).sum()
 
 
-def read_back(cache: QuantizedKVCache, layer_idx: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of one layer as attention gets them, through the cache's own read path."""
+def read_back(cache: QuantizedKVCache, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of one layer as attention gets them, through the cache's own read path (the last step's
+    plan, which reads every token, gathered again once every layer wrote)."""
     layer = cache.layers[layer_idx]
-    keys, values = layer.rows.gather(layer.layer_in_group, num_tokens)
+    keys, values = layer.rows.gather(layer.layer_in_group, layer.rows.step_plan)
     return keys.clone(), values.clone()
 
 
@@ -115,7 +116,8 @@ def check_layer(cache, layer_idx, keys, values, settings):
     (int8 keys: 2%, their float16 zero, rounded down, is up to 0.1 of a step off the minimum for groups far from 0
     next to their width)."""
     tolerance = 1.01 if settings["key_bits"] == 4 else 1.02
-    read_keys, read_values = read_back(cache, layer_idx, keys.shape[2])
+    read_keys, read_values = read_back(cache, layer_idx)
+    assert read_keys.shape == keys.shape
     expected_keys, expected_values = twin(keys, values, **settings)
     torch.testing.assert_close(read_keys, expected_keys, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(read_values, expected_values, rtol=1e-6, atol=1e-6)

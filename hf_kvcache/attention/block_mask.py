@@ -25,7 +25,6 @@ class PagedBlockMask:
         num_pages: pages of the storage's view attention gets (``view_pages``, a multiple of ``extent_pages``): every
             page of the rows is below it.
         page_size / extent_pages: the pool's page geometry; a KV block is one extent.
-        queries_per_kv_head: query heads per KV head (the packed query rows of a decode step).
         window: a window's ``(window, sink_tokens)``: a row sees its last ``window`` tokens and its first
             ``sink_tokens`` real ones; ``None``: every token.
 
@@ -40,7 +39,6 @@ class PagedBlockMask:
         num_pages: int,
         page_size: int,
         extent_pages: int,
-        queries_per_kv_head: int,
         device: torch.device,
         window: tuple[int, int] | None = None,
     ) -> None:
@@ -48,7 +46,6 @@ class PagedBlockMask:
         self.num_pages = num_pages
         self.page_size = page_size
         self.extent_pages = extent_pages
-        self.queries_per_kv_head = queries_per_kv_head
         num_extents = num_pages // extent_pages
         # Every list holds up to all extents: inductor asserts num_pages * page_size <= capacity * block size.
         as_int = {"dtype": torch.int32, "device": device}

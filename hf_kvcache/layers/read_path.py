@@ -37,15 +37,11 @@ class ReadPath:
     Args:
         pool / table: the layer group's pool and page table.
         our_attention: asked once per step: does the model's attention read a ``PagedRead``?
-        queries_per_kv_head: query heads per KV head (the packed query rows of a decode step).
     """
 
-    def __init__(
-        self, pool: PagePool, table: PageTable, our_attention: Callable[[], bool], queries_per_kv_head: int
-    ) -> None:
+    def __init__(self, pool: PagePool, table: PageTable, our_attention: Callable[[], bool]) -> None:
         self.pool, self.table = pool, table
         self.our_attention = our_attention
-        self.queries_per_kv_head = queries_per_kv_head
         self.window: tuple[int, int] | None = None  # a window's (window, sink_tokens): what the mask hides (WindowRows)
         self.mask: block_mask.PagedBlockMask | None = None  # reused from step to step, refilled in place
         # The extents the mask visits, [visited] and as runs (quantized values: what is dequantized).
@@ -104,13 +100,7 @@ class ReadPath:
             num_pages = block_mask.view_pages(1 + max(held), fmt.extent_pages, pool.storage.num_pages)
             if self.mask is None or self.mask.batch != batch or self.mask.num_pages < num_pages:
                 self.mask = block_mask.PagedBlockMask(
-                    batch,
-                    num_pages,
-                    fmt.page_size,
-                    fmt.extent_pages,
-                    self.queries_per_kv_head,
-                    pool.device,
-                    self.window,
+                    batch, num_pages, fmt.page_size, fmt.extent_pages, pool.device, self.window
                 )
             page_ids, pads = inputs(batch)
             extents = self.mask.update(page_ids, num_tokens, pads)

@@ -31,7 +31,8 @@ class PagedRows(PlannedRows):
         pool: where the pages live.
         residual_length / exact_tokens: as for ``SlotStore``.
         row_extents: place each row's pages in aligned extents (``PageTable``), so attention can read them in place.
-        our_attention / queries_per_kv_head: as for ``ReadPath``.
+        our_attention: as for ``ReadPath``.
+        queries_per_kv_head: not read (the rows' maker passes it).
         process_group: a tensor-parallel model's ranks, over which page allocations and identical rows are agreed
             so that their tables stay alike.
     """
@@ -59,7 +60,7 @@ class PagedRows(PlannedRows):
         self._pads: torch.Tensor | None = None  # ``pad_lengths`` as a [batch] tensor, see _pad_tensor
         self.fed_tokens: int | None = None  # tokens the first forward pass feeds (``set_plan``); None: not known
         # How attention reads a step's pages, and the block mask in place uses
-        self.path = ReadPath(pool, self.table, our_attention, queries_per_kv_head)
+        self.path = ReadPath(pool, self.table, our_attention)
         self._version = -1  # table version the cached indices below were built for
         self._ids: torch.Tensor | None = None
         fmt = pool.format
@@ -192,7 +193,7 @@ class PagedRows(PlannedRows):
         if plan.mode == GATHER:
             if plan.layout is not None and handoff is not None and self.path.our_attention():
                 handoff[KEY_LAYOUT] = plan.layout  # a window's band (only our attention reads it)
-            return self.gather(layer_in_group, num_tokens, plan, step)
+            return self.gather(layer_in_group, plan, step)
         storage = self.pool.storage
         if plan.mode == RUN:
             first_page = self.table.rows[0][0]
@@ -204,7 +205,7 @@ class PagedRows(PlannedRows):
         else:
             values = self.store.values_in_place(layer_in_group, storage, plan)
         if not plan.ahead:  # a planned step's read goes to attention with its inputs (PoolCache.start_planned)
-            gather = functools.partial(self.gather, layer_in_group, num_tokens, plan)
+            gather = functools.partial(self.gather, layer_in_group, plan)
             pads = self._pad_tensor(self.table.num_rows)
             handoff[PAGED_READ] = PagedRead(plan.mask, pads, num_tokens, gather, plan.kv_offset)
         return keys, values
@@ -216,16 +217,13 @@ class PagedRows(PlannedRows):
         return storage[layer_in_group][:, :num_pages].view(shape)
 
     def gather(
-        self,
-        layer_in_group: int,
-        num_tokens: int,
-        plan: StepPlan | None = None,
-        step: tuple[torch.Tensor, torch.Tensor] | None = None,
+        self, layer_in_group: int, plan: StepPlan, step: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[batch, heads, num_keys, head_dim]`` of one layer, gathered as ``plan`` says (``step``:
-        as for ``SlotStore.read``); without a plan (the slow twin), the rows' first ``num_tokens``."""
-        if plan is None or plan.reads is None:
-            plan = self._gather_plan(num_tokens, plan)
+        as for ``SlotStore.read``); a plan that reads in place is gathered instead (attention's fallback)."""
+        if plan.reads is None:
+            plan = dataclasses.replace(plan, mode=GATHER)
+            self._plan_gather(plan)
         storage, fmt = self.pool.storage, self.pool.format
         shape = (self.table.num_rows, fmt.num_kv_heads, plan.num_keys)
 
@@ -242,18 +240,6 @@ class PagedRows(PlannedRows):
                 if coded is None:  # a window's tokens the step kept nowhere: as given (coded ones are, by read)
                     out[:, :, -plan.num_new :] = states.detach()
         return keys, values
-
-    def _gather_plan(self, num_tokens: int, plan: StepPlan | None) -> StepPlan:
-        """The gather of a step that reads in place (``plan``), or without a plan the rows' first ``num_tokens``."""
-        if plan is None:
-            plan = StepPlan(None, None, None, self._heads, self._layers, num_tokens)
-            if self.store.residual is not None:
-                window = self.store.residual.reads(num_tokens, 0, num_tokens, 0, self.pool.device)
-                plan.window_sources, plan.window_positions = window or (None, None)
-        else:
-            plan = dataclasses.replace(plan, mode=GATHER)
-        self._plan_gather(plan)
-        return plan
 
     def begin_step(self, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Makes room for ``[batch, heads, n, head_dim]`` states at ``start``: the first layer of a step grows the
