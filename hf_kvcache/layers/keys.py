@@ -181,7 +181,7 @@ class KeyPages:
         storage: PoolStorage,
         start: int,
         page_ids: torch.Tensor,
-        tokens: torch.Tensor,
+        tokens: torch.Tensor | None,
         window: tuple[int, int] | None = None,
     ) -> tuple[torch.Tensor | None, ...]:
         """Before a planned step at ``start``: encodes the page the last planned step filled (one step late: a
@@ -190,7 +190,7 @@ class KeyPages:
 
         Args:
             page_ids: ``[batch, num_pages]`` the rows' pages.
-            tokens: ``[batch or 1, num_keys]`` the token of each key attention gets (``-1``: none).
+            tokens: ``[batch, num_keys]`` the token of each key attention gets (``-1``: none; read with a ``window``).
             window: a window's ``(first_page, window_pages)`` it reads; ``None``: every page (``key_pages`` and
                 ``key_slots`` are then ``None``).
         """

@@ -11,7 +11,6 @@ from hf_kvcache.attention import block_mask, flex
 from hf_kvcache.attention.kernels import page_rows, slot_indices
 from hf_kvcache.layers.plan import StepPlan
 from hf_kvcache.layers.read_path import GATHER, IN_PLACE
-from hf_kvcache.memory.allocator import NULL_PAGE
 
 KEPT = ("pages", "reads", "write_pages", "write_offsets", "key_pages", "key_slots", "filling_page", "filling_coded")
 KEPT += ("value_extents", "window_pages", "window_offsets", "sink_write", "sink_writes")
@@ -69,7 +68,8 @@ class PlannedRows:
             plan.mode = GATHER if plan.mask is None else IN_PLACE
             return plan
         self._step_key = step_key
-        pages, offsets, tokens, kv_offset = self._planned_reads(start, batch, capacity_pages)
+        pages, offsets, tokens, kv_offset = self._reads(start, 1, capacity_pages)
+        num_keys = capacity_pages * page_size if tokens is None else tokens.shape[-1]
         first = self._span(start, 1)[1]
         keys_read = (None,) * 4
         if store.keys is not None:  # a window's coded keys: its pages from the first visible one's (it has no sinks)
@@ -82,12 +82,12 @@ class PlannedRows:
             in_place_values = self._plan_values_in_place(start, batch, capacity_pages)
             mask = mask if in_place_values[0] is not None else None
         sink = store.sink.plan(start) if store.sink is not None else (None, None)
-        reads = self._read_index(pages[:, 0], None if offsets is None else offsets[:, 0])
+        reads, pages = self._read_index(pages, offsets), pages.unsqueeze(1)  # StepPlan.pages: [batch, 1, reads]
         planned = dict(zip(KEPT, (pages, reads, *self._write_slots(start, 1), *keys_read, *in_place_values, *sink)))
         fresh = plan is None or not plan.ahead or plan.slot_reads != (offsets is not None)
         if fresh or any(_shape(getattr(plan, name)) != _shape(tensor) for name, tensor in planned.items()):
             rows = torch.arange(batch, device=pages.device).view(-1, 1, 1)
-            plan = StepPlan(None, None, None, self._heads, self._layers, tokens.shape[-1], rows=rows, ahead=True)
+            plan = StepPlan(None, None, None, self._heads, self._layers, num_keys, rows=rows, ahead=True)
             self.step_plan = plan
             for name, tensor in planned.items():
                 setattr(plan, name, _fresh_copy(tensor))
@@ -106,7 +106,7 @@ class PlannedRows:
                 kept = getattr(plan, name)
                 if kept is not None:
                     kept.copy_(tensor)
-        plan.num_keys, plan.kv_offset = tokens.shape[-1], kv_offset
+        plan.num_keys, plan.kv_offset = num_keys, kv_offset
         plan.mask, plan.mode = mask, GATHER if mask is None else IN_PLACE
         plan.value_buffer = self._value_buffer() if in_place_values[0] is not None else None
         return plan
@@ -155,20 +155,6 @@ class PlannedRows:
             self._planned_values = torch.zeros(shape, dtype=self.pool.storage.keys.dtype, device=self.pool.device)
             torch._dynamo.mark_static_address(self._planned_values)
         return self._planned_values
-
-    def _planned_reads(
-        self, start: int, batch: int, capacity_pages: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int]:
-        """What a planned step at ``start`` reads: ``(pages [batch, 1, reads], offsets or None, tokens [batch or 1,
-        num_keys], kv_offset)``, ``tokens`` the token of each key (``-1``: none). Growing rows read their pages, then
-        the null page up to ``capacity_pages``: a fixed count, for one graph over many steps."""
-        ids = self._page_ids()  # [batch, pages]
-        if ids.shape[1] > capacity_pages:
-            raise ValueError(f"Rows of {ids.shape[1]} pages do not fit a step planned for {capacity_pages}.")
-        padded = torch.full((batch, 1, capacity_pages), NULL_PAGE, dtype=torch.long, device=ids.device)
-        padded[:, 0, : ids.shape[1]] = ids  # [batch, 1, capacity_pages]
-        tokens = torch.arange(capacity_pages * self.pool.format.page_size, device=ids.device).unsqueeze(0)
-        return padded, None, tokens, 0
 
     def _read_index(self, pages: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
         """``StepPlan.reads`` of pages ``[batch, n]``: whole pages, or with ``offsets [batch, n]`` one slot of each."""

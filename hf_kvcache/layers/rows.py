@@ -129,9 +129,28 @@ class PagedRows(PlannedRows):
         ``[first, start + n)`` (growing rows: all, from 0; a window's: ``visible_span``)."""
         return 0, 0
 
+    def _reads(
+        self, start: int, num_new: int, capacity_pages: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]:
+        """What a step writing tokens ``[start, start + n)`` reads: ``(pages [batch, reads], offsets [batch, reads] or
+        None, tokens [batch, num_keys] or None, kv_offset)``, whole pages, or with ``offsets`` one slot of each;
+        ``tokens`` the token of each key (``-1``: none; ``None``: the rows' tokens from 0, in order). Without a
+        capacity (an eager step) exactly the step's keys, as the model's mask is sized; with ``capacity_pages`` a fixed
+        count, for one graph over many steps. Growing rows read their pages up to the step's end, or padded with the
+        null page to ``capacity_pages``."""
+        ids, page_size = self._page_ids(), self.pool.format.page_size  # [batch, pages]
+        if capacity_pages is None:
+            return ids[:, : -(-(start + num_new) // page_size)], None, None, 0
+        if ids.shape[1] > capacity_pages:
+            raise ValueError(f"Rows of {ids.shape[1]} pages do not fit a step planned for {capacity_pages}.")
+        padded = torch.full((ids.shape[0], capacity_pages), NULL_PAGE, dtype=torch.long, device=ids.device)
+        padded[:, : ids.shape[1]] = ids  # [batch, capacity_pages]
+        return padded, None, None, 0
+
     def _plan_gather(self, plan: StepPlan) -> None:
-        """A gathered step's ``StepPlan.reads``: the rows' pages up to the step's end."""
-        plan.reads = self._read_index(self._page_ids()[:, : -(-plan.num_keys // self.pool.format.page_size)])
+        """A gathered step's ``StepPlan.reads``, ``slot_reads`` and ``slots``: exactly its keys (``_reads``)."""
+        pages, offsets, plan.slots, _ = self._reads(plan.start, plan.num_new)
+        plan.reads, plan.slot_reads = self._read_index(pages, offsets), offsets is not None
 
     def _write_slots(self, start: int, num_new: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``StepPlan.write_pages`` and ``write_offsets`` ``[batch, 1, n]`` of tokens ``[start, start + n)``."""

@@ -148,23 +148,33 @@ class WindowRows(PagedRows):
     def _span(self, start: int, num_new: int) -> tuple[int, int]:
         return visible_span(start, num_new, self.window, self.sink_tokens)
 
-    def _plan_gather(self, plan: StepPlan) -> None:
-        """The visible tokens (``StepPlan.slots``) and their ``reads``: whole pages from the first visible token's
-        (an index page_size times smaller), or with sinks, which differ per row, slot by slot; a step of several
-        tokens also gets its band (``StepPlan.layout``)."""
-        start, num_new = plan.start, plan.num_new
-        visible = self._visible(start, num_new)  # [batch, num_keys]
-        if num_new > 1:
-            pads = self._pad_tensor(visible.shape[0])
-            layout = band(visible, start, num_new, self.window, self.sink_tokens, pads, self.is_sliding)
-            plan.layout = KeyLayout(layout)
-        plan.slots, plan.slot_reads = visible, bool(self.sink_tokens)
-        page_size = self.pool.format.page_size
-        if not self.sink_tokens:  # every row sees tokens [first, end): the same pages of each row's table
-            first_page, end_page = plan.kv_offset // page_size, -(-(start + num_new) // page_size)
-            plan.reads = self._read_index(self._page_ids()[:, first_page:end_page])
+    def _reads(
+        self, start: int, num_new: int, capacity_pages: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]:
+        """A window reads its visible tokens (``_visible``): an eager step whole pages from the first visible token's
+        (an index page_size times smaller), or with sinks, which differ per row, slot by slot; given a capacity (its
+        count is the window's), ``sink_tokens + window`` keys slot by slot whatever the step, so that one graph serves
+        the window as it fills and slides (keys past the step's tokens read the null page, which the causal mask
+        hides)."""
+        sinks, first = visible_span(start, num_new, self.window, self.sink_tokens)
+        end, page_size = start + num_new, self.pool.format.page_size
+        if capacity_pages is not None and not first:  # the window still reaches the sinks: tokens from 0
+            tokens = torch.arange(self.sink_tokens + self.window, device=self.pool.device)
+            tokens = tokens.expand(self.table.num_rows, -1)  # [batch, num_keys]
+            tokens = tokens.masked_fill(tokens >= end, -1)
         else:
-            plan.reads = self._read_index(*self._token_slots(visible))
+            tokens = self._visible(start, num_new)  # [batch, num_keys]
+        if capacity_pages is None and not self.sink_tokens:  # every row sees tokens [first, end): the same pages
+            return self._page_ids()[:, first // page_size : -(-end // page_size)], None, tokens, first
+        return *self._token_slots(tokens), tokens, first - sinks
+
+    def _plan_gather(self, plan: StepPlan) -> None:
+        """The base's, and a step of several tokens gets its band (``StepPlan.layout``)."""
+        super()._plan_gather(plan)
+        if plan.num_new > 1:
+            pads = self._pad_tensor(plan.slots.shape[0])
+            layout = band(plan.slots, plan.start, plan.num_new, self.window, self.sink_tokens, pads, self.is_sliding)
+            plan.layout = KeyLayout(layout)
 
     def _visible(self, start: int, num_new: int) -> torch.Tensor:
         """``[batch, n]`` each row's tokens a step at ``start`` sees, in time order (``visible_span``): its own sinks,
@@ -198,24 +208,6 @@ class WindowRows(PagedRows):
         keys = self.store.keys.read(layer_in_group, storage, ids, dtype, None, plan, first_page)
         index = (plan.slots - first_page * page_size).clamp(min=0).view(plan.slots.shape[0], 1, -1, 1)
         return keys.gather(2, index.expand(-1, keys.shape[1], -1, keys.shape[-1]))
-
-    # ----- planned (compiled) steps ----------------------------------------------------------
-
-    def _planned_reads(
-        self, start: int, batch: int, capacity_pages: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int]:
-        """A planned step's visible tokens, as an eager step gathers them, slot by slot: ``sink_tokens + window`` keys
-        whatever the step, so that one graph serves the window as it fills and slides (keys past the step's token
-        read the null page, which the causal mask hides)."""
-        num_keys = self.sink_tokens + self.window
-        sinks, first = visible_span(start, 1, self.window, self.sink_tokens)
-        if first:  # the window has left the sinks behind
-            tokens = self._visible(start, 1)  # [batch, num_keys]
-        else:
-            tokens = torch.arange(num_keys, device=self.pool.device).expand(batch, -1)  # [batch, num_keys]
-            tokens = tokens.masked_fill(tokens > start, -1)
-        pages, offsets = self._token_slots(tokens)  # [batch, num_keys] each
-        return pages.unsqueeze(1), offsets.unsqueeze(1), tokens, first - sinks
 
     # ----- reused prefixes (hf_kvcache.caches.prefix) -------------------------------------------
 
