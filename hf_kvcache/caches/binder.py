@@ -112,12 +112,8 @@ class PoolBinder:
             pool = self.part_of(layer_group_idx, device)
             our_attention = functools.partial(uses_our_attention, self.config)  # not a method: rows must not hold self
             policy = self.policies[layer_group_idx]
-            config = self.config
-            heads = getattr(config, "num_attention_heads", 1)
-            kv_heads = getattr(config, "num_key_value_heads", None) or heads
-            queries_per_kv_head = max(1, heads // kv_heads)  # rank-invariant
-            rows = policy.make_rows(pool.pages, our_attention, queries_per_kv_head, self.placement.process_group)
-            rows.contiguous_keys = not hands_states_to_attention_only(config)  # the model's own code may .view() them
+            rows = policy.make_rows(pool.pages, our_attention, self.placement.process_group)
+            rows.contiguous_keys = not hands_states_to_attention_only(self.config)  # its own code may .view()
             self.rows[(device, layer_group_idx)] = rows
             rows.set_plan(self.pad_lengths, self.fed_tokens)
         return rows

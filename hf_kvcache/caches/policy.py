@@ -39,9 +39,7 @@ class RowPolicy:
             pages = min(pages, window_pages_per_row(self.window, self.sink_tokens, page_size))
         return pages
 
-    def make_rows(
-        self, pool: PagePool, our_attention: Callable[[], bool], queries_per_kv_head: int, process_group: Any
-    ) -> PagedRows:
+    def make_rows(self, pool: PagePool, our_attention: Callable[[], bool], process_group: Any) -> PagedRows:
         """The rows of a layer group on ``pool`` (a ``KVPool``'s ``pages``); ``our_attention``: whether the model's
         attention reads a ``KeyLayout`` and a ``PagedRead``; ``process_group``: a tensor-parallel model's ranks'."""
         if self.window is None:
@@ -49,7 +47,6 @@ class RowPolicy:
                 pool,
                 self.residual_length,
                 our_attention=our_attention,
-                queries_per_kv_head=queries_per_kv_head,
                 process_group=process_group,
                 exact_tokens=self.exact_tokens,
             )

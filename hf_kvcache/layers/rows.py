@@ -32,7 +32,6 @@ class PagedRows(PlannedRows):
         residual_length / exact_tokens: as for ``SlotStore``.
         row_extents: place each row's pages in aligned extents (``PageTable``), so attention can read them in place.
         our_attention: as for ``ReadPath``.
-        queries_per_kv_head: not read (the rows' maker passes it).
         process_group: a tensor-parallel model's ranks, over which page allocations and identical rows are agreed
             so that their tables stay alike.
     """
@@ -46,7 +45,6 @@ class PagedRows(PlannedRows):
         residual_length: int = 0,
         row_extents: bool = True,
         our_attention: Callable[[], bool] = lambda: False,
-        queries_per_kv_head: int = 1,
         process_group: Any = None,
         exact_tokens: int = 0,
     ) -> None:
