@@ -633,7 +633,7 @@ def test_compiled_in_place_steps_compute_what_eager_steps_do(in_place_model, nam
             assert planned.plan_decode(2, 1)
             inputs = {"input_ids": token, "position_ids": None}
             planned.start_planned(inputs)
-            assert inputs["hf_kvcache_planned_reads"][0].mask is not None
+            assert planned.layers[0].rows.step_plan.mask is not None
             logits = forward(**inputs, cache=planned).logits[:, -1]
             reference = model(input_ids=token, cache=eager).logits[:, -1]
             assert (logits - reference).abs().max() < 1e-5
@@ -656,16 +656,40 @@ def test_a_compiled_step_that_cannot_compile_flex_attention_gathers(compile_conf
     assert torch.equal(out, reference)
 
 
-def test_a_mask_that_hides_more_than_padding_is_not_read_in_place():
-    from hf_kvcache.caches.planned import _hides_padding_only
+def test_a_mask_that_hides_more_than_padding_is_not_read_in_place(in_place_model):
+    """A planned step reads in place only under a ``generate`` mask that hides each row's leading padding and nothing
+    else (none: all seen), the rule attention applies to an eager step's mask (``mask_hides_padding_only``)."""
+    ids = random_ids(2, 21)
+    holed = torch.ones(2, 24, dtype=torch.long)
+    holed[0, 5] = 0
+    cases = ((None, True), (torch.ones(2, 24, dtype=torch.long), True), (holed, False), (torch.ones(2, 25), False))
+    for attention_mask, in_place in cases:
+        cache = generate(in_place_model, ids, "paged_pool", max_new_tokens=3, return_dict_in_generate=True).cache
+        cache.compiled_decoding = True  # as generate sets it when it compiles
+        assert cache.get_seq_length() == 23 and cache.plan_decode(2, 1, attention_mask)
+        assert (cache.layers[0].rows.step_plan.mask is not None) == in_place
 
-    assert _hides_padding_only(None, None, 5)
-    assert not _hides_padding_only(None, [2, 0], 5)  # padding the mask does not show
-    padded = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-    assert _hides_padding_only(padded, [2, 0], 5)
-    holed = torch.tensor([[0, 0, 1, 0, 1], [1, 1, 1, 1, 1]])
-    assert not _hides_padding_only(holed, [2, 0], 5)
-    assert not _hides_padding_only(padded, [2, 0], 6)  # a mask of another length
+
+@torch.no_grad()
+def test_a_planned_in_place_step_of_a_model_that_hands_no_kwargs_returns_its_pages_gathered(in_place_model):
+    """A planned step that reads in place hands attention its plan through the attention's kwargs; a model whose
+    attention passes the cache none (GPT-NeoX, Falcon) gets the plan's pages gathered instead: the eager step's
+    keys and values, then slots past the rows' tokens up to the capacity (the model's mask hides them)."""
+    ids, config = random_ids(2, 21), in_place_model.config
+    planned, eager = (
+        generate(in_place_model, ids, "paged_pool", max_new_tokens=3, return_dict_in_generate=True).cache
+        for _ in range(2)
+    )
+    planned.compiled_decoding = True
+    assert planned.plan_decode(2, 1)
+    plan = planned.layers[0].rows.step_plan
+    assert plan.mask is not None and plan.num_keys > 24
+    states = torch.randn(2, 2, config.num_key_value_heads, 1, config.head_dim)
+    keys, values = planned.update(states[0], states[1], 0)  # no kwargs=
+    expected = eager.update(states[0], states[1], 0)  # eager, without kwargs: gathered
+    for got, want in zip((keys, values), expected, strict=True):
+        assert got.shape == (2, config.num_key_value_heads, plan.num_keys, config.head_dim)
+        torch.testing.assert_close(got[:, :, :24], want)  # past them: slots the causal mask hides
 
 
 def gathered_decode_case(device: str, dtype: torch.dtype) -> tuple[tuple, torch.Tensor]:

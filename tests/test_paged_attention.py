@@ -18,7 +18,8 @@ from transformers import DynamicCache
 from hf_kvcache import KVPool, PagedCache
 from hf_kvcache.attention import block_mask, flex
 from hf_kvcache.attention.interface import ATTENTION_NAME, mask_hides_padding_only, model_attention
-from hf_kvcache.attention.reads import PAGED_READ
+from hf_kvcache.attention.kernels import read_planned_view
+from hf_kvcache.attention.reads import STEP_PLAN
 from hf_kvcache.bench.catalogue import with_attention
 from hf_kvcache.layers import store as store_module
 
@@ -332,7 +333,7 @@ def test_reused_prefix_reads_in_place_as_without_reuse(tiny_llama_model, in_plac
 @torch.no_grad()
 def test_an_in_place_read_is_handed_to_attention_in_its_kwargs_and_only_there(tiny_llama_model, in_place):
     """transformers hands the attention's kwargs to ``cache.update`` (``kwargs=``): an in-place step puts its
-    ``PagedRead`` there and returns the pool's storage, with nothing set on the tensors; called without them (a model
+    plan there and returns the pool's storage, with nothing set on the tensors; called without them (a model
     that passes none), the same step returns its keys and values gathered."""
     config = with_attention(tiny_llama_model.config, ATTENTION_NAME)
     heads, head_dim = config.num_key_value_heads, config.head_dim
@@ -345,9 +346,12 @@ def test_an_in_place_read_is_handed_to_attention_in_its_kwargs_and_only_there(ti
         keys, values = cache.update(states[0, :, :, 40:], states[1, :, :, 40:], 0, **handoff)
         assert not vars(keys) and not vars(values)  # no attribute on the tensors
         if handed:
-            read = kwargs.pop(PAGED_READ)
-            assert keys.shape[0] == 1 and read.num_tokens == 41 and kwargs == {"scaling": 0.125}
-            assert read.mask.batch == 2
+            plan = kwargs.pop(STEP_PLAN)
+            assert keys.shape[0] == 1 and plan.num_keys == 41 and kwargs == {"scaling": 0.125}
+            assert plan.mask.batch == 2
+            # What attention reads where it cannot read in place after all: the plan's pages, gathered
+            torch.testing.assert_close(read_planned_view(keys, plan), states[0])
+            torch.testing.assert_close(read_planned_view(values, plan), states[1])
         else:
             assert cache.read_counts() == {"gather": 2, "run": 0, "in place": 0}
             torch.testing.assert_close(keys, states[0])

@@ -22,7 +22,7 @@ import hf_kvcache  # noqa: F401  (registers "sliding_ring")
 from hf_kvcache import KVPool, PagedCache, SlidingRingCache
 from hf_kvcache.attention import flex
 from hf_kvcache.attention.interface import ATTENTION_NAME, banded_sdpa_attention, model_attention
-from hf_kvcache.attention.reads import KEY_LAYOUT, PAGED_READ, KeyLayout
+from hf_kvcache.attention.reads import KEY_LAYOUT, STEP_PLAN, KeyLayout
 from hf_kvcache.bench.catalogue import ring_pool, with_attention
 from hf_kvcache.layers import PagedLayer, WindowLayer
 from hf_kvcache.layers.window import window_pages_per_row
@@ -251,7 +251,7 @@ def test_pages_read_in_place_are_views_of_the_pool(tiny_llama_model, monkeypatch
             keys, values = cache.update(torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16), layer_idx, kwargs=handed)
             assert keys.untyped_storage().data_ptr() == storage
             assert values.untyped_storage().data_ptr() == pool.pages.storage.values.untyped_storage().data_ptr()
-            assert handed[PAGED_READ].kv_offset == 21 - 8 and handed[PAGED_READ].mask.windowed
+            assert handed[STEP_PLAN].kv_offset == 21 - 8 and handed[STEP_PLAN].mask.windowed
             cache.reorder_cache(torch.tensor(rows))  # then both rows share row 0's pages
 
 

@@ -61,10 +61,7 @@ class PagedBlockMask:
         self.sink_tokens = window[1] if window is not None else 0
         self.window = torch.full((1,), window[0] if window is not None else 1 << 40, dtype=torch.int64, device=device)
         self.sink_ends = torch.zeros(batch, dtype=torch.int64, device=device)
-        # The last (model mask, pads, tokens) attention checked against this mask, and the verdict: a step's layers
-        # share one check (``hf_kvcache.attention.interface``).
-        self.padding_check: tuple | None = None
-        for tensor in self.tensors:  # refilled in place: a compiled step (planned_attention) reads them where they lie
+        for tensor in self.tensors:  # refilled in place: a compiled step reads them where they lie
             torch._dynamo.mark_static_address(tensor)  # CUDA graphs replay over them
             torch._dynamo.mark_static(tensor)  # a shape of the graph: another mask is another graph, never dynamic
 

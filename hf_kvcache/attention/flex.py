@@ -23,6 +23,7 @@ import threading
 import time
 import types
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -322,21 +323,26 @@ def _decode(
     return output.reshape(batch, num_heads, 1, head_dim)
 
 
-def planned_attention(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    mask: PagedBlockMask,
-    pages: torch.Tensor,
-    scale: float | None,
-) -> torch.Tensor:
-    """A planned decode step's attention over pool pages in place (``StepPlan.mask``), shapes as ``decode_attention``;
-    a step that cannot run FlexAttention gathers ``pages`` (``StepPlan.pages``, ``[batch, 1, capacity]``).
+def paged_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: Any, scale: float | None
+) -> torch.Tensor | None:
+    """A decode step's attention over pool pages in place, through its plan's mask (``StepPlan.mask``), shapes as
+    ``decode_attention``; ``None`` where an eager step cannot run FlexAttention (attention gathers instead).
 
-    One opaque op (``hf_kvcache::paged_decode``) inside a compiled graph: torch 2.13's CPU FlexAttention template,
-    lowered inside a bigger graph, reads a view of a graph input at the input's start (docs/compiled.md)."""
-    arguments = (*mask.tensors, pages, mask.page_size, mask.block_tokens, scale)
-    return torch.ops.hf_kvcache.paged_decode(query, keys, values, *arguments)
+    A compiled step's (``plan.ahead``) is one opaque op, ``hf_kvcache::paged_decode``, which gathers the plan's pages
+    itself where FlexAttention cannot compile: torch 2.13's CPU FlexAttention template, lowered inside a bigger
+    graph, reads a view of a graph input at the input's start (docs/compiled.md)."""
+    mask = plan.mask
+    if plan.ahead:
+        arguments = (*mask.tensors, plan.pages, mask.page_size, mask.block_tokens, scale)
+        return torch.ops.hf_kvcache.paged_decode(query, keys, values, *arguments)
+    try:
+        output = decode_attention(query, keys, values, mask, scale)
+    except FlexUnavailable as error:
+        log_path(f"compile:{error}", str(error))
+        return None
+    log_path("in_place", f"compiled FlexAttention, KV blocks of {mask.block_tokens} tokens")
+    return output
 
 
 @torch.library.custom_op("hf_kvcache::paged_decode", mutates_args=())
@@ -358,7 +364,7 @@ def _paged_decode(
     block_tokens: int,
     scale: float | None,
 ) -> torch.Tensor:
-    """``planned_attention``'s op: ``decode_attention`` over the mask's tensors, or the pages gathered."""
+    """``paged_attention``'s op: ``decode_attention`` over the mask's tensors, or the pages gathered."""
     arguments = (
         kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, page_position, pads, num_tokens, window,
         sink_ends, page_size, block_tokens,

@@ -2,9 +2,9 @@
 layers hand over (``attention.reads``):
 
 - a window's ``KeyLayout``: its band (causality, window, sinks) is ANDed into the model's mask;
-- a decode step's ``PagedRead``, or a planned step's ``PLANNED_READS``: the pool's storage itself, which compiled
-  FlexAttention reads in place (``attention.flex``) where the model's mask hides exactly each row's leading padding;
-  otherwise (a mask with holes, training, a shape that does not compile) the same keys gathered.
+- a decode step's plan (``STEP_PLAN``), eager or compiled: the pool's storage itself, which compiled FlexAttention
+  reads in place (``flex.paged_attention``) where the model's mask hides exactly each row's leading padding;
+  otherwise (a mask with holes, training, a shape that does not compile) the plan's pages gathered.
 
 What sdpa does not apply (``NOT_APPLIED_BY_SDPA``), and every layer of a model that refuses sdpa, runs the model's own
 ``eager_attention_forward`` over the keys gathered in time order (``own_attention``), never sdpa without it.
@@ -27,14 +27,11 @@ from transformers import AttentionMaskInterface
 
 from hf_kvcache.attention import flex
 from hf_kvcache.attention.kernels import read_planned_view
-from hf_kvcache.attention.reads import KEY_LAYOUT, PAGED_READ, PagedRead
+from hf_kvcache.attention.reads import KEY_LAYOUT, STEP_PLAN
 from hf_kvcache.errors import IncompatibleModelError
 from hf_kvcache.transformers_internals import attn_implementation, sdpa_attention_forward
 
 ATTENTION_NAME = "hf_kvcache"
-PLANNED_READS = "hf_kvcache_planned_reads"
-"""The forward kwarg through which a planned decode step (``PoolCache.start_planned``) hands attention, per layer, the
-``StepPlan`` of a layer that returns the pool's storage to read in place (``None`` for the others)."""
 
 
 @contextlib.contextmanager
@@ -64,23 +61,16 @@ def banded_sdpa_attention(
     the model's ``attention_mask`` ``[batch, 1, n, num_visible]`` (boolean, or additive floats; ``None``: causal).
     ``kwargs`` go on to sdpa or the model's own attention function (``scaling``, ``dropout``, ``softcap``, ...)."""
     own = own_attention(module, kwargs)  # the model's own attention function where sdpa cannot compute it
-    plans = kwargs.pop(PLANNED_READS, None)
-    plan = plans[module.layer_idx] if plans is not None else None
+    plan, layout = kwargs.pop(STEP_PLAN, None), kwargs.pop(KEY_LAYOUT, None)  # what the layer handed over
     sparse = {name: kwargs.pop(name) for name in SPARSE_KWARGS if kwargs.get(name) is not None}
     if plan is not None:  # the keys and values are the pool's storage, read through the step's plan
-        if own is None and not module.training and not sparse:
-            output = flex.planned_attention(query, key, value, plan.mask, plan.pages, kwargs.get("scaling"))
-            return output.transpose(1, 2).contiguous(), None
-        key, value = read_planned_view(key, plan), read_planned_view(value, plan)  # the model's mask applies
-    read, layout = kwargs.pop(PAGED_READ, None), kwargs.pop(KEY_LAYOUT, None)  # what the layer handed over
-    if read is not None:
-        if own is None and not sparse:
-            output = paged_attention(module, query, key, value, read, attention_mask, kwargs)
+        if own is None and not sparse and _reads_in_place(module, query, key, plan, attention_mask):
+            output = flex.paged_attention(query, key, value, plan, kwargs.get("scaling"))
             if output is not None:
-                return output, None
-        key, value = read.gather()
+                return output.transpose(1, 2).contiguous(), None
+        key, value = read_planned_view(key, plan), read_planned_view(value, plan)  # the model's mask applies
     if sparse:  # the keys the model's indexer picked, as the model itself folds them into an eager or sdpa mask
-        attention_mask = _sparse_mask(module, query, key, attention_mask, layout, read, kwargs, **sparse)
+        attention_mask = _sparse_mask(module, query, key, attention_mask, layout, plan, kwargs, **sparse)
     if layout is not None:
         allowed = layout.band.unsqueeze(1)  # [batch, 1, n, num_keys]: includes causality
         if attention_mask is None:
@@ -121,34 +111,24 @@ def _packs_decode(
     return attention_mask.dim() == 4 and attention_mask.shape[1] == attention_mask.shape[2] == 1
 
 
-def paged_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    read: PagedRead,
-    attention_mask: torch.Tensor | None,
-    kwargs: dict,
-) -> torch.Tensor | None:
-    """One decode step's attention, ``query [batch, heads, 1, head_dim]`` over one layer's storage ``keys`` / ``values``
-    ``[1, kv_heads, storage pages * page_size, head_dim]`` in place, under the model's ``attention_mask`` ``[batch, 1,
-    1, num_tokens]`` (or ``None``): ``[batch, 1, heads, head_dim]`` (transformers' output layout); ``None`` where it
-    must gather instead."""
-    if module.training or query.shape[2] != 1:
-        return None
-    if not _hides_padding_only(read, attention_mask):
-        flex.log_path("mask", "the model's mask hides more than each row's leading padding")
-        return None
+def _reads_in_place(
+    module: torch.nn.Module, query: torch.Tensor, keys: torch.Tensor, plan: Any, attention_mask: torch.Tensor | None
+) -> bool:
+    """Whether attention reads ``plan``'s pages in place: not training, in the pool's dtype, and under a mask that
+    hides only each row's leading padding, as a compiled step's plan was made for; an eager step's verdict is
+    found by its first layer and kept in its plan (``StepPlan.padding_only``) for the others."""
+    if module.training:
+        return False
+    if not plan.ahead and plan.padding_only is None:
+        plan.padding_only = mask_hides_padding_only(attention_mask, plan.mask.pads, plan.num_keys, plan.kv_offset)
+        if not plan.padding_only:
+            flex.log_path("mask", "the model's mask hides more than each row's leading padding")
+    if not (plan.ahead or plan.padding_only):
+        return False
     if query.dtype != keys.dtype:
         flex.log_path("dtype", f"the query is {query.dtype} and the pool {keys.dtype} (autocast?)")
-        return None
-    try:
-        output = flex.decode_attention(query, keys, values, read.mask, kwargs.get("scaling"))
-    except flex.FlexUnavailable as error:
-        flex.log_path(f"compile:{error}", str(error))
-        return None
-    flex.log_path("in_place", f"compiled FlexAttention, KV blocks of {read.mask.block_tokens} tokens")
-    return output.transpose(1, 2).contiguous()
+        return False
+    return True
 
 
 SPARSE_KWARGS = ("indices", "block_indices")
@@ -163,7 +143,7 @@ def _sparse_mask(
     key: torch.Tensor,
     attention_mask: torch.Tensor | None,
     layout: Any,
-    read: PagedRead | None,
+    plan: Any,
     kwargs: dict,
     indices: torch.Tensor | None = None,
     block_indices: torch.Tensor | None = None,
@@ -174,7 +154,7 @@ def _sparse_mask(
         IncompatibleModelError: the keys are a window's (not every token from the first): the indexer's picks count
             from token 0.
     """
-    if layout is not None or (read is not None and read.kv_offset):
+    if layout is not None or (plan is not None and plan.kv_offset):
         raise IncompatibleModelError(
             f"{type(module).__name__} keeps the keys its indexer picks, counted from the first token, but the cache "
             "hands it a window's keys: serve it with paged_pool or a quantized cache, or without a window."
@@ -297,7 +277,7 @@ _MASKS = AttentionMaskInterface()  # transformers' mask builders by name
 def hands_states_to_attention_only(config: Any) -> bool:
     """Whether every attention module of ``config``'s modeling file hands the keys and values its cache returns to the
     attention function alone, read from their ``forward``'s source: only then may a layer return the pool's storage
-    or slots out of time order (with a ``PagedRead`` or ``KeyLayout``), which only this attention reads."""
+    or slots out of time order (with a ``StepPlan`` or ``KeyLayout``), which only this attention reads."""
     modeling = _modeling_name(type(config).__module__)
     if modeling is None:
         return False
@@ -374,16 +354,6 @@ def _called_name(call: ast.Call) -> str:
     if isinstance(function, ast.Name):
         return function.id
     return function.attr if isinstance(function, ast.Attribute) else ""
-
-
-def _hides_padding_only(read: PagedRead, attention_mask: torch.Tensor | None) -> bool:
-    """``mask_hides_padding_only`` for the read, checked once per step: the layers after the first find the verdict."""
-    last = read.mask.padding_check
-    if last is not None and last[0] is attention_mask and last[1] is read.pads and last[2] == read.num_tokens:
-        return last[3]
-    verdict = mask_hides_padding_only(attention_mask, read.pads, read.num_tokens, read.kv_offset)
-    read.mask.padding_check = (attention_mask, read.pads, read.num_tokens, verdict)
-    return verdict
 
 
 def mask_hides_padding_only(

@@ -67,10 +67,13 @@ def write_planned(storage: torch.Tensor, plan: Any, layer_idx: int, states: torc
 
 
 def read_planned_view(view: torch.Tensor, plan: Any) -> torch.Tensor:
-    """A planned step's whole pages (``StepPlan.pages``) from one layer's storage viewed as ``[1, heads, pages *
-    page_size, last_dim]`` (a step that reads in place: ``StepPlan.mask``), for attention that must gather after all:
-    ``[batch, heads, num_keys, last_dim]``."""
+    """The keys of a step that reads in place (``StepPlan.mask``), ``[batch, heads, num_keys, last_dim]``, gathered
+    from one layer's storage viewed as ``[1, heads, pages * page_size, last_dim]`` for attention that cannot read
+    in place after all: ``StepPlan.pages`` whole from token ``kv_offset``, or with ``offsets`` one slot each."""
     _, heads, _, last_dim = view.shape
-    page_size = plan.mask.page_size
-    pages = view.view(heads, -1, page_size, last_dim)[plan.heads, plan.pages]  # [batch, heads, capacity, page, last]
-    return pages.view(pages.shape[0], heads, -1, last_dim)
+    slots = view.view(heads, -1, plan.mask.page_size, last_dim)
+    if plan.offsets is not None:  # [batch, heads, num_keys, last_dim]
+        return slots[plan.heads, plan.pages, plan.offsets]
+    pages = slots[plan.heads, plan.pages]  # [batch, heads, pages, page_size, last_dim]
+    skip = plan.kv_offset % plan.mask.page_size
+    return pages.view(pages.shape[0], heads, -1, last_dim)[:, :, skip : skip + plan.num_keys]

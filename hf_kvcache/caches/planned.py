@@ -8,7 +8,7 @@ import torch
 from transformers import Cache
 
 from hf_kvcache.attention import flex
-from hf_kvcache.attention.interface import PLANNED_READS
+from hf_kvcache.attention.interface import mask_hides_padding_only
 from hf_kvcache.caches.binder import release_deferred
 from hf_kvcache.caches.state_layers import IndexerKeys
 from hf_kvcache.layers.plan import capacity_bucket
@@ -57,7 +57,10 @@ class PlannedDecoding(Cache):
                 capacity,
             )
             self._planned_capacity = capacity
-        padding_only = _hides_padding_only(attention_mask, binder.pad_lengths, start + 1)
+        padding_only = not any(binder.pad_lengths or ())  # no mask: every token seen
+        if attention_mask is not None:  # generate's [rows, tokens], as the last row of a model's mask
+            pads = torch.tensor(binder.pad_lengths or [0] * num_rows)
+            padding_only = mask_hides_padding_only(attention_mask.bool()[:, None, None, :], pads, start + 1)
         for rows in rows_of:
             rows.plan_decode(start, num_rows, capacity, padding_only)
         self._planning = True
@@ -73,18 +76,13 @@ class PlannedDecoding(Cache):
         return True
 
     def start_planned(self, inputs: dict[str, Any]) -> None:
-        """After a planned step's inputs are prepared: counts its token in every layer, hands attention the plans
-        that read in place, and the step's position as a tensor where ``generate`` left ``position_ids`` out (a
-        Python int would make each step a new graph)."""
+        """After a planned step's inputs are prepared: counts its token in every layer, and puts the step's position
+        as a tensor where ``generate`` left ``position_ids`` out (a Python int would make each step a new graph)."""
         layers = self._row_layers()
         if self._query_offset is None or not layers or not getattr(layers[0], "planned", False):
             return
         for layer in layers:
             layer.num_tokens += 1
-        plans = [getattr(layer, "rows", None) and layer.rows.step_plan for layer in self.layers]
-        plans = tuple(plan if plan is not None and plan.mask is not None else None for plan in plans)
-        if any(plans):  # these layers hand attention the pool's storage, to read in place through the plan
-            inputs[PLANNED_READS] = plans
         fed = inputs.get("input_ids")
         if "position_ids" in inputs and inputs["position_ids"] is None and isinstance(fed, torch.Tensor):
             inputs["position_ids"] = self._query_offset.expand(fed.shape[0], 1)  # [batch, 1]: no padding
@@ -105,15 +103,3 @@ class PlannedDecoding(Cache):
         if self._query_offset is not None and layers and getattr(layers[0], "planned", False):
             return self._query_offset
         return super().get_query_offset(layer_idx)
-
-
-def _hides_padding_only(attention_mask: torch.Tensor | None, pad_lengths: list[int] | None, num_tokens: int) -> bool:
-    """Whether ``generate``'s ``[rows, num_tokens]`` mask (``None``: all ones) hides exactly each row's leading
-    ``pad_lengths``."""
-    if attention_mask is None:
-        return not any(pad_lengths or ())
-    if attention_mask.ndim != 2 or attention_mask.shape[-1] != num_tokens:
-        return False
-    pads = torch.tensor(pad_lengths or [0] * attention_mask.shape[0], device=attention_mask.device).view(-1, 1)
-    expected = torch.arange(num_tokens, device=attention_mask.device) >= pads  # [rows, num_tokens]
-    return expected.shape == attention_mask.shape and bool(torch.equal(attention_mask.bool(), expected))

@@ -41,7 +41,7 @@ class RowPolicy:
 
     def make_rows(self, pool: PagePool, our_attention: Callable[[], bool], process_group: Any) -> PagedRows:
         """The rows of a layer group on ``pool`` (a ``KVPool``'s ``pages``); ``our_attention``: whether the model's
-        attention reads a ``KeyLayout`` and a ``PagedRead``; ``process_group``: a tensor-parallel model's ranks'."""
+        attention reads a ``KeyLayout`` and a ``StepPlan``; ``process_group``: a tensor-parallel model's ranks'."""
         if self.window is None:
             return PagedRows(
                 pool,
@@ -57,5 +57,5 @@ class RowPolicy:
 
 def uses_our_attention(config: PreTrainedConfig) -> bool:
     """Whether the model attends with ``attn_implementation="hf_kvcache"``, which reads a window's ``KeyLayout`` (and a
-    ``PagedRead``), and its attention modules hand the keys and values they get to that attention alone."""
+    ``StepPlan``), and its attention modules hand the keys and values they get to that attention alone."""
     return attn_implementation(config) == ATTENTION_NAME and hands_states_to_attention_only(config)

@@ -15,8 +15,10 @@ class StepPlan:
     pages, page_size, head_dim]``.
 
     Attributes:
-        pages: ``[batch, 1, pages]`` a planned step's pages per row, padded with the null page to
-            ``capacity_bucket`` (a window's: from its first visible token's).
+        pages: ``[batch, 1, pages]`` the pages per row of a step that reads in place or is planned (padded with the
+            null page to ``capacity_bucket``; a window's: from its first visible token's).
+        offsets: ``[batch, 1, num_keys]`` with ``pages``, the slot of each key in its page (a window's eager step
+            with sinks; ``None``: whole pages).
         write_pages / write_offsets: ``[batch, 1, n]`` the page and slot of each row's new tokens.
         heads: ``[1, heads, 1]`` the KV heads.
         layers: ``[1, 1, 1]`` per layer, its index.
@@ -31,6 +33,8 @@ class StepPlan:
         filling_page / filling_coded: coded keys: ``[1, 1]`` the page still filling among those decoded, and
             ``[1, 1, 1, 1]`` whether the step fills it (then it is read through its encoding).
         mask: a ``PagedBlockMask`` where attention reads the pages in place; ``None``: the step gathers.
+        padding_only: an eager step's: whether the model's mask hides only each row's leading padding (found by
+            its first layer's attention; ``None``: not yet). A planned step reads in place only where it does.
         reads: ``[batch * heads * pages]`` page rows to gather (``kernels.page_rows``, cut at token ``kv_offset``),
             or with ``slot_reads`` ``[batch * heads * num_keys]`` slots (``kernels.slot_indices``); ``None``: none.
         start / num_new: an eager step's first token and number of new tokens.
@@ -68,6 +72,8 @@ class StepPlan:
     filling_page: torch.Tensor | None = None
     filling_coded: torch.Tensor | None = None
     mask: Any = None
+    offsets: torch.Tensor | None = None
+    padding_only: bool | None = None
     value_extents: torch.Tensor | None = None
     window_pages: torch.Tensor | None = None
     window_offsets: torch.Tensor | None = None

@@ -5,7 +5,7 @@
 - ``RUN`` (our attention, a single row whose pages are consecutive ids, as a fresh pool places them): the same shape
   as a view of the storage (``kernels.run_view``), which plain sdpa reads with no copy;
 - ``IN_PLACE`` (our attention, a decode step where ``batch x tokens`` reaches ``flex.MIN_IN_PLACE_TOKENS``): the
-  layer's storage as ``[1, heads, pages * page_size, head_dim]`` views and a ``PagedRead`` with the step's
+  layer's storage as ``[1, heads, pages * page_size, head_dim]`` views and the step's plan with its
   ``PagedBlockMask`` for compiled FlexAttention; quantized values are dequantized into a buffer of the storage's
   layout (``SlotStore.values_in_place``).
 
@@ -36,7 +36,7 @@ class ReadPath:
 
     Args:
         pool / table: the layer group's pool and page table.
-        our_attention: asked once per step: does the model's attention read a ``PagedRead``?
+        our_attention: asked once per step: does the model's attention read a step's plan?
     """
 
     def __init__(self, pool: PagePool, table: PageTable, our_attention: Callable[[], bool]) -> None:
@@ -62,7 +62,7 @@ class ReadPath:
 
         Args:
             encoded_keys: the keys are stored as codes (always gathered and decoded).
-            hands_over: the model's attention hands the cache its kwargs, where an in-place read puts its ``PagedRead``.
+            hands_over: the model's attention hands the cache its kwargs, where an in-place read puts its plan.
         """
         batch, pool = self.table.num_rows, self.pool
         if not batch or not self.our_attention():

@@ -3,15 +3,14 @@ table, and each step's plan, made once (a page id addresses the same slots in ev
 layer (``write``, ``read``).
 """
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from hf_kvcache.attention.kernels import read_pages, read_slots, run_view, write_planned
-from hf_kvcache.attention.reads import KEY_LAYOUT, PAGED_READ, PagedRead
+from hf_kvcache.attention.kernels import read_pages, read_planned_view, read_slots, run_view, write_planned
+from hf_kvcache.attention.reads import KEY_LAYOUT, STEP_PLAN
 from hf_kvcache.layers.exact import ExactTail
 from hf_kvcache.layers.identical import find_identical_rows
 from hf_kvcache.layers.plan import StepPlan
@@ -113,8 +112,10 @@ class PagedRows(PlannedRows):
             self.store.keys.plan_eager(plan, start, num_new, self._page_ids()[:, first_page:], first_page)
         if mode == GATHER:
             self._plan_gather(plan)
-        elif mode == IN_PLACE:
-            plan.mask = self.path.mask
+        elif mode == IN_PLACE:  # its pages too, for attention that cannot read in place after all
+            pages, offsets, _, _ = self._reads(start, num_new)
+            plan.mask, plan.pages = self.path.mask, pages.unsqueeze(1)
+            plan.offsets = None if offsets is None else offsets.unsqueeze(1)
             if self.store.quant is not None:  # the visited extents' values, dequantized into a buffer
                 plan.value_extents, plan.value_runs = self.path.extents
                 plan.value_buffer = self.store.in_place_buffer(plan.mask.num_pages)
@@ -201,9 +202,9 @@ class PagedRows(PlannedRows):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's keys and values for attention after the step's states were written, as ``plan`` says:
         ``[batch, heads, num_keys, head_dim]`` (gathered, or a run's view), or ``[1, heads, view pages * page_size,
-        head_dim]`` views of the storage with a ``PagedRead`` put in ``handoff``, the attention's kwargs (in place).
+        head_dim]`` views of the storage with the plan put in ``handoff``, the attention's kwargs (in place; a model
+        that hands none gets the plan's pages gathered).
         """
-        num_tokens = plan.num_keys
         step = (key_states, value_states) if plan.num_new > 1 else None
         if not plan.ahead:  # planned steps are not counted (a graph would take the count for a constant)
             self.path.reads[plan.mode] += 1
@@ -213,7 +214,7 @@ class PagedRows(PlannedRows):
             return self.gather(layer_in_group, plan, step)
         storage = self.pool.storage
         if plan.mode == RUN:
-            first_page = self.table.rows[0][0]
+            first_page, num_tokens = self.table.rows[0][0], plan.num_keys
             view = functools.partial(run_view, layer_idx=layer_in_group, first_page=first_page, num_tokens=num_tokens)
             return self.store.read(layer_in_group, storage, view, plan, step=step)
         keys = self._storage_view(storage.keys, layer_in_group)
@@ -221,10 +222,9 @@ class PagedRows(PlannedRows):
             values = self._storage_view(storage.values, layer_in_group)
         else:
             values = self.store.values_in_place(layer_in_group, storage, plan)
-        if not plan.ahead:  # a planned step's read goes to attention with its inputs (PoolCache.start_planned)
-            gather = functools.partial(self.gather, layer_in_group, plan)
-            pads = self._pad_tensor(self.table.num_rows)
-            handoff[PAGED_READ] = PagedRead(plan.mask, pads, num_tokens, gather, plan.kv_offset)
+        if handoff is None:
+            return read_planned_view(keys, plan), read_planned_view(values, plan)
+        handoff[STEP_PLAN] = plan
         return keys, values
 
     def _storage_view(self, storage: torch.Tensor, layer_in_group: int) -> torch.Tensor:
@@ -237,10 +237,7 @@ class PagedRows(PlannedRows):
         self, layer_in_group: int, plan: StepPlan, step: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[batch, heads, num_keys, head_dim]`` of one layer, gathered as ``plan`` says (``step``:
-        as for ``SlotStore.read``); a plan that reads in place is gathered instead (attention's fallback)."""
-        if plan.reads is None:
-            plan = dataclasses.replace(plan, mode=GATHER)
-            self._plan_gather(plan)
+        as for ``SlotStore.read``)."""
         storage, fmt = self.pool.storage, self.pool.format
         shape = (self.table.num_rows, fmt.num_kv_heads, plan.num_keys)
 
