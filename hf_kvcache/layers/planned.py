@@ -7,7 +7,7 @@ them: tensor operations, no host read, nothing dynamo specializes on.
 
 import torch
 
-from hf_kvcache.attention import block_mask, flex
+from hf_kvcache.attention import block_mask
 from hf_kvcache.attention.kernels import page_rows, slot_indices
 from hf_kvcache.layers.plan import StepPlan
 from hf_kvcache.layers.read_path import GATHER, IN_PLACE
@@ -64,7 +64,7 @@ class PlannedRows:
             if store.keys is not None:
                 store.keys.replan_decode(plan, start)
             # Quantized values read in place plan anew (value_buffer): these gathered, as the step before
-            plan.mask = self._planned_mask(start, batch, capacity_pages, padding_only) if store.quant is None else None
+            plan.mask = self._planned_mask(start, capacity_pages, padding_only) if store.quant is None else None
             plan.mode = GATHER if plan.mask is None else IN_PLACE
             return plan
         self._step_key = step_key
@@ -76,7 +76,7 @@ class PlannedRows:
             key_window = None if self.window is None else (first // page_size, -(-self.window // page_size) + 1)
             with self.pool.held() as storage:
                 keys_read = store.keys.plan_decode(storage, start, self._page_ids(), tokens, key_window)
-        mask = self._planned_mask(start, batch, capacity_pages, padding_only)
+        mask = self._planned_mask(start, capacity_pages, padding_only)
         in_place_values = (None, None, None)
         if mask is not None and store.quant is not None:
             in_place_values = self._plan_values_in_place(start, batch, capacity_pages)
@@ -111,24 +111,15 @@ class PlannedRows:
         plan.value_buffer = self._value_buffer() if in_place_values[0] is not None else None
         return plan
 
-    def _planned_mask(
-        self, start: int, batch: int, capacity_pages: int, padding_only: bool
-    ) -> "block_mask.PagedBlockMask | None":
-        """``StepPlan.mask`` of a planned step, or ``None``: it gathers. In place takes growing rows with
-        full-precision keys and no sink, under our attention, where ``batch x capacity`` (a constant of the graph)
-        reaches ``flex.MIN_IN_PLACE_TOKENS`` and the model's mask hides only padding (FlexAttention applies the block
-        mask's rule, not the model's mask)."""
-        reads = batch * capacity_pages * self.pool.format.page_size
-        wanted = (
-            padding_only
-            and self.window is None
-            and self.store.keys is None
-            and self.store.sink is None
-            and reads >= flex.MIN_IN_PLACE_TOKENS
-            and self.path.our_attention()
-            and flex.unavailable(self.pool.device) is None
-        )
-        return self.path.mask if wanted and self.path.refresh_mask(batch, start + 1, self.mask_inputs) else None
+    def _planned_mask(self, start: int, capacity_pages: int, padding_only: bool) -> "block_mask.PagedBlockMask | None":
+        """``StepPlan.mask`` of a planned step (``ReadPath.choose`` for its capacity), or ``None``: it gathers, as
+        where the model's mask hides more than padding (FlexAttention applies the block mask's rule, not the mask's)."""
+        if not padding_only:
+            return None
+        coded = self.store.keys is not None or self.store.sink is not None
+        capacity = capacity_pages * self.pool.format.page_size
+        mode = self.path.choose(start + 1, 1, coded, True, self.mask_inputs, capacity)
+        return self.path.mask if mode == IN_PLACE else None
 
     def _plan_values_in_place(
         self, start: int, batch: int, capacity_pages: int

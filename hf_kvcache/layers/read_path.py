@@ -57,14 +57,24 @@ class ReadPath:
         if table_changed:
             self._one_run = None
 
-    def choose(self, num_tokens: int, num_new: int, encoded_keys: bool, hands_over: bool, inputs: MaskInputs) -> str:
+    def choose(
+        self,
+        num_tokens: int,
+        num_new: int,
+        encoded_keys: bool,
+        hands_over: bool,
+        inputs: MaskInputs,
+        capacity_tokens: int | None = None,
+    ) -> str:
         """How a step's attention reads the pages: ``GATHER``, ``RUN`` or ``IN_PLACE``.
 
         Args:
-            encoded_keys: the keys are stored as codes (always gathered and decoded).
+            encoded_keys: the keys are stored as codes, or an exact sink goes over them (always gathered).
             hands_over: the model's attention hands the cache its kwargs, where an in-place read puts its plan.
+            capacity_tokens: a planned step's keys per row (its capacity; ``None``: an eager step). A graph takes a
+                run's first page and a window's slots for constants: planned windows and runs gather.
         """
-        batch, pool = self.table.num_rows, self.pool
+        batch, pool, planned = self.table.num_rows, self.pool, capacity_tokens is not None
         if not batch or not self.our_attention():
             if batch and num_new == 1:
                 flex.log_path("attention", "the model's attn_implementation is not 'hf_kvcache'")
@@ -72,10 +82,12 @@ class ReadPath:
         if encoded_keys:
             flex.log_path("encoded keys", "keys stored as int8/int4 codes are gathered and decoded for attention")
             return GATHER
-        if self.window is None and self.is_one_run():
+        if planned and self.window is not None:
+            return GATHER
+        if not planned and self.window is None and self.is_one_run():
             flex.log_path("in_place:run", "a single row on consecutive pages: sdpa over a view of them")
             return RUN
-        num_keys, least = num_tokens, flex.MIN_IN_PLACE_TOKENS
+        num_keys, least = capacity_tokens or num_tokens, flex.MIN_IN_PLACE_TOKENS
         if self.window is not None:
             num_keys, least = min(num_tokens, sum(self.window)), least * flex.WINDOW_IN_PLACE_FACTOR
         if num_new != 1 or batch * num_keys < least:
