@@ -167,8 +167,8 @@ QUANTIZED_KV = {  # int4 keys per channel over a page, int8 keys per token
 @pytest.mark.parametrize("config", list(QUANTIZED_KV))
 @pytest.mark.parametrize("batch", ["batch", "padded"])
 def test_compiled_quantized_kv_generates_the_tokens_of_eager_in_one_graph(compile_config, config, batch):
-    """Keys to the page still filling in the graph, the filled page encoded before the next step (one step later
-    than eager, with the same codes), pages decoded in the graph with the page still filling over theirs."""
+    """Keys to the page still filling in the graph, which it encodes every step (the step that fills it writes its
+    codes last, the codes eager writes then), pages decoded in the graph with the page still filling over theirs."""
     model = tiny_llama()
     cache_config, backend = QUANTIZED_KV[config]
     kwargs = {"max_new_tokens": 40, "cache_config": cache_config}
@@ -504,11 +504,11 @@ def test_planned_steps_compute_what_eager_steps_do(case):
 @pytest.mark.parametrize("case", [case for case in PLANNED_CASES if case.startswith("quantized")])
 @pytest.mark.parametrize("crop", [False, True], ids=["then-eager", "then-crop"])
 def test_eager_steps_and_crops_after_planned_ones_compute_what_eager_steps_do(case, crop):
-    """Planned steps encode a key page one step late (the step that fills it only writes its last key), and write
-    values into the residual window's ring. When the step after the one that filled a page is not planned (a request
-    that stops compiling, a cache reused without compiling), or a crop comes back into that page, the page must
-    still be encoded, nothing may write over it, and the window must know which tokens the planned steps overwrote:
-    the same logits as a cache that ran every step eagerly."""
+    """Planned steps encode the key page still filling every step (the step that fills it last), and write values
+    into the residual window's ring. When the step after the one that filled a page is not planned (a request that
+    stops compiling, a cache reused without compiling), or a crop comes back into that page, the page must hold its
+    codes, nothing may write over it, and the window must know which tokens the planned steps overwrote: the same
+    logits as a cache that ran every step eagerly."""
     model, planned, eager, token, mask = planned_and_eager_twins(case)
     with torch.no_grad():
         for step in range(16):  # tokens 22 to 37: planned up to token 31, which fills the page [16, 32); then eager

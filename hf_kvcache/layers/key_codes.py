@@ -117,12 +117,5 @@ class KeyCodes:
         scales, groups = storage.key_scales[index], quant.num_scale_groups
         return dequantize(codes, scales[..., :groups], scales[..., groups:], quant, dtype)
 
-    def through_encoding(self, pages: torch.Tensor) -> torch.Tensor:
-        """Full pages ``[..., page_size, head_dim]`` through their encoding (the reference ``dequantize``)."""
-        if self.format.keys_per_channel:
-            channels = pages.mT
-            return dequantize(*quantize(channels, self.quant), self.quant, pages.dtype).mT
-        return dequantize(*quantize(pages, self.quant), self.quant, pages.dtype)
-
     def release(self) -> None:
         self._halves = None

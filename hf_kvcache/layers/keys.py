@@ -1,6 +1,8 @@
 """Keys stored as codes a page at a time (``KeyPages``; a format that sets ``key_bits``), encoded once a page fills.
 
-The page still filling is held in full precision (``partial``) and its pool slots stay unwritten. Every row counts
+The page still filling is held in full precision (``partial``), which attention reads; an eager step encodes it when
+it fills it, a planned step every step (a graph cannot branch on the fill: the codes of the step that fills it are
+written last). Every row counts
 tokens from 0, its padding included, so token ``t`` lies in token page ``t // page_size`` of every row's table and one
 plan serves every row. A ``crop`` into an encoded page decodes it back as the page still filling; nothing else
 re-encodes a page.
@@ -25,7 +27,6 @@ class KeyPages:
         self.codes = KeyCodes(page_format, buffer)
         self.partial: dict[int, torch.Tensor] = {}  # layer_in_group -> [batch, heads, page_size, head_dim]
         self.written: dict[int, int] = {}  # layer_in_group -> tokens written (padding included)
-        self.filled_unencoded: int | None = None  # the end of a page the last planned step filled, not yet encoded
         self._partial_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (partial, heads first)
 
     @property
@@ -71,8 +72,6 @@ class KeyPages:
         """
         if key_states.requires_grad:
             key_states = key_states.detach()
-        if self.filled_unencoded is not None and self.filled_unencoded == start:  # the step after a planned one
-            self._encode_partial(storage, page_ids, start)  # that filled a page, not planned
         if self._write_in_place(layer_in_group, storage, start, key_states, plan):
             return
         page_size, device, end = self.page_size, key_states.device, start + key_states.shape[2]
@@ -178,15 +177,13 @@ class KeyPages:
 
     def plan_decode(
         self,
-        storage: PoolStorage,
         start: int,
         page_ids: torch.Tensor,
         tokens: torch.Tensor | None,
         window: tuple[int, int] | None = None,
     ) -> tuple[torch.Tensor | None, ...]:
-        """Before a planned step at ``start``: encodes the page the last planned step filled (one step late: a
-        graph cannot branch on the fill), then returns ``StepPlan``'s ``(key_pages, key_slots, filling_page,
-        filling_coded)``.
+        """Before a planned step at ``start``: counts its token, and returns ``StepPlan``'s ``(key_pages, key_slots,
+        filling_page, filling_coded)``.
 
         Args:
             page_ids: ``[batch, num_pages]`` the rows' pages.
@@ -195,8 +192,6 @@ class KeyPages:
                 ``key_slots`` are then ``None``).
         """
         page_size, device = self.page_size, page_ids.device
-        if self.filled_unencoded == start:  # the last step, planned, filled pages: encode them from there
-            self._encode_partial(storage, page_ids, start)
         self._advance_planned(start)
         first_page, window_pages = window if window is not None else (0, None)
         filling = (
@@ -218,7 +213,6 @@ class KeyPages:
     def _advance_planned(self, start: int) -> bool:
         """Counts a planned step's token in every layer; returns whether it fills the rows' page."""
         fills = self._fills(start + 1)
-        self.filled_unencoded = start + 1 if fills else None
         for layer_in_group in self.partial:
             self.written[layer_in_group] = start + 1
         return fills
@@ -231,18 +225,13 @@ class KeyPages:
         column = end // self.page_size - 1 - first_page
         return page_ids[:, column : column + 1]
 
-    def _encode_partial(self, storage: PoolStorage, page_ids: torch.Tensor, end: int) -> None:
-        """Encodes the page ending at token ``end``, held whole as the page still filling (a planned step's)."""
-        index = self.codes.store_index(self._filled_targets(page_ids, end))
-        for layer_in_group, partial in self.partial.items():
-            self.codes.store(layer_in_group, storage, partial.unsqueeze(2), index)
-            partial.zero_()  # every slot is written again before it is read
-        self.filled_unencoded = None
-
-    def write_planned(self, layer_in_group: int, plan: "Any", key_states: torch.Tensor) -> None:
-        """A planned step's new keys ``[batch, heads, 1, head_dim]`` to their slot of the page still filling."""
+    def write_planned(self, layer_in_group: int, storage: PoolStorage, plan: "Any", key_states: torch.Tensor) -> None:
+        """A planned step's new keys ``[batch, heads, 1, head_dim]`` to their slot of the page still filling, which it
+        encodes into its pool page (whole where the step fills it; before, codes nothing reads)."""
         partial = self.partial[layer_in_group]  # [batch, heads, page_size, head_dim]
         partial.index_put_((plan.rows, plan.heads, plan.write_offsets), key_states.detach().to(partial.dtype))
+        index = self.codes.store_index(plan.write_pages.view(-1, 1))
+        self.codes.store(layer_in_group, storage, partial.unsqueeze(2), index)
 
     def read_planned(self, layer_in_group: int, storage: PoolStorage, plan: "Any", dtype: torch.dtype) -> torch.Tensor:
         """A planned step's keys ``[batch, heads, num_keys, head_dim]``, the page still filling over its own."""
@@ -250,9 +239,9 @@ class KeyPages:
         decoded = self.codes.decode_indexed(storage, index, dtype)  # [batch, heads, pages, page_size, head_dim]
         batch, heads, num_pages, page_size, head_dim = decoded.shape
         partial = self.partial[layer_in_group].to(dtype)  # [batch, heads, page_size, head_dim]
-        # The step that fills the page reads it encoded, as eager does (which encodes it in that step).
-        partial = torch.where(plan.filling_coded, self.codes.through_encoding(partial), partial)
-        decoded.index_put_((plan.rows.view(-1, 1), plan.heads.view(1, -1), plan.filling_page), partial)
+        filling = (plan.rows.view(-1, 1), plan.heads.view(1, -1), plan.filling_page)
+        # The step that fills the page reads it decoded from the codes it wrote, as eager does.
+        decoded.index_put_(filling, torch.where(plan.filling_coded, decoded[filling], partial))
         keys = decoded.view(batch, heads, num_pages * page_size, head_dim)
         if plan.key_slots is None:
             return keys
@@ -267,10 +256,6 @@ class KeyPages:
     def crop(self, num_tokens: int, storage: PoolStorage, page_ids: torch.Tensor) -> None:
         """Keeps tokens ``[0, num_tokens)``; a page still filling that moves back to an encoded page is decoded (call
         it after the page table's crop)."""
-        end = self.filled_unencoded
-        if end is not None and num_tokens >= end - self.page_size and page_ids.numel():
-            self._encode_partial(storage, page_ids, end)  # a page a planned step filled, kept
-        self.filled_unencoded = None
         for layer_in_group, partial in self.partial.items():
             written = self.written.get(layer_in_group, 0)
             page = num_tokens // self.page_size
@@ -288,5 +273,4 @@ class KeyPages:
         self.partial.clear()
         self._partial_views.clear()
         self.written.clear()
-        self.filled_unencoded = None
         self.codes.release()

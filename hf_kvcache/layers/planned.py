@@ -74,8 +74,7 @@ class PlannedRows:
         keys_read = (None,) * 4
         if store.keys is not None:  # a window's coded keys: its pages from the first visible one's (it has no sinks)
             key_window = None if self.window is None else (first // page_size, -(-self.window // page_size) + 1)
-            with self.pool.held() as storage:
-                keys_read = store.keys.plan_decode(storage, start, self._page_ids(), tokens, key_window)
+            keys_read = store.keys.plan_decode(start, self._page_ids(), tokens, key_window)
         mask = self._planned_mask(start, capacity_pages, padding_only)
         in_place_values = (None, None, None)
         if mask is not None and store.quant is not None:

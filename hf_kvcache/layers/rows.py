@@ -167,8 +167,8 @@ class PagedRows(PlannedRows):
             write_planned(tensor, plan, layer_in_group, states)
 
         self.store.write(layer_in_group, storage, put, key_states, value_states, code_values=not deferred)
-        if keys is not None and plan.ahead:  # a graph cannot branch on a page filling: plan_decode encodes it after
-            keys.write_planned(layer_in_group, plan, key_states)
+        if keys is not None and plan.ahead:  # a graph cannot branch on a page filling: it encodes the page every step
+            keys.write_planned(layer_in_group, storage, plan, key_states)
         elif keys is not None:  # an eager step encodes the pages it fills
             keys.write(layer_in_group, storage, plan.start, key_states, self._page_ids(), plan)
         self.store.remember(layer_in_group, plan, key_states, value_states)

@@ -63,11 +63,9 @@ def dequantize_channels(
 ) -> torch.Tensor:
     """``dequantize_channels_into`` as one expression a compiled graph fuses, returning ``[..., head_dim, columns]`` in
     ``dtype`` (bitwise equal). Compact words may come as their bytes, ``scale [..., 1, 2 * columns]`` uint8."""
-    if fmt.bits == 8:
-        values = codes.float()
-    else:
-        rows = codes.unsqueeze(-2)  # [..., code_dim, 1, columns]: rows 2i (low nibble) and 2i + 1 (high)
-        values = torch.cat((rows & 0xF, rows >> 4), dim=-2).flatten(-3, -2).float()  # [..., head_dim, columns]
+    values = codes  # integers: a sum or product with float32 promotes them exactly
+    if fmt.bits == 4:  # rows 2i (low nibble) and 2i + 1 (high)
+        values = torch.stack((codes & 0xF, codes >> 4), dim=-2).flatten(-3, -2)  # [..., head_dim, columns]
     if fmt.compact_params:
         from_bytes = scale.dtype == torch.uint8
         scale, steps = (compact_scale_and_steps_from_bytes if from_bytes else compact_scale_and_steps)(scale, zero)
