@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_kvcache.memory.dequant import dequantize_channels, dequantize_channels_into, dequantize_joined_into
+from hf_kvcache.memory.dequant import dequantize_channels, dequantize_joined_into
 from hf_kvcache.memory.quant import (
     COMPACT_SCALE_MAX_BITS,
     QuantFormat,
@@ -20,6 +20,7 @@ from hf_kvcache.memory.quant import (
     join_scales,
     pack_int4,
     quantize,
+    quantize_columns,
     unpack_int4,
 )
 
@@ -239,19 +240,18 @@ def test_dequantize_joined_into_equals_dequantize_bitwise(case, margin, out_dtyp
 
 @FAST
 @given(cases(), st.sampled_from(DTYPES + [None]))
-def test_dequantize_channels_into_equals_dequantize_bitwise(case, out_dtype):
-    """Columns (a channel's tokens of a key page) with row-major codes against the reference on each column, in
-    place and as one expression."""
+def test_dequantize_channels_equals_dequantize_bitwise(case, out_dtype):
+    """Columns (a channel's tokens of a key page) quantized in place of the last dim (``quantize_columns``): the
+    parameters ``quantize`` stores for each column, decoded as the reference decodes each column."""
     fmt, x = case
     fmt = QuantFormat(fmt.bits, fmt.head_dim, fmt.head_dim, fmt.scale_dtype, fmt.compact_params)  # a group per column
     x = x if x.dim() > 1 else x.unsqueeze(0)  # [..., columns, head_dim]: one vector per column
     out_dtype = out_dtype or x.dtype
     codes, scale, zero = quantize(x, fmt)
-    out = torch.full((*x.shape[:-2], fmt.head_dim, x.shape[-2]), torch.nan, dtype=out_dtype)
-    dequantize_channels_into(out, codes.mT.contiguous(), scale.mT, zero.mT, fmt)
     reference = dequantize(codes, scale, zero, fmt, out_dtype).mT
-    assert torch.equal(out, reference)
-    assert torch.equal(dequantize_channels(codes.mT.contiguous(), scale.mT, zero.mT, fmt, out_dtype), reference)
+    columns = quantize_columns(x.mT, fmt)
+    assert torch.equal(columns[1], scale.mT) and torch.equal(columns[2], zero.mT)
+    assert torch.equal(dequantize_channels(*columns, fmt, out_dtype), reference)
 
 
 def test_compact_parameters_decode_from_their_bytes_as_from_their_words():

@@ -263,8 +263,8 @@ def test_bad_settings_name_the_key(tiny_llama_model):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("key_bits", [8, 4])
 def test_decoded_keys_equal_the_reference_bitwise(tiny_llama_model, key_bits, dtype):
-    """The fast path (``dequantize_joined_into`` over the gathered pages, channel-major pages into a transposed view)
-    against the reference ``dequantize`` of the same stored codes."""
+    """The keys' decoder (the stored codes gathered by page) against the reference ``dequantize`` of the same stored
+    codes (int4: a channel's byte ``i`` of a page holds its tokens ``i`` and ``i + page_size / 2``)."""
     cache = QuantizedKVCache(
         tiny_llama_model.config,
         {"key_bits": key_bits, "group_size": 8, "page_size": 4, "max_tokens": 64},
@@ -275,15 +275,17 @@ def test_decoded_keys_equal_the_reference_bitwise(tiny_llama_model, key_bits, dt
     cache.update(states, states, 0)
     rows = cache.layers[0].rows
     storage, fmt, ids = cache.pool.pages.storage, cache.pool.format, rows._page_ids()[:, :3]  # the 3 full pages
-    pages = rows.store.keys.codes.decode(0, storage, ids, dtype)  # [heads, batch * 3, page_size, head_dim]
-    fast = pages.view(2, 2, 12, 16).permute(1, 0, 2, 3)  # [batch, heads, 12, head_dim]
+    index = (torch.zeros(1, 1, 1, dtype=torch.long), torch.arange(2).view(1, -1, 1), ids.unsqueeze(1))
+    decoded = rows.store.keys.codes.decode(storage, index, dtype)  # [batch, heads, 3, page_size, head_dim]
+    fast = decoded.flatten(2, 3)  # [batch, heads, 12, head_dim]
     layer = (storage.keys[0], storage.key_scales[0])
     codes, scales = (tensor[:, ids].transpose(0, 1) for tensor in layer)  # [batch, heads, 3, ...]
     quant = fmt.key_format
     if key_bits == 4:
-        channels = codes.reshape(2, 2, 3, 2, 16).transpose(-1, -2)  # a page's bytes: [page_size // 2, head_dim]
-        zeros = storage.key_zeros[0][:, ids].transpose(0, 1).unsqueeze(-1)
-        reference = dequantize(channels, scales.unsqueeze(-1), zeros, quant, dtype).transpose(-1, -2)
+        channels = codes.transpose(-1, -2)  # a page's bytes [page_size // 2, head_dim], a channel's: [head_dim, 2]
+        zeros = storage.key_zeros[0][:, ids].transpose(0, 1).mT  # [batch, heads, 3, head_dim, 1]
+        paired = dequantize(channels, scales.mT, zeros, quant, dtype)  # a channel's tokens 0, 2, 1, 3
+        reference = paired.unflatten(-1, (2, 2)).transpose(-1, -2).flatten(-2).transpose(-1, -2)
     else:
         groups = quant.num_scale_groups
         reference = dequantize(codes, scales[..., :groups], scales[..., groups:], quant, dtype)

@@ -1,11 +1,11 @@
 """Keys stored as codes a page at a time (``KeyPages``; a format that sets ``key_bits``), encoded once a page fills.
 
-The page still filling is held in full precision (``partial``), which attention reads; an eager step encodes it when
-it fills it, a planned step every step (a graph cannot branch on the fill: the codes of the step that fills it are
-written last). Every row counts
+The page still filling is held in full precision (``partial``) and attention reads it from there. Every row counts
 tokens from 0, its padding included, so token ``t`` lies in token page ``t // page_size`` of every row's table and one
-plan serves every row. A ``crop`` into an encoded page decodes it back as the page still filling; nothing else
-re-encodes a page.
+plan serves every row. Eager and planned steps go through one ``plan``, ``write`` and ``read``: a step of one token per
+row puts its key in the page still filling and encodes the page when it fills it (a planned step, whose graph cannot
+branch on the fill, encodes the page still filling every step: the fill's codes are written last); a step of several
+tokens encodes the pages it fills. A ``crop`` into an encoded page decodes it back as the page still filling.
 """
 
 from collections.abc import Callable
@@ -13,44 +13,76 @@ from typing import Any
 
 import torch
 
-from hf_kvcache.layers.key_codes import Buffer, KeyCodes
+from hf_kvcache.layers.key_codes import KeyCodes
 from hf_kvcache.memory.allocator import NULL_PAGE
 from hf_kvcache.memory.format import PageFormat
 from hf_kvcache.memory.storage import PoolStorage
 
 
 class KeyPages:
-    """One layer group's keys as codes in the pool (``page_format`` and ``buffer`` as for ``KeyCodes``)."""
+    """One layer group's keys as codes in the pool."""
 
-    def __init__(self, page_format: PageFormat, buffer: Buffer) -> None:
+    def __init__(self, page_format: PageFormat) -> None:
         self.page_size = page_format.page_size
-        self.codes = KeyCodes(page_format, buffer)
-        self.partial: dict[int, torch.Tensor] = {}  # layer_in_group -> [batch, heads, page_size, head_dim]
-        self.written: dict[int, int] = {}  # layer_in_group -> tokens written (padding included)
-        self._partial_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (partial, heads first)
+        self.codes = KeyCodes(page_format)
+        self.partial: dict[int, torch.Tensor] = {}  # layer_in_group -> [batch, heads, 1, page_size, head_dim]
+        self.end = 0  # tokens every layer holds once the step planned last is written (padding included)
 
     @property
     def partial_bytes(self) -> int:
         """Bytes of the full-precision pages still filling, held outside the pool."""
         return sum(buffer.numel() * buffer.element_size() for buffer in self.partial.values())
 
-    # ----- an eager step's plan --------------------------------------------------------------
+    # ----- a step's plan -------------------------------------------------------------------------
 
-    def plan_eager(self, plan: "Any", start: int, num_new: int, page_ids: torch.Tensor, first_page: int = 0) -> None:
-        """An eager step's ``StepPlan.key_ids``, ``key_filling`` and ``key_step`` for tokens ``[start, start + n)``
-        over ``page_ids`` (the rows' table from token page ``first_page`` on); ``key_step`` is a one-token step's
-        slot in the page still filling and, if it fills that page, the pool pages it is encoded to."""
-        (batch, m), device, end = page_ids.shape, page_ids.device, start + num_new
-        plan.key_ids = page_ids.reshape(-1)
-        if end % self.page_size:
-            column = end // self.page_size - first_page
-            plan.key_filling = torch.arange(batch, device=device) * m + column
-        if num_new != 1:
-            return  # the general path of write
-        fmt = self.codes.format
-        slot = torch.full((batch, fmt.num_kv_heads, 1, fmt.head_dim), start % self.page_size, device=device)
-        filled = self._fills(end) and self.codes.store_index(self._filled_targets(page_ids, end, first_page))
-        plan.key_step = (slot, filled or None)
+    def plan(
+        self,
+        page_ids: torch.Tensor,
+        start: int,
+        num_new: int,
+        first_page: int = 0,
+        ahead: bool = False,
+        window: tuple[int, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor | None, ...]:
+        """A step's ``StepPlan`` ``(key_pages, key_slots, filling_page, filling_coded)``: it writes tokens ``[start,
+        start + n)``.
+
+        Args:
+            page_ids: ``[batch, num_pages]`` the rows' pages.
+            first_page: the first token page the step reads (a window's first visible token's).
+            ahead: a planned step (one token per row): it reads ``StepPlan.pages``, or with ``window`` its
+                ``(window_pages, tokens [batch, num_keys])``: that many pages and each key's token (``-1``: none).
+        """
+        page_size, device, (batch, _), end = self.page_size, page_ids.device, page_ids.shape, start + num_new
+        held = self.partial and all(partial.shape[0] == batch for partial in self.partial.values())
+        token = num_new == 1 and start > 0 and bool(held)  # else the step writes as one of several tokens
+        if ahead and not token:
+            raise RuntimeError(
+                f"A planned step at token {start} finds no page of coded keys still filling for its {batch} rows: "
+                "planned steps follow an eager step (a prefill) of the same rows."
+            )
+        self.end = end
+        # An eager step reads the page still filling after it (none where it filled one: encoded as it wrote), a
+        # planned step the one its token goes to, through its codes where the token fills it.
+        column = start // page_size if ahead else end // page_size if end % page_size else None
+        filling_page = None if column is None else torch.tensor([column - first_page], device=device)
+        filling_coded = torch.full((1, 1, 1, 1), end % page_size == 0, device=device) if token else None
+        if not ahead:  # exactly the pages the step reads
+            return page_ids[:, first_page : -(-end // page_size)].unsqueeze(1), None, filling_page, filling_coded
+        if window is None:
+            return None, None, filling_page, filling_coded
+        window_pages, tokens = window
+        pages = torch.full((batch, 1, window_pages), NULL_PAGE, dtype=torch.long, device=device)
+        read = page_ids[:, first_page : first_page + window_pages]
+        pages[:, 0, : read.shape[1]] = read
+        slots = torch.where(tokens >= 0, tokens - first_page * page_size, 0)  # [batch, num_keys]
+        return pages, slots.unsqueeze(1).unsqueeze(-1), filling_page, filling_coded
+
+    def replan(self, plan: "Any", start: int) -> None:
+        """``plan`` for a planned step that keeps the step before's plan (the same page still filling): only
+        ``filling_coded`` changes (one op)."""
+        self.end = start + 1
+        plan.filling_coded.fill_(self.end % self.page_size == 0)
 
     # ----- writing ------------------------------------------------------------------------------
 
@@ -58,54 +90,34 @@ class KeyPages:
         self,
         layer_in_group: int,
         storage: PoolStorage,
-        start: int,
+        plan: "Any",
         key_states: torch.Tensor,
-        page_ids: torch.Tensor,
-        plan: "Any" = None,
+        page_ids: Callable[[], torch.Tensor],
     ) -> None:
-        """Takes tokens ``[start, start + n)`` of every row; encodes and stores the pages they fill.
-
-        Args:
-            key_states: ``[batch, heads, n, head_dim]``.
-            page_ids: ``[batch, num_pages]`` the rows' pages (their page table; holes: the null page).
-            plan: the step's (``plan_eager``); a one-token step writes as it says.
-        """
+        """Takes the step's tokens ``[batch, heads, n, head_dim]`` of every row: one token per row to its slot of the
+        page still filling, several with the pages they fill encoded and stored (``page_ids()``: the rows' pages
+        ``[batch, num_pages]``, asked only then)."""
         if key_states.requires_grad:
             key_states = key_states.detach()
-        if self._write_in_place(layer_in_group, storage, start, key_states, plan):
+        if plan.filling_coded is not None:  # one token per row (plan)
+            partial = self.partial[layer_in_group]  # [batch, heads, 1, page_size, head_dim]
+            partial.index_put_((*plan.partial_index, plan.write_offsets), key_states.to(partial.dtype))
+            if plan.ahead or (plan.start + 1) % self.page_size == 0:  # it fills the page (a graph: it may)
+                self.codes.store(storage, partial, (plan.layers[layer_in_group], plan.heads, plan.write_pages))
+                if not plan.ahead:  # every slot is written again before it is read
+                    partial.zero_()
             return
-        page_size, device, end = self.page_size, key_states.device, start + key_states.shape[2]
+        page_size, device, start = self.page_size, key_states.device, plan.start
+        end = start + key_states.shape[2]
         take, first_page, end_page = self._joined(layer_in_group, start, key_states)
         if end_page > first_page:  # pages the step fills
             token_pages = torch.arange(first_page, end_page, device=device).unsqueeze(0)  # [1, m]
             pages = take(self._page_tokens(token_pages))  # [batch, heads, m, page_size, head_dim]
-            targets = page_ids[:, first_page:end_page]  # [batch, m]
-            self.codes.store(layer_in_group, storage, pages, self.codes.store_index(targets))
-        partial = take(self._page_tokens(torch.tensor([[end_page]], device=device))).squeeze(2)
+            targets = page_ids()[:, first_page:end_page].unsqueeze(1)  # [batch, 1, m]
+            self.codes.store(storage, pages, (plan.layers[layer_in_group], plan.heads, targets))
+        partial = take(self._page_tokens(torch.tensor([[end_page]], device=device)))  # [batch, heads, 1, ...]
         held = torch.arange(page_size, device=device) < end % page_size  # [page_size]
-        self.partial[layer_in_group] = partial = partial.masked_fill(~held.view(1, 1, page_size, 1), 0)
-        self._heads_first(layer_in_group, partial)  # made here, where the page changes, once
-        self.written[layer_in_group] = end
-
-    def _write_in_place(
-        self, layer_in_group: int, storage: PoolStorage, start: int, key_states: torch.Tensor, plan: "Any"
-    ) -> bool:
-        """A one-token step's key put in its slot of each row's page still filling in one op (``StepPlan.key_step``),
-        encoding the page if it fills. ``False``: not such a step, nothing written."""
-        partial = self.partial.get(layer_in_group)
-        step = plan.key_step if plan is not None else None
-        batch, _, num_new, _ = key_states.shape
-        if step is None or num_new != 1 or partial is None or partial.shape[0] != batch:
-            return False
-        if self.written.get(layer_in_group) != start:
-            return False
-        slot, filled = step
-        partial.scatter_(2, slot, key_states.to(partial.dtype))
-        self.written[layer_in_group] = start + 1
-        if filled is not None:  # every row's page fills: encoded, and its slots are written again before they are read
-            self.codes.store(layer_in_group, storage, partial.unsqueeze(2), filled)
-            partial.zero_()
-        return True
+        self.partial[layer_in_group] = partial.masked_fill(~held.view(1, 1, 1, page_size, 1), 0)
 
     def _page_tokens(self, token_pages: torch.Tensor) -> torch.Tensor:
         """``[batch, m, page_size]`` the tokens of token pages ``[batch, m]``."""
@@ -121,7 +133,8 @@ class KeyPages:
         page_size = self.page_size
         partial = self.partial.get(layer_in_group)
         if partial is None or partial.shape[0] != batch or start == 0:
-            partial = key_states.new_zeros(batch, heads, page_size, head_dim)
+            partial = key_states.new_zeros(batch, heads, 1, page_size, head_dim)
+        partial = partial.squeeze(2)  # [batch, heads, page_size, head_dim]
         first_page, end_page = start // page_size, (start + num_new) // page_size
         # Token t: in the page still filling (at t - its first token) or among the new ones (past it).
         joined = torch.cat([partial, key_states.to(partial.dtype)], dim=2)  # [batch, heads, page_size + n, head_dim]
@@ -137,115 +150,27 @@ class KeyPages:
 
     # ----- reading ------------------------------------------------------------------------------
 
-    def _heads_first(self, layer_in_group: int, partial: torch.Tensor) -> torch.Tensor:
-        """A page still filling as ``[heads, batch, page_size, head_dim]`` (a view), kept while it is the same."""
-        kept = self._partial_views.get(layer_in_group)
-        if kept is None or kept[0] is not partial:
-            kept = self._partial_views[layer_in_group] = (partial, partial.transpose(0, 1))
-        return kept[1]
-
-    def read(
-        self,
-        layer_in_group: int,
-        storage: PoolStorage,
-        page_ids: torch.Tensor,
-        dtype: torch.dtype,
-        num_tokens: int | None = None,
-        plan: "Any" = None,
-        first_page: int = 0,
-    ) -> torch.Tensor:
-        """``[batch, heads, num_tokens, head_dim]`` (a strided view of a reused buffer): the first ``num_tokens`` slots
-        (default: all) of the pages ``page_ids [batch, m]`` (the table from token page ``first_page`` on), decoded,
-        the pages still filling over theirs."""
-        ids = plan.key_ids if plan is not None else None
-        pages = self.codes.decode(layer_in_group, storage, page_ids, dtype, ids)  # [heads, batch * m, page_size, hd]
-        (heads, _, page_size, head_dim), (batch, m) = pages.shape, page_ids.shape
-        partial = self.partial.get(layer_in_group)
-        written = self.written.get(layer_in_group, 0)
-        # The page still filling is token page written // page_size of every row, and its slots past the tokens
-        # held lie past the tokens read. One op puts it over its decoded slots.
-        if partial is not None and partial.shape[0] == batch and written % page_size:
-            filling = plan.key_filling if plan is not None else None
-            if filling is None:
-                filling = torch.arange(batch, device=pages.device) * m + written // page_size - first_page
-            pages.index_copy_(1, filling, self._heads_first(layer_in_group, partial).to(dtype))
-        row = m * page_size * head_dim  # one row's keys of one head, in the buffer
-        size = (batch, heads, m * page_size if num_tokens is None else min(num_tokens, m * page_size), head_dim)
-        return pages.as_strided(size, (row, batch * row, head_dim, 1))  # one op: [heads, batch, ...] permuted, cut
-
-    # ----- planned decode steps (compiled): tensor operations only ----------------------------------
-
-    def plan_decode(
-        self,
-        start: int,
-        page_ids: torch.Tensor,
-        tokens: torch.Tensor | None,
-        window: tuple[int, int] | None = None,
-    ) -> tuple[torch.Tensor | None, ...]:
-        """Before a planned step at ``start``: counts its token, and returns ``StepPlan``'s ``(key_pages, key_slots,
-        filling_page, filling_coded)``.
-
-        Args:
-            page_ids: ``[batch, num_pages]`` the rows' pages.
-            tokens: ``[batch, num_keys]`` the token of each key attention gets (``-1``: none; read with a ``window``).
-            window: a window's ``(first_page, window_pages)`` it reads; ``None``: every page (``key_pages`` and
-                ``key_slots`` are then ``None``).
-        """
-        page_size, device = self.page_size, page_ids.device
-        self._advance_planned(start)
-        first_page, window_pages = window if window is not None else (0, None)
-        filling = (
-            torch.tensor([[start // page_size - first_page]], device=device),
-            torch.tensor((start + 1) % page_size == 0, device=device).view(1, 1, 1, 1),
-        )
-        if window_pages is None:
-            return None, None, *filling
-        pages = torch.full((page_ids.shape[0], 1, window_pages), NULL_PAGE, dtype=torch.long, device=device)
-        read = page_ids[:, first_page : first_page + window_pages]
-        pages[:, 0, : read.shape[1]] = read
-        slots = torch.where(tokens >= 0, tokens - first_page * page_size, 0)  # [batch, num_keys]
-        return pages, slots.unsqueeze(1).unsqueeze(-1), *filling
-
-    def replan_decode(self, plan: "Any", start: int) -> None:
-        """``plan_decode`` for a step that keeps the step before's plan: only ``filling_coded`` changes (one op)."""
-        plan.filling_coded.fill_(self._advance_planned(start))
-
-    def _advance_planned(self, start: int) -> bool:
-        """Counts a planned step's token in every layer; returns whether it fills the rows' page."""
-        fills = self._fills(start + 1)
-        for layer_in_group in self.partial:
-            self.written[layer_in_group] = start + 1
-        return fills
-
-    def _fills(self, end: int) -> bool:
-        return end > 0 and end % self.page_size == 0
-
-    def _filled_targets(self, page_ids: torch.Tensor, end: int, first_page: int = 0) -> torch.Tensor:
-        """``[batch, 1]`` the pool page token ``end - 1`` fills (``page_ids``: the table from ``first_page`` on)."""
-        column = end // self.page_size - 1 - first_page
-        return page_ids[:, column : column + 1]
-
-    def write_planned(self, layer_in_group: int, storage: PoolStorage, plan: "Any", key_states: torch.Tensor) -> None:
-        """A planned step's new keys ``[batch, heads, 1, head_dim]`` to their slot of the page still filling, which it
-        encodes into its pool page (whole where the step fills it; before, codes nothing reads)."""
-        partial = self.partial[layer_in_group]  # [batch, heads, page_size, head_dim]
-        partial.index_put_((plan.rows, plan.heads, plan.write_offsets), key_states.detach().to(partial.dtype))
-        index = self.codes.store_index(plan.write_pages.view(-1, 1))
-        self.codes.store(layer_in_group, storage, partial.unsqueeze(2), index)
-
-    def read_planned(self, layer_in_group: int, storage: PoolStorage, plan: "Any", dtype: torch.dtype) -> torch.Tensor:
-        """A planned step's keys ``[batch, heads, num_keys, head_dim]``, the page still filling over its own."""
-        index = (plan.layers[layer_in_group], plan.heads, plan.pages if plan.key_pages is None else plan.key_pages)
-        decoded = self.codes.decode_indexed(storage, index, dtype)  # [batch, heads, pages, page_size, head_dim]
-        batch, heads, num_pages, page_size, head_dim = decoded.shape
-        partial = self.partial[layer_in_group].to(dtype)  # [batch, heads, page_size, head_dim]
-        filling = (plan.rows.view(-1, 1), plan.heads.view(1, -1), plan.filling_page)
-        # The step that fills the page reads it decoded from the codes it wrote, as eager does.
-        decoded.index_put_(filling, torch.where(plan.filling_coded, decoded[filling], partial))
-        keys = decoded.view(batch, heads, num_pages * page_size, head_dim)
-        if plan.key_slots is None:
-            return keys
-        return keys.gather(2, plan.key_slots.expand(batch, heads, plan.num_keys, head_dim))
+    def read(self, layer_in_group: int, storage: PoolStorage, plan: "Any", dtype: torch.dtype) -> torch.Tensor:
+        """A step's keys ``[batch, heads, num_keys, head_dim]`` in ``dtype``: its pages decoded, the page still filling
+        over its own."""
+        pages = plan.pages if plan.key_pages is None else plan.key_pages
+        decoded = self.codes.decode(storage, (plan.layers[layer_in_group], plan.heads, pages), dtype)
+        batch, heads, num_pages, page_size, head_dim = decoded.shape  # [batch, heads, pages, page_size, head_dim]
+        if plan.filling_page is not None:
+            partial = self.partial[layer_in_group].to(dtype)  # [batch, heads, 1, page_size, head_dim]
+            if plan.ahead:  # where its token fills the page, the codes it wrote, as an eager step reads them
+                partial = torch.where(plan.filling_coded, decoded.index_select(2, plan.filling_page), partial)
+            decoded.index_copy_(2, plan.filling_page, partial)
+        row = num_pages * page_size  # a row's keys decoded
+        if plan.key_slots is not None:  # a planned window's: each key's slot
+            keys = decoded.view(batch, heads, row, head_dim)
+            return keys.gather(2, plan.key_slots.expand(batch, heads, plan.num_keys, head_dim))
+        first = plan.kv_offset % page_size  # the first key's slot
+        if not first and plan.num_keys == row:  # every slot (a planned step's)
+            return decoded.view(batch, heads, row, head_dim)
+        # The keys from token kv_offset on in one op: decoded is a new tensor, contiguous (offset 0)
+        stride = (heads * row * head_dim, row * head_dim, head_dim, 1)
+        return decoded.as_strided((batch, heads, plan.num_keys, head_dim), stride, first * head_dim)
 
     # ----- row changes --------------------------------------------------------------------------
 
@@ -256,14 +181,17 @@ class KeyPages:
     def crop(self, num_tokens: int, storage: PoolStorage, page_ids: torch.Tensor) -> None:
         """Keeps tokens ``[0, num_tokens)``; a page still filling that moves back to an encoded page is decoded (call
         it after the page table's crop)."""
-        for layer_in_group, partial in self.partial.items():
-            written = self.written.get(layer_in_group, 0)
-            page = num_tokens // self.page_size
-            if written // self.page_size != page and page_ids.numel():
-                pages = page_ids[:, page : page + 1]  # [batch, 1]
-                decoded = self.codes.decode(layer_in_group, storage, pages, partial.dtype).transpose(0, 1)
-                self.partial[layer_in_group] = decoded.reshape(partial.shape).clone()  # out of the reused buffer
-            self.written[layer_in_group] = min(written, num_tokens)
+        page = num_tokens // self.page_size
+        if self.end // self.page_size != page and page_ids.numel():
+            pages = page_ids[:, page : page + 1].unsqueeze(1)  # [batch, 1, 1] (none: the crop ends on a page's end)
+            heads = torch.arange(self.codes.format.num_kv_heads, device=pages.device).view(1, -1, 1)
+            for layer_in_group, partial in self.partial.items():
+                if not pages.numel():
+                    partial.zero_()
+                    continue
+                layer = torch.full((1, 1, 1), layer_in_group, device=pages.device)
+                self.partial[layer_in_group] = self.codes.decode(storage, (layer, heads, pages), partial.dtype)
+        self.end = min(self.end, num_tokens)
 
     def attach(self) -> None:
         """Rows start from a reused prefix: whole pages, encoded."""
@@ -271,6 +199,4 @@ class KeyPages:
 
     def release(self) -> None:
         self.partial.clear()
-        self._partial_views.clear()
-        self.written.clear()
-        self.codes.release()
+        self.end = 0

@@ -24,14 +24,17 @@ class StepPlan:
         layers: ``[1, 1, 1]`` per layer, its index.
         num_keys: keys attention gets per row (the model's mask is built for this many; a constant of the graph).
         kv_offset: the token of the first key (``get_mask_sizes``).
-        rows: ``[batch, 1, 1]`` the rows.
+        partial_index: coded keys: ``(rows [batch, 1, 1], heads, [1, 1, 1] zeros)``, with ``write_offsets`` where a
+            step of one token per row writes its keys in the page still filling (``KeyPages.partial``).
         window_write: ``[n]`` the residual window's slots the newest tokens' values go to (``ResidualValues``).
         window_sources / window_positions: ``[window length]`` slot ``window_sources[i]`` goes over position
             ``window_positions[i]`` of the values read (``None``: none).
-        key_pages / key_slots: a window's coded keys: ``[batch, 1, window pages]`` the pages decoded and
-            ``[batch, 1, num_keys, 1]`` each key's slot among them (``None``: rows that decode ``pages``).
-        filling_page / filling_coded: coded keys: ``[1, 1]`` the page still filling among those decoded, and
-            ``[1, 1, 1, 1]`` whether the step fills it (then it is read through its encoding).
+        key_pages / key_slots: coded keys (``KeyPages.plan``): ``[batch, 1, pages]`` the pages decoded (``None``:
+            ``pages``) and a planned window's ``[batch, 1, num_keys, 1]`` each key's slot among them (``None``: the
+            keys from token ``kv_offset`` on, in order).
+        filling_page / filling_coded: coded keys: ``[1]`` the page still filling among those decoded (``None``:
+            none), and a step of one token per row's ``[1, 1, 1, 1]`` whether it fills it (then a planned step reads
+            it from the codes it wrote; ``None``: a step of several tokens, which encodes the pages it fills).
         mask: a ``PagedBlockMask`` where attention reads the pages in place; ``None``: the step gathers.
         padding_only: an eager step's: whether the model's mask hides only each row's leading padding (found by
             its first layer's attention; ``None``: not yet). A planned step reads in place only where it does.
@@ -49,9 +52,6 @@ class StepPlan:
             slot's token (the null page's first slot: none), its values going over the dequantized ones.
         value_buffer: ``[heads, view pages * page_size, head_dim]`` quantized values laid out as the storage.
         value_runs: an eager step's ``value_extents`` as ``(first, end)`` runs of consecutive ids.
-        key_ids / key_filling / key_step: an eager step's coded keys (``KeyPages.plan_eager``): ``[batch * pages]``
-            the pages to decode, ``[batch]`` each row's page still filling among them (``None``: none), and a
-            one-token step's ``(slot, filled)``.
         sink_write / sink_writes: an exact sink: ``[1]`` where the new token goes in it, ``[1, 1, 1, 1]`` whether
             it is one of the tokens the sink holds.
     """
@@ -63,7 +63,7 @@ class StepPlan:
     layers: tuple[torch.Tensor, ...]
     num_keys: int
     kv_offset: int = 0
-    rows: torch.Tensor | None = None
+    partial_index: tuple[torch.Tensor, ...] | None = None
     window_write: torch.Tensor | None = None
     window_sources: torch.Tensor | None = None
     window_positions: torch.Tensor | None = None
@@ -79,9 +79,6 @@ class StepPlan:
     window_offsets: torch.Tensor | None = None
     value_buffer: torch.Tensor | None = None
     value_runs: list[tuple[int, int]] | None = None
-    key_ids: torch.Tensor | None = None
-    key_filling: torch.Tensor | None = None
-    key_step: Any = None
     sink_write: torch.Tensor | None = None
     sink_writes: torch.Tensor | None = None
     reads: torch.Tensor | None = None

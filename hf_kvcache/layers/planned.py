@@ -62,7 +62,7 @@ class PlannedRows:
             plan.write_offsets.fill_(start % page_size)
             store.plan_window(plan, start, 1)
             if store.keys is not None:
-                store.keys.replan_decode(plan, start)
+                store.keys.replan(plan, start)
             # Quantized values read in place plan anew (value_buffer): these gathered, as the step before
             plan.mask = self._planned_mask(start, capacity_pages, padding_only) if store.quant is None else None
             plan.mode = GATHER if plan.mask is None else IN_PLACE
@@ -73,8 +73,8 @@ class PlannedRows:
         first = self._span(start, 1)[1]
         keys_read = (None,) * 4
         if store.keys is not None:  # a window's coded keys: its pages from the first visible one's (it has no sinks)
-            key_window = None if self.window is None else (first // page_size, -(-self.window // page_size) + 1)
-            keys_read = store.keys.plan_decode(start, self._page_ids(), tokens, key_window)
+            key_window = None if self.window is None else (-(-self.window // page_size) + 1, tokens)
+            keys_read = store.keys.plan(self._page_ids(), start, 1, first // page_size, True, key_window)
         mask = self._planned_mask(start, capacity_pages, padding_only)
         in_place_values = (None, None, None)
         if mask is not None and store.quant is not None:
@@ -85,8 +85,8 @@ class PlannedRows:
         planned = dict(zip(KEPT, (pages, reads, *self._write_slots(start, 1), *keys_read, *in_place_values, *sink)))
         fresh = plan is None or not plan.ahead or plan.slot_reads != (offsets is not None)
         if fresh or any(_shape(getattr(plan, name)) != _shape(tensor) for name, tensor in planned.items()):
-            rows = torch.arange(batch, device=pages.device).view(-1, 1, 1)
-            plan = StepPlan(None, None, None, self._heads, self._layers, num_keys, rows=rows, ahead=True)
+            plan = StepPlan(None, None, None, self._heads, self._layers, num_keys, ahead=True)
+            plan.partial_index = self._partial_index(batch)
             self.step_plan = plan
             for name, tensor in planned.items():
                 setattr(plan, name, _fresh_copy(tensor))

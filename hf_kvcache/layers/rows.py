@@ -70,6 +70,7 @@ class PagedRows(PlannedRows):
         self.step_plan: StepPlan | None = None  # the step's plan (plan_step; a compiled step's: plan_decode)
         self._step_key: tuple[int, ...] | None = None  # what the step plan was made for, where it can be kept
         self._planned_values: torch.Tensor | None = None  # StepPlan.value_buffer
+        self._partial_rows: tuple[torch.Tensor, ...] | None = None  # StepPlan.partial_index (_partial_index)
 
     @property
     def num_tokens(self) -> int:
@@ -109,7 +110,9 @@ class PagedRows(PlannedRows):
         self.store.plan_window(plan, start, num_new, first, first - sinks)
         if self.store.keys is not None:  # a window's coded keys: its pages from the first visible one's (no sinks)
             first_page = first // self.pool.format.page_size
-            self.store.keys.plan_eager(plan, start, num_new, self._page_ids()[:, first_page:], first_page)
+            key_plan = self.store.keys.plan(self._page_ids(), start, num_new, first_page)
+            plan.key_pages, plan.key_slots, plan.filling_page, plan.filling_coded = key_plan
+            plan.partial_index = self._partial_index(self.table.num_rows)
         if mode == GATHER:
             self._plan_gather(plan)
         elif mode == IN_PLACE:  # its pages too, for attention that cannot read in place after all
@@ -122,6 +125,13 @@ class PagedRows(PlannedRows):
             if self.store.residual is not None:  # the window's tokens, over their dequantized slots
                 plan.window_pages, plan.window_offsets = self._window_slots(end)
         return plan
+
+    def _partial_index(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``StepPlan.partial_index`` of ``batch`` rows (kept while the batch is the same)."""
+        if self._partial_rows is None or self._partial_rows[0].shape[0] != batch:
+            rows = torch.arange(batch, device=self.pool.device).view(-1, 1, 1)
+            self._partial_rows = (rows, self._heads, torch.zeros_like(self._layers[0]))
+        return self._partial_rows
 
     def _span(self, start: int, num_new: int) -> tuple[int, int]:
         """``(num_sinks, first)``: a step writing tokens ``[start, start + n)`` reads tokens ``[0, num_sinks)`` and
@@ -167,10 +177,8 @@ class PagedRows(PlannedRows):
             write_planned(tensor, plan, layer_in_group, states)
 
         self.store.write(layer_in_group, storage, put, key_states, value_states, code_values=not deferred)
-        if keys is not None and plan.ahead:  # a graph cannot branch on a page filling: it encodes the page every step
-            keys.write_planned(layer_in_group, storage, plan, key_states)
-        elif keys is not None:  # an eager step encodes the pages it fills
-            keys.write(layer_in_group, storage, plan.start, key_states, self._page_ids(), plan)
+        if keys is not None:
+            keys.write(layer_in_group, storage, plan, key_states, self._page_ids)
         self.store.remember(layer_in_group, plan, key_states, value_states)
         if deferred and layer_in_group == self._last_layer:  # every layer's token, coded at once
             self.store.code_step(storage, plan)
@@ -179,18 +187,8 @@ class PagedRows(PlannedRows):
 
     def _read_keys(self, layer_in_group: int, storage: PoolStorage, plan: StepPlan) -> torch.Tensor:
         """Coded keys, decoded: the ``[batch, heads, num_keys, head_dim]`` keys ``plan`` reads."""
-        dtype = self.pool.format.dtype
-        if plan.ahead:
-            keys = self.store.keys.read_planned(layer_in_group, storage, plan, dtype)
-        else:
-            keys = self._decode_keys(layer_in_group, storage, plan, dtype)
-        return keys.contiguous() if self.contiguous_keys else keys  # else a strided view of the decode buffer
-
-    def _decode_keys(
-        self, layer_in_group: int, storage: PoolStorage, plan: StepPlan, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """An eager step's encoded keys: every slot of the rows' pages decoded, the first ``num_keys``."""
-        return self.store.keys.read(layer_in_group, storage, self._page_ids(), dtype, plan.num_keys, plan)
+        keys = self.store.keys.read(layer_in_group, storage, plan, self.pool.format.dtype)
+        return keys.contiguous() if self.contiguous_keys else keys  # else a view of the decoded pages
 
     def read(
         self,

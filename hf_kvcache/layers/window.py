@@ -25,7 +25,6 @@ from hf_kvcache.layers.plan import StepPlan
 from hf_kvcache.layers.rows import PagedRows
 from hf_kvcache.memory.allocator import NULL_PAGE
 from hf_kvcache.memory.page_pool import PagePool
-from hf_kvcache.memory.storage import PoolStorage
 
 
 def band(
@@ -195,19 +194,6 @@ class WindowRows(PagedRows):
         pages = ids.gather(1, torch.where(held, tokens // page_size, 0)).masked_fill(~held, NULL_PAGE)
         offsets = torch.where(held & (pages != NULL_PAGE), tokens % page_size, 0)
         return pages, offsets
-
-    # ----- reading -----------------------------------------------------------------------------
-
-    def _decode_keys(
-        self, layer_in_group: int, storage: PoolStorage, plan: StepPlan, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """Coded keys of the visible tokens: the pages from the first visible one's, decoded, then each token's."""
-        page_size = self.pool.format.page_size
-        first_page = self._span(plan.start, plan.num_new)[1] // page_size  # a window with coded keys has no sinks
-        ids = self._page_ids()[:, first_page:]
-        keys = self.store.keys.read(layer_in_group, storage, ids, dtype, None, plan, first_page)
-        index = (plan.slots - first_page * page_size).clamp(min=0).view(plan.slots.shape[0], 1, -1, 1)
-        return keys.gather(2, index.expand(-1, keys.shape[1], -1, keys.shape[-1]))
 
     # ----- reused prefixes (hf_kvcache.caches.prefix) -------------------------------------------
 

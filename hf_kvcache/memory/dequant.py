@@ -1,5 +1,6 @@
-"""Fast decoders of ``quant``'s codes, each bitwise equal to the reference ``dequantize``: in place into reused
-buffers (eager steps), or as one expression a compiled graph fuses.
+"""Fast decoders of ``quant``'s codes, each bitwise equal to the reference ``dequantize``: values in place into
+reused buffers (``dequantize_joined_into``), keys coded per channel as one expression a compiled graph fuses
+(``dequantize_channels``).
 """
 
 import sys
@@ -16,56 +17,18 @@ def _float32_work(out: torch.Tensor, work: torch.Tensor | None) -> torch.Tensor:
     return torch.empty(out.shape, dtype=torch.float32, device=out.device) if work is None else work
 
 
-def dequantize_channels_into(
-    out: torch.Tensor,
-    codes: torch.Tensor,
-    scale: torch.Tensor,
-    zero: torch.Tensor,
-    fmt: QuantFormat,
-    work: torch.Tensor | None = None,
-    halves: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> None:
-    """Decodes vectors that run down ``out``'s columns (a channel's tokens of a key page, one scale group per column)
-    from row-major codes: bitwise ``dequantize(codes.mT, scale.mT, zero.mT, fmt, out.dtype).mT`` of the columns' own
-    codes. At 4 bits byte ``(i, c)`` holds rows ``2i`` (low nibble) and ``2i + 1`` of column ``c``.
-
-    Args:
-        out: ``[..., head_dim, columns]``, written in place. codes: ``[..., code_dim, columns]`` uint8. scale, zero:
-            ``[..., 1, columns]``. work: float32, ``out``'s shape (made if ``None``; unused for float32 ``out``).
-        halves: at 4 bits, ``channel_halves`` of ``work`` (``out`` if float32), kept by the caller (made if ``None``).
-    """
-    if fmt.num_scale_groups != 1 or out.shape[-2] != fmt.head_dim or codes.shape[-2] != fmt.code_dim:
-        raise ValueError(
-            f"dequantize_channels_into needs one scale group per column, out [..., {fmt.head_dim}, columns] and "
-            f"codes [..., {fmt.code_dim}, columns]; got group_size={fmt.group_size}, out {tuple(out.shape)}, codes "
-            f"{tuple(codes.shape)}."
-        )
-    work = _float32_work(out, work)
-    if fmt.bits == 8:
-        work.copy_(codes)
-    else:
-        low, high = halves if halves is not None else channel_halves(work, fmt)
-        torch.bitwise_and(codes, 0xF, out=low)  # computed on the bytes, written as float32: one op each
-        torch.bitwise_right_shift(codes, 4, out=high)
-    _codes_to_values(work, scale, zero, fmt)
-    if work is not out:
-        out.copy_(work)
-
-
-def channel_halves(work: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """The even and odd rows of ``work [..., head_dim, columns]`` (``dequantize_channels_into``'s ``halves``)."""
-    pairs = work.unflatten(-2, (fmt.code_dim, 2))  # view [..., code_dim, 2, columns]
-    return pairs[..., 0, :], pairs[..., 1, :]
-
-
 def dequantize_channels(
     codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype
 ) -> torch.Tensor:
-    """``dequantize_channels_into`` as one expression a compiled graph fuses, returning ``[..., head_dim, columns]`` in
-    ``dtype`` (bitwise equal). Compact words may come as their bytes, ``scale [..., 1, 2 * columns]`` uint8."""
+    """Decodes vectors that run down the columns of ``[..., head_dim, columns]`` (a channel's tokens of a key page, one
+    scale group per column) from row-major codes ``[..., code_dim, columns]`` uint8, in one expression a compiled graph
+    fuses: bitwise ``dequantize(codes.mT, scale.mT, zero.mT, fmt, dtype).mT`` of the columns' own codes. At 4 bits byte
+    ``(i, c)`` holds rows ``i`` (low nibble) and ``i + code_dim`` of column ``c`` (``quant.quantize_columns``).
+    ``scale``, ``zero``: ``[..., 1, columns]``; compact words may come as their bytes, ``scale [..., 1, 2 * columns]``
+    uint8."""
     values = codes  # integers: a sum or product with float32 promotes them exactly
-    if fmt.bits == 4:  # rows 2i (low nibble) and 2i + 1 (high)
-        values = torch.stack((codes & 0xF, codes >> 4), dim=-2).flatten(-3, -2)  # [..., head_dim, columns]
+    if fmt.bits == 4:  # rows i (low nibble), then rows i + code_dim (high)
+        values = torch.cat((codes & 0xF, codes >> 4), dim=-2)  # [..., head_dim, columns]
     if fmt.compact_params:
         from_bytes = scale.dtype == torch.uint8
         scale, steps = (compact_scale_and_steps_from_bytes if from_bytes else compact_scale_and_steps)(scale, zero)
@@ -101,7 +64,8 @@ def dequantize_joined_into(
 
     Args:
         out: ``[..., head_dim]``, written in place (a view is fine). codes: ``[..., code_dim]`` uint8. joined:
-            ``[..., 2 * num_scale_groups]``, as ``join_scales`` lays them out. work: as ``dequantize_channels_into``'s.
+            ``[..., 2 * num_scale_groups]``, as ``join_scales`` lays them out. work: float32, ``out``'s shape (made
+            if ``None``; unused for float32 ``out``).
         spread: int4 on a little-endian machine: int16 buffers of ``codes``' shape for the spread codes and their
             high nibbles (a pair, or one ``[2, *codes.shape]`` tensor; made if ``None``); a third, ``spread_bytes``
             of the first, saves two ops.

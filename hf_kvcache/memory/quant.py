@@ -5,7 +5,8 @@ A vector's ``head_dim`` channels (a token's; for keys per channel, one channel's
 
     float zero (default):  x ~= zero + code * scale,   zero: the group's minimum, rounded down, in scale_dtype
     compact (3 bytes):     x ~= base + code * scale,   base = z * scale / 16, z: a 12-bit integer (1/16 steps)
-    code in [0, max_code]  (255 for int8, 15 for int4: channel 2i in a byte's low nibble, 2i + 1 in its high one)
+    code in [0, max_code]  (255 for int8, 15 for int4: channel 2i in a byte's low nibble, 2i + 1 in its high one;
+                            keys per channel: tokens i and i + page_size / 2, quantize_columns)
 
 Float zeros: for finite inputs with ``|x| <= finfo(d).max / 2`` (``d``: the input's and the scale's dtype),
 ``|x - stored| <= scale / 2`` up to float32 rounding: codes are computed against the stored scale and zero, the zero
@@ -98,7 +99,7 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     nibble, ``2i + 1`` in the high one."""
     if codes.dtype != torch.uint8 or codes.shape[-1] % 2:
         raise ValueError(f"pack_int4 needs uint8 codes with an even last dim, got {codes.dtype} {tuple(codes.shape)}.")
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return codes[..., 0::2].add(codes[..., 1::2], alpha=16)  # the high nibble's code times 16: no carry
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -115,23 +116,53 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Ten
     """
     if not x.is_floating_point() or x.shape[-1] != fmt.head_dim:
         raise ValueError(f"quantize needs floating x of shape [..., {fmt.head_dim}], got {x.dtype} {tuple(x.shape)}.")
-    dtype = fmt.scale_dtype or x.dtype
     groups = x.float().unflatten(-1, (fmt.num_scale_groups, fmt.group_size))  # [..., num_scale_groups, group_size]
     low, high = groups.aminmax(dim=-1)  # [..., num_scale_groups]
+    scale, zero, stored, base = _parameters(low, high, fmt, fmt.scale_dtype or x.dtype)
+    codes = _codes(groups, base.unsqueeze(-1), stored.unsqueeze(-1), fmt).flatten(-2)  # [..., head_dim]
+    return (codes if fmt.bits == 8 else pack_int4(codes)), scale, zero
+
+
+def quantize_columns(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize`` of each column of ``x [..., head_dim, columns]`` as one scale group (a key page's channels over
+    its tokens), in place of the last dim: ``(codes [..., code_dim, columns], scale, zero [..., 1, columns])``, the
+    parameters and codes of ``quantize(x.mT)``; at 4 bits byte ``(i, c)`` holds rows ``i`` (low nibble) and ``i +
+    code_dim`` of column ``c`` (``dequant.dequantize_channels`` reads them so)."""
+    if fmt.num_scale_groups != 1 or not x.is_floating_point() or x.shape[-2] != fmt.head_dim:
+        raise ValueError(
+            f"quantize_columns needs one scale group and x [..., {fmt.head_dim}, columns], got "
+            f"group_size={fmt.group_size}, {x.dtype} {tuple(x.shape)}."
+        )
+    columns = x.float()
+    low, high = columns.aminmax(dim=-2, keepdim=True)  # [..., 1, columns]
+    scale, zero, stored, base = _parameters(low, high, fmt, fmt.scale_dtype or x.dtype)
+    codes = _codes(columns, base, stored, fmt)  # [..., head_dim, columns]
+    if fmt.bits == 4:
+        half = fmt.head_dim // 2
+        codes = codes[..., :half, :].add(codes[..., half:, :], alpha=16)  # as pack_int4
+    return codes, scale, zero
+
+
+def _parameters(
+    low: torch.Tensor, high: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    """``(scale, zero, stored scale, base)`` of groups spanning ``[low, high]`` (float32): what ``quantize`` stores,
+    and the float32 scale and base its codes are computed against."""
     if fmt.compact_params:
         scale, zero, stored, steps = _compact_params(low, high, fmt.max_code)
-        base = steps * stored  # exact, as compact_scale_and_base has it
-    else:
-        # A float32 minimum is stored as it is (the common case: rounding it down would take six more small ops).
-        zero = low if dtype == torch.float32 else _round_down(low, dtype)
-        base = zero.float()
-        scale = _covering_scale(high - base, fmt.max_code, dtype)
-        stored = scale.float()
-    stored = stored.unsqueeze(-1)  # [..., num_scale_groups, 1]
+        return scale, zero, stored, steps * stored  # exact, as compact_scale_and_base has it
+    # A float32 minimum is stored as it is (the common case: rounding it down would take six more small ops).
+    zero = low if dtype == torch.float32 else _round_down(low, dtype)
+    base = zero.float()
+    scale = _covering_scale(high - base, fmt.max_code, dtype)
+    return scale, zero, scale.float(), base
+
+
+def _codes(x: torch.Tensor, base: torch.Tensor, stored: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """uint8 codes of float32 ``x`` against ``base`` and ``stored`` scales broadcast to it."""
     # A constant group has scale 0 and numerators 0: divide by 1 there to get code 0.
-    steps = (groups - base.unsqueeze(-1)) / torch.where(stored > 0, stored, 1)
-    codes = steps.round_().clamp_(0, fmt.max_code).to(torch.uint8).flatten(-2)  # [..., head_dim]
-    return (codes if fmt.bits == 8 else pack_int4(codes)), scale, zero
+    steps = (x - base) / torch.where(stored > 0, stored, 1)
+    return steps.round_().clamp_(0, fmt.max_code).to(torch.uint8)
 
 
 def _compact_params(low: torch.Tensor, high: torch.Tensor, max_code: int) -> tuple[torch.Tensor, ...]:

@@ -15,13 +15,14 @@ One tensor per kind holds every page in every layer of one layer group (a page i
     keys:         [num_layers, num_kv_heads, num_storage_pages, page_size, head_dim]             uint8 codes
     key_scales:   [num_layers, num_kv_heads, num_storage_pages, page_size, 2 * num_scale_groups]  scales, zeros
     keys encoded per channel over a page (format.key_bits=4):
-    keys:         [num_layers, num_kv_heads, num_storage_pages, page_size, head_dim // 2]  a page's bytes hold its
-                  codes as [page_size // 2, head_dim]: byte (i, c) holds tokens 2i (low nibble) and 2i + 1 of channel c
-    key_scales:   [num_layers, num_kv_heads, num_storage_pages, head_dim]   int16: a channel's compact scale word
-    key_zeros:    [num_layers, num_kv_heads, num_storage_pages, head_dim]   int8: the high bits of its zero (quant)
+    keys:         [num_layers, num_kv_heads, num_storage_pages, page_size // 2, head_dim]  uint8: byte (i, c) holds
+                  tokens i (low nibble) and i + page_size // 2 of channel c
+    key_scales:   [num_layers, num_kv_heads, num_storage_pages, 1, head_dim]   int16: a channel's compact scale word
+    key_zeros:    [num_layers, num_kv_heads, num_storage_pages, 1, head_dim]   int8: the high bits of its zero (quant)
+    (laid out as the decoder reads a page: a row of codes a token pair, a scale per channel)
 
     Scales and float zeros are in format.scale_dtype (default: the dtype). Encoded keys are written a page at a
-    time, when its last slot is (layers.keys).
+    time, when its last slot is (a planned step: every step, the page's own codes last; layers.keys).
 
     slot            =   (layer_in_group, page id, offset < page_size): one token's key/value in one layer
     slot index      =   (head * num_storage_pages + page id) * page_size + offset: a slot's position in one layer's
@@ -64,10 +65,10 @@ class PoolStorage:
         with torch.inference_mode(False):
             if key_quant is None:
                 keys = torch.empty(*shape, fmt.head_dim, dtype=fmt.dtype, device=device)  # [L, H, P, ps, D]
-            elif fmt.keys_per_channel:  # a page's codes [ps // 2, D] in its [ps, D // 2] slots; per page [L, H, P, D]
-                keys = torch.empty(*shape, fmt.head_dim // 2, dtype=torch.uint8, device=device)
-                key_scales = torch.empty(*shape[:3], fmt.head_dim, dtype=torch.int16, device=device)
-                key_zeros = torch.empty(*shape[:3], fmt.head_dim, dtype=torch.int8, device=device)
+            elif fmt.keys_per_channel:  # a page's codes [ps // 2, D]; per page and channel [L, H, P, 1, D]
+                keys = torch.empty(*shape[:3], fmt.page_size // 2, fmt.head_dim, dtype=torch.uint8, device=device)
+                key_scales = torch.empty(*shape[:3], 1, fmt.head_dim, dtype=torch.int16, device=device)
+                key_zeros = torch.empty(*shape[:3], 1, fmt.head_dim, dtype=torch.int8, device=device)
             else:  # per token, as values: [L, H, P, ps, D] codes and [L, H, P, ps, 2 * num_scale_groups]
                 keys = torch.empty(*shape, key_quant.code_dim, dtype=torch.uint8, device=device)
                 key_scales = torch.empty(*shape, 2 * key_quant.num_scale_groups, dtype=scale_dtype, device=device)
