@@ -5,7 +5,6 @@ On CPU ``generate`` compiles only when told (``CompileConfig._compile_all_device
 graphs). Tiny models compile in a few seconds; ``fullgraph=True`` makes any graph break an error."""
 
 import gc
-import operator
 
 import pytest
 import torch
@@ -465,14 +464,14 @@ def decode_step(model, cache, token: torch.Tensor, mask: torch.Tensor, planned: 
 
 
 class GatheredDtypes(TorchDispatchMode):
-    """The dtypes of the tensors gathered with index tensors (``aten.index``: ``storage[index]``)."""
+    """The dtypes of the tensors gathered with index tensors (``aten.index_select``)."""
 
     def __init__(self):
         super().__init__()
         self.dtypes = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.index.Tensor:
+        if func is torch.ops.aten.index_select.default:
             self.dtypes.add(args[0].dtype)
         return func(*args, **(kwargs or {}))
 
@@ -485,10 +484,9 @@ def test_a_planned_int4_key_step_gathers_its_scale_words_as_bytes():
     model, planned, _, token, mask = planned_and_eager_twins("quantized_kv-k4v4")
     in_graph = set()
 
-    def backend(graph_module, example_inputs):  # the dtypes the graph indexes with tensors (storage[index])
+    def backend(graph_module, example_inputs):  # the dtypes the graph gathers (index_select)
         for node in graph_module.graph.nodes:
-            indices = node.args[1] if node.target is operator.getitem and len(node.args) == 2 else None
-            if isinstance(indices, tuple) and any(isinstance(index, torch.fx.Node) for index in indices):
+            if node.target in ("index_select", torch.index_select):
                 in_graph.add(node.args[0].meta["example_value"].dtype)
         return graph_module.forward
 

@@ -275,9 +275,9 @@ def test_decoded_keys_equal_the_reference_bitwise(tiny_llama_model, key_bits, dt
     cache.update(states, states, 0)
     rows = cache.layers[0].rows
     storage, fmt, ids = cache.pool.pages.storage, cache.pool.format, rows._page_ids()[:, :3]  # the 3 full pages
-    index = (torch.zeros(1, 1, 1, dtype=torch.long), torch.arange(2).view(1, -1, 1), ids.unsqueeze(1))
-    decoded = rows.store.keys.codes.decode(storage, index, dtype)  # [batch, heads, 3, page_size, head_dim]
-    fast = decoded.flatten(2, 3)  # [batch, heads, 12, head_dim]
+    page_rows = (torch.arange(2).view(1, -1, 1) * storage.num_pages + ids.unsqueeze(1)).view(-1)
+    decoded = rows.store.keys.codes.decode(storage, 0, page_rows, dtype)  # [batch * heads * 3, page_size, head_dim]
+    fast = decoded.view(2, 2, 12, -1)  # [batch, heads, 12, head_dim]
     layer = (storage.keys[0], storage.key_scales[0])
     codes, scales = (tensor[:, ids].transpose(0, 1) for tensor in layer)  # [batch, heads, 3, ...]
     quant = fmt.key_format

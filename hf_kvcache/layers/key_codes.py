@@ -41,15 +41,29 @@ class KeyCodes:
         for tensor, part in parts:  # part [batch, heads, m, *a page's shape]
             tensor.index_put_(index, part.to(tensor.dtype))
 
-    def decode(self, storage: PoolStorage, index: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
-        """The keys of the pages ``storage.keys[index]`` selects (a planned step's ``(layer, heads, pages)``) as
-        ``[batch, heads, pages, page_size, head_dim]``, in tensor operations only."""
+    def decode(
+        self,
+        storage: PoolStorage,
+        layer_idx: int,
+        rows: torch.Tensor,
+        dtype: torch.dtype,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The keys of layer ``layer_idx``'s pages at ``rows`` (``kernels.page_rows``) as ``[rows, page_size,
+        head_dim]`` in ``dtype``, in tensor operations only. Keys coded per channel decode into ``out`` (float32, that
+        shape; ``None``: a new tensor)."""
         fmt, quant = self.format, self.quant
-        codes = storage.keys[index]  # [batch, heads, pages, *a page's codes]
+
+        def gather(tensor: torch.Tensor) -> torch.Tensor:  # [rows, *a page's shape]: one index_select each
+            return storage.pages(tensor, layer_idx).index_select(0, rows)
+
+        codes = gather(storage.keys)
         if fmt.keys_per_channel:  # a page's codes row-major [page_size // 2, head_dim], a scale per channel
             words = storage.key_scales
             if quant.compact_params and sys.byteorder == "little" and torch.compiler.is_compiling():
                 words = words.view(torch.uint8)  # gathered as bytes in a graph: see dequantize_channels
-            return dequantize_channels(codes, words[index], storage.key_zeros[index], quant, dtype)
-        scales, groups = storage.key_scales[index], quant.num_scale_groups
+            if out is None:
+                out = codes.new_empty((len(rows), fmt.page_size, fmt.head_dim), dtype=torch.float32)
+            return dequantize_channels(codes, gather(words), gather(storage.key_zeros), quant, out).to(dtype)
+        scales, groups = gather(storage.key_scales), quant.num_scale_groups
         return dequantize(codes, scales[..., :groups], scales[..., groups:], quant, dtype)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from hf_kvcache.attention.kernels import page_rows
 from hf_kvcache.layers.key_codes import KeyCodes
 from hf_kvcache.memory.allocator import NULL_PAGE
 from hf_kvcache.memory.format import PageFormat
@@ -22,10 +23,13 @@ from hf_kvcache.memory.storage import PoolStorage
 class KeyPages:
     """One layer group's keys as codes in the pool."""
 
-    def __init__(self, page_format: PageFormat) -> None:
+    def __init__(
+        self, page_format: PageFormat, buffer: Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
+    ) -> None:
         self.page_size = page_format.page_size
         self.codes = KeyCodes(page_format)
-        self.partial: dict[int, torch.Tensor] = {}  # layer_in_group -> [batch, heads, 1, page_size, head_dim]
+        self._buffer = buffer  # SlotStore._buffer: an eager step decodes into one kept buffer
+        self.partial: dict[int, torch.Tensor] = {}  # layer_in_group -> [batch * heads, page_size, head_dim]
         self.end = 0  # tokens every layer holds once the step planned last is written (padding included)
 
     @property
@@ -41,22 +45,27 @@ class KeyPages:
         start: int,
         num_new: int,
         first_page: int = 0,
-        ahead: bool = False,
-        window: tuple[int, torch.Tensor] | None = None,
+        read_pages: int | None = None,
+        window_tokens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, ...]:
-        """A step's ``StepPlan`` ``(key_pages, key_slots, filling_page, filling_coded)``: it writes tokens ``[start,
-        start + n)``.
+        """A step's ``StepPlan`` ``(key_rows, key_slots, filling_rows, filling_coded)``: it writes tokens ``[start,
+        start + n)`` and decodes the pages it reads, its ``StepPlan.reads`` (coded keys are gathered) from token page
+        ``first_page`` on; ``key_rows`` comes as pages ``[batch, pages]`` (the caller makes them rows) or ``None``
+        (``reads``).
 
         Args:
             page_ids: ``[batch, num_pages]`` the rows' pages.
             first_page: the first token page the step reads (a window's first visible token's).
-            ahead: a planned step (one token per row): it reads ``StepPlan.pages``, or with ``window`` its
-                ``(window_pages, tokens [batch, num_keys])``: that many pages and each key's token (``-1``: none).
+            read_pages: a planned step's (one token per row) pages read per row; ``None``: an eager step, which
+                reads its rows' pages up to its last token's.
+            window_tokens: a planned window's ``[batch, num_keys]`` each key's token (``-1``: none): it decodes
+                ``read_pages`` pages (its ``reads`` are slots).
         """
         page_size, device, (batch, _), end = self.page_size, page_ids.device, page_ids.shape, start + num_new
-        held = self.partial and all(partial.shape[0] == batch for partial in self.partial.values())
+        rows = batch * self.codes.format.num_kv_heads
+        held = self.partial and all(partial.shape[0] == rows for partial in self.partial.values())
         token = num_new == 1 and start > 0 and bool(held)  # else the step writes as one of several tokens
-        if ahead and not token:
+        if read_pages is not None and not token:
             raise RuntimeError(
                 f"A planned step at token {start} finds no page of coded keys still filling for its {batch} rows: "
                 "planned steps follow an eager step (a prefill) of the same rows."
@@ -64,19 +73,19 @@ class KeyPages:
         self.end = end
         # An eager step reads the page still filling after it (none where it filled one: encoded as it wrote), a
         # planned step the one its token goes to, through its codes where the token fills it.
-        column = start // page_size if ahead else end // page_size if end % page_size else None
-        filling_page = None if column is None else torch.tensor([column - first_page], device=device)
-        filling_coded = torch.full((1, 1, 1, 1), end % page_size == 0, device=device) if token else None
-        if not ahead:  # exactly the pages the step reads
-            return page_ids[:, first_page : -(-end // page_size)].unsqueeze(1), None, filling_page, filling_coded
-        if window is None:
-            return None, None, filling_page, filling_coded
-        window_pages, tokens = window
-        pages = torch.full((batch, 1, window_pages), NULL_PAGE, dtype=torch.long, device=device)
-        read = page_ids[:, first_page : first_page + window_pages]
-        pages[:, 0, : read.shape[1]] = read
-        slots = torch.where(tokens >= 0, tokens - first_page * page_size, 0)  # [batch, num_keys]
-        return pages, slots.unsqueeze(1).unsqueeze(-1), filling_page, filling_coded
+        column = start // page_size if read_pages is not None else end // page_size if end % page_size else None
+        num_pages = read_pages or -(-end // page_size) - first_page  # decoded per row (and head)
+        filling_rows = None
+        if column is not None:  # [batch * heads]: the page still filling, in each row's and head's decoded pages
+            filling_rows = torch.arange(column - first_page, rows * num_pages, num_pages, device=device)
+        filling_coded = torch.full((1, 1, 1), end % page_size == 0, device=device) if token else None
+        if window_tokens is None:
+            return None, None, filling_rows, filling_coded
+        pages = torch.full((batch, num_pages), NULL_PAGE, dtype=torch.long, device=device)
+        read = page_ids[:, first_page : first_page + num_pages]
+        pages[:, : read.shape[1]] = read
+        slots = torch.where(window_tokens >= 0, window_tokens - first_page * page_size, 0)  # [batch, num_keys]
+        return pages, slots.unsqueeze(1).unsqueeze(-1), filling_rows, filling_coded
 
     def replan(self, plan: "Any", start: int) -> None:
         """``plan`` for a planned step that keeps the step before's plan (the same page still filling): only
@@ -100,10 +109,11 @@ class KeyPages:
         if key_states.requires_grad:
             key_states = key_states.detach()
         if plan.filling_coded is not None:  # one token per row (plan)
-            partial = self.partial[layer_in_group]  # [batch, heads, 1, page_size, head_dim]
-            partial.index_put_((*plan.partial_index, plan.write_offsets), key_states.to(partial.dtype))
+            partial = self.partial[layer_in_group]  # [batch * heads, page_size, head_dim]
+            partial.index_put_((plan.partial_index, plan.write_offsets), key_states.to(partial.dtype))
             if plan.ahead or (plan.start + 1) % self.page_size == 0:  # it fills the page (a graph: it may)
-                self.codes.store(storage, partial, (plan.layers[layer_in_group], plan.heads, plan.write_pages))
+                page = partial.view(*plan.partial_index.shape, *partial.shape[1:])  # [batch, heads, 1, ...]
+                self.codes.store(storage, page, (plan.layers[layer_in_group], plan.heads, plan.write_pages))
                 if not plan.ahead:  # every slot is written again before it is read
                     partial.zero_()
             return
@@ -117,7 +127,8 @@ class KeyPages:
             self.codes.store(storage, pages, (plan.layers[layer_in_group], plan.heads, targets))
         partial = take(self._page_tokens(torch.tensor([[end_page]], device=device)))  # [batch, heads, 1, ...]
         held = torch.arange(page_size, device=device) < end % page_size  # [page_size]
-        self.partial[layer_in_group] = partial.masked_fill(~held.view(1, 1, 1, page_size, 1), 0)
+        partial = partial.masked_fill(~held.view(1, 1, 1, page_size, 1), 0)
+        self.partial[layer_in_group] = partial.flatten(0, 2)  # [batch * heads, page_size, head_dim]
 
     def _page_tokens(self, token_pages: torch.Tensor) -> torch.Tensor:
         """``[batch, m, page_size]`` the tokens of token pages ``[batch, m]``."""
@@ -132,9 +143,9 @@ class KeyPages:
         batch, heads, num_new, head_dim = key_states.shape
         page_size = self.page_size
         partial = self.partial.get(layer_in_group)
-        if partial is None or partial.shape[0] != batch or start == 0:
-            partial = key_states.new_zeros(batch, heads, 1, page_size, head_dim)
-        partial = partial.squeeze(2)  # [batch, heads, page_size, head_dim]
+        if partial is None or partial.shape[0] != batch * heads or start == 0:
+            partial = key_states.new_zeros(batch * heads, page_size, head_dim)
+        partial = partial.view(batch, heads, page_size, head_dim)
         first_page, end_page = start // page_size, (start + num_new) // page_size
         # Token t: in the page still filling (at t - its first token) or among the new ones (past it).
         joined = torch.cat([partial, key_states.to(partial.dtype)], dim=2)  # [batch, heads, page_size + n, head_dim]
@@ -153,44 +164,46 @@ class KeyPages:
     def read(self, layer_in_group: int, storage: PoolStorage, plan: "Any", dtype: torch.dtype) -> torch.Tensor:
         """A step's keys ``[batch, heads, num_keys, head_dim]`` in ``dtype``: its pages decoded, the page still filling
         over its own."""
-        pages = plan.pages if plan.key_pages is None else plan.key_pages
-        decoded = self.codes.decode(storage, (plan.layers[layer_in_group], plan.heads, pages), dtype)
-        batch, heads, num_pages, page_size, head_dim = decoded.shape  # [batch, heads, pages, page_size, head_dim]
-        if plan.filling_page is not None:
-            partial = self.partial[layer_in_group].to(dtype)  # [batch, heads, 1, page_size, head_dim]
+        rows = plan.reads if plan.key_rows is None else plan.key_rows  # [batch * heads * pages]
+        fmt, (batch, heads, _), out = self.codes.format, plan.partial_index.shape, None
+        if fmt.keys_per_channel and not torch.compiler.is_compiling():  # valid until the next layer's read
+            out = self._buffer("keys", (rows.numel(), self.page_size, fmt.head_dim), torch.float32)
+        decoded = self.codes.decode(storage, layer_in_group, rows, dtype, out)  # [rows, page_size, head_dim]
+        if plan.filling_rows is not None:
+            partial = self.partial[layer_in_group].to(dtype)  # [batch * heads, page_size, head_dim]
             if plan.ahead:  # where its token fills the page, the codes it wrote, as an eager step reads them
-                partial = torch.where(plan.filling_coded, decoded.index_select(2, plan.filling_page), partial)
-            decoded.index_copy_(2, plan.filling_page, partial)
-        row = num_pages * page_size  # a row's keys decoded
+                partial = torch.where(plan.filling_coded, decoded.index_select(0, plan.filling_rows), partial)
+            decoded.index_copy_(0, plan.filling_rows, partial)
+        row, head_dim = rows.numel() // (batch * heads) * self.page_size, fmt.head_dim  # a row's keys decoded
         if plan.key_slots is not None:  # a planned window's: each key's slot
             keys = decoded.view(batch, heads, row, head_dim)
             return keys.gather(2, plan.key_slots.expand(batch, heads, plan.num_keys, head_dim))
-        first = plan.kv_offset % page_size  # the first key's slot
+        first = plan.kv_offset % self.page_size  # the first key's slot
         if not first and plan.num_keys == row:  # every slot (a planned step's)
             return decoded.view(batch, heads, row, head_dim)
-        # The keys from token kv_offset on in one op: decoded is a new tensor, contiguous (offset 0)
+        # The keys from token kv_offset on in one op: decoded is contiguous (offset 0)
         stride = (heads * row * head_dim, row * head_dim, head_dim, 1)
         return decoded.as_strided((batch, heads, plan.num_keys, head_dim), stride, first * head_dim)
 
     # ----- row changes --------------------------------------------------------------------------
 
     def select_rows(self, indices: list[int]) -> None:
-        for layer_in_group, partial in self.partial.items():
-            self.partial[layer_in_group] = partial[torch.tensor(indices, device=partial.device)]
+        for layer_in_group, partial in self.partial.items():  # [batch * heads, ...]: by row, each row's heads
+            rows = partial.unflatten(0, (-1, self.codes.format.num_kv_heads))
+            self.partial[layer_in_group] = rows[torch.tensor(indices, device=partial.device)].flatten(0, 1)
 
     def crop(self, num_tokens: int, storage: PoolStorage, page_ids: torch.Tensor) -> None:
         """Keeps tokens ``[0, num_tokens)``; a page still filling that moves back to an encoded page is decoded (call
         it after the page table's crop)."""
         page = num_tokens // self.page_size
         if self.end // self.page_size != page and page_ids.numel():
-            pages = page_ids[:, page : page + 1].unsqueeze(1)  # [batch, 1, 1] (none: the crop ends on a page's end)
-            heads = torch.arange(self.codes.format.num_kv_heads, device=pages.device).view(1, -1, 1)
+            pages = page_ids[:, page : page + 1]  # [batch, 1] (none: the crop ends on a page's end)
+            rows = page_rows(pages, self.codes.format.num_kv_heads, storage.num_pages)
             for layer_in_group, partial in self.partial.items():
                 if not pages.numel():
                     partial.zero_()
                     continue
-                layer = torch.full((1, 1, 1), layer_in_group, device=pages.device)
-                self.partial[layer_in_group] = self.codes.decode(storage, (layer, heads, pages), partial.dtype)
+                self.partial[layer_in_group] = self.codes.decode(storage, layer_in_group, rows, partial.dtype)
         self.end = min(self.end, num_tokens)
 
     def attach(self) -> None:

@@ -24,17 +24,18 @@ class StepPlan:
         layers: ``[1, 1, 1]`` per layer, its index.
         num_keys: keys attention gets per row (the model's mask is built for this many; a constant of the graph).
         kv_offset: the token of the first key (``get_mask_sizes``).
-        partial_index: coded keys: ``(rows [batch, 1, 1], heads, [1, 1, 1] zeros)``, with ``write_offsets`` where a
-            step of one token per row writes its keys in the page still filling (``KeyPages.partial``).
+        partial_index: coded keys: ``[batch, heads, 1]`` each row's and head's page still filling
+            (``KeyPages.partial``, ``[batch * heads, page_size, head_dim]``), with ``write_offsets`` the slot a step of
+            one token per row writes its keys to.
         window_write: ``[n]`` the residual window's slots the newest tokens' values go to (``ResidualValues``).
         window_sources / window_positions: ``[window length]`` slot ``window_sources[i]`` goes over position
             ``window_positions[i]`` of the values read (``None``: none).
-        key_pages / key_slots: coded keys (``KeyPages.plan``): ``[batch, 1, pages]`` the pages decoded (``None``:
-            ``pages``) and a planned window's ``[batch, 1, num_keys, 1]`` each key's slot among them (``None``: the
-            keys from token ``kv_offset`` on, in order).
-        filling_page / filling_coded: coded keys: ``[1]`` the page still filling among those decoded (``None``:
-            none), and a step of one token per row's ``[1, 1, 1, 1]`` whether it fills it (then a planned step reads
-            it from the codes it wrote; ``None``: a step of several tokens, which encodes the pages it fills).
+        key_rows / key_slots: coded keys (``KeyPages.plan``): a planned window's ``[batch * heads * pages]`` page
+            rows decoded (``kernels.page_rows``; ``None``: ``reads``, whole pages) and ``[batch, 1, num_keys, 1]`` each
+            key's slot among them (``None``: the keys from token ``kv_offset`` on, in order).
+        filling_rows / filling_coded: coded keys: ``[batch * heads]`` the page still filling among those decoded
+            (``None``: none), and a step of one token per row's ``[1, 1, 1]`` whether it fills it (then a planned step
+            reads it from the codes it wrote; ``None``: a step of several tokens, which encodes the pages it fills).
         mask: a ``PagedBlockMask`` where attention reads the pages in place; ``None``: the step gathers.
         padding_only: an eager step's: whether the model's mask hides only each row's leading padding (found by
             its first layer's attention; ``None``: not yet). A planned step reads in place only where it does.
@@ -63,13 +64,13 @@ class StepPlan:
     layers: tuple[torch.Tensor, ...]
     num_keys: int
     kv_offset: int = 0
-    partial_index: tuple[torch.Tensor, ...] | None = None
+    partial_index: torch.Tensor | None = None
     window_write: torch.Tensor | None = None
     window_sources: torch.Tensor | None = None
     window_positions: torch.Tensor | None = None
-    key_pages: torch.Tensor | None = None
+    key_rows: torch.Tensor | None = None
     key_slots: torch.Tensor | None = None
-    filling_page: torch.Tensor | None = None
+    filling_rows: torch.Tensor | None = None
     filling_coded: torch.Tensor | None = None
     mask: Any = None
     offsets: torch.Tensor | None = None

@@ -12,7 +12,7 @@ from hf_kvcache.attention.kernels import page_rows, slot_indices
 from hf_kvcache.layers.plan import StepPlan
 from hf_kvcache.layers.read_path import GATHER, IN_PLACE
 
-KEPT = ("pages", "reads", "write_pages", "write_offsets", "key_pages", "key_slots", "filling_page", "filling_coded")
+KEPT = ("pages", "reads", "write_pages", "write_offsets", "key_rows", "key_slots", "filling_rows", "filling_coded")
 KEPT += ("value_extents", "window_pages", "window_offsets", "sink_write", "sink_writes")
 """The ``StepPlan`` tensors a planned step refills in place while their shapes stay."""
 
@@ -73,8 +73,12 @@ class PlannedRows:
         first = self._span(start, 1)[1]
         keys_read = (None,) * 4
         if store.keys is not None:  # a window's coded keys: its pages from the first visible one's (it has no sinks)
-            key_window = None if self.window is None else (-(-self.window // page_size) + 1, tokens)
-            keys_read = store.keys.plan(self._page_ids(), start, 1, first // page_size, True, key_window)
+            read_pages = capacity_pages if self.window is None else -(-self.window // page_size) + 1
+            window_tokens = None if self.window is None else tokens
+            key_pages, *keys_read = store.keys.plan(
+                self._page_ids(), start, 1, first // page_size, read_pages, window_tokens
+            )
+            keys_read = (None if key_pages is None else self._read_index(key_pages), *keys_read)
         mask = self._planned_mask(start, capacity_pages, padding_only)
         in_place_values = (None, None, None)
         if mask is not None and store.quant is not None:

@@ -70,7 +70,7 @@ class PagedRows(PlannedRows):
         self.step_plan: StepPlan | None = None  # the step's plan (plan_step; a compiled step's: plan_decode)
         self._step_key: tuple[int, ...] | None = None  # what the step plan was made for, where it can be kept
         self._planned_values: torch.Tensor | None = None  # StepPlan.value_buffer
-        self._partial_rows: tuple[torch.Tensor, ...] | None = None  # StepPlan.partial_index (_partial_index)
+        self._partial_rows: torch.Tensor | None = None  # StepPlan.partial_index (_partial_index)
 
     @property
     def num_tokens(self) -> int:
@@ -111,7 +111,7 @@ class PagedRows(PlannedRows):
         if self.store.keys is not None:  # a window's coded keys: its pages from the first visible one's (no sinks)
             first_page = first // self.pool.format.page_size
             key_plan = self.store.keys.plan(self._page_ids(), start, num_new, first_page)
-            plan.key_pages, plan.key_slots, plan.filling_page, plan.filling_coded = key_plan
+            plan.key_rows, plan.key_slots, plan.filling_rows, plan.filling_coded = key_plan
             plan.partial_index = self._partial_index(self.table.num_rows)
         if mode == GATHER:
             self._plan_gather(plan)
@@ -126,11 +126,11 @@ class PagedRows(PlannedRows):
                 plan.window_pages, plan.window_offsets = self._window_slots(end)
         return plan
 
-    def _partial_index(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _partial_index(self, batch: int) -> torch.Tensor:
         """``StepPlan.partial_index`` of ``batch`` rows (kept while the batch is the same)."""
-        if self._partial_rows is None or self._partial_rows[0].shape[0] != batch:
-            rows = torch.arange(batch, device=self.pool.device).view(-1, 1, 1)
-            self._partial_rows = (rows, self._heads, torch.zeros_like(self._layers[0]))
+        heads = self.pool.format.num_kv_heads
+        if self._partial_rows is None or self._partial_rows.shape[0] != batch:
+            self._partial_rows = torch.arange(batch * heads, device=self.pool.device).view(batch, heads, 1)
         return self._partial_rows
 
     def _span(self, start: int, num_new: int) -> tuple[int, int]:

@@ -63,7 +63,7 @@ class SlotStore:
         self._buffers: dict[str, torch.Tensor] = {}  # flat, reused for dequantized values (and float32 work)
         self._views: dict[str, tuple[tuple, torch.Tensor]] = {}  # name -> (shape, dtype, inference mode), its view
         self._spread_bytes: tuple[torch.Tensor, torch.Size, torch.Tensor] | None = None  # (spread, shape, as bytes)
-        self.keys = KeyPages(pool.format) if pool.format.key_format is not None else None
+        self.keys = KeyPages(pool.format, self._buffer) if pool.format.key_format is not None else None
         self.sink = ExactSink(exact_tokens) if exact_tokens and pool.format.encodes else None
         self.captures: list[int] = []  # page boundaries whose ExactTail the eager steps crossing them keep
         self.keeps_newest = False  # and the newest page boundary an eager step crosses (taken at the end only)

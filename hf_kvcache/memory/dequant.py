@@ -1,6 +1,6 @@
 """Fast decoders of ``quant``'s codes, each bitwise equal to the reference ``dequantize``: values in place into
-reused buffers (``dequantize_joined_into``), keys coded per channel as one expression a compiled graph fuses
-(``dequantize_channels``).
+reused buffers (``dequantize_joined_into``), keys coded per channel into a buffer in a few ops a compiled graph
+fuses (``dequantize_channels``).
 """
 
 import sys
@@ -18,22 +18,23 @@ def _float32_work(out: torch.Tensor, work: torch.Tensor | None) -> torch.Tensor:
 
 
 def dequantize_channels(
-    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: QuantFormat, out: torch.Tensor
 ) -> torch.Tensor:
     """Decodes vectors that run down the columns of ``[..., head_dim, columns]`` (a channel's tokens of a key page, one
-    scale group per column) from row-major codes ``[..., code_dim, columns]`` uint8, in one expression a compiled graph
-    fuses: bitwise ``dequantize(codes.mT, scale.mT, zero.mT, fmt, dtype).mT`` of the columns' own codes. At 4 bits byte
-    ``(i, c)`` holds rows ``i`` (low nibble) and ``i + code_dim`` of column ``c`` (``quant.quantize_columns``).
-    ``scale``, ``zero``: ``[..., 1, columns]``; compact words may come as their bytes, ``scale [..., 1, 2 * columns]``
-    uint8."""
-    values = codes  # integers: a sum or product with float32 promotes them exactly
-    if fmt.bits == 4:  # rows i (low nibble), then rows i + code_dim (high)
-        values = torch.cat((codes & 0xF, codes >> 4), dim=-2)  # [..., head_dim, columns]
+    scale group per column) from row-major codes ``[..., code_dim, columns]`` uint8 into ``out`` (float32, that shape;
+    returned), in place after one op that converts the codes (a compiled graph fuses them): bitwise ``dequantize(
+    codes.mT, scale.mT, zero.mT, fmt, torch.float32).mT`` of the columns' own codes. At 4 bits byte ``(i, c)`` holds
+    rows ``i`` (low nibble) and ``i + code_dim`` of column ``c`` (``quant.quantize_columns``). ``scale``, ``zero``:
+    ``[..., 1, columns]``; compact words may come as their bytes, ``scale [..., 1, 2 * columns]`` uint8."""
+    if fmt.bits == 4:  # rows i (low nibble), then rows i + code_dim (high), converted as they are joined
+        torch.cat((codes & 0xF, codes >> 4), dim=-2, out=out)
+    else:
+        out.copy_(codes)
     if fmt.compact_params:
         from_bytes = scale.dtype == torch.uint8
         scale, steps = (compact_scale_and_steps_from_bytes if from_bytes else compact_scale_and_steps)(scale, zero)
-        return ((values + steps) * scale).to(dtype)
-    return (values * scale.float() + zero.float()).to(dtype)
+        return out.add_(steps).mul_(scale)
+    return out.mul_(scale.float()).add_(zero.float())
 
 
 def _codes_to_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: QuantFormat) -> None:

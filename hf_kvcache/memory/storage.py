@@ -100,9 +100,10 @@ class PoolStorage:
         (``kernels.read_slots``), or with ``slots_per_row=page_size`` whole pages (``kernels.read_pages``)."""
         return self._view(tensor, layer_idx, (-1, slots_per_row * tensor.shape[-1]))
 
-    def page_view(self, tensor: torch.Tensor, layer_idx: int, page_shape: tuple[int, ...]) -> torch.Tensor:
-        """One layer of ``tensor`` as ``[heads, pages, *page_shape]``: encoded keys, gathered a page at a time."""
-        return self._view(tensor, layer_idx, (*tensor.shape[1:3], *page_shape))
+    def pages(self, tensor: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """One layer of ``tensor`` as ``[heads * pages, *a page's shape]``: coded keys, gathered a page at a time at
+        ``kernels.page_rows``."""
+        return self._view(tensor, layer_idx, (-1, *tensor.shape[3:]))
 
     def _view(self, tensor: torch.Tensor, layer_idx: int, shape: tuple[int, ...]) -> torch.Tensor:
         """Kept, so that an eager step dispatches no op to make it (a compiled graph makes it for free)."""
