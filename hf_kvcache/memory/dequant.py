@@ -30,17 +30,16 @@ def dequantize_channels(
         torch.cat((codes & 0xF, codes >> 4), dim=-2, out=out)
     else:
         out.copy_(codes)
-    if fmt.compact_params:
-        from_bytes = scale.dtype == torch.uint8
-        scale, steps = (compact_scale_and_steps_from_bytes if from_bytes else compact_scale_and_steps)(scale, zero)
-        return out.add_(steps).mul_(scale)
-    return out.mul_(scale.float()).add_(zero.float())
+    _codes_to_values(out, scale, zero, fmt)
+    return out
 
 
 def _codes_to_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: QuantFormat) -> None:
-    """Float32 ``codes`` to values in place: ``* scale + zero``, or (compact) ``+ z / 16`` then ``* scale``."""
+    """Float32 ``codes`` to values in place: ``* scale + zero``, or (compact: words, or as uint8 their bytes)
+    ``+ z / 16`` then ``* scale``."""
     if fmt.compact_params:
-        scale, steps = compact_scale_and_steps(scale, zero)
+        from_bytes = scale.dtype == torch.uint8
+        scale, steps = (compact_scale_and_steps_from_bytes if from_bytes else compact_scale_and_steps)(scale, zero)
         codes.add_(steps)
         codes.mul_(scale)
     else:
